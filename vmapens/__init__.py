@@ -1,0 +1,3 @@
+"""vmapens: train many same-architecture PyTorch networks at once."""
+
+__version__ = "0.1.0"
