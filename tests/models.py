@@ -1,0 +1,123 @@
+"""Member modules for the tests: torch's own layers and the awkward cases on purpose."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 4, hidden: int = 8, d_out: int = 3) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class CNN(nn.Module):
+    """Conv + BatchNorm2d: the running statistics are per member."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # No conv bias: BatchNorm cancels its gradient, leaving round-off that Adam would
+        # amplify to lr-sized noise in any implementation.
+        self.conv = nn.Conv2d(1, 4, 3, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+class TokenModel(nn.Module):
+    """Embedding + LayerNorm, integer inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.norm = nn.LayerNorm(6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.emb(tokens)).mean(1))
+
+
+class Tied(nn.Module):
+    """Decoder weight tied to the embedding: must stay one tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.dec = nn.Linear(6, 10, bias=False)
+        self.dec.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.dec(torch.tanh(self.emb(tokens))).mean(1)[:, :3]
+
+
+class Awkward(nn.Module):
+    """A frozen parameter, an unused parameter (grad None) and a zero-size parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.rand(3), requires_grad=False)
+        self.unused = nn.Linear(4, 3)
+        self.empty = nn.Parameter(torch.zeros(0))
+        self.register_buffer("offset", torch.randn(3))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.scale + self.offset + self.empty.sum()
+
+
+class Recurrent(nn.Module):
+    """nn.GRU has no vmap batching rule: runs through backend="loop"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(4, 5, batch_first=True)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gru(x)[0][:, -1])
+
+
+class Encoder(nn.Module):
+    """torch's own TransformerEncoderLayer, dropout off."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(x).mean(1))
+
+
+class DataDependent(nn.Module):
+    """Python branching on a tensor value: vmap cannot batch it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(x)
+        if h.sum() > 0:
+            return self.fc(h)
+        return -self.fc(h)
+
+
+class UsesItem(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(x)
+        return self.fc(h) * h.abs().max().item()
