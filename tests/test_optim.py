@@ -1,0 +1,219 @@
+"""StackedAdam and clip_grad_norm_ against N plain modules, each with its own torch optimizer."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.func import stack_module_state
+
+from vmapens.optim import MemberValues, StackedAdam, adam_update, clip_grad_norm_
+
+TOL = dict(rtol=1e-10, atol=1e-12)
+N = 5
+
+
+class Net(nn.Module):
+    """Small MLP with the awkward members: an unused parameter and a zero-size one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(3, 4)
+        self.fc2 = nn.Linear(4, 2)
+        self.unused = nn.Parameter(torch.randn(2))  # grad stays None
+        self.empty = nn.Parameter(torch.zeros(0, 3))  # zero-size, grad is zero-size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x))) + self.empty.sum()
+
+
+def member_kwargs(kwargs: dict[str, Any], i: int) -> dict[str, Any]:
+    """Member i's plain-float hyperparameters from StackedAdam kwargs."""
+
+    def pick(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return float(v[i]) if v.dim() else float(v)
+        if isinstance(v, (list, tuple)):
+            return float(v[i])
+        return v
+
+    out = {k: pick(v) for k, v in kwargs.items() if k != "betas"}
+    if "betas" in kwargs:
+        out["betas"] = tuple(pick(b) for b in kwargs["betas"])
+    return out
+
+
+class Rig:
+    """N plain modules (the truth, each with its own torch optimizer) and their stacked twin."""
+
+    def __init__(self, kwargs: dict[str, Any], n: int = N, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.n = n
+        self.members = [Net().double() for _ in range(n)]
+        params, _ = stack_module_state(self.members)
+        self.stacked = list(params.values())
+        self.opt = StackedAdam(self.stacked, **kwargs)
+        cls = torch.optim.AdamW if kwargs.get("decoupled_weight_decay") else torch.optim.Adam
+        twin_kwargs = {k: v for k, v in kwargs.items() if k != "decoupled_weight_decay"}
+        twin_kwargs.setdefault("weight_decay", 0.0)
+        self.twins = [
+            cls(m.parameters(), **member_kwargs(twin_kwargs, i)) for i, m in enumerate(self.members)
+        ]
+
+    def member_grads(self, module: nn.Module, t: int, i: int) -> None:
+        """Backward of member i's loss on batch t (the same batch for every member)."""
+        g = torch.Generator().manual_seed(1000 + t)
+        x = torch.randn(8, 3, generator=g, dtype=torch.float64)
+        y = torch.randn(8, 2, generator=g, dtype=torch.float64)
+        module.zero_grad(set_to_none=True)
+        ((module(x) - y) ** 2).mean().mul(i + 1).backward()
+
+    def step(self, t: int, mask: torch.Tensor | None = None, poison: bool = False) -> None:
+        """One step of both; masked-out twins don't step (with `poison` their grads are NaN)."""
+        for i, m in enumerate(self.members):
+            self.member_grads(m, t, i)
+        for k, sp in enumerate(self.stacked):
+            gs = [list(m.parameters())[k].grad for m in self.members]
+            sp.grad = None if gs[0] is None else torch.stack(gs)
+            if poison and sp.grad is not None and mask is not None:
+                sp.grad[~mask] = float("nan")
+        for i, twin in enumerate(self.twins):
+            if mask is None or mask[i]:
+                twin.step()
+        self.opt.step(mask=mask)
+
+    def assert_matches(self) -> None:
+        for i, (m, twin) in enumerate(zip(self.members, self.twins, strict=True)):
+            for sp, p in zip(self.stacked, m.parameters(), strict=True):
+                torch.testing.assert_close(sp[i], p, **TOL, msg=f"param, member {i}")
+                ours, theirs = self.opt.state[sp], twin.state[p]
+                if not theirs:  # never stepped by torch: ours must be pristine too
+                    assert ours["step"][i] == 0
+                    assert not ours["exp_avg"][i].any()
+                    continue
+                assert ours["step"][i] == theirs["step"], f"step, member {i}"
+                for key in theirs:
+                    if key != "step":
+                        torch.testing.assert_close(ours[key][i], theirs[key], **TOL, msg=key)
+
+
+MASKS = [None, [1, 0, 1, 1, 0], [0, 0, 0, 0, 0], None, [1, 1, 1, 0, 1], None]
+PER = dict(
+    lr=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1],
+    beta1=[0.0, 0.5, 0.8, 0.9, 0.95],
+    beta2=[0.9, 0.99, 0.999, 0.5, 0.0],
+    eps=[1e-8, 1e-6, 1e-3, 1e-1, 0.0],
+    wd=[0.0, 1e-3, 1e-2, 0.1, 0.5],
+)
+
+CASES = {
+    "defaults": (dict(), False),
+    "shared_all": (dict(lr=0.02, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05), False),
+    "per_member_lr": (dict(lr=PER["lr"]), False),
+    "per_member_betas": (dict(lr=0.01, betas=(PER["beta1"], PER["beta2"])), False),
+    "per_member_eps": (dict(lr=0.01, eps=PER["eps"]), False),
+    "per_member_weight_decay": (dict(lr=0.01, weight_decay=PER["wd"]), False),
+    "lr_logspace_sweep": (dict(lr=torch.logspace(-4, -1, N, dtype=torch.float64)), False),
+    "amsgrad_per_member": (dict(lr=PER["lr"], betas=(0.9, PER["beta2"]), amsgrad=True), False),
+    "maximize": (dict(lr=PER["lr"], weight_decay=0.01, maximize=True), False),
+    "adamw_per_member": (
+        dict(lr=PER["lr"], weight_decay=PER["wd"], decoupled_weight_decay=True),
+        False,
+    ),
+    "masked_nan_grads": (dict(lr=PER["lr"], weight_decay=PER["wd"]), True),
+    "everything_masked": (
+        dict(
+            lr=torch.tensor(PER["lr"], dtype=torch.float64),
+            betas=(PER["beta1"], torch.tensor(PER["beta2"])),
+            eps=PER["eps"],
+            weight_decay=PER["wd"],
+            decoupled_weight_decay=True,
+            amsgrad=True,
+            maximize=True,
+        ),
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize(("kwargs", "masked"), list(CASES.values()), ids=list(CASES))
+def test_matches_torch_adam_per_member(kwargs: dict[str, Any], masked: bool) -> None:
+    rig = Rig(kwargs)
+    for t, m in enumerate(MASKS):
+        mask = torch.tensor(m, dtype=torch.bool) if masked and m is not None else None
+        rig.step(t, mask=mask, poison=masked)
+    rig.assert_matches()
+
+
+def test_adam_update_is_pure_and_shared_step_form() -> None:
+    p, g = torch.randn(N, 3, dtype=torch.float64), torch.randn(N, 3, dtype=torch.float64)
+    m, v, s = torch.zeros_like(p), torch.zeros_like(p), torch.zeros(N)
+    before = [x.clone() for x in (p, g, m, v, s)]
+    out = adam_update(
+        [p, p], [g, None], [m, m], [v, v], [], s,
+        lr=torch.tensor(PER["lr"]), beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+    )  # fmt: skip
+    for x, y in zip((p, g, m, v, s), before, strict=True):
+        assert torch.equal(x, y)
+    assert out[0][1] is p and out[1][1] is m  # grad None: skipped
+    torch.testing.assert_close(out[4], torch.ones(N))
+    lr = torch.tensor(PER["lr"], dtype=torch.float64)
+    # First Adam step moves every coordinate by ~lr * sign(g).
+    torch.testing.assert_close(out[0][0], p - lr[:, None] * g.sign(), rtol=0, atol=1e-6)
+
+
+SCHEDULERS = {
+    "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+    "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.9**e / (1 + e)),
+    "CosineAnnealingLR": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(
+        o, T_max=3, eta_min=1e-4
+    ),
+}
+
+
+@pytest.mark.parametrize("make", list(SCHEDULERS.values()), ids=list(SCHEDULERS))
+def test_schedulers_follow_each_member(make: Any) -> None:
+    rig = Rig(dict(lr=PER["lr"]))
+    ours = make(rig.opt)
+    theirs = [make(t) for t in rig.twins]
+    for t in range(7):
+        rig.step(t)
+        ours.step()
+        for s in theirs:
+            s.step()
+        lrs = rig.opt.param_groups[0]["lr"]
+        assert isinstance(lrs, MemberValues)
+        assert lrs.tolist() == [tw.param_groups[0]["lr"] for tw in rig.twins]
+    rig.assert_matches()
+
+
+def test_state_dict_round_trip_is_bit_identical() -> None:
+    kwargs = dict(lr=PER["lr"], betas=(PER["beta1"], 0.99), amsgrad=True)
+    mask = torch.tensor([1, 0, 1, 1, 1], dtype=torch.bool)
+    rig = Rig(kwargs)
+    for t in range(3):
+        rig.step(t)
+    buf = io.BytesIO()
+    torch.save(rig.opt.state_dict(), buf)
+    snapshot = [p.detach().clone() for p in rig.stacked]
+    grads_log = []
+    for t in range(3, 6):
+        rig.step(t, mask=mask)
+        grads_log.append([None if p.grad is None else p.grad.clone() for p in rig.stacked])
+
+    params = [p.clone().requires_grad_() for p in snapshot]
+    opt = StackedAdam(params, lr=0.5, amsgrad=True)  # wrong lr: loading must restore it
+    buf.seek(0)
+    opt.load_state_dict(torch.load(buf, weights_only=True))
+    assert opt.param_groups[0]["lr"] == MemberValues(PER["lr"])
+    for grads in grads_log:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step(mask=mask)
+    for ours, ref in zip(params, rig.stacked, strict=True):
+        assert torch.equal(ours, ref)
+        for key, val in rig.opt.state[ref].items():
+            assert torch.equal(opt.state[ours][key], val), key

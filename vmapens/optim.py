@@ -1,0 +1,649 @@
+"""Adam for stacked ensembles: per-member hyperparameters, masks and gradient clipping.
+
+Every tensor here carries a leading member dim of size n; member ``i`` owns ``p[i]``.
+The maths lives once, in :func:`adam_update`; :class:`StackedAdam` is the
+``torch.optim.Optimizer`` shell around it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["MemberValues", "StackedAdam", "adam_update", "clip_grad_norm_"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+Scalar = float | Tensor
+
+
+class MemberValues:
+    """An immutable per-member hyperparameter: one Python float per member.
+
+    ``group["lr"]`` holds one of these when learning rates differ across members. It is not
+    a Tensor on purpose: torch's LR schedulers ``fill_`` tensor learning rates with a single
+    value, but apply plain arithmetic to anything else, so elementwise float arithmetic here
+    gives each member exactly the float its own scheduler on a plain Adam would compute.
+
+    Args:
+        values: One float per member.
+    """
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: Iterable[float]) -> None:
+        object.__setattr__(self, "values", tuple(float(v) for v in values))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("MemberValues is immutable")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (MemberValues, (self.values,))
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, i: int) -> float:
+        return self.values[i]
+
+    def __iter__(self) -> Iterator[float]:
+        return iter(self.values)
+
+    def __repr__(self) -> str:
+        return f"MemberValues({list(self.values)})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MemberValues) and self.values == other.values
+
+    def __hash__(self) -> int:
+        return hash(self.values)
+
+    def tolist(self) -> list[float]:
+        """Return the values as a list of floats."""
+        return list(self.values)
+
+    def _map(self, other: Any, op: Callable[[float, float], float]) -> MemberValues:
+        if isinstance(other, MemberValues):
+            return MemberValues(op(a, b) for a, b in zip(self.values, other.values, strict=True))
+        if isinstance(other, (int, float)):
+            return MemberValues(op(a, other) for a in self.values)
+        return NotImplemented
+
+    def __add__(self, o: Any) -> MemberValues:
+        return self._map(o, lambda a, b: a + b)
+
+    def __radd__(self, o: Any) -> MemberValues:
+        return self._map(o, lambda a, b: b + a)
+
+    def __sub__(self, o: Any) -> MemberValues:
+        return self._map(o, lambda a, b: a - b)
+
+    def __rsub__(self, o: Any) -> MemberValues:
+        return self._map(o, lambda a, b: b - a)
+
+    def __mul__(self, o: Any) -> MemberValues:
+        return self._map(o, lambda a, b: a * b)
+
+    def __rmul__(self, o: Any) -> MemberValues:
+        return self._map(o, lambda a, b: b * a)
+
+    def __truediv__(self, o: Any) -> MemberValues:
+        return self._map(o, lambda a, b: a / b)
+
+    def __rtruediv__(self, o: Any) -> MemberValues:
+        return self._map(o, lambda a, b: b / a)
+
+    def __neg__(self) -> MemberValues:
+        return MemberValues(-a for a in self.values)
+
+
+# State dicts (optimizer and scheduler) hold MemberValues; let weights_only torch.load read them.
+torch.serialization.add_safe_globals([MemberValues])
+
+
+def _rows(t: Tensor) -> Tensor:
+    """View a stacked tensor as [n, k] (k may be 0) so per-member scalars broadcast as [n, 1]."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:]))
+
+
+def _member_col(x: Scalar, n: int, device: torch.device) -> Tensor:
+    """A hyperparameter as a float64 [n] tensor on ``device``."""
+    if isinstance(x, Tensor):
+        return x.to(device=device, dtype=torch.float64).expand(n)
+    return torch.full((n,), float(x), dtype=torch.float64, device=device)
+
+
+def adam_update(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor | None],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    max_exp_avg_sqs: Sequence[Tensor],
+    step: Tensor | Sequence[Tensor],
+    *,
+    lr: Scalar,
+    beta1: Scalar,
+    beta2: Scalar,
+    eps: Scalar,
+    weight_decay: Scalar,
+    decoupled_weight_decay: bool = False,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    mask: Tensor | None = None,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], Tensor | list[Tensor]]:
+    r"""One Adam step on stacked tensors, each member with its own hyperparameters.
+
+    Follows ``torch.optim.Adam`` (Kingma & Ba, 2015, Algorithm 1; AdamW's decoupled decay from
+    Loshchilov & Hutter, 2019) operation for operation, per member ``i`` with step ``t``:
+
+    .. code-block:: text
+
+        g   = -g if maximize;  g += wd * p   (or p *= 1 - lr * wd if decoupled)
+        m   = lerp(m, g, 1 - beta1)
+        v   = v * beta2 + (1 - beta2) * g * g;  v_max = max(v_max, v) if amsgrad
+        p  += -(lr / (1 - beta1**t)) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+
+    Per-member scalars are computed in float64 and cast to the opmath dtype (float32 for
+    bf16/fp16, whose tensors are upcast for the arithmetic and rounded once at the end).
+    Pure: nothing is mutated, and there is no ``.item()`` or branching on tensor values, so it
+    traces under ``torch.compile(fullgraph=True)``.
+
+    Args:
+        params: Stacked parameters, each [n, ...].
+        grads: Their gradients; a ``None`` entry skips that parameter (state untouched), as
+            ``torch.optim.Adam`` does.
+        exp_avgs: First moments, shaped like ``params``.
+        exp_avg_sqs: Second moments, shaped like ``params``.
+        max_exp_avg_sqs: Running maxima of the second moments (read only when ``amsgrad``).
+        step: Float32 [n] step counts, either one tensor shared by all parameters or a sequence
+            with one per parameter (as ``torch.optim.Adam`` keeps one per parameter).
+        lr: Learning rate, a float or an [n] tensor.
+        beta1: First-moment decay, a float or an [n] tensor.
+        beta2: Second-moment decay, a float or an [n] tensor.
+        eps: Denominator term, a float or an [n] tensor.
+        weight_decay: L2 (or decoupled) weight decay, a float or an [n] tensor.
+        decoupled_weight_decay: Use AdamW's decoupled weight decay.
+        amsgrad: Normalise by the running maximum of the second moment.
+        maximize: Ascend instead of descend.
+        mask: Optional bool [n]; members where it is False come out bit-identical.
+
+    Returns:
+        New ``(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step)``; skipped parameters
+        are returned as the input tensors, ``step`` in the form it was given.
+
+    Example:
+        >>> p, g = torch.zeros(3, 2), torch.ones(3, 2)
+        >>> z, s = torch.zeros(3, 2), torch.zeros(3)
+        >>> out = adam_update([p], [g], [z], [z], [], s, lr=torch.tensor([0.1, 0.2, 0.3]),
+        ...                   beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+        >>> out[0][0][:, 0]
+        tensor([-0.1000, -0.2000, -0.3000])
+    """
+    shared_step = isinstance(step, Tensor)
+    steps = [step] * len(params) if shared_step else list(step)
+    new_p, new_m, new_v = list(params), list(exp_avgs), list(exp_avg_sqs)
+    new_vmax = list(max_exp_avg_sqs)
+    new_steps = list(steps)
+    live = [k for k, g in enumerate(grads) if g is not None]
+    if not live:
+        return new_p, new_m, new_v, new_vmax, step if shared_step else new_steps
+
+    p0 = params[live[0]]
+    n, device = p0.shape[0], p0.device
+    f64 = torch.float64
+
+    def opmath(t: Tensor) -> torch.dtype:
+        return torch.float32 if t.dtype in _LOW_PRECISION else t.dtype
+
+    def cols(x: Tensor) -> list[Tensor]:
+        """Per-member float64 [n] -> one [n, 1] column per live tensor, in its opmath dtype."""
+        by_dtype: dict[torch.dtype, Tensor] = {}
+        out = []
+        for k in live:
+            dt = opmath(params[k])
+            if dt not in by_dtype:
+                by_dtype[dt] = x.to(dt).unsqueeze(1)
+            out.append(by_dtype[dt])
+        return out
+
+    def up(ts: Sequence[Tensor]) -> list[Tensor]:
+        return [_rows(ts[k]).to(opmath(params[k])) for k in live]
+
+    lr64, b1, b2 = (_member_col(x, n, device) for x in (lr, beta1, beta2))
+    ps, ms, vs = up(params), up(exp_avgs), up(exp_avg_sqs)
+    gs = up(grads)  # type: ignore[arg-type]
+    if maximize:
+        gs = torch._foreach_neg(gs)
+    if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
+        wd = _member_col(weight_decay, n, device)
+        if decoupled_weight_decay:
+            ps = torch._foreach_mul(ps, cols(1 - lr64 * wd))
+        else:
+            gs = torch._foreach_add(gs, torch._foreach_mul(ps, cols(wd)))
+
+    ms = torch._foreach_lerp(ms, gs, cols(1 - b1))
+    vs = torch._foreach_addcmul(
+        torch._foreach_mul(vs, cols(b2)), torch._foreach_mul(gs, cols(1 - b2)), gs
+    )
+    if amsgrad:
+        vmaxs = torch._foreach_maximum(up(max_exp_avg_sqs), vs)
+    # Each parameter keeps its own count (like torch), so bias corrections are per tensor.
+    stepped = [steps[k] + 1 for k in live]
+    denoms, neg_sizes = [], []
+    for j, k in enumerate(live):
+        t = stepped[j].to(device=device, dtype=f64)
+        dt = opmath(params[k])
+        bc1, bc2_sqrt = 1 - b1.pow(t), (1 - b2.pow(t)).sqrt()
+        neg_sizes.append((-(lr64 / bc1)).to(dt).unsqueeze(1))
+        denoms.append(bc2_sqrt.to(dt).unsqueeze(1))
+    denoms = torch._foreach_add(
+        torch._foreach_div(torch._foreach_sqrt(vmaxs if amsgrad else vs), denoms),
+        cols(_member_col(eps, n, device)),
+    )
+    ps = torch._foreach_addcdiv(ps, torch._foreach_mul(ms, neg_sizes), denoms)
+
+    keep = None if mask is None else mask.to(device).unsqueeze(1)
+
+    def put(dst: list[Tensor], src: Sequence[Tensor], new: list[Tensor]) -> None:
+        for j, k in enumerate(live):
+            old = src[k]
+            val = new[j].to(old.dtype)
+            if keep is not None:
+                val = torch.where(keep, val, _rows(old))
+            dst[k] = val.reshape(old.shape)
+
+    put(new_p, params, ps)
+    put(new_m, exp_avgs, ms)
+    put(new_v, exp_avg_sqs, vs)
+    if amsgrad:
+        put(new_vmax, max_exp_avg_sqs, vmaxs)
+    for j, k in enumerate(live):
+        new_steps[k] = stepped[j] if mask is None else torch.where(mask, stepped[j], steps[k])
+    if shared_step:
+        return new_p, new_m, new_v, new_vmax, new_steps[live[0]]
+    return new_p, new_m, new_v, new_vmax, new_steps
+
+
+def _flat_params(params: Any) -> list[Any]:
+    if isinstance(params, nn.Module):
+        return list(params.parameters())
+    if isinstance(params, Tensor):
+        return [params]
+    return list(params)
+
+
+def _leading_n(api: str, tensors: Sequence[Tensor]) -> int:
+    if not tensors:
+        raise ValueError(f"{api}: `params` is empty; expected at least one stacked tensor")
+    if any(t.dim() == 0 for t in tensors):
+        raise ValueError(f"{api}: every parameter needs a leading member dim, got a 0-dim tensor")
+    sizes = sorted({t.shape[0] for t in tensors})
+    if len(sizes) != 1:
+        raise ValueError(
+            f"{api}: all parameters must share the leading member dim n, got sizes {sizes}"
+        )
+    return sizes[0]
+
+
+_CHECKS = {
+    "lr": ("learning rate", ">= 0", lambda v: v >= 0),
+    "eps": ("epsilon value", ">= 0", lambda v: v >= 0),
+    "weight_decay": ("weight_decay value", ">= 0", lambda v: v >= 0),
+    "betas[0]": ("beta parameter at index 0", "in [0, 1)", lambda v: 0 <= v < 1),
+    "betas[1]": ("beta parameter at index 1", "in [0, 1)", lambda v: 0 <= v < 1),
+}
+
+
+def _hyper(name: str, value: Any, n: int) -> float | MemberValues:
+    """Validate a hyperparameter: a float (shared) or n values (per member)."""
+    if isinstance(value, Tensor):
+        if value.dim() > 1:
+            raise ValueError(
+                f"StackedAdam: `{name}` must be a float or 1-D, got shape {tuple(value.shape)}"
+            )
+        value = value.item() if value.dim() == 0 else value.tolist()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        vals, out = [float(value)], float(value)
+    elif isinstance(value, (Sequence, MemberValues)) and not isinstance(value, str):
+        if len(value) != n:
+            raise ValueError(
+                f"StackedAdam: `{name}` has {len(value)} values, expected n={n}, one per member"
+            )
+        vals = [float(v) for v in value]
+        out = MemberValues(vals)
+    else:
+        raise TypeError(
+            f"StackedAdam: `{name}` must be a float or a sequence/1-D tensor of n={n} floats, "
+            f"got {type(value).__name__}"
+        )
+    what, rule, ok = _CHECKS[name]
+    for v in vals:
+        if not ok(v):
+            raise ValueError(f"StackedAdam: Invalid {what}: {v} (`{name}` must be {rule})")
+    return out
+
+
+def _arg(v: float | MemberValues, device: torch.device) -> Scalar:
+    """Group value -> adam_update argument; equal per-member values stay a float."""
+    if isinstance(v, MemberValues):
+        if len(set(v.values)) == 1:
+            return v.values[0]
+        return torch.tensor(v.values, dtype=torch.float64, device=device)
+    return v
+
+
+def _pick(v: float | MemberValues, i: int) -> float:
+    return v[i] if isinstance(v, MemberValues) else v
+
+
+class StackedAdam(torch.optim.Optimizer):
+    """Adam/AdamW over stacked ensemble parameters, with per-member hyperparameters.
+
+    Member ``i`` is updated exactly as ``torch.optim.Adam`` (``AdamW`` when
+    ``decoupled_weight_decay``) would update it alone with member ``i``'s hyperparameters.
+    A hyperparameter given per member is stored in ``param_groups`` as :class:`MemberValues`
+    (a float when shared), which torch's LR schedulers update member by member.
+
+    Args:
+        params: Stacked tensors [n, ...], param-group dicts, or an ``nn.Module`` (an Ensemble).
+        lr: Learning rate: a float, or a sequence / 1-D tensor with one per member.
+        betas: ``(beta1, beta2)``, each a float or one per member.
+        eps: Denominator term, a float or one per member.
+        weight_decay: Weight decay, a float or one per member.
+        decoupled_weight_decay: AdamW-style decay.
+        amsgrad: Use the AMSGrad variant.
+        maximize: Maximise the objective.
+
+    Raises:
+        ValueError: Empty params, mismatched leading sizes, out-of-range or wrong-length
+            hyperparameters.
+        TypeError: A hyperparameter of an unsupported type.
+
+    Example:
+        >>> w = torch.zeros(4, 3, requires_grad=True)
+        >>> opt = StackedAdam([w], lr=torch.logspace(-3, 0, 4))
+        >>> w.grad = torch.ones(4, 3)
+        >>> opt.step(mask=torch.tensor([True, True, False, True]))
+        >>> w[:, 0]
+        tensor([-0.0010, -0.0100,  0.0000, -1.0000], grad_fn=<SelectBackward0>)
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]] | nn.Module,
+        lr: float | Sequence[float] | Tensor = 1e-3,
+        betas: tuple[float | Sequence[float] | Tensor, float | Sequence[float] | Tensor] = (
+            0.9,
+            0.999,
+        ),
+        eps: float | Sequence[float] | Tensor = 1e-8,
+        weight_decay: float | Sequence[float] | Tensor = 0.0,
+        *,
+        decoupled_weight_decay: bool = False,
+        amsgrad: bool = False,
+        maximize: bool = False,
+    ) -> None:
+        items = _flat_params(params)
+        tensors = [
+            t
+            for it in items
+            for t in (_flat_params(it["params"]) if isinstance(it, dict) else [it])
+        ]
+        self.num_members = _leading_n("StackedAdam", tensors)
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled_weight_decay=decoupled_weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+        )
+        self._normalise(defaults)
+        super().__init__(items, defaults)
+
+    def _normalise(self, group: dict[str, Any]) -> None:
+        for key in ("lr", "eps", "weight_decay"):
+            group[key] = _hyper(key, group[key], self.num_members)
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"StackedAdam: `betas` must be a pair (beta1, beta2), got {betas!r}")
+        group["betas"] = tuple(
+            _hyper(f"betas[{j}]", b, self.num_members) for j, b in enumerate(betas)
+        )
+
+    # Not `n`: dynamo's OptimizerVariable intercepts any attribute name that is a substring of
+    # "_init_group" (torch 2.13), which breaks the graph.
+    num_members: int
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (validated like the constructor's arguments) and create its state.
+
+        Args:
+            param_group: A dict with ``params`` and optional hyperparameter overrides.
+        """
+        group = dict(param_group)
+        group["params"] = _flat_params(group["params"])
+        n = _leading_n("StackedAdam", group["params"])
+        if n != self.num_members:
+            raise ValueError(
+                f"StackedAdam: all parameters must share the leading member dim n, "
+                f"got sizes {sorted({n, self.num_members})}"
+            )
+        for key, default in self.defaults.items():
+            group.setdefault(key, default)
+        self._normalise(group)
+        super().add_param_group(group)
+        for p in group["params"]:
+            # Eager state keeps step() free of data-dependent initialisation (compile-friendly).
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros(self.num_members, dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p)
+
+    def _check_mask(self, mask: Tensor | None) -> None:
+        if mask is None:
+            return
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+            got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+            raise TypeError(f"StackedAdam: `mask` must be a bool tensor of shape [n], got {got}")
+        if tuple(mask.shape) != (self.num_members,):
+            raise ValueError(
+                f"StackedAdam: `mask` must have shape [{self.num_members}] (one per member), "
+                f"got {list(mask.shape)}"
+            )
+
+    def _update(self, grads: Sequence[Tensor | None], mask: Tensor | None) -> None:
+        with torch.no_grad():
+            start = 0
+            for group in self.param_groups:
+                params = group["params"]
+                g = list(grads[start : start + len(params)])
+                start += len(params)
+                live = [k for k, x in enumerate(g) if x is not None]
+                if not live:
+                    continue
+                states = [self.state[p] for p in params]
+                amsgrad = group["amsgrad"]
+                device = params[live[0]].device
+                b1, b2 = group["betas"]
+                out = adam_update(
+                    params,
+                    g,
+                    [s["exp_avg"] for s in states],
+                    [s["exp_avg_sq"] for s in states],
+                    [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
+                    [s["step"] for s in states],
+                    lr=_arg(group["lr"], device),
+                    beta1=_arg(b1, device),
+                    beta2=_arg(b2, device),
+                    eps=_arg(group["eps"], device),
+                    weight_decay=_arg(group["weight_decay"], device),
+                    decoupled_weight_decay=group["decoupled_weight_decay"],
+                    amsgrad=amsgrad,
+                    maximize=group["maximize"],
+                    mask=mask,
+                )
+                dst = [params, *([s[key] for s in states] for key in ("exp_avg", "exp_avg_sq"))]
+                if amsgrad:
+                    dst.append([s["max_exp_avg_sq"] for s in states])
+                dst.append([s["step"] for s in states])
+                src = [*out[:3], *(out[3:4] if amsgrad else []), out[4]]
+                for d, s in zip(dst, src, strict=True):
+                    torch._foreach_copy_([d[k] for k in live], [s[k] for k in live])
+
+    def step(  # type: ignore[override]
+        self, mask: Tensor | None = None, closure: Callable[[], Any] | None = None
+    ) -> Any:
+        """Update every member from ``p.grad``; members with ``mask`` False stay unchanged.
+
+        Args:
+            mask: Optional bool [n]: which members step. Masked-out members keep their
+                parameters, moments and step counts bit for bit.
+            closure: Optional callable that re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, or ``None``.
+
+        Raises:
+            TypeError: ``mask`` is not a bool tensor.
+            ValueError: ``mask`` is not of shape [n].
+        """
+        self._check_mask(mask)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._update([p.grad for g in self.param_groups for p in g["params"]], mask)
+        return loss
+
+    def apply_gradients(self, grads: Sequence[Tensor | None], mask: Tensor | None = None) -> None:
+        """Update every member from explicit gradients instead of ``p.grad``.
+
+        Meant for compiled steps that compute gradients functionally (``torch.func.grad``).
+
+        Args:
+            grads: One gradient (or ``None``) per parameter, in the order of the parameters
+                flattened over ``param_groups``.
+            mask: Optional bool [n]: which members step.
+
+        Raises:
+            ValueError: Wrong number or shapes of gradients, or a bad ``mask``.
+            TypeError: ``mask`` is not a bool tensor.
+        """
+        params = [p for g in self.param_groups for p in g["params"]]
+        if len(grads) != len(params):
+            raise ValueError(
+                f"StackedAdam.apply_gradients: `grads` has {len(grads)} entries, "
+                f"expected {len(params)} (one per parameter)"
+            )
+        for k, (p, g) in enumerate(zip(params, grads, strict=True)):
+            if g is not None and g.shape != p.shape:
+                raise ValueError(
+                    f"StackedAdam.apply_gradients: `grads[{k}]` has shape {list(g.shape)}, "
+                    f"expected {list(p.shape)}"
+                )
+        self._check_mask(mask)
+        self._update(grads, mask)
+
+    def member_state_dict(self, i: int, module: nn.Module | None = None) -> dict[str, Any]:
+        """Member ``i``'s optimizer state, loadable by ``torch.optim.Adam`` / ``AdamW``.
+
+        Build the member optimizer with the same param-group layout, then
+        ``opt.load_state_dict(stacked.member_state_dict(i))`` continues member ``i`` alone on
+        exactly its ensemble trajectory.
+
+        Args:
+            i: Member index (negative counts from the end).
+            module: Optional member module; its parameters are checked against the stacked
+                ones (count and shapes, in order).
+
+        Returns:
+            A ``torch.optim.Optimizer`` state dict with member ``i``'s float hyperparameters
+            and cloned slices of its moments (``step`` as a 0-dim float32 tensor).
+
+        Raises:
+            IndexError: ``i`` out of range.
+            ValueError: ``module``'s parameters do not match.
+        """
+        if not -self.num_members <= i < self.num_members:
+            raise IndexError(
+                f"StackedAdam.member_state_dict: `i`={i} out of range for n={self.num_members}"
+            )
+        i %= self.num_members
+        params = [p for g in self.param_groups for p in g["params"]]
+        if module is not None:
+            shapes = [tuple(p.shape) for p in module.parameters()]
+            expected = [tuple(p.shape[1:]) for p in params]
+            if shapes != expected:
+                raise ValueError(
+                    "StackedAdam.member_state_dict: `module` parameters do not match the stacked "
+                    f"ones; got shapes {shapes}, expected {expected} (same order)"
+                )
+        groups, state, start = [], {}, 0
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            ids = list(range(start, start + len(group["params"])))
+            start += len(ids)
+            groups.append(
+                dict(
+                    lr=_pick(group["lr"], i),
+                    betas=(_pick(b1, i), _pick(b2, i)),
+                    eps=_pick(group["eps"], i),
+                    weight_decay=_pick(group["weight_decay"], i),
+                    amsgrad=group["amsgrad"],
+                    maximize=group["maximize"],
+                    decoupled_weight_decay=group["decoupled_weight_decay"],
+                    params=ids,
+                )
+            )
+            for k, p in zip(ids, group["params"], strict=True):
+                state[k] = {key: v[i].clone() for key, v in self.state[p].items()}
+        return {"state": state, "param_groups": groups}
+
+
+def clip_grad_norm_(
+    ens_or_params: nn.Module | Tensor | Iterable[Tensor], max_norm: float, norm_type: float = 2.0
+) -> Tensor:
+    """Clip each member's gradients by that member's own total norm, in place.
+
+    Member ``i`` is treated exactly as ``torch.nn.utils.clip_grad_norm_`` would treat it alone:
+    ``g *= min(max_norm / (norm_i + 1e-6), 1)``. A member with non-finite gradients gets a
+    non-finite norm and leaves the others untouched.
+
+    Args:
+        ens_or_params: An ensemble (``nn.Module``), a stacked tensor or an iterable of them.
+        max_norm: Maximum total norm per member.
+        norm_type: p of the p-norm (``inf`` allowed).
+
+    Returns:
+        The per-member total gradient norms, shape [n] (before clipping).
+
+    Raises:
+        ValueError: No parameters, or mismatched leading sizes.
+
+    Example:
+        >>> w = torch.zeros(2, 3, requires_grad=True)
+        >>> w.grad = torch.tensor([[3.0, 4.0, 0.0], [0.3, 0.4, 0.0]])
+        >>> clip_grad_norm_([w], max_norm=1.0)
+        tensor([5.0000, 0.5000])
+    """
+    params = _flat_params(ens_or_params)
+    n = _leading_n("clip_grad_norm_", params)
+    norm_type = float(norm_type)
+    grads = [p.grad for p in params if p.grad is not None and p.grad.numel() > 0]
+    if not grads:
+        return torch.zeros(n, device=params[0].device)
+    per_tensor = [torch.linalg.vector_norm(_rows(g), norm_type, dim=1) for g in grads]
+    norms = torch.linalg.vector_norm(torch.stack(per_tensor, dim=0), norm_type, dim=0)
+    coef = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
+    torch._foreach_mul_(
+        grads, [coef.to(g.device, g.dtype).view(n, *[1] * (g.dim() - 1)) for g in grads]
+    )
+    return norms
