@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 from typing import Any
 
 import pytest
@@ -217,3 +218,191 @@ def test_state_dict_round_trip_is_bit_identical() -> None:
         assert torch.equal(ours, ref)
         for key, val in rig.opt.state[ref].items():
             assert torch.equal(opt.state[ours][key], val), key
+
+
+@pytest.mark.parametrize("decoupled", [False, True], ids=["Adam", "AdamW"])
+def test_member_hand_off_continues_alone(decoupled: bool) -> None:
+    kwargs = dict(lr=PER["lr"], betas=(PER["beta1"], 0.99), weight_decay=PER["wd"], amsgrad=True)
+    kwargs["decoupled_weight_decay"] = decoupled
+    rig = Rig(kwargs)
+    for t in range(3):
+        rig.step(t, mask=torch.tensor([1, 1, 0, 1, 1], dtype=torch.bool) if t == 1 else None)
+    i = 2
+    alone = Net().double()
+    with torch.no_grad():
+        for p, sp in zip(alone.parameters(), rig.stacked, strict=True):
+            p.copy_(sp[i])
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    opt = cls(alone.parameters(), lr=0.5)  # wrong hyperparameters: the state dict brings i's
+    opt.load_state_dict(rig.opt.member_state_dict(i, module=alone))
+    for t in range(3, 6):
+        rig.step(t)
+        rig.member_grads(alone, t, i)
+        opt.step()
+    rig.assert_matches()
+    for p, sp, q in zip(alone.parameters(), rig.stacked, rig.members[i].parameters(), strict=True):
+        torch.testing.assert_close(p, sp[i], **TOL)
+        torch.testing.assert_close(p, q, **TOL)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf], ids=["l2", "l1", "inf"])
+def test_clip_grad_norm_matches_torch_per_member(norm_type: float) -> None:
+    members = [Net().double() for _ in range(N)]
+    for i, m in enumerate(members):
+        for p in m.parameters():
+            if p is not m.unused:
+                p.grad = torch.randn_like(p) * 10.0 ** (i - 2)  # some members clip, some don't
+    members[3].fc1.weight.grad[0, 0] = float("nan")
+    params, _ = stack_module_state(members)
+    stacked = list(params.values())
+    for k, sp in enumerate(stacked):
+        g = [list(m.parameters())[k].grad for m in members]
+        sp.grad = None if g[0] is None else torch.stack(g)
+    norms = clip_grad_norm_(stacked, max_norm=1.0, norm_type=norm_type)
+    for i, m in enumerate(members):
+        # torch's inf-norm raises on a zero-size grad; ours skips it (it adds nothing to a norm).
+        nonempty = [p for p in m.parameters() if p.numel()]
+        expected = torch.nn.utils.clip_grad_norm_(nonempty, 1.0, norm_type=norm_type)
+        torch.testing.assert_close(norms[i], expected, **TOL, equal_nan=True)
+        for sp, p in zip(stacked, m.parameters(), strict=True):
+            if p.grad is None:
+                assert sp.grad is None
+            else:
+                torch.testing.assert_close(sp.grad[i], p.grad, **TOL, equal_nan=True)
+    assert norms[3].isnan() and norms[[0, 1, 2, 4]].isfinite().all()
+
+
+def _stacked_params(n: int = N) -> list[torch.Tensor]:
+    return [torch.randn(n, 3, 2, dtype=torch.float64).requires_grad_()]
+
+
+BAD_CONSTRUCTION = {
+    "lr_negative": (dict(lr=-1.0), ValueError, r"^StackedAdam: Invalid learning rate: -1.0 \(`lr`"),
+    "lr_member_negative": (dict(lr=[1e-3, -1e-3, 1e-3, 1e-3, 1e-3]), ValueError, r"`lr` must"),
+    "lr_wrong_length": (
+        dict(lr=[1e-3] * 3),
+        ValueError,
+        r"^StackedAdam: `lr` has 3 values, expected n=5, one per member",
+    ),
+    "lr_2d_tensor": (dict(lr=torch.ones(N, 1)), ValueError, r"`lr` must be a float or 1-D"),
+    "lr_string": (dict(lr="fast"), TypeError, r"^StackedAdam: `lr` must be a float"),
+    "eps_negative": (dict(eps=-1e-8), ValueError, r"Invalid epsilon value: .*`eps` must be >= 0"),
+    "weight_decay_negative": (
+        dict(weight_decay=[0.0, 0.0, -0.1, 0.0, 0.0]),
+        ValueError,
+        r"`weight_decay` must be >= 0",
+    ),
+    "beta1_is_one": (dict(betas=(1.0, 0.999)), ValueError, r"`betas\[0\]` must be in \[0, 1\)"),
+    "beta2_member_out_of_range": (
+        dict(betas=(0.9, [0.999] * 4 + [1.5])),
+        ValueError,
+        r"index 1: 1.5 \(`betas\[1\]`",
+    ),
+    "beta2_wrong_length": (dict(betas=(0.9, [0.9] * 6)), ValueError, r"`betas\[1\]` has 6 values"),
+    "betas_not_pair": (dict(betas=(0.9,)), ValueError, r"`betas` must be a pair"),
+}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"), list(BAD_CONSTRUCTION.values()), ids=list(BAD_CONSTRUCTION)
+)
+def test_bad_construction(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        StackedAdam(_stacked_params(), **kwargs)
+
+
+def test_bad_params() -> None:
+    with pytest.raises(ValueError, match=r"^StackedAdam: all parameters must share the leading"):
+        StackedAdam(_stacked_params(5) + _stacked_params(3))
+    with pytest.raises(ValueError, match=r"^StackedAdam: `params` is empty"):
+        StackedAdam([])
+    opt = StackedAdam(_stacked_params(5))
+    with pytest.raises(ValueError, match=r"leading member dim n, got sizes \[3, 5\]"):
+        opt.add_param_group({"params": _stacked_params(3)})
+
+
+BAD_STEP = {
+    "mask_float": (torch.ones(N), TypeError, r"^StackedAdam: `mask` must be a bool tensor"),
+    "mask_list": ([True] * N, TypeError, r"`mask` must be a bool tensor of shape \[n\], got list"),
+    "mask_short": (
+        torch.ones(N - 1, dtype=torch.bool),
+        ValueError,
+        r"`mask` must have shape \[5\]",
+    ),
+    "mask_2d": (torch.ones(N, 1, dtype=torch.bool), ValueError, r"`mask` must have shape \[5\]"),
+}
+
+
+@pytest.mark.parametrize(("mask", "error", "match"), list(BAD_STEP.values()), ids=list(BAD_STEP))
+@pytest.mark.parametrize("via", ["step", "apply_gradients"])
+def test_bad_mask_changes_nothing(mask: Any, error: type[Exception], match: str, via: str) -> None:
+    params = _stacked_params()
+    opt = StackedAdam(params, lr=PER["lr"])
+    params[0].grad = torch.ones_like(params[0])
+    opt.step()
+    before = params[0].detach().clone(), {k: v.clone() for k, v in opt.state[params[0]].items()}
+    with pytest.raises(error, match=match):
+        if via == "step":
+            opt.step(mask=mask)
+        else:
+            opt.apply_gradients([params[0].grad], mask=mask)
+    assert torch.equal(params[0], before[0])
+    for key, val in before[1].items():
+        assert torch.equal(opt.state[params[0]][key], val)
+
+
+def test_apply_gradients_rejects_misaligned_grads() -> None:
+    params = _stacked_params()
+    opt = StackedAdam(params)
+    with pytest.raises(ValueError, match=r"`grads` has 2 entries, expected 1"):
+        opt.apply_gradients([None, None])
+    with pytest.raises(ValueError, match=r"`grads\[0\]` has shape \[5, 2\], expected \[5, 3, 2\]"):
+        opt.apply_gradients([torch.ones(N, 2)])
+
+
+def test_bfloat16_smoke() -> None:
+    ref = [torch.randn(N, 4, 3).requires_grad_(), torch.randn(N, 0).requires_grad_()]
+    low = [p.detach().bfloat16().requires_grad_() for p in ref]
+    ref = [p.detach().bfloat16().float().requires_grad_() for p in low]  # same start
+    kwargs = dict(lr=torch.logspace(-3, -2, N), weight_decay=0.01, amsgrad=True)
+    opt_ref, opt_low = StackedAdam(ref, **kwargs), StackedAdam(low, **kwargs)
+    for _ in range(5):
+        grads = [torch.randn_like(p) for p in ref]
+        for p, q, g in zip(ref, low, grads, strict=True):
+            p.grad, q.grad = g, g.bfloat16()
+        opt_ref.step()
+        opt_low.step()
+    for p, q in zip(ref, low, strict=True):
+        assert q.dtype == torch.bfloat16
+        assert opt_low.state[q]["exp_avg"].dtype == torch.bfloat16
+        torch.testing.assert_close(q.float(), p, rtol=0, atol=2e-2)
+    assert not torch.equal(low[0].float(), ref[0])  # it did move, in bf16
+
+
+def test_compiled_step_and_apply_gradients_match_eager() -> None:
+    # aot_eager traces the full graph (fullgraph=True fails on any break) without inductor's
+    # C++ compile, keeping the test fast.
+    kwargs = dict(lr=PER["lr"], betas=(PER["beta1"], 0.99), weight_decay=0.1, amsgrad=True)
+    eager_p, comp_p, func_p = (
+        [torch.randn(N, 3, 2, dtype=torch.float64), torch.zeros(N, 0, dtype=torch.float64)]
+        for _ in range(3)
+    )
+    for ps in (comp_p, func_p):
+        for p, q in zip(ps, eager_p, strict=True):
+            p.copy_(q)
+    eager_p, comp_p, func_p = ([p.requires_grad_() for p in ps] for ps in (eager_p, comp_p, func_p))
+    eager, comp, func = (StackedAdam(ps, **kwargs) for ps in (eager_p, comp_p, func_p))
+    step = torch.compile(comp.step, fullgraph=True, backend="aot_eager")
+    apply = torch.compile(func.apply_gradients, fullgraph=True, backend="aot_eager")
+    mask = torch.tensor([1, 1, 0, 1, 1], dtype=torch.bool)
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in eager_p]
+        for ps in (eager_p, comp_p):
+            for p, g in zip(ps, grads, strict=True):
+                p.grad = g.clone()
+        eager.step(mask=mask)
+        step(mask=mask)
+        apply(grads, mask=mask)
+    for ps in (comp_p, func_p):
+        for p, q in zip(ps, eager_p, strict=True):
+            torch.testing.assert_close(p, q, **TOL)
