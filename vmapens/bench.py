@@ -334,9 +334,9 @@ def time_step(
         return (time.perf_counter() - t0) / k
 
     first = timed(1)
-    for _ in range(warmup):
-        step()
-    steps = max(min_steps, math.ceil(min_time_s / max(timed(1), 1e-7)))
+    # The median of single warm-up steps sizes the batches; one step alone is too noisy for that.
+    per_step = statistics.median(timed(1) for _ in range(max(warmup, 1)))
+    steps = max(min_steps, math.ceil(min_time_s / max(per_step, 1e-7)))
     ms = statistics.median(timed(steps) for _ in range(repeats)) * 1e3
     return {"ms": ms, "first_ms": first * 1e3, "steps": steps, "repeats": repeats}
 
@@ -429,10 +429,10 @@ def run(
     return results
 
 
-def _cell(row: dict, key: str = "ms") -> str:
+def _cell(row: dict) -> str:
     if row["status"] != "ok":
         return "-" if row["status"] == "skipped" else "n/a"
-    return f"{row[key]:.3g}" + ("*" if row.get("extrapolated") else "") + row.get("mark", "")
+    return f"{row['ms']:.3g}" + ("*" if row.get("extrapolated") else "") + row.get("mark", "")
 
 
 def _ratio(num: float | None, den: float | None) -> str:
@@ -459,8 +459,9 @@ def _block(rows: list[dict], key: str, refs: list[str], naive: Callable[[Any], A
         + [_ratio(ms[k, v], ms[k, r]) for v in vm for r in refs]
         for k in keys
     ]
-    first = ", ".join(f"{k}: {_cell(by[k, 'vmapens_compiled'], 'first_ms')}" for k in keys)
-    return [*out, *_grid(head, body), f"vmapens_compiled first step (compile), ms: {first}"]
+    first = [by[k, "vmapens_compiled"].get("first_ms") for k in keys]
+    first_s = ", ".join(f"{k}: {f / 1e3:.1f}" if f else f"{k}: n/a" for k, f in zip(keys, first))
+    return [*out, *_grid(head, body), f"vmapens_compiled first step (compile), s: {first_s}"]
 
 
 def format_table(results: dict) -> str:
@@ -481,7 +482,7 @@ def format_table(results: dict) -> str:
         refs = ["merged", "torchfunc", "baddbmm"]
         out += _block(a["rows"], "n", refs, lambda n: n * a["naive_1_ms"])
         out.append(
-            f"* naive: N * t_naive(1) beyond N = {NAIVE_MAX_N}, so S = 1; "
+            f"* naive not run beyond N = {NAIVE_MAX_N}: N * t_naive(1); "
             f"- merged not run beyond N = {MERGED_MAX_N} (dense N x 20N mask)"
         )
     if "B" in results:
