@@ -290,6 +290,56 @@ class Ensemble(nn.Module):
             )
         return optree.tree_map(lambda *xs: torch.stack(xs), *outputs)
 
+    def make_step(
+        self,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        *,
+        in_dims: int | None = None,
+        compile: bool = False,
+    ) -> Callable[..., torch.Tensor]:
+        """``step(inputs, targets, mask=None) -> losses[n]``; see ``vmapens.step.make_step``."""
+        from .step import make_step  # step.py builds on this module
+
+        return make_step(self, loss_fn, optimizer, in_dims=in_dims, compile=compile)
+
+    def fit(
+        self, data: Any, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], **options: Any
+    ) -> Any:
+        """Train every member and return a ``History``; see ``vmapens.fit.fit`` for options."""
+        from .fit import fit  # fit.py builds on this module
+
+        return fit(self, data, loss_fn, **options)
+
+    def save(
+        self, path: Any, optimizer: torch.optim.Optimizer | None = None, history: Any = None
+    ) -> None:
+        """Write a checkpoint atomically; see ``vmapens.checkpoint.save``."""
+        from .checkpoint import save
+
+        save(self, path, optimizer=optimizer, history=history)
+
+    @classmethod
+    def load(
+        cls, path: Any, factory: Factory, optimizer: torch.optim.Optimizer | None = None
+    ) -> Ensemble:
+        """Rebuild an ensemble from a checkpoint; see ``vmapens.checkpoint.load``."""
+        from .checkpoint import load
+
+        return load(path, factory, optimizer=optimizer)
+
+    def save_members(self, directory: Any, format: str = "pt") -> list[Any]:
+        """One file per member that the user's class loads; see ``vmapens.checkpoint``."""
+        from .checkpoint import save_members
+
+        return save_members(self, directory, format=format)
+
+    def gather(self, dst: int = 0) -> Ensemble | None:
+        """The full ensemble on rank ``dst`` (None elsewhere); see ``vmapens.distributed``."""
+        from .distributed import gather
+
+        return gather(self, dst=dst)
+
     # -- members ------------------------------------------------------------------------------
 
     def __len__(self) -> int:

@@ -1,0 +1,147 @@
+"""One training step for every member: forward, per-member loss, backward, optimizer step."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.func import functional_call, grad_and_value, vmap
+
+from .ensemble import per_member
+
+if TYPE_CHECKING:
+    from .ensemble import Ensemble
+
+__all__ = ["make_step"]
+
+Step = Callable[..., torch.Tensor]
+
+
+def make_step(
+    ens: Ensemble,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    *,
+    in_dims: int | None = None,
+    compile: bool = False,
+) -> Step:
+    """Build ``step(inputs, targets, mask=None) -> losses[n]`` for an ensemble.
+
+    ``step`` runs every member's forward on ``inputs``, applies ``loss_fn`` per member,
+    back-propagates the *sum* of the member losses (so each member gets exactly its own
+    gradient) and steps ``optimizer``. ``inputs`` is the member's single positional input,
+    or a tuple of them.
+
+    Eager (``compile=False``), this is the naive loop's code run once for all members. With
+    ``compile=True`` the whole step goes through ``torch.compile(fullgraph=True)`` as one
+    graph: per-member gradients come from ``torch.func.grad_and_value`` under ``vmap``
+    (instead of ``loss.backward()``, which would break the graph) and the StackedAdam update
+    is applied inside the same graph; buffers such as BatchNorm statistics are still updated.
+    On CUDA it uses ``mode="reduce-overhead"`` so the step replays as a CUDA graph.
+
+    Args:
+        ens: the ensemble to train.
+        loss_fn: ``(output, target) -> scalar`` for one member, e.g. ``nn.BCELoss()``.
+        optimizer: a ``StackedAdam`` (required for ``compile=True`` and for ``mask``) or any
+            optimizer over ``ens.parameters()``.
+        in_dims: ``None`` when every member sees the same ``inputs`` and ``targets``; ``0``
+            when both hold one slice per member along dim 0 (bagging, per-member data).
+        compile: compile the whole step into one graph.
+
+    Returns:
+        ``step(inputs, targets, mask=None)`` returning the detached per-member losses
+        ``[n]`` computed before the update. ``mask`` (bool ``[n]``) freezes the members where
+        it is False for this step.
+
+    Raises:
+        TypeError: ``compile=True`` or a ``mask`` with an optimizer that is not a StackedAdam.
+        ValueError: ``in_dims`` is not ``None`` or ``0``.
+
+    Example:
+        >>> from vmapens import Ensemble, StackedAdam
+        >>> ens = Ensemble(lambda: torch.nn.Linear(2, 1), n=3, seed=0)
+        >>> step = make_step(ens, torch.nn.MSELoss(), StackedAdam(ens, lr=0.1))
+        >>> step(torch.randn(5, 2), torch.zeros(5, 1)).shape
+        torch.Size([3])
+    """
+    if in_dims not in (None, 0):
+        raise ValueError(f"make_step: `in_dims` must be None or 0, got {in_dims!r}")
+    if not callable(loss_fn):
+        raise TypeError(f"make_step: `loss_fn` must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"make_step: `optimizer` must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    masked_ok = "mask" in inspect.signature(optimizer.step).parameters
+    if compile:
+        if not hasattr(optimizer, "apply_gradients"):
+            raise TypeError(
+                "make_step: `compile=True` needs a vmapens.StackedAdam (its update runs inside the "
+                f"compiled graph), got {type(optimizer).__name__}"
+            )
+        return _compiled_step(ens, loss_fn, optimizer, in_dims)
+
+    losses_of = per_member(loss_fn, in_dims=(0, in_dims))
+
+    def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if mask is not None and not masked_ok:
+            raise TypeError(
+                f"step: `mask` needs a vmapens.StackedAdam, got {type(optimizer).__name__}"
+            )
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        losses = losses_of(ens(*args, in_dims=in_dims), targets)
+        optimizer.zero_grad()
+        losses.sum().backward()
+        if mask is None:
+            optimizer.step()
+        else:
+            optimizer.step(mask=mask)
+        return losses.detach()
+
+    return step
+
+
+def _compiled_step(ens: Ensemble, loss_fn: Callable, optimizer: Any, in_dims: int | None) -> Step:
+    template = ens._template
+    names = {id(p): name for name, p in ens.named_parameters()}
+    order = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [i for i, p in enumerate(order) if id(p) not in names]
+    if foreign:
+        raise ValueError(
+            f"make_step: optimizer parameter {foreign[0]} is not a parameter of this ensemble; "
+            "build the optimizer from ens.parameters()"
+        )
+
+    def member_loss(trained: dict, fixed: dict, inputs: tuple, target: torch.Tensor) -> Any:
+        out = functional_call(template, (trained, fixed), inputs)
+        return loss_fn(out, target)
+
+    grads_and_losses = vmap(
+        grad_and_value(member_loss),
+        in_dims=(0, 0, in_dims, in_dims),
+        randomness=ens.randomness,
+        chunk_size=ens.chunk_size,
+    )
+
+    def body(trained: dict, fixed: dict, inputs: tuple, targets: torch.Tensor, mask: Any) -> Any:
+        grads, losses = grads_and_losses(trained, fixed, inputs, targets)
+        # Frozen parameters get no gradient (None), as with loss.backward().
+        optimizer.apply_gradients([grads.get(names[id(p)]) for p in order], mask=mask)
+        return losses
+
+    device = next(iter(ens.parameters())).device
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    compiled = torch.compile(body, fullgraph=True, mode=mode)
+
+    def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        trained = {k: p for k, p in ens._parameters.items() if p.requires_grad}
+        fixed = {k: p for k, p in ens._parameters.items() if not p.requires_grad}
+        fixed.update(ens._buffers)
+        # Gradients come from torch.func inside the graph: no autograd graph around it.
+        with torch.no_grad():
+            return compiled(trained, fixed, args, targets, mask)
+
+    return step
