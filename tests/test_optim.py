@@ -406,3 +406,23 @@ def test_compiled_step_and_apply_gradients_match_eager() -> None:
     for ps in (comp_p, func_p):
         for p, q in zip(ps, eager_p, strict=True):
             torch.testing.assert_close(p, q, **TOL)
+
+
+def test_per_member_scheduler_does_not_recompile(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.compiler.reset()
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    params = _stacked_params()
+    opt = StackedAdam(params, lr=PER["lr"])
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    # Not fullgraph: the scheduler wraps opt.step in a step counter that dynamo does not trace
+    # (the same holds for torch.optim.Adam).
+    @torch.compile(backend="eager")
+    def train_step() -> None:
+        opt.step()
+
+    for _ in range(4):
+        params[0].grad = torch.ones_like(params[0])
+        train_step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == MemberValues(v * 0.5**4 for v in PER["lr"])

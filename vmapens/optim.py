@@ -32,10 +32,16 @@ class MemberValues:
         values: One float per member.
     """
 
-    __slots__ = ("values",)
+    __slots__ = ("tensor", "values")
+
+    values: tuple[float, ...]
+    tensor: Tensor
 
     def __init__(self, values: Iterable[float]) -> None:
         object.__setattr__(self, "values", tuple(float(v) for v in values))
+        # What the optimizer reads: a compiled step sees a tensor input, not n constants, so a
+        # scheduler changing the values does not trigger a recompile.
+        object.__setattr__(self, "tensor", torch.tensor(self.values, dtype=torch.float64))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("MemberValues is immutable")
@@ -327,12 +333,8 @@ def _hyper(name: str, value: Any, n: int) -> float | MemberValues:
 
 
 def _arg(v: float | MemberValues, device: torch.device) -> Scalar:
-    """Group value -> adam_update argument; equal per-member values stay a float."""
-    if isinstance(v, MemberValues):
-        if len(set(v.values)) == 1:
-            return v.values[0]
-        return torch.tensor(v.values, dtype=torch.float64, device=device)
-    return v
+    """Group value -> adam_update argument."""
+    return v.tensor.to(device) if isinstance(v, MemberValues) else v
 
 
 def _pick(v: float | MemberValues, i: int) -> float:
