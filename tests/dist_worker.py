@@ -1,0 +1,93 @@
+"""Training scenarios for the distributed tests: run alone, or on each rank under torchrun.
+
+``python -m torch.distributed.run --nproc-per-node 2 tests/dist_worker.py SCENARIO OUT``
+runs ``SCENARIO`` sharded over the launched ranks and writes its results under ``OUT``;
+the test process imports the same functions to run them in one process and compares.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import vmapens  # noqa: E402
+
+SEED = 100
+STEPS = 6
+D_IN, D_OUT, ROWS = 4, 2, 16
+
+
+def factory() -> nn.Module:
+    return nn.Sequential(nn.Linear(D_IN, 8), nn.Tanh(), nn.Linear(8, D_OUT)).double()
+
+
+def learning_rates(n: int) -> list[float]:
+    return [1e-3 * (i + 1) for i in range(n)]
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return (
+        torch.randn(ROWS, D_IN, generator=g, dtype=torch.float64),
+        torch.randn(ROWS, D_OUT, generator=g, dtype=torch.float64),
+    )
+
+
+def bootstrap(ids: range) -> torch.Tensor:
+    """Member i's resample of the rows, keyed by its global id: [len(ids), ROWS]."""
+    return torch.stack(
+        [
+            torch.randint(0, ROWS, (ROWS,), generator=torch.Generator().manual_seed(SEED + i))
+            for i in ids
+        ]
+    )
+
+
+def train_steps(n: int, shard: bool) -> vmapens.Ensemble:
+    """make_step with per-member bootstrap rows and per-member learning rates."""
+    ens = vmapens.Ensemble(factory, n, seed=SEED, shard=shard)
+    lrs = learning_rates(n)
+    opt = vmapens.StackedAdam(ens, lr=[lrs[i] for i in ens.member_ids])
+    step = ens.make_step(nn.MSELoss(), opt, in_dims=0)
+    x, y = data()
+    rows = bootstrap(ens.member_ids)
+    for _ in range(STEPS):
+        step(x[rows], y[rows])
+    return ens
+
+
+def main(scenario: str, out: Path) -> None:
+    dist.init_process_group("gloo")
+    me = dist.get_rank()
+    if scenario == "steps":
+        report = {}
+        for n in (8, 7):
+            ens = train_steps(n, shard=True)
+            report[n] = [ens.member_ids.start, ens.member_ids.stop, ens.n_total]
+            full = ens.gather(dst=0)
+            if me == 0:
+                assert full is not None and list(full.member_ids) == list(range(n))
+                torch.save(full.state_dict(), out / f"steps{n}.pt")
+            else:
+                assert full is None
+        try:
+            vmapens.Ensemble(factory, 1, seed=SEED, shard=True)
+        except ValueError as err:
+            report["too_many_ranks"] = str(err)
+        (out / f"rank{me}.json").write_text(json.dumps(report))
+    else:
+        raise SystemExit(f"dist_worker: unknown scenario {scenario!r}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(sys.argv[1], Path(sys.argv[2]))

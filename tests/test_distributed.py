@@ -1,0 +1,143 @@
+"""Sharded ensembles against one process: 2 CPU ranks (gloo on 127.0.0.1) vs the same seed alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import dist_worker
+import pytest
+import torch
+from torch import nn
+
+import vmapens
+from vmapens import distributed
+
+WORKER = Path(dist_worker.__file__)
+TIMEOUT_S = 120
+
+
+def launch(scenario: str, out: Path, *, ranks: int = 2, restarts: int = 0, env=None) -> None:
+    """Run ``dist_worker.py scenario out`` on ``ranks`` local processes under torchrun."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "1", "--nproc-per-node", str(ranks), "--max-restarts", str(restarts),
+        # Rendezvous and gloo on the loopback only; port 0 lets the OS pick a free one.
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", out.name,
+        str(WORKER), scenario, str(out),
+    ]  # fmt: skip
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if Path("/sys/class/net/lo").exists():
+        full_env["GLOO_SOCKET_IFNAME"] = "lo"
+    # A session of its own, so a hung run is killed with every worker it started.
+    proc = subprocess.Popen(
+        cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        log, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"torchrun {scenario} timed out after {TIMEOUT_S} s:\n{log.decode()[-4000:]}")
+    assert proc.returncode == 0, f"torchrun {scenario} failed:\n{log.decode()[-4000:]}"
+
+
+def assert_same_state(got: dict, expected: dict) -> None:
+    assert list(got) == list(expected)
+    for key in expected:
+        # Exact: each rank runs the very same per-member arithmetic as the single process.
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0, msg=key)
+
+
+@pytest.fixture(scope="module")
+def steps_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("steps")
+    launch("steps", out)
+    return out
+
+
+@pytest.mark.parametrize("n", [8, 7], ids=["n8-even", "n7-uneven"])
+def test_sharded_steps_gather_to_single_process_run(steps_run: Path, n: int):
+    expected = dist_worker.train_steps(n, shard=False).state_dict()
+    assert_same_state(torch.load(steps_run / f"steps{n}.pt"), expected)
+
+
+@pytest.mark.parametrize(
+    ("n", "blocks"), [(8, [[0, 4], [4, 8]]), (7, [[0, 4], [4, 7]])], ids=["n8", "n7"]
+)
+def test_ranks_hold_contiguous_blocks(steps_run: Path, n: int, blocks: list):
+    reports = [json.loads((steps_run / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [rep[str(n)] for rep in reports] == [[*b, n] for b in blocks]
+
+
+def test_world_size_above_n_is_an_error(steps_run: Path):
+    for r in range(2):
+        message = json.loads((steps_run / f"rank{r}.json").read_text())["too_many_ranks"]
+        assert message.startswith("Ensemble: `shard=True` with world size 2 > `n`=1")
+
+
+# -- in one process: no process group -------------------------------------------------------
+
+BLOCKS = [
+    (8, 2, [range(0, 4), range(4, 8)]),
+    (7, 2, [range(0, 4), range(4, 7)]),
+    (10, 4, [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]),
+    (3, 3, [range(0, 1), range(1, 2), range(2, 3)]),
+    (5, 1, [range(0, 5)]),
+]
+
+
+@pytest.mark.parametrize(("n", "world", "blocks"), BLOCKS, ids=lambda v: str(v)[:12])
+def test_member_blocks(n: int, world: int, blocks: list):
+    assert distributed.member_blocks(n, world) == blocks
+    sizes = [len(b) for b in blocks]
+    assert max(sizes) - min(sizes) <= 1
+
+
+BAD_BLOCKS = [
+    (2, 3, ValueError, r"^member_blocks: world size 3 > `n`=2 would leave 1 rank\(s\)"),
+    (0, 1, ValueError, r"^member_blocks: `n` must be >= 1, got 0"),
+    (4, 0, ValueError, r"^member_blocks: `world_size` must be >= 1, got 0"),
+    (4.0, 2, TypeError, r"^member_blocks: `n` must be an int, got float"),
+]
+
+
+@pytest.mark.parametrize(("n", "world", "error", "match"), BAD_BLOCKS, ids=lambda v: str(v)[:12])
+def test_member_blocks_rejects(n, world, error, match):
+    with pytest.raises(error, match=match):
+        distributed.member_blocks(n, world)
+
+
+SHARD_WITHOUT_GROUP = [
+    ("ensemble", lambda: vmapens.Ensemble(nn.Linear, 4, seed=0, shard=True), "Ensemble"),
+    (
+        "from_modules",
+        lambda: vmapens.Ensemble.from_modules([nn.Linear(2, 1)] * 2, shard=True),
+        "Ensemble.from_modules",
+    ),
+    ("member_block", lambda: distributed.member_block(4), "member_block"),
+]
+
+
+@pytest.mark.parametrize(
+    ("build", "api"), [c[1:] for c in SHARD_WITHOUT_GROUP], ids=[c[0] for c in SHARD_WITHOUT_GROUP]
+)
+def test_shard_without_process_group_is_a_clear_error(build, api):
+    pattern = rf"^{api}: `shard=True` needs an initialised torch.distributed process group"
+    with pytest.raises(RuntimeError, match=pattern) as info:
+        build()
+    assert "init_process_group" in str(info.value) and "torchrun" in str(info.value)
+
+
+def test_single_process_helpers_are_identities(tmp_path: Path):
+    ens = vmapens.Ensemble(lambda: nn.Linear(2, 1), 3, seed=0)
+    assert distributed.gather(ens) is ens
+    assert (distributed.rank(), distributed.world_size()) == (0, 1)
+    assert distributed.rank_path(tmp_path / "ckpt.pt") == tmp_path / "ckpt.pt"
+    assert distributed.all_reduce_stats({"a": 1, "b": 2.5}) == {"a": 1.0, "b": 2.5}
+    with pytest.raises(ValueError, match=r"^gather: `dst` must be a rank in \[0, 1\), got 1"):
+        distributed.gather(ens, dst=1)
