@@ -53,8 +53,8 @@ def bootstrap(ids: range) -> torch.Tensor:
 def train_steps(n: int, shard: bool) -> vmapens.Ensemble:
     """make_step with per-member bootstrap rows and per-member learning rates."""
     ens = vmapens.Ensemble(factory, n, seed=SEED, shard=shard)
-    lrs = learning_rates(n)
-    opt = vmapens.StackedAdam(ens, lr=[lrs[i] for i in ens.member_ids])
+    # Per-member values for all n members: StackedAdam keeps this rank's block of them.
+    opt = vmapens.StackedAdam(ens, lr=learning_rates(n), eps=torch.full((n,), 1e-8))
     step = ens.make_step(nn.MSELoss(), opt, in_dims=0)
     x, y = data()
     rows = bootstrap(ens.member_ids)

@@ -395,6 +395,11 @@ class StackedAdam(torch.optim.Optimizer):
             for t in (_flat_params(it["params"]) if isinstance(it, dict) else [it])
         ]
         self.num_members = _leading_n("StackedAdam", tensors)
+        # A sharded Ensemble holds one block of its n_total members: per-member values given
+        # for all of them are cut to the block's global ids (docs/distributed.md).
+        n_total = getattr(params, "n_total", self.num_members)
+        self._block = params.member_ids if n_total != self.num_members else None
+        self._n_total = n_total
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -409,13 +414,21 @@ class StackedAdam(torch.optim.Optimizer):
 
     def _normalise(self, group: dict[str, Any]) -> None:
         for key in ("lr", "eps", "weight_decay"):
-            group[key] = _hyper(key, group[key], self.num_members)
+            group[key] = _hyper(key, self._local(group[key]), self.num_members)
         betas = group["betas"]
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"StackedAdam: `betas` must be a pair (beta1, beta2), got {betas!r}")
         group["betas"] = tuple(
-            _hyper(f"betas[{j}]", b, self.num_members) for j, b in enumerate(betas)
+            _hyper(f"betas[{j}]", self._local(b), self.num_members) for j, b in enumerate(betas)
         )
+
+    def _local(self, value: Any) -> Any:
+        """This block's values of a per-member hyperparameter given for all n_total members."""
+        sized = isinstance(value, (Sequence, MemberValues)) and not isinstance(value, str)
+        sized = sized or isinstance(value, Tensor) and value.dim() == 1
+        if self._block is None or not sized or len(value) != self._n_total:
+            return value
+        return [value[i] for i in self._block]
 
     # Not `n`: dynamo's OptimizerVariable intercepts any attribute name that is a substring of
     # "_init_group" (torch 2.13), which breaks the graph.
