@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import itertools
+import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -133,7 +135,10 @@ def _compiled_step(ens: Ensemble, loss_fn: Callable, optimizer: Any, in_dims: in
 
     device = next(iter(ens.parameters())).device
     mode = "reduce-overhead" if device.type == "cuda" else None
-    compiled = torch.compile(body, fullgraph=True, mode=mode)
+    # dynamic=False: shapes are fixed per ensemble, and functorch's grad cannot trace symbolic
+    # sizes. _own_code: dynamo caches compiled graphs on the code object, so every make_step
+    # would otherwise share one cache (and its recompile limit) with every other ensemble.
+    compiled = torch.compile(_own_code(body), fullgraph=True, mode=mode, dynamic=False)
 
     def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         args = inputs if isinstance(inputs, tuple) else (inputs,)
@@ -145,3 +150,12 @@ def _compiled_step(ens: Ensemble, loss_fn: Callable, optimizer: Any, in_dims: in
             return compiled(trained, fixed, args, targets, mask)
 
     return step
+
+
+_steps_made = itertools.count()
+
+
+def _own_code(fn: Callable) -> Callable:
+    """``fn`` with a code object of its own (same bytecode, a unique name)."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_steps_made)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
