@@ -49,12 +49,56 @@ def workload_a(n: int = 15, steps: int = 1000, compile: bool = False) -> None:
     print(f"  largest |member - twin trained alone| over all parameters: {diff:.2e}")
 
 
+def sharded_demo(n: int = 8, epochs: int = 5) -> None:
+    """n MLPs split over the processes torchrun started: fit per rank, gather on rank 0."""
+    import os
+
+    import torch.distributed as dist
+
+    from vmapens.bench import mlp
+    from vmapens.distributed import gather_history
+
+    if "RANK" not in os.environ:
+        raise SystemExit(
+            "demo --sharded: start it with torchrun, e.g. "
+            "torchrun --standalone --nproc-per-node 2 -m vmapens demo --sharded"
+        )
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        g = torch.Generator().manual_seed(0)  # every rank sees the same data
+        x = torch.randn(256, 2, generator=g)
+        y = (x.sum(dim=1, keepdim=True) > 0).float()
+        ens = vmapens.Ensemble(mlp, n, seed=0, shard=True).to(device)
+        lrs = torch.logspace(-3, -1, n)  # one per member, for all n: each rank keeps its own
+        history = ens.fit((x, y), nn.BCELoss(), epochs=epochs, batch_size=32, bootstrap=True,
+                          lr=lrs, seed=0, progress=False)  # fmt: skip
+        rank, world = dist.get_rank(), dist.get_world_size()
+        print(f"rank {rank}/{world}: members {list(ens.member_ids)} of {ens.n_total}", flush=True)
+        full = ens.gather(dst=0)
+        merged = gather_history(history, dst=0)
+        if rank == 0:
+            print(f"gathered on rank 0: {len(full)} members, ids {list(full.member_ids)}")
+            for i, loss in zip(merged.member_ids, merged.train_loss[-1].tolist()):
+                print(f"  member {i}: lr {lrs[i].item():.4f}  final training loss {loss:.4f}")
+    finally:
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vmapens", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="workload A (naive loop vs Ensemble) and a real-data case")
     demo.add_argument("--steps", type=int, default=1000)
     demo.add_argument("--compile", action="store_true", help="use the compiled training step")
+    demo.add_argument(
+        "--sharded",
+        action="store_true",
+        help="split the members over torchrun's processes (docs/distributed.md)",
+    )
     bench = sub.add_parser(
         "bench", help="time vmapens against the naive loop and hand-merged models"
     )
@@ -65,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = parser.parse_args(argv)
 
+    if args.command == "demo" and args.sharded:
+        sharded_demo()
+        return 0
     if args.command == "demo":
         workload_a(steps=args.steps, compile=args.compile)
         return 0

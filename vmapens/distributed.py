@@ -8,6 +8,8 @@ member ids, and :func:`gather` collects the stacked tensors onto one rank afterw
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -239,17 +241,20 @@ def gather(ens: Ensemble, dst: int = 0) -> Ensemble | None:
 
 
 def gather_history(history: Any, dst: int = 0) -> Any:
-    """Collect each rank's ``History`` onto rank ``dst`` with members in global order.
+    """Collect each rank's ``History`` from ``fit`` onto rank ``dst``, members in global order.
 
-    A collective: every rank of the default group must call it.
+    A collective: every rank of the default group must call it. Per-member columns are
+    concatenated in rank order (``[epochs, n]`` tables along dim 1, ``[n]`` vectors along
+    dim 0, ``member_ids`` lists joined); a rank whose members all stopped early recorded
+    fewer epochs, and its missing rows are NaN, as for any member that stopped.
 
     Args:
-        history: this rank's ``History`` from ``ens.fit``.
+        history: this rank's ``History`` (a dataclass whose fields are per-member).
         dst: the rank that receives the merged history.
 
     Returns:
-        On ``dst`` the merged ``History`` of all ``n_total`` members, ``None`` elsewhere;
-        ``history`` itself without a process group.
+        On ``dst`` a ``History`` of all ``n_total`` members, ``None`` elsewhere;
+        ``history`` itself without a process group (or with one process).
 
     Raises:
         TypeError: ``dst`` is not an int.
@@ -259,10 +264,28 @@ def gather_history(history: Any, dst: int = 0) -> Any:
     if world_size() == 1:
         return history
     parts = [None] * world_size() if rank() == dst else None
+    # Histories are small (epochs x members floats): pickling beats one collective per field.
     dist.gather_object(history, parts, dst=dst)
     if parts is None:
         return None
-    return type(history).merge(parts)
+    merged = {}
+    for f in dataclasses.fields(history):
+        values = [getattr(p, f.name) for p in parts]
+        merged[f.name] = _merge_columns(values)
+    return dataclasses.replace(parts[0], **merged)
+
+
+def _merge_columns(values: list[Any]) -> Any:
+    first = values[0]
+    if first is None:
+        return None
+    if isinstance(first, list):
+        return [v for part in values for v in part]
+    if first.dim() == 1:
+        return torch.cat(values)
+    rows = max(v.shape[0] for v in values)
+    padded = [torch.cat([v, v.new_full((rows - v.shape[0], v.shape[1]), math.nan)]) for v in values]
+    return torch.cat(padded, dim=1)
 
 
 def all_reduce_stats(stats: dict[str, float]) -> dict[str, float]:
