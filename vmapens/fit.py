@@ -15,6 +15,7 @@ import optree
 import torch
 from torch import Tensor
 
+from .distributed import rank_path
 from .ensemble import per_member
 from .optim import StackedAdam
 
@@ -358,7 +359,8 @@ def fit(
         callbacks: callables run after each epoch (and after the checkpoint is written) with
             the history so far.
         checkpoint: a file written atomically after every epoch. When it exists at the start,
-            training resumes from it and ends exactly as an uninterrupted run would.
+            training resumes from it and ends exactly as an uninterrupted run would. Under
+            ``torch.distributed`` each rank uses its own ``vmapens.distributed.rank_path``.
 
     Returns:
         The :class:`History`; its rows stop early when every member has stopped.
@@ -420,6 +422,8 @@ def fit(
     }
     loop = _Loop(ens, optimizer, loss_fn, val_data, patience, restore_best and val_data is not None)
     saved = None
+    if checkpoint is not None:
+        checkpoint = rank_path(checkpoint)  # under torch.distributed, each rank its own block
     if checkpoint is not None and os.path.exists(checkpoint):
         saved = loop.read(checkpoint, options, seed)  # checked in full; nothing changed yet
         seed = saved["seed"]

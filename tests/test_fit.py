@@ -1,0 +1,301 @@
+"""fit against the truth: each member trained alone with torch.optim.Adam on the same batches."""
+
+from __future__ import annotations
+
+import copy
+import io
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import models
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import vmapens
+from vmapens.bench import mlp
+from vmapens.fit import History, bootstrap_indices
+
+# One tolerance for every member-vs-twin comparison (float64 throughout).
+TOL = dict(rtol=1e-9, atol=1e-10)
+N = 4
+F64 = dict(dtype=torch.float64)
+
+
+def regression(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 4, generator=g, **F64), torch.randn(rows, 3, generator=g, **F64)
+
+
+X, Y = regression(20, 1)
+XV, YV = regression(12, 2)
+XA, YA = (
+    torch.randn(5, 2, generator=torch.Generator().manual_seed(3), **F64),
+    torch.ones(5, 1, **F64),
+)
+
+
+def slices(x, y, size):
+    return [(x[k : k + size], y[k : k + size]) for k in range(0, len(x), size)]
+
+
+@dataclass
+class Case:
+    id: str
+    factory: Callable[[], nn.Module]
+    loss: Callable
+    data: Callable[[], Any]
+    options: dict
+    # The naive batches of member i (global index), in training order.
+    plan: Callable[[int], list]
+    lr: Any = 1e-3
+    own_optimizer: bool = False
+
+
+def cycle(batches, count):
+    return [batches[k % len(batches)] for k in range(count)]
+
+
+CASES = [
+    Case("workload-a-steps", mlp, nn.BCELoss(), lambda: (XA, YA), dict(steps=100),
+         lambda i: [(XA, YA)] * 100),
+    Case("workload-a-epochs", mlp, nn.BCELoss(), lambda: (XA, YA), dict(epochs=100),
+         lambda i: [(XA, YA)] * 100),
+    Case("minibatches-in-order", models.MLP, nn.MSELoss(), lambda: (X, Y),
+         dict(epochs=3, batch_size=6, shuffle=False), lambda i: slices(X, Y, 6) * 3,
+         lr=[1e-3, 3e-3, 1e-2, 3e-2]),
+    Case("dataloader", models.MLP, nn.MSELoss(),
+         lambda: DataLoader(TensorDataset(X, Y), batch_size=6), dict(epochs=3),
+         lambda i: slices(X, Y, 6) * 3, own_optimizer=True, lr=1e-2),
+    Case("steps-cycle-over-passes", models.MLP, nn.MSELoss(), lambda: (X, Y),
+         dict(epochs=3, steps=5, batch_size=6, shuffle=False),
+         lambda i: cycle(slices(X, Y, 6), 15), lr=1e-2),
+    Case("bootstrap", models.MLP, nn.MSELoss(), lambda: (X, Y),
+         dict(epochs=4, bootstrap=True, seed=7),
+         lambda i: [(X[bootstrap_indices(20, 7, i)], Y[bootstrap_indices(20, 7, i)])] * 4,
+         own_optimizer=True, lr=[1e-3, 3e-3, 1e-2, 3e-2]),
+]  # fmt: skip
+
+
+def member_lr(lr, i):
+    return lr[i] if isinstance(lr, list) else lr
+
+
+def train_alone(model, batches, loss, lr):
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for x, y in batches:
+        opt.zero_grad()
+        loss(model(x), y).backward()
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_fit_matches_members_trained_alone(case: Case):
+    twins = [case.factory().double() for _ in range(N)]
+    ens = vmapens.Ensemble.from_modules([copy.deepcopy(m) for m in twins])
+    opt = vmapens.StackedAdam(ens, lr=case.lr) if case.own_optimizer else None
+    options = dict(optimizer=opt) if opt else dict(lr=case.lr)
+    history = ens.fit(case.data(), case.loss, progress=False, **options, **case.options)
+
+    rows = case.options.get("epochs", 1)
+    assert history.train_loss.shape == (rows, N) and history.val_loss is None
+    assert torch.isfinite(history.train_loss).all()
+    for i, (member, twin) in enumerate(zip(ens.unstack(), twins, strict=True)):
+        alone = train_alone(twin, case.plan(i), case.loss, member_lr(case.lr, i))
+        torch.testing.assert_close(member.state_dict(), twin.state_dict(), **TOL)
+        if opt is not None:
+            ours = opt.member_state_dict(i)["state"]
+            for k, state in alone.state_dict()["state"].items():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    torch.testing.assert_close(ours[k][key], state[key], **TOL)
+
+
+def test_shuffle_is_reproducible_from_seed():
+    def run(**kw):
+        ens = vmapens.Ensemble(models.MLP, n=N, seed=0).double()
+        ens.fit((X, Y), nn.MSELoss(), epochs=2, batch_size=6, lr=1e-2, progress=False, **kw)
+        return ens.state_dict()
+
+    a, b = run(seed=1), run(seed=1)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for other in (run(seed=2), run(seed=1, shuffle=False)):
+        assert not torch.equal(a["fc1.weight"], other["fc1.weight"])
+
+
+def test_bootstrap_is_keyed_by_global_member_index():
+    """A shard holding members 2..3 trains them exactly as the full ensemble does."""
+    full = vmapens.Ensemble(models.MLP, n=N, seed=0).double()
+    shard = vmapens.Ensemble.from_modules(full.unstack()[2:])
+    shard.member_ids, shard.n_total = range(2, 4), N
+    options = dict(epochs=2, batch_size=8, bootstrap=True, seed=3, lr=1e-2, progress=False)
+    full.fit((X, Y), nn.MSELoss(), **options)
+    history = shard.fit((X, Y), nn.MSELoss(), **options)
+    assert history.member_ids == [2, 3]
+    for ours, theirs in zip(shard.unstack(), full.unstack()[2:], strict=True):
+        torch.testing.assert_close(ours.state_dict(), theirs.state_dict(), **TOL)
+
+
+def snapshots(ens, opt, into):
+    def record(history: History) -> None:
+        into.append((copy.deepcopy(ens.state_dict()), copy.deepcopy(opt.state_dict()["state"])))
+
+    return record
+
+
+def test_early_stopping_freezes_each_member_and_restores_its_best():
+    ens = vmapens.Ensemble(models.MLP, n=N, seed=0).double()
+    opt = vmapens.StackedAdam(ens, lr=[1e-3, 1e-2, 3e-2, 1e-1])
+    taken: list = []
+    h = ens.fit((X[:12], Y[:12]), nn.MSELoss(), epochs=16, optimizer=opt, val_data=(XV, YV),
+                patience=3, progress=False, seed=0, callbacks=[snapshots(ens, opt, taken)])  # fmt: skip
+
+    stopped = h.stopped_epoch.tolist()
+    assert stopped[0] == -1 and len(set(stopped)) >= 3, stopped  # different epochs
+    assert h.epochs == len(taken) == 16 and not h.diverged.any()
+    for i, s in enumerate(stopped):
+        if s < 0:
+            continue
+        assert (
+            torch.isnan(h.train_loss[s + 1 :, i]).all()
+            and torch.isnan(h.val_loss[s + 1 :, i]).all()
+        )
+        assert torch.isfinite(h.val_loss[: s + 1, i]).all()
+        assert int(h.val_loss[: s + 1, i].argmin()) == h.best_epoch[i] == s - 3
+        frozen_params, frozen_opt = taken[s]
+        for params, state in taken[s + 1 :]:  # bit-identical while the others train on
+            for key, t in params.items():
+                assert torch.equal(t[i], frozen_params[key][i]), key
+            for k, moments in state.items():
+                for key, t in moments.items():
+                    assert torch.equal(t[i], frozen_opt[k][key][i]), (k, key)
+    # The member that never stopped kept moving every epoch.
+    assert not torch.equal(taken[-1][0]["fc1.weight"][0], taken[-2][0]["fc1.weight"][0])
+    final = ens.state_dict()
+    for i, best in enumerate(h.best_epoch.tolist()):
+        for key, t in final.items():
+            assert torch.equal(t[i], taken[best][0][key][i]), (i, key)
+
+
+def test_without_restore_best_members_keep_their_last_weights():
+    ens = vmapens.Ensemble(models.MLP, n=N, seed=0).double()
+    opt = vmapens.StackedAdam(ens, lr=[1e-3, 1e-2, 3e-2, 1e-1])
+    taken: list = []
+    h = ens.fit((X[:12], Y[:12]), nn.MSELoss(), epochs=16, optimizer=opt, val_data=(XV, YV),
+                patience=3, restore_best=False, progress=False, seed=0,
+                callbacks=[snapshots(ens, opt, taken)])  # fmt: skip
+    assert (h.best_epoch < h.epochs - 1).any()
+    torch.testing.assert_close(ens.state_dict(), taken[-1][0], rtol=0, atol=0)
+
+
+def test_validation_runs_in_eval_mode_and_restores_train_mode():
+    class ModeSpy(models.MLP):
+        def forward(self, x):
+            out = super().forward(x)
+            return out if self.training else out * 0  # eval: constant loss, never improves
+
+    ens = vmapens.Ensemble(ModeSpy, n=2, seed=0).double()
+    h = ens.fit((X, Y), nn.MSELoss(), epochs=3, val_data=(XV, YV), progress=False, seed=0)
+    torch.testing.assert_close(h.val_loss, (YV**2).mean().expand(3, 2), **TOL)
+    assert ens.training and h.best_epoch.tolist() == [0, 0]
+
+
+def test_diverged_member_is_frozen_and_others_run_as_without_it():
+    ens = vmapens.Ensemble(models.MLP, n=N, seed=0).double()
+    rest = vmapens.Ensemble.from_modules([m for i, m in enumerate(ens.unstack()) if i != 2])
+    options = dict(epochs=4, steps=3, batch_size=8, seed=5, progress=False, val_data=(XV, YV))
+    h = ens.fit((X, Y), nn.MSELoss(), lr=[1e-2, 1e-2, 1e200, 1e-2], **options)
+    alone = rest.fit((X, Y), nn.MSELoss(), lr=1e-2, **options)
+
+    assert h.diverged.tolist() == [False, False, True, False]
+    assert h.stopped_epoch.tolist() == [-1, -1, 0, -1]
+    assert not torch.isfinite(h.train_loss[0, 2]) and torch.isnan(h.train_loss[1:, 2]).all()
+    keep = [0, 1, 3]
+    torch.testing.assert_close(h.train_loss[:, keep], alone.train_loss, **TOL)
+    for ours, theirs in zip([ens[i] for i in keep], rest.unstack(), strict=True):
+        torch.testing.assert_close(ours.state_dict(), theirs.state_dict(), **TOL)
+
+
+def test_callbacks_see_the_history_so_far():
+    seen = []
+    ens = vmapens.Ensemble(models.MLP, n=2, seed=0).double()
+    ens.fit(
+        (X, Y), nn.MSELoss(), epochs=3, progress=False, callbacks=[lambda h: seen.append(h.epochs)]
+    )
+    assert seen == [1, 2, 3]
+
+
+def test_progress_bar_text_goes_to_a_given_stream(capsys):
+    stream = io.StringIO()
+    ens = vmapens.Ensemble(models.MLP, n=3, seed=0).double()
+    ens.fit((X, Y), nn.MSELoss(), epochs=2, batch_size=10, progress=stream, seed=0)
+    text = stream.getvalue().split("\r")[-1]
+    assert "epoch 2/2" in text and "4/4" in text and "training 3/3" in text, text
+    assert "loss " in text and "min " in text and "max " in text, text
+    # Pytest's captured stderr is not a terminal: progress=True stays quiet, as does False.
+    for progress in (True, False):
+        ens.fit((X, Y), nn.MSELoss(), epochs=2, progress=progress, seed=0)
+    assert capsys.readouterr().err == ""
+
+
+def test_plot_writes_a_png_of_the_expected_size(tmp_path):
+    image = pytest.importorskip("matplotlib.image")
+    ens = vmapens.Ensemble(models.MLP, n=3, seed=0).double()
+    h = ens.fit((X, Y), nn.MSELoss(), epochs=3, val_data=(XV, YV), progress=False, seed=0)
+    path = h.plot(tmp_path / "history.png", title="three members")
+    assert image.imread(path).shape[:2] == (400, 1000)
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path):
+    h = History.empty([0, 1], validated=False)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(ImportError, match=r"pip install 'vmapens\[plot\]'"):
+        h.plot(tmp_path / "h.png")
+
+
+def test_history_state_dict_round_trip():
+    ens = vmapens.Ensemble(models.MLP, n=2, seed=0).double()
+    h = ens.fit((X, Y), nn.MSELoss(), epochs=2, val_data=(XV, YV), progress=False, seed=0)
+    other = History.empty([0, 1], validated=True)
+    other.load_state_dict(h.state_dict())
+    assert other.epochs == 2 and torch.equal(other.val_loss, h.val_loss)
+    with pytest.raises(ValueError, match=r"History.load_state_dict: history `best_epoch`"):
+        other.load_state_dict({**h.state_dict(), "best_epoch": torch.zeros(3)})
+    assert other.best_epoch.shape == (2,)
+
+
+def one_shot():
+    return iter([(X, Y)])
+
+
+BAD = [
+    ("zero-epochs", dict(epochs=0), ValueError, r"fit: `epochs` must be >= 1, got 0"),
+    ("float-steps", dict(steps=2.0), TypeError, r"fit: `steps` must be an int"),
+    ("patience-no-val", dict(patience=2), ValueError, r"`patience` needs `val_data`"),
+    ("patience-torch-adam", dict(patience=2, val_data=(XV, YV), optimizer="adam"), TypeError,
+     r"StackedAdam's mask, got Adam"),
+    ("bootstrap-iterable", dict(data=[(X, Y)], bootstrap=True), ValueError,
+     r"`bootstrap=True` needs `data` as an \(X, Y\)"),
+    ("one-shot-iterator", dict(data=one_shot()), TypeError, r"must be re-iterable"),
+    ("lr-and-optimizer", dict(lr=0.1, optimizer="adam"), ValueError, r"`lr` configures"),
+    ("bad-progress", dict(progress=42), TypeError, r"`progress` must be True, False or a text"),
+    ("bad-callback", dict(callbacks=[3]), TypeError, r"`callbacks\[0\]` must be callable"),
+    ("bad-val", dict(val_data=[XV, YV]), ValueError, r"`val_data` must be an \(X, Y\)"),
+    ("ragged-data", dict(data=(X, Y[:5])), ValueError, r"same number of samples"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("options,exc,match", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_arguments_raise_clearly_and_change_nothing(options, exc, match):
+    ens = vmapens.Ensemble(models.MLP, n=2, seed=0).double()
+    before = copy.deepcopy(ens.state_dict())
+    if options.get("optimizer") == "adam":
+        options["optimizer"] = torch.optim.Adam(ens.parameters())
+    options = {"data": (X, Y), **options}
+    with pytest.raises(exc, match=match):
+        vmapens.fit.fit(ens, options.pop("data"), nn.MSELoss(), **options)
+    torch.testing.assert_close(ens.state_dict(), before, rtol=0, atol=0)
