@@ -316,8 +316,9 @@ def time_step(
         min_steps: Fewest steps in one batch.
 
     Returns:
-        ``ms`` (median over batches of ms/step), ``first_ms`` (the first call: compile time for a
-        compiled step), ``steps`` per batch and ``repeats``.
+        ``ms`` (median over batches of ms/step), ``min_ms`` (fastest batch: the steadier figure
+        on a shared machine), ``first_ms`` (the first call: compile time for a compiled step),
+        ``steps`` per batch and ``repeats``.
 
     Example:
         >>> time_step(lambda: None, repeats=1, min_time_s=0.0)["steps"]
@@ -337,8 +338,9 @@ def time_step(
     # The median of single warm-up steps sizes the batches; one step alone is too noisy for that.
     per_step = statistics.median(timed(1) for _ in range(max(warmup, 1)))
     steps = max(min_steps, math.ceil(min_time_s / max(per_step, 1e-7)))
-    ms = statistics.median(timed(steps) for _ in range(repeats)) * 1e3
-    return {"ms": ms, "first_ms": first * 1e3, "steps": steps, "repeats": repeats}
+    batches = [timed(steps) * 1e3 for _ in range(repeats)]
+    ms, min_ms = statistics.median(batches), min(batches)
+    return {"ms": ms, "min_ms": min_ms, "first_ms": first * 1e3, "steps": steps, "repeats": repeats}
 
 
 def _measure(factory: StepFactory, n: int, device: torch.device, cfg: dict) -> dict:
