@@ -6,7 +6,7 @@ import copy
 import io
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import models

@@ -1,0 +1,260 @@
+"""Checkpoints: resume equals an uninterrupted run bit for bit; bad files change nothing."""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import sys
+from dataclasses import dataclass
+
+import models
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import vmapens
+from vmapens import checkpoint
+from vmapens.fit import History
+
+N = 4
+F64 = dict(dtype=torch.float64)
+G = torch.Generator().manual_seed(1)
+X, Y = torch.randn(24, 4, generator=G, **F64), torch.randn(24, 3, generator=G, **F64)
+XV, YV = torch.randn(10, 4, generator=G, **F64), torch.randn(10, 3, generator=G, **F64)
+EXACT = dict(rtol=0, atol=0)
+
+
+class DropoutMLP(models.MLP):
+    """Dropout draws from torch's global RNG: resume must restore it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+class BatchNormMLP(models.MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.bn(x))
+
+
+class Interrupt(Exception):
+    pass
+
+
+def interrupt_after(epoch: int):
+    def callback(history: History) -> None:
+        if history.epochs == epoch:
+            raise Interrupt
+
+    return callback
+
+
+@dataclass
+class Case:
+    id: str
+    factory: type
+    options: dict
+    data: object = None
+
+
+CASES = [
+    Case("shuffle-batches", models.MLP, dict(batch_size=5, seed=3)),
+    Case("bootstrap-shuffle-patience", models.MLP,
+         dict(batch_size=8, bootstrap=True, seed=3, val_data=(XV, YV), patience=2,
+              lr=[1e-3, 1e-2, 3e-2, 1e-1])),
+    Case("steps-across-passes", models.MLP, dict(steps=7, batch_size=5, seed=3)),
+    Case("dropout-and-drawn-seed", DropoutMLP, dict(batch_size=8)),
+    Case("batchnorm-dataloader", BatchNormMLP, dict(val_data=(XV, YV)),
+         data=DataLoader(TensorDataset(X, Y), batch_size=8, shuffle=True)),
+]  # fmt: skip
+
+
+def run(case: Case, path, epochs: int, callbacks=()):
+    torch.manual_seed(0)  # same global RNG for each run (dropout, drawn seeds, DataLoader)
+    ens = vmapens.Ensemble(case.factory, n=N, seed=0).double()
+    data = (X, Y) if case.data is None else case.data
+    options = {"lr": 1e-2, **case.options}
+    opt = vmapens.StackedAdam(ens, lr=options.pop("lr"))
+    history = ens.fit(data, nn.MSELoss(), epochs=epochs, optimizer=opt, progress=False,
+                      checkpoint=path, callbacks=callbacks, **options)  # fmt: skip
+    return ens, opt, history
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_resume_equals_the_uninterrupted_run_exactly(case: Case, tmp_path):
+    ens, opt, history = run(case, tmp_path / "straight.pt", epochs=5)
+    path = tmp_path / "resumed.pt"
+    with pytest.raises(Interrupt):
+        run(case, path, epochs=5, callbacks=[interrupt_after(2)])
+    torch.manual_seed(123)  # the resumed run must not depend on the global RNG at its start
+    again, again_opt, again_history = run(case, path, epochs=5)
+
+    torch.testing.assert_close(again.state_dict(), ens.state_dict(), **EXACT)
+    torch.testing.assert_close(again_opt.state_dict(), opt.state_dict(), **EXACT)
+    torch.testing.assert_close(
+        again_history.state_dict(), history.state_dict(), equal_nan=True, **EXACT
+    )
+
+
+def test_more_epochs_continue_a_finished_run(tmp_path):
+    case = CASES[0]
+    ens, _, _ = run(case, tmp_path / "straight.pt", epochs=4)
+    run(case, tmp_path / "steps.pt", epochs=2)
+    again, _, history = run(case, tmp_path / "steps.pt", epochs=4)
+    assert history.epochs == 4
+    torch.testing.assert_close(again.state_dict(), ens.state_dict(), **EXACT)
+
+
+def test_resume_with_other_options_is_refused(tmp_path):
+    path = tmp_path / "run.pt"
+    run(CASES[0], path, epochs=1)
+    other = Case("other", models.MLP, dict(batch_size=6, seed=3))
+    with pytest.raises(ValueError, match=r"other options: batch_size=6 \(checkpoint: 5\)"):
+        run(other, path, epochs=2)
+
+
+def test_save_load_round_trip(tmp_path):
+    ens = vmapens.Ensemble(models.Tied, n=3, seed=0)
+    opt = vmapens.StackedAdam(ens, lr=[1e-3, 1e-2, 1e-1])
+    ens.fit((torch.randint(0, 10, (6, 5)), torch.randn(6, 3)), nn.MSELoss(), optimizer=opt,
+            epochs=2, progress=False, seed=0)  # fmt: skip
+    ens.save(tmp_path / "ens.pt", optimizer=opt)
+    loaded, loaded_opt = vmapens.Ensemble.load(
+        tmp_path / "ens.pt", models.Tied, optimizer=lambda e: vmapens.StackedAdam(e, lr=0.5)
+    )
+    torch.testing.assert_close(loaded.state_dict(), ens.state_dict(), **EXACT)
+    torch.testing.assert_close(loaded_opt.state_dict(), opt.state_dict(), **EXACT)
+    assert loaded.member_ids == range(3) and loaded.n_total == 3
+
+
+def test_write_is_atomic(tmp_path, monkeypatch):
+    ens = vmapens.Ensemble(models.MLP, n=2, seed=0)
+    path = tmp_path / "ens.pt"
+    checkpoint.save(ens, path)
+    good = path.read_bytes()
+
+    def crash(obj, f):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(ens, path)
+    assert path.read_bytes() == good and os.listdir(tmp_path) == ["ens.pt"]
+
+
+class Evil:
+    def __reduce__(self):
+        return (print, ("this ran while loading",))
+
+
+def truncated(path, ens):
+    checkpoint.save(ens, path)
+    path.write_bytes(path.read_bytes()[:300])
+
+
+def wrong_count(path, ens):
+    checkpoint.save(vmapens.Ensemble(models.MLP, n=8, seed=0), path)
+
+
+def wrong_class(path, ens):
+    checkpoint.save(vmapens.Ensemble(models.CNN, n=5, seed=0), path)
+
+
+def malicious(path, ens):
+    with open(path, "wb") as f:
+        pickle.dump({"format": "vmapens-checkpoint", "evil": Evil()}, f, protocol=2)
+
+
+def malicious_zip(path, ens):
+    torch.save({"format": "vmapens-checkpoint", "evil": Evil()}, path)
+
+
+def not_a_checkpoint(path, ens):
+    torch.save({"weight": torch.zeros(3)}, path)
+
+
+def wrong_dtype(path, ens):
+    checkpoint.save(vmapens.Ensemble(models.MLP, n=5, seed=0).double(), path)
+
+
+BAD = [
+    (truncated, r"ck\.pt is not a readable checkpoint \(truncated or corrupt"),
+    (wrong_count, r"ck\.pt holds 8 members of models\.MLP .* this ensemble has 5 members of models\.MLP"),
+    (wrong_class, r"ck\.pt holds 5 members of models\.CNN .* this ensemble has 5 members of models\.MLP"),
+    (malicious, r"refusing to load .*ck\.pt: it holds objects other than tensors"),
+    (malicious_zip, r"refusing to load .*ck\.pt: it holds objects other than tensors"),
+    (not_a_checkpoint, r"ck\.pt is not a vmapens checkpoint"),
+    (wrong_dtype, r"ck\.pt: `fc1\.weight` is .*float64.*this ensemble has .*float32"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("make,match", BAD, ids=[b[0].__name__ for b in BAD])
+def test_bad_checkpoint_raises_clearly_and_changes_nothing(make, match, tmp_path, capsys):
+    ens = vmapens.Ensemble(models.MLP, n=5, seed=0)
+    opt = vmapens.StackedAdam(ens, lr=1e-2)
+    ens(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    before = copy.deepcopy((ens.state_dict(), opt.state_dict()))
+    path = tmp_path / "ck.pt"
+    make(path, ens)
+    for attempt in (
+        lambda: checkpoint.restore(path, ens, opt),
+        lambda: ens.fit((X, Y), nn.MSELoss(), optimizer=opt, checkpoint=path, progress=False),
+    ):
+        with pytest.raises(ValueError, match=match):
+            attempt()
+        torch.testing.assert_close((ens.state_dict(), opt.state_dict()), before, **EXACT)
+    if make is wrong_count:  # load builds as many members as the file holds
+        assert len(vmapens.Ensemble.load(path, models.MLP)) == 8
+    else:
+        with pytest.raises(ValueError, match=match.replace("5 members", r"\d members")):
+            vmapens.Ensemble.load(path, models.MLP)
+    assert "this ran" not in capsys.readouterr().out
+
+
+def test_plain_save_is_not_a_fit_checkpoint(tmp_path):
+    ens = vmapens.Ensemble(models.MLP, n=2, seed=0)
+    opt = vmapens.StackedAdam(ens)
+    checkpoint.save(ens, tmp_path / "ck.pt", optimizer=opt, history=History.empty([0, 1], False))
+    with pytest.raises(ValueError, match=r"was written by save\(\), not by fit"):
+        ens.fit((X, Y), nn.MSELoss(), optimizer=opt, checkpoint=tmp_path / "ck.pt", progress=False)
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+@pytest.mark.parametrize("factory", [models.MLP, models.Tied, models.Awkward, models.CNN])
+def test_save_members_loads_into_the_users_class(factory, fmt, tmp_path):
+    ens = vmapens.Ensemble(factory, n=2, seed=0)
+    ens.member_ids, ens.n_total = range(3, 5), 5  # a shard: files are named by global index
+    paths = vmapens.checkpoint.save_members(ens, tmp_path / "members", format=fmt)
+    assert [p.name for p in paths] == [f"member_0003.{fmt}", f"member_0004.{fmt}"]
+    for path, member in zip(paths, ens.unstack(), strict=True):
+        if fmt == "pt":
+            state = torch.load(path)
+        else:
+            from safetensors.torch import load_file
+
+            state = load_file(path)
+        model = factory()
+        model.load_state_dict(state)
+        torch.testing.assert_close(model.state_dict(), member.state_dict(), **EXACT)
+
+
+def test_save_members_without_safetensors_says_how_to_get_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    ens = vmapens.Ensemble(models.MLP, n=2, seed=0)
+    with pytest.raises(ImportError, match=r"pip install 'vmapens\[safetensors\]'"):
+        ens.save_members(tmp_path, format="safetensors")
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match=r"`format` must be 'pt' or 'safetensors', got 'npz'"):
+        ens.save_members(tmp_path, format="npz")
