@@ -8,6 +8,7 @@ the test process imports the same functions to run them in one process and compa
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,9 +19,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import vmapens  # noqa: E402
+from vmapens import distributed  # noqa: E402
 
 SEED = 100
 STEPS = 6
+EPOCHS, BATCH = 4, 4
 D_IN, D_OUT, ROWS = 4, 2, 16
 
 
@@ -63,10 +66,41 @@ def train_steps(n: int, shard: bool) -> vmapens.Ensemble:
     return ens
 
 
+def fit(n: int, shard: bool, checkpoint: Path | None = None, loss_fn=None, callbacks=()):
+    """ens.fit with bagging, per-member learning rates, shuffled mini-batches."""
+    ens = vmapens.Ensemble(factory, n, seed=SEED, shard=shard)
+    history = ens.fit(
+        data(),
+        loss_fn or nn.MSELoss(),
+        epochs=EPOCHS,
+        batch_size=BATCH,
+        bootstrap=True,
+        lr=learning_rates(n),
+        seed=SEED,
+        progress=False,
+        checkpoint=checkpoint,
+        callbacks=callbacks,
+    )
+    return ens, history
+
+
+class FailOnce:
+    """MSELoss that makes this process die mid-way through epoch 2, on the first attempt only."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        self.calls += 1  # one call per step: the loss is traced once under vmap
+        if self.calls == ROWS // BATCH + 2:
+            raise RuntimeError("dist_worker: injected failure in epoch 2")
+        return nn.functional.mse_loss(out, target)
+
+
 def main(scenario: str, out: Path) -> None:
     dist.init_process_group("gloo")
     me = dist.get_rank()
-    if scenario == "steps":
+    if scenario == "main":
         report = {}
         for n in (8, 7):
             ens = train_steps(n, shard=True)
@@ -82,10 +116,36 @@ def main(scenario: str, out: Path) -> None:
         except ValueError as err:
             report["too_many_ranks"] = str(err)
         (out / f"rank{me}.json").write_text(json.dumps(report))
+        ens, history = fit(8, shard=True)
+        ens.save_members(out / "members")
+        write_fit(ens, history, out / "fit.pt")
+    elif scenario == "fault":
+        fail = os.environ.get("VMAPENS_TEST_FAIL_RANK") == str(me)
+        first_attempt = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+        loss_fn = FailOnce() if fail and first_attempt else None
+        epochs_run: list[int] = []
+        ens, history = fit(
+            8,
+            shard=True,
+            checkpoint=out / "ckpt.pt",
+            loss_fn=loss_fn,
+            callbacks=[lambda h: epochs_run.append(h.epochs)],
+        )
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        (out / f"attempt{attempt}.rank{me}.json").write_text(json.dumps(epochs_run))
+        write_fit(ens, history, out / "fit.pt")
     else:
         raise SystemExit(f"dist_worker: unknown scenario {scenario!r}")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def write_fit(ens: vmapens.Ensemble, history, path: Path) -> None:
+    """Gather the ensemble and its history onto rank 0 and save them there."""
+    full = ens.gather(dst=0)
+    merged = distributed.gather_history(history, dst=0)
+    if dist.get_rank() == 0:
+        torch.save({"state": full.state_dict(), "history": merged.state_dict()}, path)
 
 
 if __name__ == "__main__":

@@ -55,9 +55,61 @@ def assert_same_state(got: dict, expected: dict) -> None:
 
 @pytest.fixture(scope="module")
 def steps_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("steps")
-    launch("steps", out)
+    """One 2-rank run of dist_worker's "main" scenario; the tests below read its files."""
+    out = tmp_path_factory.mktemp("main")
+    launch("main", out)
     return out
+
+
+@pytest.fixture(scope="module")
+def single_fit(tmp_path_factory) -> tuple[dict, dict, Path]:
+    """The fit scenario in this process, unsharded: state, history, save_members directory."""
+    ens, history = dist_worker.fit(8, shard=False)
+    members = tmp_path_factory.mktemp("single") / "members"
+    ens.save_members(members)
+    return ens.state_dict(), history.state_dict(), members
+
+
+def assert_same_fit(path: Path, single_fit: tuple) -> None:
+    state, history, _ = single_fit
+    got = torch.load(path)
+    assert_same_state(got["state"], state)
+    assert got["history"]["member_ids"] == list(range(8))
+    assert_same_state(
+        {k: v for k, v in got["history"].items() if isinstance(v, torch.Tensor)},
+        {k: v for k, v in history.items() if isinstance(v, torch.Tensor)},
+    )
+
+
+def test_sharded_fit_gathers_to_single_process_run(steps_run: Path, single_fit: tuple):
+    assert_same_fit(steps_run / "fit.pt", single_fit)
+
+
+def test_save_members_from_two_ranks_equals_one_process(steps_run: Path, single_fit: tuple):
+    expected = single_fit[2]
+    names = sorted(p.name for p in expected.iterdir())
+    assert sorted(p.name for p in (steps_run / "members").iterdir()) == names
+    for name in names:
+        assert_same_state(torch.load(steps_run / "members" / name), torch.load(expected / name))
+
+
+def test_rank_dies_mid_training_restart_resumes_from_checkpoints(tmp_path: Path, single_fit):
+    # The shared rendezvous store would hand restarted workers the dead attempt's addresses
+    # (pytorch/pytorch#135712): keep the workers' store apart from the agent's.
+    env = {"VMAPENS_TEST_FAIL_RANK": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    launch("fault", tmp_path, restarts=1, env=env)
+    # Rank 0 may finish fitting in the first attempt: it then dies waiting in gather.
+    assert not (tmp_path / "attempt0.rank1.json").exists(), "rank 1 should have failed"
+    # Rank 1 wrote its epoch-1 checkpoint, died in epoch 2, and ran only epochs 2..4 again.
+    assert json.loads((tmp_path / "attempt1.rank1.json").read_text()) == [2, 3, 4]
+    # Rank 0 resumed from wherever it was when the group was stopped (possibly the end).
+    rank0 = json.loads((tmp_path / "attempt1.rank0.json").read_text())
+    assert rank0 == [1, 2, 3, 4][4 - len(rank0) :]
+    assert sorted(p.name for p in tmp_path.glob("ckpt*")) == [
+        "ckpt.rank0-of-2.pt",
+        "ckpt.rank1-of-2.pt",
+    ]
+    assert_same_fit(tmp_path / "fit.pt", single_fit)
 
 
 @pytest.mark.parametrize("n", [8, 7], ids=["n8-even", "n7-uneven"])
