@@ -1,7 +1,7 @@
 """Adam for stacked ensembles: per-member hyperparameters, masks and gradient clipping.
 
 Every tensor here carries a leading member dim of size n; member ``i`` owns ``p[i]``.
-The maths lives once, in :func:`adam_update`; :class:`StackedAdam` is the
+The maths lives once, in :func:`adam_update_`; :class:`StackedAdam` is the
 ``torch.optim.Optimizer`` shell around it.
 """
 
@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MemberValues", "StackedAdam", "adam_update", "clip_grad_norm_"]
+__all__ = ["MemberValues", "StackedAdam", "adam_update", "adam_update_", "clip_grad_norm_"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 Scalar = float | Tensor
 
 
@@ -115,20 +116,13 @@ def _rows(t: Tensor) -> Tensor:
     return t.reshape(t.shape[0], math.prod(t.shape[1:]))
 
 
-def _member_col(x: Scalar, n: int, device: torch.device) -> Tensor:
-    """A hyperparameter as a float64 [n] tensor on ``device``."""
-    if isinstance(x, Tensor):
-        return x.to(device=device, dtype=torch.float64).expand(n)
-    return torch.full((n,), float(x), dtype=torch.float64, device=device)
-
-
-def adam_update(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor | None],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    max_exp_avg_sqs: Sequence[Tensor],
-    step: Tensor | Sequence[Tensor],
+def adam_update_(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    max_exp_avg_sq: Tensor | None,
+    step: Tensor,
     *,
     lr: Scalar,
     beta1: Scalar,
@@ -139,11 +133,11 @@ def adam_update(
     amsgrad: bool = False,
     maximize: bool = False,
     mask: Tensor | None = None,
-) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], Tensor | list[Tensor]]:
-    r"""One Adam step on stacked tensors, each member with its own hyperparameters.
+) -> None:
+    r"""One Adam step on a stacked tensor, in place, each member with its own hyperparameters.
 
-    Follows ``torch.optim.Adam`` (Kingma & Ba, 2015, Algorithm 1; AdamW's decoupled decay from
-    Loshchilov & Hutter, 2019) operation for operation, per member ``i`` with step ``t``:
+    Follows ``torch.optim.Adam``'s single-tensor update (Kingma & Ba, 2015, Algorithm 1;
+    AdamW's decoupled decay from Loshchilov & Hutter, 2019) per member ``i`` with step ``t``:
 
     .. code-block:: text
 
@@ -152,125 +146,96 @@ def adam_update(
         v   = v * beta2 + (1 - beta2) * g * g;  v_max = max(v_max, v) if amsgrad
         p  += -(lr / (1 - beta1**t)) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
 
-    Per-member scalars are computed in float64 and cast to the opmath dtype (float32 for
-    bf16/fp16, whose tensors are upcast for the arithmetic and rounded once at the end).
-    Pure: nothing is mutated, and there is no ``.item()`` or branching on tensor values, so it
-    traces under ``torch.compile(fullgraph=True)``.
+    Per-member scalars are computed in float64 (torch computes them in Python floats) and
+    broadcast as ``[n, 1, ...]`` columns. No ``.item()`` and no branching on tensor values, so
+    it traces under ``torch.compile(fullgraph=True)``. ``StackedAdam`` calls it once per
+    parameter group, on all parameters concatenated into one ``[n, total]`` tensor.
 
     Args:
-        params: Stacked parameters, each [n, ...].
-        grads: Their gradients; a ``None`` entry skips that parameter (state untouched), as
-            ``torch.optim.Adam`` does.
-        exp_avgs: First moments, shaped like ``params``.
-        exp_avg_sqs: Second moments, shaped like ``params``.
-        max_exp_avg_sqs: Running maxima of the second moments (read only when ``amsgrad``).
-        step: Float32 [n] step counts, either one tensor shared by all parameters or a sequence
-            with one per parameter (as ``torch.optim.Adam`` keeps one per parameter).
-        lr: Learning rate, a float or an [n] tensor.
-        beta1: First-moment decay, a float or an [n] tensor.
-        beta2: Second-moment decay, a float or an [n] tensor.
-        eps: Denominator term, a float or an [n] tensor.
-        weight_decay: L2 (or decoupled) weight decay, a float or an [n] tensor.
+        param: Stacked parameter [n, ...], updated in place.
+        grad: Its gradient (not modified).
+        exp_avg: First moment, shaped like ``param``, updated in place.
+        exp_avg_sq: Second moment, shaped like ``param``, updated in place.
+        max_exp_avg_sq: Running maximum of the second moment (``amsgrad``), else None.
+        step: Float32 [n] per-member step counts, updated in place.
+        lr: Learning rate, a float or a float64 [n] tensor.
+        beta1: First-moment decay, a float or a float64 [n] tensor.
+        beta2: Second-moment decay, a float or a float64 [n] tensor.
+        eps: Denominator term, a float or a float64 [n] tensor.
+        weight_decay: L2 (or decoupled) weight decay, a float or a float64 [n] tensor.
         decoupled_weight_decay: Use AdamW's decoupled weight decay.
         amsgrad: Normalise by the running maximum of the second moment.
         maximize: Ascend instead of descend.
         mask: Optional bool [n]; members where it is False come out bit-identical.
 
-    Returns:
-        New ``(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step)``; skipped parameters
-        are returned as the input tensors, ``step`` in the form it was given.
-
     Example:
         >>> p, g = torch.zeros(3, 2), torch.ones(3, 2)
-        >>> z, s = torch.zeros(3, 2), torch.zeros(3)
-        >>> out = adam_update([p], [g], [z], [z], [], s, lr=torch.tensor([0.1, 0.2, 0.3]),
-        ...                   beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
-        >>> out[0][0][:, 0]
-        tensor([-0.1000, -0.2000, -0.3000])
+        >>> m, v, s = torch.zeros(3, 2), torch.zeros(3, 2), torch.zeros(3)
+        >>> adam_update_(p, g, m, v, None, s, lr=torch.tensor([0.1, 0.2, 0.3]),
+        ...              beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+        >>> p[:, 0], s
+        (tensor([-0.1000, -0.2000, -0.3000]), tensor([1., 1., 1.]))
     """
-    shared_step = isinstance(step, Tensor)
-    steps = [step] * len(params) if shared_step else list(step)
-    new_p, new_m, new_v = list(params), list(exp_avgs), list(exp_avg_sqs)
-    new_vmax = list(max_exp_avg_sqs)
-    new_steps = list(steps)
-    live = [k for k, g in enumerate(grads) if g is not None]
-    if not live:
-        return new_p, new_m, new_v, new_vmax, step if shared_step else new_steps
+    state = (param, exp_avg, exp_avg_sq, *([max_exp_avg_sq] if amsgrad else []), step)
+    before = None if mask is None else [t.clone() for t in state]
+    # Low-precision tensors take float32 columns: in-place ops compute in the promoted dtype.
+    dtype = torch.float32 if param.dtype in _LOW_PRECISION else param.dtype
+    shape = (param.shape[0],) + (1,) * (param.dim() - 1)
 
-    p0 = params[live[0]]
-    n, device = p0.shape[0], p0.device
-    f64 = torch.float64
+    def col(x: Scalar) -> Scalar:
+        return x.to(dtype).view(shape) if isinstance(x, Tensor) else x
 
-    def opmath(t: Tensor) -> torch.dtype:
-        return torch.float32 if t.dtype in _LOW_PRECISION else t.dtype
-
-    def cols(x: Tensor) -> list[Tensor]:
-        """Per-member float64 [n] -> one [n, 1] column per live tensor, in its opmath dtype."""
-        by_dtype: dict[torch.dtype, Tensor] = {}
-        out = []
-        for k in live:
-            dt = opmath(params[k])
-            if dt not in by_dtype:
-                by_dtype[dt] = x.to(dt).unsqueeze(1)
-            out.append(by_dtype[dt])
-        return out
-
-    def up(ts: Sequence[Tensor]) -> list[Tensor]:
-        return [_rows(ts[k]).to(opmath(params[k])) for k in live]
-
-    lr64, b1, b2 = (_member_col(x, n, device) for x in (lr, beta1, beta2))
-    ps, ms, vs = up(params), up(exp_avgs), up(exp_avg_sqs)
-    gs = up(grads)  # type: ignore[arg-type]
-    if maximize:
-        gs = torch._foreach_neg(gs)
-    if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
-        wd = _member_col(weight_decay, n, device)
+    g = -grad if maximize else grad
+    if isinstance(weight_decay, Tensor) or weight_decay != 0:
         if decoupled_weight_decay:
-            ps = torch._foreach_mul(ps, cols(1 - lr64 * wd))
+            param.mul_(col(1 - lr * weight_decay))
         else:
-            gs = torch._foreach_add(gs, torch._foreach_mul(ps, cols(wd)))
-
-    ms = torch._foreach_lerp(ms, gs, cols(1 - b1))
-    vs = torch._foreach_addcmul(
-        torch._foreach_mul(vs, cols(b2)), torch._foreach_mul(gs, cols(1 - b2)), gs
-    )
+            g = g + col(weight_decay) * param
+    exp_avg.lerp_(g, col(1 - beta1))
+    if isinstance(beta2, Tensor):
+        exp_avg_sq.mul_(col(beta2)).addcmul_(g, g * col(1 - beta2))
+    else:
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    step.add_(1)
+    bias_correction1 = 1 - torch.pow(beta1, step.double())
+    bias_correction2_sqrt = (1 - torch.pow(beta2, step.double())).sqrt()
     if amsgrad:
-        vmaxs = torch._foreach_maximum(up(max_exp_avg_sqs), vs)
-    # Each parameter keeps its own count (like torch), so bias corrections are per tensor.
-    stepped = [steps[k] + 1 for k in live]
-    denoms, neg_sizes = [], []
-    for j, k in enumerate(live):
-        t = stepped[j].to(device=device, dtype=f64)
-        dt = opmath(params[k])
-        bc1, bc2_sqrt = 1 - b1.pow(t), (1 - b2.pow(t)).sqrt()
-        neg_sizes.append((-(lr64 / bc1)).to(dt).unsqueeze(1))
-        denoms.append(bc2_sqrt.to(dt).unsqueeze(1))
-    denoms = torch._foreach_add(
-        torch._foreach_div(torch._foreach_sqrt(vmaxs if amsgrad else vs), denoms),
-        cols(_member_col(eps, n, device)),
-    )
-    ps = torch._foreach_addcdiv(ps, torch._foreach_mul(ms, neg_sizes), denoms)
+        torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
+    denom = (max_exp_avg_sq if amsgrad else exp_avg_sq).sqrt()
+    denom.div_(col(bias_correction2_sqrt)).add_(col(eps))
+    # torch's capturable Adam folds the step size into the denominator the same way.
+    param.addcdiv_(exp_avg, denom.div_(col(-lr / bias_correction1)))
+    if before is not None:
+        for t, old in zip(state, before, strict=True):
+            t.copy_(torch.where(mask.view((-1,) + (1,) * (t.dim() - 1)), t, old))
 
-    keep = None if mask is None else mask.to(device).unsqueeze(1)
 
-    def put(dst: list[Tensor], src: Sequence[Tensor], new: list[Tensor]) -> None:
-        for j, k in enumerate(live):
-            old = src[k]
-            val = new[j].to(old.dtype)
-            if keep is not None:
-                val = torch.where(keep, val, _rows(old))
-            dst[k] = val.reshape(old.shape)
+def adam_update(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    max_exp_avg_sq: Tensor | None,
+    step: Tensor,
+    **hyperparameters: Any,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+    """The pure form of :func:`adam_update_`: returns new tensors, mutates nothing.
 
-    put(new_p, params, ps)
-    put(new_m, exp_avgs, ms)
-    put(new_v, exp_avg_sqs, vs)
-    if amsgrad:
-        put(new_vmax, max_exp_avg_sqs, vmaxs)
-    for j, k in enumerate(live):
-        new_steps[k] = stepped[j] if mask is None else torch.where(mask, stepped[j], steps[k])
-    if shared_step:
-        return new_p, new_m, new_v, new_vmax, new_steps[live[0]]
-    return new_p, new_m, new_v, new_vmax, new_steps
+    Takes the same arguments and returns ``(param, exp_avg, exp_avg_sq, max_exp_avg_sq,
+    step)``, for functional training steps (``torch.func``, ``torch.compile``).
+
+    Example:
+        >>> p, g, z, s = torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2, 3), torch.zeros(2)
+        >>> new_p, *_ = adam_update(p, g, z, z, None, s, lr=0.1, beta1=0.9, beta2=0.999,
+        ...                         eps=1e-8, weight_decay=0.0)
+        >>> new_p[0], p[0]
+        (tensor([-0.1000, -0.1000, -0.1000]), tensor([0., 0., 0.]))
+    """
+    new = [
+        None if t is None else t.clone() for t in (param, exp_avg, exp_avg_sq, max_exp_avg_sq, step)
+    ]
+    adam_update_(new[0], grad, new[1], new[2], new[3], new[4], **hyperparameters)
+    return tuple(new)  # type: ignore[return-value]
 
 
 def _flat_params(params: Any) -> list[Any]:
@@ -410,6 +375,7 @@ class StackedAdam(torch.optim.Optimizer):
             maximize=maximize,
         )
         self._normalise(defaults)
+        self._flat: list[dict[str, Any] | None] = []  # per param group, see _pack
         super().__init__(items, defaults)
 
     def _normalise(self, group: dict[str, Any]) -> None:
@@ -452,8 +418,8 @@ class StackedAdam(torch.optim.Optimizer):
             group.setdefault(key, default)
         self._normalise(group)
         super().add_param_group(group)
+        # Eager state keeps step() free of data-dependent initialisation (compile-friendly).
         for p in group["params"]:
-            # Eager state keeps step() free of data-dependent initialisation (compile-friendly).
             state = self.state[p]
             if not state:
                 state["step"] = torch.zeros(self.num_members, dtype=torch.float32, device=p.device)
@@ -461,6 +427,59 @@ class StackedAdam(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 if group["amsgrad"]:
                     state["max_exp_avg_sq"] = torch.zeros_like(p)
+        self._pack(group)
+
+    def _pack(self, group: dict[str, Any]) -> None:
+        """Move the group's state into flat ``[n, total]`` buffers that the state keeps views of.
+
+        While every parameter of the group has a gradient and one shared step count, a step
+        is then one ``adam_update`` on a single ``[n, total]`` tensor: a handful of kernels
+        whatever the depth of the model, instead of a handful per parameter.
+        """
+        index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        del self._flat[index:]
+        params = group["params"]
+        if len({(p.dtype, p.device) for p in params}) != 1:
+            self._flat.append(None)  # mixed dtypes or devices: per-tensor updates only
+            return
+        states = [self.state[p] for p in params]
+        shared = states[0]["step"]
+        if all(torch.equal(s["step"], shared) for s in states):
+            for s in states:
+                s["step"] = shared
+        flat: dict[str, Any] = {"step": shared, "views": {}}
+        for key in _MOMENTS:
+            if key not in states[0]:
+                continue
+            flat[key] = torch.cat([_rows(s[key]) for s in states], dim=1)
+            offset, views = 0, []
+            for s, p in zip(states, params, strict=True):
+                size = p[0].numel()
+                s[key] = flat[key][:, offset : offset + size].view(p.shape)
+                views.append(s[key])
+                offset += size
+            flat["views"][key] = views
+        self._flat.append(flat)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict saved by ``state_dict()`` (then re-flatten the state)."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            self._pack(group)
+
+    def _flat_state(self, index: int, grads: list[Tensor | None]) -> dict | None:
+        """Group ``index``'s flat buffers when the single-tensor update applies, else None."""
+        flat = self._flat[index]
+        if flat is None or any(g is None for g in grads):
+            return None
+        params = self.param_groups[index]["params"]
+        for k, p in enumerate(params):
+            s = self.state[p]
+            if not p.is_contiguous() or s["step"] is not flat["step"]:
+                return None
+            if any(s[key] is not views[k] for key, views in flat["views"].items()):
+                return None
+        return flat
 
     def _check_mask(self, mask: Tensor | None) -> None:
         if mask is None:
@@ -477,41 +496,50 @@ class StackedAdam(torch.optim.Optimizer):
     def _update(self, grads: Sequence[Tensor | None], mask: Tensor | None) -> None:
         with torch.no_grad():
             start = 0
-            for group in self.param_groups:
+            for index, group in enumerate(self.param_groups):
                 params = group["params"]
                 g = list(grads[start : start + len(params)])
                 start += len(params)
-                live = [k for k, x in enumerate(g) if x is not None]
-                if not live:
+                flat = self._flat_state(index, g)
+                if flat is not None:
+                    # The whole group as one [n, total] tensor (see _pack).
+                    rows = [_rows(p) for p in params]  # views: the params are contiguous
+                    p = torch.cat(rows, dim=1)
+                    self._adam(group, p, torch.cat([_rows(x) for x in g], dim=1), flat, mask)
+                    torch._foreach_copy_(rows, list(p.split([r.shape[1] for r in rows], dim=1)))
                     continue
                 states = [self.state[p] for p in params]
-                amsgrad = group["amsgrad"]
-                device = params[live[0]].device
-                b1, b2 = group["betas"]
-                out = adam_update(
-                    params,
-                    g,
-                    [s["exp_avg"] for s in states],
-                    [s["exp_avg_sq"] for s in states],
-                    [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
-                    [s["step"] for s in states],
-                    lr=_arg(group["lr"], device),
-                    beta1=_arg(b1, device),
-                    beta2=_arg(b2, device),
-                    eps=_arg(group["eps"], device),
-                    weight_decay=_arg(group["weight_decay"], device),
-                    decoupled_weight_decay=group["decoupled_weight_decay"],
-                    amsgrad=amsgrad,
-                    maximize=group["maximize"],
-                    mask=mask,
-                )
-                dst = [params, *([s[key] for s in states] for key in ("exp_avg", "exp_avg_sq"))]
-                if amsgrad:
-                    dst.append([s["max_exp_avg_sq"] for s in states])
-                dst.append([s["step"] for s in states])
-                src = [*out[:3], *(out[3:4] if amsgrad else []), out[4]]
-                for d, s in zip(dst, src, strict=True):
-                    torch._foreach_copy_([d[k] for k in live], [s[k] for k in live])
+                if len({id(s["step"]) for s in states}) < len(states):
+                    for s in states:  # per-parameter counts from here on, as torch keeps them
+                        s["step"] = s["step"].clone()
+                for p, grad, state in zip(params, g, states, strict=True):
+                    if grad is not None:  # no gradient: skipped, as torch.optim.Adam does
+                        self._adam(group, p, grad, state, mask)
+
+    def _adam(
+        self, group: dict[str, Any], param: Tensor, grad: Tensor, state: dict, mask: Tensor | None
+    ) -> None:
+        """``adam_update_`` with the group's hyperparameters."""
+        b1, b2 = group["betas"]
+        device = param.device
+        amsgrad = group["amsgrad"]
+        adam_update_(
+            param,
+            grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            state["max_exp_avg_sq"] if amsgrad else None,
+            state["step"],
+            lr=_arg(group["lr"], device),
+            beta1=_arg(b1, device),
+            beta2=_arg(b2, device),
+            eps=_arg(group["eps"], device),
+            weight_decay=_arg(group["weight_decay"], device),
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+            amsgrad=amsgrad,
+            maximize=group["maximize"],
+            mask=mask,
+        )
 
     def step(  # type: ignore[override]
         self, mask: Tensor | None = None, closure: Callable[[], Any] | None = None
