@@ -8,7 +8,7 @@ numbers taken under the same conditions. The workloads are described in ``WORKLO
 Example:
     >>> from vmapens.bench import WORKLOAD_A, time_step
     >>> step = WORKLOAD_A["torchfunc"](15, torch.device("cpu"))
-    >>> time_step(step, repeats=1, min_time_s=0.0).ms > 0
+    >>> time_step(step, repeats=1, min_time_s=0.0)["ms"] > 0
     True
 """
 
