@@ -262,18 +262,15 @@ class Ensemble(nn.Module):
         return functional_call(self._template, state, args, kwargs)
 
     def _vmap(self, state: dict, args: tuple, dims: tuple, kwargs: dict) -> Any:
-        def call(_: torch.Tensor, state: dict, args: tuple) -> Any:
-            return self._call_member(state, args, kwargs)
+        def call(state: dict, args: tuple) -> Any:
+            return self._call_member({k: v for k, v in state.items() if k}, args, kwargs)
 
-        # The first argument only carries the member dim, for members without any tensor of
-        # their own (nn.Dropout) that vmap would otherwise have nothing to map over.
+        if not state:  # a member without tensors (nn.Dropout): give vmap a member dim to map
+            state = {"": torch.empty(len(self), 0)}
         batched = vmap(
-            call, in_dims=(0, 0, dims), randomness=self.randomness, chunk_size=self.chunk_size
+            call, in_dims=(0, dims), randomness=self.randomness, chunk_size=self.chunk_size
         )
-        return batched(self._members_dim(), state, args)
-
-    def _members_dim(self) -> torch.Tensor:
-        return torch.empty(len(self), 0)
+        return batched(state, args)
 
     def _loop(self, state: dict, args: tuple, dims: tuple, kwargs: dict) -> Any:
         rng = torch.get_rng_state() if self.randomness == "same" else None
