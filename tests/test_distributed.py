@@ -193,3 +193,11 @@ def test_single_process_helpers_are_identities(tmp_path: Path):
     assert distributed.all_reduce_stats({"a": 1, "b": 2.5}) == {"a": 1.0, "b": 2.5}
     with pytest.raises(ValueError, match=r"^gather: `dst` must be a rank in \[0, 1\), got 1"):
         distributed.gather(ens, dst=1)
+
+
+def test_sharded_demo_outside_torchrun_says_how_to_launch(monkeypatch):
+    from vmapens.__main__ import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit, match=r"torchrun --standalone --nproc-per-node 2 -m vmapens"):
+        main(["demo", "--sharded"])
