@@ -7,6 +7,7 @@ the test process imports the same functions to run them in one process and compa
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -66,7 +67,9 @@ def train_steps(n: int, shard: bool) -> vmapens.Ensemble:
     return ens
 
 
-def fit(n: int, shard: bool, checkpoint: Path | None = None, loss_fn=None, callbacks=()):
+def fit(
+    n: int, shard: bool, checkpoint: Path | None = None, loss_fn=None, callbacks=(), progress=False
+):
     """ens.fit with bagging, per-member learning rates, shuffled mini-batches."""
     ens = vmapens.Ensemble(factory, n, seed=SEED, shard=shard)
     history = ens.fit(
@@ -77,7 +80,7 @@ def fit(n: int, shard: bool, checkpoint: Path | None = None, loss_fn=None, callb
         bootstrap=True,
         lr=learning_rates(n),
         seed=SEED,
-        progress=False,
+        progress=progress,
         checkpoint=checkpoint,
         callbacks=callbacks,
     )
@@ -116,7 +119,9 @@ def main(scenario: str, out: Path) -> None:
         except ValueError as err:
             report["too_many_ranks"] = str(err)
         (out / f"rank{me}.json").write_text(json.dumps(report))
-        ens, history = fit(8, shard=True)
+        bar = io.StringIO()  # only rank 0 draws; it shows totals over both ranks
+        ens, history = fit(8, shard=True, progress=bar)
+        (out / f"progress.rank{me}.txt").write_text(bar.getvalue())
         ens.save_members(out / "members")
         write_fit(ens, history, out / "fit.pt")
     elif scenario == "fault":

@@ -85,6 +85,12 @@ def test_sharded_fit_gathers_to_single_process_run(steps_run: Path, single_fit: 
     assert_same_fit(steps_run / "fit.pt", single_fit)
 
 
+def test_progress_only_on_rank_0_with_totals_over_ranks(steps_run: Path):
+    assert (steps_run / "progress.rank1.txt").read_text() == ""
+    text = (steps_run / "progress.rank0.txt").read_text()
+    assert "training 8/8" in text, text  # 4 members per rank, counted over both
+
+
 def test_save_members_from_two_ranks_equals_one_process(steps_run: Path, single_fit: tuple):
     expected = single_fit[2]
     names = sorted(p.name for p in expected.iterdir())

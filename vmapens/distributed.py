@@ -288,28 +288,33 @@ def _merge_columns(values: list[Any]) -> Any:
     return torch.cat(padded, dim=1)
 
 
-def all_reduce_stats(stats: dict[str, float]) -> dict[str, float]:
-    """Sum named floats over all ranks (every rank gets the totals); identity without a group.
+def all_reduce_stats(stats: dict[str, float], op: str = "sum") -> dict[str, float]:
+    """Reduce named floats over all ranks (every rank gets the result); identity without a group.
 
-    For progress lines that report totals over the whole ensemble, e.g. summed member losses
-    and member counts, from which any rank computes the mean over all members. A collective.
+    For progress lines that report the whole ensemble: summed member losses and member counts
+    (``op="sum"``), the lowest and highest member loss (``"min"``, ``"max"``). A collective:
+    every rank must call it at the same point with the same names.
 
     Args:
         stats: name -> float (or 0-dim tensor); every rank passes the same names.
+        op: ``"sum"``, ``"min"`` or ``"max"``.
 
     Returns:
-        name -> the sum over ranks, as floats.
+        name -> the reduction over ranks, as floats.
 
     Example:
         >>> all_reduce_stats({"loss_sum": 3.0, "members": 4})
         {'loss_sum': 3.0, 'members': 4.0}
     """
+    ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+    if op not in ops:
+        raise ValueError(f"all_reduce_stats: `op` must be one of {sorted(ops)}, got {op!r}")
     names = sorted(stats)
     values = torch.tensor([float(stats[k]) for k in names], dtype=torch.float64)
     if world_size() > 1:
         values = values.to(_comm_device())
-        dist.all_reduce(values)
-    return dict(zip(names, values.tolist()))
+        dist.all_reduce(values, op=ops[op])
+    return dict(zip(names, values.tolist(), strict=True))
 
 
 def rank_path(path: str | os.PathLike) -> Path:

@@ -15,7 +15,7 @@ import optree
 import torch
 from torch import Tensor
 
-from .distributed import rank_path
+from .distributed import all_reduce_stats, rank_path, world_size
 from .ensemble import per_member
 from .optim import StackedAdam
 
@@ -451,9 +451,12 @@ def fit(
     per_epoch = steps if steps is not None else source.length
     total = epochs * per_epoch if per_epoch else None
     bar = _progress_bar(progress, total, history.epochs * (per_epoch or 0))
+    # Under torch.distributed every rank runs the same epochs (the stop test and the progress
+    # totals are collectives at epoch ends); per-step bar updates would only show this rank.
+    sharded = world_size() > 1
     try:
         for epoch in range(history.epochs, epochs):
-            if not bool(loop.active.any()):
+            if loop.totals()["training"] == 0:
                 break
             bar.set_description(f"epoch {epoch + 1}/{epochs}")
             summed, count, last_shown = torch.zeros(n, dtype=torch.float64, device=device), 0, 0.0
@@ -466,7 +469,7 @@ def fit(
                 summed += losses.double()
                 count += 1
                 bar.update(1)
-                if not bar.disable and time.monotonic() - last_shown > 0.5:
+                if not bar.disable and not sharded and time.monotonic() - last_shown > 0.5:
                     bar.set_postfix_str(loop.describe(losses), refresh=False)
                     last_shown = time.monotonic()
             if count == 0:
@@ -523,15 +526,25 @@ class _Loop:
         self.active &= torch.isfinite(losses)
         return losses
 
-    def describe(self, losses: Tensor) -> str:
+    def totals(self, losses: Tensor | None = None) -> dict[str, float]:
+        """Members still training and their loss statistics, over all ranks (a collective)."""
         active = self.active.cpu()
-        live = losses.detach().double().cpu()[active]
-        stats = (
-            ""
-            if live.numel() == 0
-            else (f"loss {live.mean():.4g} (min {live.min():.4g}, max {live.max():.4g}), ")
+        live = torch.zeros(0) if losses is None else losses.detach().double().cpu()[active]
+        sums = all_reduce_stats(
+            {"training": active.sum(), "members": active.numel(), "sum": live.sum()}
         )
-        return f"{stats}training {int(active.sum())}/{active.numel()}"
+        low = all_reduce_stats({"min": live.min() if live.numel() else math.inf}, "min")
+        high = all_reduce_stats({"max": live.max() if live.numel() else -math.inf}, "max")
+        return {**sums, **low, **high}
+
+    def describe(self, losses: Tensor) -> str:
+        """The progress bar's text: loss mean/min/max over members still training, and count."""
+        t = self.totals(losses)
+        stats = ""
+        if t["training"]:
+            mean = t["sum"] / t["training"]
+            stats = f"loss {mean:.4g} (min {t['min']:.4g}, max {t['max']:.4g}), "
+        return f"{stats}training {int(t['training'])}/{int(t['members'])}"
 
     def end_epoch(self, epoch: int, mean_loss: Tensor) -> None:
         h = self.history
