@@ -159,7 +159,14 @@ def main(argv: list[str] | None = None) -> int:
         "bench", help="time vmapens against the naive loop and hand-merged models"
     )
     bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    bench.add_argument("--sizes", type=int, nargs="+", default=None)
+    bench.add_argument("--sizes", type=int, nargs="+", default=None, help="N for workload A")
+    bench.add_argument(
+        "--workloads",
+        nargs="+",
+        default=None,
+        choices=["A", "B", "optim"],
+        help="what to time (default: all; optim is the optimizer step alone)",
+    )
     bench.add_argument("--json", default=None, help="also write the results to this file")
     bench.add_argument("--quick", action="store_true", help="tiny sizes, a CI smoke test")
     bench.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -177,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     options = {"device": args.device, "quick": args.quick, "threads": args.threads}
     if args.sizes:
         options["sizes"] = tuple(args.sizes)
+    if args.workloads:
+        options["workloads"] = tuple(dict.fromkeys(args.workloads))
     results = benchmarks.run(**options)
     print(benchmarks.format_table(results))
     if args.json:
