@@ -318,9 +318,16 @@ class Ensemble(nn.Module):
 
     @classmethod
     def load(
-        cls, path: Any, factory: Factory, optimizer: torch.optim.Optimizer | None = None
-    ) -> Ensemble:
-        """Rebuild an ensemble from a checkpoint; see ``vmapens.checkpoint.load``."""
+        cls,
+        path: Any,
+        factory: Factory,
+        optimizer: Callable[[Ensemble], torch.optim.Optimizer] | None = None,
+    ) -> Ensemble | tuple[Ensemble, torch.optim.Optimizer]:
+        """Rebuild an ensemble (and, given how to build it, its optimizer) from a checkpoint.
+
+        See ``vmapens.checkpoint.load``: ``optimizer`` is a builder such as
+        ``vmapens.StackedAdam``, and then ``(ensemble, optimizer)`` is returned.
+        """
         from .checkpoint import load
 
         return load(path, factory, optimizer=optimizer)
