@@ -82,6 +82,7 @@ def sharded_demo(n: int = 8, epochs: int = 5) -> None:
         full = ens.gather(dst=0)
         merged = gather_history(history, dst=0)
         if rank == 0:
+            assert full is not None  # rank 0 is `dst`
             print(f"gathered on rank 0: {len(full)} members, ids {list(full.member_ids)}")
             for i, loss in zip(merged.member_ids, merged.train_loss[-1].tolist()):
                 print(f"  member {i}: lr {lrs[i].item():.4f}  final training loss {loss:.4f}")

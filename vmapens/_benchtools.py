@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-Step = Callable[[], None]
+Step = Callable[[], object]  # what a step returns is ignored
 #: Errors that mean "the vmapens API this row needs is not there yet", shown as n/a.
 NOT_AVAILABLE = (ImportError, AttributeError, NotImplementedError)
 
@@ -103,8 +103,14 @@ def time_step(
         >>> time_step(lambda: None, repeats=1, min_time_s=0.0)["steps"]
         3
     """
-    settings = {"warmup": warmup, "repeats": repeats, "min_time_s": min_time_s}
-    timed = time_rounds({"step": step}, device=device, min_steps=min_steps, **settings)
+    timed = time_rounds(
+        {"step": step},
+        device=device,
+        warmup=warmup,
+        repeats=repeats,
+        min_time_s=min_time_s,
+        min_steps=min_steps,
+    )
     return timed["step"]
 
 

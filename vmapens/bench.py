@@ -20,7 +20,7 @@ import copy
 import functools
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,7 @@ from vmapens._benchtools import (
 )
 
 StepFactory = Callable[[int, torch.device], Step]
+_ModuleT = TypeVar("_ModuleT", bound=nn.Module)
 
 #: Largest N at which the naive loop is timed; beyond it t(N) is extrapolated as N * t(1).
 NAIVE_MAX_N = 64
@@ -67,7 +68,7 @@ def _data(workload: str, device: torch.device) -> tuple[torch.Tensor, torch.Tens
     return torch.randn(256, 16, device=device), torch.randn(256, 4, device=device)
 
 
-def _members(factory: Callable[[], nn.Module], n: int, device: torch.device) -> list[nn.Module]:
+def _members(factory: Callable[[], _ModuleT], n: int, device: torch.device) -> list[_ModuleT]:
     return [factory().to(device) for _ in range(n)]
 
 
@@ -90,7 +91,7 @@ def _train(params: Any, forward_loss: Callable[[], torch.Tensor]) -> Step:
     return step
 
 
-def _stacked_linears(members: list[nn.Module]) -> list[torch.Tensor]:
+def _stacked_linears(members: list[nn.Sequential]) -> list[torch.Tensor]:
     """Stack members' two ``Linear`` as baddbmm leaves ``W [n, in, out]``, ``b [n, 1, out]``."""
     layers = [[m for m in member if isinstance(m, nn.Linear)] for member in members]
     leaves = []
@@ -100,7 +101,7 @@ def _stacked_linears(members: list[nn.Module]) -> list[torch.Tensor]:
     return [t.contiguous().requires_grad_() for t in leaves]
 
 
-def _functional(members: list[nn.Module]) -> tuple[dict, dict, nn.Module]:
+def _functional(members: Sequence[nn.Module]) -> tuple[dict, dict, nn.Module]:
     """The torch.func recipe: stacked fresh leaves plus a stateless meta-device template."""
     params, buffers = stack_module_state(members)
     return params, buffers, copy.deepcopy(members[0]).to("meta")
@@ -150,6 +151,7 @@ def a_merged(n: int, device: torch.device) -> Step:
     def step() -> None:
         opt.zero_grad()
         F.binary_cross_entropy(torch.sigmoid(fc2(fc1(x))), y.expand(5, n)).backward()
+        assert fc2.weight.grad is not None  # backward() just filled it
         fc2.weight.grad.mul_(mask)
         opt.step()
 
@@ -325,6 +327,7 @@ def o_per_member_groups(n: int, device: torch.device) -> Step:
     for i, lr in enumerate(_member_lrs(n).tolist()):
         leaves = [p[i].detach().clone().requires_grad_() for p in stacked]
         for leaf, p in zip(leaves, stacked, strict=True):
+            assert p.grad is not None  # _graded_ensemble gave every parameter one
             leaf.grad = p.grad[i].clone()
         groups.append({"params": leaves, "lr": lr})
     return torch.optim.Adam(groups).step

@@ -281,8 +281,12 @@ def save_members(ens: Ensemble, directory: str | os.PathLike, format: str = "pt"
     return paths
 
 
-def _atomic(path: str | os.PathLike, write: Callable[[Any], Any]) -> None:
-    """Write through a temporary file in the same directory, then ``os.replace`` it."""
+def _atomic(path: str | os.PathLike, write: Callable[..., Any]) -> None:
+    """Write through a temporary file in the same directory, then ``os.replace`` it.
+
+    ``write(f)`` gets the open binary file; ``...`` lets callers bind loop variables as
+    lambda defaults, which mypy cannot match against a one-argument signature.
+    """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

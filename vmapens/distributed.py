@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -157,6 +158,7 @@ def _gather_rows(t: torch.Tensor, blocks: list[range], dst: int | None) -> torch
     wire = wire.to(torch.uint8) if t.dtype == torch.bool else wire
     padded = torch.zeros((size, *t.shape[1:]), dtype=wire.dtype, device=device)
     padded[: len(t)] = wire
+    parts: list[torch.Tensor] | None
     if dst is None:
         parts = [torch.empty_like(padded) for _ in blocks]
         dist.all_gather(parts, padded)
@@ -263,7 +265,7 @@ def gather_history(history: Any, dst: int = 0) -> Any:
     _check_dst(dst, "gather_history")
     if world_size() == 1:
         return history
-    parts = [None] * world_size() if rank() == dst else None
+    parts: list[Any] | None = [None] * world_size() if rank() == dst else None
     # Histories are small (epochs x members floats): pickling beats one collective per field.
     dist.gather_object(history, parts, dst=dst)
     if parts is None:
@@ -288,7 +290,9 @@ def _merge_columns(values: list[Any]) -> Any:
     return torch.cat(padded, dim=1)
 
 
-def all_reduce_stats(stats: dict[str, float], op: str = "sum") -> dict[str, float]:
+def all_reduce_stats(
+    stats: Mapping[str, float | torch.Tensor], op: str = "sum"
+) -> dict[str, float]:
     """Reduce named floats over all ranks (every rank gets the result); identity without a group.
 
     For progress lines that report the whole ensemble: summed member losses and member counts

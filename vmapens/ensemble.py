@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -67,6 +67,9 @@ class Ensemble(nn.Module):
         >>> ens(torch.randn(8, 3)).shape
         torch.Size([4, 8, 2])
     """
+
+    # The meta-device member that functional_call runs, kept out of nn.Module's registry.
+    _template: nn.Module
 
     def __init__(
         self,
@@ -237,8 +240,8 @@ class Ensemble(nn.Module):
                 points to ``backend="loop"``).
         """
         dims = _expand_in_dims(in_dims, args, len(self))
-        state = {**self._parameters, **self._buffers}
-        buffers = list(self._buffers.values())
+        state = {**self._stacked_params(), **self._stacked_buffers()}
+        buffers = list(self._stacked_buffers().values())
         # vmap can fail after BatchNorm has updated some members' statistics: keep a copy so a
         # failed call changes nothing.
         saved = [b.clone() for b in buffers]
@@ -391,13 +394,23 @@ class Ensemble(nn.Module):
             result.append({key: values[name] for key, name in self._state_keys.items()})
         return result
 
+    def _stacked_params(self) -> dict[str, nn.Parameter]:
+        """``self._parameters``, typed without the None that nn.Module allows: we store none."""
+        return cast("dict[str, nn.Parameter]", self._parameters)
+
+    def _stacked_buffers(self) -> dict[str, torch.Tensor]:
+        """``self._buffers``, typed without the None that nn.Module allows: we store none."""
+        return cast("dict[str, torch.Tensor]", self._buffers)
+
     def _stacked(self, name: str) -> torch.Tensor:
-        return self._parameters[name] if name in self._parameters else self._buffers[name]
+        params = self._stacked_params()
+        return params[name] if name in params else self._stacked_buffers()[name]
 
     def _persistent(self) -> dict[str, torch.Tensor]:
+        buffers = self._stacked_buffers()
         return {
-            **self._parameters,
-            **{k: v for k, v in self._buffers.items() if k not in self._non_persistent_buffers_set},
+            **self._stacked_params(),
+            **{k: v for k, v in buffers.items() if k not in self._non_persistent_buffers_set},
         }
 
     # -- nn.Module plumbing ----------------------------------------------------------------
@@ -521,7 +534,7 @@ def _check_member(member: Any, i: int, api: str) -> nn.Module:
             f"{api}: `factory` must return an nn.Module, but member {i} is {type(member).__name__}"
         )
     for name, t in _named_tensors(member):
-        if isinstance(t, nn.parameter.UninitializedTensorMixin):
+        if nn.parameter.is_lazy(t):
             raise ValueError(
                 f"{api}: member {i} has an uninitialised lazy tensor `{name}`; run one forward "
                 "pass on the member (or give the layer its input size) before stacking"

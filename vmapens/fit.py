@@ -7,7 +7,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -229,7 +229,7 @@ class _TensorSource:
             self._order = (pass_, order)
         order = self._order[1]
         rows = slice(pos * self.batch, (pos + 1) * self.batch)
-        pick = torch.arange(self.size)[rows] if order is None else order[rows]
+        pick: Tensor | slice = torch.arange(self.size)[rows] if order is None else order[rows]
         if self.boot is not None:
             pick = self.boot[:, pick]  # [n, batch]: each member's own resampled rows
         elif order is None:
@@ -247,7 +247,7 @@ class _IterableSource:
                 "(X, Y) tuple of tensors), got a one-shot iterator"
             )
         self.data = data
-        self.length = len(data) if hasattr(data, "__len__") else None
+        self.length = len(data) if isinstance(data, Sized) else None
         self._it: Any = None
         self._at = (-1, 0)
 
@@ -464,7 +464,7 @@ def fit(
                 batch = stream.cycling() if steps is not None else stream.in_pass()
                 if batch is None:
                     break
-                inputs, targets = optree.tree_map(lambda t: t.to(device), batch)
+                inputs, targets = _to_device(batch, device)
                 losses = loop.step(step, inputs, targets, maskable)
                 summed += losses.double()
                 count += 1
@@ -500,7 +500,9 @@ class _Loop:
     ):
         self.ens, self.optimizer, self.patience = ens, optimizer, patience
         n, device = len(ens), next(ens.parameters()).device
-        self.val = None if val_data is None else optree.tree_map(lambda t: t.to(device), val_data)
+        self.val: tuple[Any, Tensor] | None = (
+            None if val_data is None else _to_device(val_data, device)
+        )
         self.val_loss = per_member(loss_fn)
         self.history = History.empty(list(ens.member_ids), val_data is not None)
         # On the device, updated without a host sync per step.
@@ -510,13 +512,13 @@ class _Loop:
         self.best = {k: t.detach().clone() for k, t in self._state().items()} if keep_best else None
 
     def _state(self) -> dict[str, Tensor]:
-        return {**self.ens._parameters, **self.ens._buffers}
+        return {**self.ens._stacked_params(), **self.ens._stacked_buffers()}
 
     def step(self, step: Callable, inputs: Any, targets: Tensor, maskable: bool) -> Tensor:
         if not maskable:
             losses = step(inputs, targets)
         else:
-            buffers = list(self.ens._buffers.values())
+            buffers = list(self.ens._stacked_buffers().values())
             saved = [b.clone() for b in buffers]
             losses = step(inputs, targets, mask=self.active)
             # A frozen member's buffers (BatchNorm statistics) stay frozen too.
@@ -557,6 +559,7 @@ class _Loop:
         h.train_loss = torch.cat([h.train_loss, torch.where(running, mean_loss.cpu(), nan)[None]])
         if self.val is not None:
             val = torch.where(running, self._validate(), nan)
+            assert h.val_loss is not None  # History.empty made it: there is validation data
             h.val_loss = torch.cat([h.val_loss, val[None]])
             improved = active & (val < self.best_val)
             self.best_val = torch.where(improved, val, self.best_val)
@@ -573,6 +576,7 @@ class _Loop:
         self.active &= ~stop.to(self.active.device)
 
     def _validate(self) -> Tensor:
+        assert self.val is not None  # called only with validation data
         x, y = self.val
         training = self.ens.training
         self.ens.eval()
@@ -654,6 +658,11 @@ class _Loop:
         torch.set_rng_state(state["rng"])
         if state["cuda_rng"]:
             torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    """``tree`` with every tensor moved to ``device``."""
+    return optree.tree_map(lambda t: t.to(device), tree)
 
 
 def _col(mask: Tensor, like: Tensor) -> Tensor:

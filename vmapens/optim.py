@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -176,7 +176,12 @@ def adam_update_(
         >>> p[:, 0], s
         (tensor([-0.1000, -0.2000, -0.3000]), tensor([1., 1., 1.]))
     """
-    state = (param, exp_avg, exp_avg_sq, *([max_exp_avg_sq] if amsgrad else []), step)
+    if amsgrad and max_exp_avg_sq is None:
+        raise TypeError(
+            "adam_update_: `max_exp_avg_sq` must be a tensor when `amsgrad=True`, got None"
+        )
+    v_max = max_exp_avg_sq if amsgrad else None
+    state = (param, exp_avg, exp_avg_sq, *([] if v_max is None else [v_max]), step)
     before = None if mask is None else [t.clone() for t in state]
     # Low-precision tensors take float32 columns: in-place ops compute in the promoted dtype.
     dtype = torch.float32 if param.dtype in _LOW_PRECISION else param.dtype
@@ -199,13 +204,13 @@ def adam_update_(
     step.add_(1)
     bias_correction1 = 1 - torch.pow(beta1, step.double())
     bias_correction2_sqrt = (1 - torch.pow(beta2, step.double())).sqrt()
-    if amsgrad:
-        torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
-    denom = (max_exp_avg_sq if amsgrad else exp_avg_sq).sqrt()
+    if v_max is not None:
+        torch.maximum(v_max, exp_avg_sq, out=v_max)
+    denom = (exp_avg_sq if v_max is None else v_max).sqrt()
     denom.div_(col(bias_correction2_sqrt)).add_(col(eps))
     # torch's capturable Adam folds the step size into the denominator the same way.
     param.addcdiv_(exp_avg, denom.div_(col(-lr / bias_correction1)))
-    if before is not None:
+    if mask is not None and before is not None:
         for t, old in zip(state, before, strict=True):
             t.copy_(torch.where(mask.view((-1,) + (1,) * (t.dim() - 1)), t, old))
 
@@ -231,11 +236,11 @@ def adam_update(
         >>> new_p[0], p[0]
         (tensor([-0.1000, -0.1000, -0.1000]), tensor([0., 0., 0.]))
     """
-    new = [
-        None if t is None else t.clone() for t in (param, exp_avg, exp_avg_sq, max_exp_avg_sq, step)
-    ]
-    adam_update_(new[0], grad, new[1], new[2], new[3], new[4], **hyperparameters)
-    return tuple(new)  # type: ignore[return-value]
+    new_param, new_exp_avg, new_exp_avg_sq = param.clone(), exp_avg.clone(), exp_avg_sq.clone()
+    new_max = None if max_exp_avg_sq is None else max_exp_avg_sq.clone()
+    new_step = step.clone()
+    adam_update_(new_param, grad, new_exp_avg, new_exp_avg_sq, new_max, new_step, **hyperparameters)
+    return new_param, new_exp_avg, new_exp_avg_sq, new_max, new_step
 
 
 def _flat_params(params: Any) -> list[Any]:
@@ -270,6 +275,7 @@ _CHECKS = {
 
 def _hyper(name: str, value: Any, n: int) -> float | MemberValues:
     """Validate a hyperparameter: a float (shared) or n values (per member)."""
+    out: float | MemberValues
     if isinstance(value, Tensor):
         if value.dim() > 1:
             raise ValueError(
@@ -363,7 +369,7 @@ class StackedAdam(torch.optim.Optimizer):
         # A sharded Ensemble holds one block of its n_total members: per-member values given
         # for all of them are cut to the block's global ids (docs/distributed.md).
         n_total = getattr(params, "n_total", self.num_members)
-        self._block = params.member_ids if n_total != self.num_members else None
+        self._block = getattr(params, "member_ids", None) if n_total != self.num_members else None
         self._n_total = n_total
         defaults = dict(
             lr=lr,
@@ -505,7 +511,8 @@ class StackedAdam(torch.optim.Optimizer):
                     # The whole group as one [n, total] tensor (see _pack).
                     rows = [_rows(p) for p in params]  # views: the params are contiguous
                     p = torch.cat(rows, dim=1)
-                    self._adam(group, p, torch.cat([_rows(x) for x in g], dim=1), flat, mask)
+                    dense = cast("list[Tensor]", g)  # _flat_state found no None gradient
+                    self._adam(group, p, torch.cat([_rows(x) for x in dense], dim=1), flat, mask)
                     torch._foreach_copy_(rows, list(p.split([r.shape[1] for r in rows], dim=1)))
                     continue
                 states = [self.state[p] for p in params]

@@ -99,7 +99,9 @@ def make_step(
         if mask is None:
             optimizer.step()
         else:
-            optimizer.step(mask=mask)
+            # Any optimizer whose step takes `mask` (masked_ok), not only StackedAdam.
+            masked_step: Callable[..., Any] = optimizer.step
+            masked_step(mask=mask)
         return losses.detach()
 
     return step
@@ -142,9 +144,10 @@ def _compiled_step(ens: Ensemble, loss_fn: Callable, optimizer: Any, in_dims: in
 
     def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         args = inputs if isinstance(inputs, tuple) else (inputs,)
-        trained = {k: p for k, p in ens._parameters.items() if p.requires_grad}
-        fixed = {k: p for k, p in ens._parameters.items() if not p.requires_grad}
-        fixed.update(ens._buffers)
+        params = ens._stacked_params()
+        trained = {k: p for k, p in params.items() if p.requires_grad}
+        fixed: dict[str, torch.Tensor] = {k: p for k, p in params.items() if not p.requires_grad}
+        fixed.update(ens._stacked_buffers())
         # Gradients come from torch.func inside the graph: no autograd graph around it.
         with torch.no_grad():
             return compiled(trained, fixed, args, targets, mask)
