@@ -239,6 +239,34 @@ class Ensemble(nn.Module):
             RuntimeError: the member's forward cannot be batched by ``vmap`` (the message
                 points to ``backend="loop"``).
         """
+
+        def member(state: dict[str, torch.Tensor], *args: Any) -> Any:
+            return functional_call(self._template, state, args, kwargs)
+
+        return self.map_members(member, *args, in_dims=in_dims)
+
+    def map_members(self, fn: Callable[..., Any], *args: Any, in_dims: Any = None) -> Any:
+        """Run ``fn(member_state, *member_args)`` for every member, stacking the outputs.
+
+        ``member_state`` is one member's parameters and buffers by name, ready for
+        ``torch.func.functional_call(module, member_state, ...)``. This is what ``forward``
+        runs, and what a training step uses to compute each member's forward *and* loss in
+        one vmap. Runs under ``vmap`` (or the loop backend) with the ensemble's randomness and
+        chunk size; buffers are restored if ``fn`` raises.
+
+        Args:
+            fn: ``(member_state, *member_args) -> pytree of tensors``.
+            *args: the arguments, shared or mapped according to ``in_dims``.
+            in_dims: as in ``forward``.
+
+        Returns:
+            ``fn``'s output pytree with a leading member dim on every tensor.
+
+        Raises:
+            ValueError: a per-member input whose size along its ``in_dims`` is not ``len(ens)``.
+            RuntimeError: ``fn`` cannot be batched by ``vmap`` (the message points to
+                ``backend="loop"``).
+        """
         dims = _expand_in_dims(in_dims, args, len(self))
         state = {**self._stacked_params(), **self._stacked_buffers()}
         buffers = list(self._stacked_buffers().values())
@@ -247,8 +275,8 @@ class Ensemble(nn.Module):
         saved = [b.clone() for b in buffers]
         try:
             if self.backend == "loop":
-                return self._loop(state, args, dims, kwargs)
-            return self._vmap(state, args, dims, kwargs)
+                return self._loop(fn, state, args, dims)
+            return self._vmap(fn, state, args, dims)
         except Exception as err:
             with torch.no_grad():
                 for b, s in zip(buffers, saved, strict=True):
@@ -261,33 +289,30 @@ class Ensemble(nn.Module):
                 ) from err
             raise
 
-    def _call_member(self, state: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
-        return functional_call(self._template, state, args, kwargs)
-
-    def _vmap(self, state: dict, args: tuple, dims: tuple, kwargs: dict) -> Any:
-        def call(state: dict, args: tuple) -> Any:
-            return self._call_member({k: v for k, v in state.items() if k}, args, kwargs)
-
+    def _vmap(self, fn: Callable[..., Any], state: dict, args: tuple, dims: tuple) -> Any:
         if not state:  # a member without tensors (nn.Dropout): give vmap a member dim to map
             state = {"": torch.empty(len(self), 0)}
-        batched = vmap(
-            call, in_dims=(0, dims), randomness=self.randomness, chunk_size=self.chunk_size
-        )
-        return batched(state, args)
+            inner = fn
 
-    def _loop(self, state: dict, args: tuple, dims: tuple, kwargs: dict) -> Any:
+            def fn(_: dict, *args: Any) -> Any:
+                return inner({}, *args)
+
+        batched = vmap(
+            fn, in_dims=(0, *dims), randomness=self.randomness, chunk_size=self.chunk_size
+        )
+        return batched(state, *args)
+
+    def _loop(self, fn: Callable[..., Any], state: dict, args: tuple, dims: tuple) -> Any:
         rng = torch.get_rng_state() if self.randomness == "same" else None
         outputs = []
         for i in range(len(self)):
             if rng is not None:
                 torch.set_rng_state(rng)
-            member_args = tuple(
+            member_args = [
                 a if d is None else optree.tree_map(lambda t, d=d, i=i: t.select(d, i), a)
                 for a, d in zip(args, dims, strict=True)
-            )
-            outputs.append(
-                self._call_member({k: v[i] for k, v in state.items()}, member_args, kwargs)
-            )
+            ]
+            outputs.append(fn({k: v[i] for k, v in state.items()}, *member_args))
         return optree.tree_map(lambda *xs: torch.stack(xs), *outputs)
 
     def make_step(
