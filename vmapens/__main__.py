@@ -171,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", default=None, help="also write the results to this file")
     bench.add_argument("--quick", action="store_true", help="tiny sizes, a CI smoke test")
     bench.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    bench.add_argument(
+        "--memory", action="store_true", help="also measure building 64 members of a 1M-param MLP"
+    )
     args = parser.parse_args(argv)
 
     if args.command == "demo" and args.sharded:
@@ -182,7 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from vmapens import bench as benchmarks
 
-    options = {"device": args.device, "quick": args.quick, "threads": args.threads}
+    options = {
+        "device": args.device,
+        "quick": args.quick,
+        "threads": args.threads,
+        "memory": args.memory,
+    }
     if args.sizes:
         options["sizes"] = tuple(args.sizes)
     if args.workloads:
