@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -437,30 +436,37 @@ def run(
     results: dict[str, Any] = {"meta": {**meta, "threads": torch.get_num_threads()}}
     try:
         if "A" in workloads:
-            say("A: naive N=1 (the baseline of S(N))")
-            base, rows = _measure(a_naive, 1, device, cfg), []
-            for n, (impl, factory) in itertools.product(sizes, WORKLOAD_A.items()):
-                if impl == "naive" and n == 1:
-                    row = base
-                elif impl == "naive" and n > NAIVE_MAX_N:
-                    row = {"status": "ok", "ms": n * base["ms"], "extrapolated": True}
-                elif impl == "merged" and n > MERGED_MAX_N:
-                    row = {"status": "skipped", "reason": f"N > {MERGED_MAX_N}"}
-                else:
-                    say(f"A: {impl} N={n}")
-                    row = _measure(factory, n, device, cfg)
-                rows.append({"n": n, "impl": impl, **row})
+            # All implementations at one N are timed interleaved: their ratios share a load.
+            # S(N)'s baseline: the naive N=1 step (sizes are sorted, so N=1 comes first).
+            base = _measure(a_naive, 1, device, cfg) if 1 not in sizes else None
+            rows = []
+            for n in sizes:
+                skip = {"naive": n > NAIVE_MAX_N, "merged": n > MERGED_MAX_N}
+                here = {k: f for k, f in WORKLOAD_A.items() if not skip.get(k)}
+                say(f"A: N={n}: {', '.join(here)}, interleaved")
+                timed = _measure_rounds(here, n, device, cfg)
+                base = base or timed["naive"]
+                assert base is not None
+                for impl in WORKLOAD_A:
+                    if impl in timed:
+                        row = timed[impl]
+                    elif impl == "naive":
+                        row = {"status": "ok", "ms": n * base["ms"], "extrapolated": True}
+                    else:
+                        row = {"status": "skipped", "reason": f"N > {MERGED_MAX_N}"}
+                    rows.append({"n": n, "impl": impl, **row})
+            assert base is not None
             results["A"] = {"naive_1_ms": base["ms"], "rows": rows}
         if "B" in workloads:
             rows = []
             for loss, factories in WORKLOAD_B.items():
-                for impl, factory in factories.items():
-                    if impl == "vmapens_compiled" and loss == "mean":
-                        continue  # the same per-head make_step as below, copied to save a compile
-                    say(f"B: {impl} loss={loss}")
-                    rows.append(
-                        {"loss": loss, "impl": impl, **_measure(factory, HEADS, device, cfg)}
-                    )
+                # The mean run's compiled row is the per-head make_step: copied, one compile.
+                here = {
+                    k: f for k, f in factories.items() if (k, loss) != ("vmapens_compiled", "mean")
+                }
+                say(f"B: loss={loss}: {', '.join(here)}, interleaved")
+                timed = _measure_rounds(here, HEADS, device, cfg)
+                rows += [{"loss": loss, "impl": impl, **timed[impl]} for impl in here]
             shared = next(r for r in rows if r["impl"] == "vmapens_compiled")
             rows.insert(len(_B) - 1, {**shared, "loss": "mean", "mark": "+"})
             results["B"] = {"heads": HEADS, "rows": rows}

@@ -301,7 +301,7 @@ def _atomic(path: str | os.PathLike, write: Callable[..., Any]) -> None:
 
 
 def _class_name(ens: Ensemble) -> str:
-    cls = type(ens._template)
+    cls = type(ens.template)
     return f"{cls.__module__}.{cls.__qualname__}"
 
 

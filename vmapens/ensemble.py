@@ -374,6 +374,15 @@ class Ensemble(nn.Module):
 
     # -- members ------------------------------------------------------------------------------
 
+    @property
+    def template(self) -> nn.Module:
+        """The member module ``functional_call`` runs: the user's class on the ``meta`` device.
+
+        It has the member's structure and mode but no values; pass it a member's state (as in
+        ``map_members``) to run one member.
+        """
+        return self._template
+
     def __len__(self) -> int:
         return len(self.member_ids)
 

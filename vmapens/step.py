@@ -110,7 +110,7 @@ def _member_loss(ens: Ensemble, loss_fn: Callable) -> Callable[..., torch.Tensor
     """``(member_state, inputs, target) -> loss`` for one member, as it would run alone."""
 
     def member_loss(state: Any, inputs: tuple, target: torch.Tensor) -> torch.Tensor:
-        return loss_fn(functional_call(ens._template, state, inputs), target)
+        return loss_fn(functional_call(ens.template, state, inputs), target)
 
     return member_loss
 
