@@ -8,7 +8,6 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence, Sized
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import optree
@@ -17,6 +16,7 @@ from torch import Tensor
 
 from .distributed import all_reduce_stats, rank_path, world_size
 from .ensemble import per_member
+from .history import History
 from .optim import StackedAdam
 
 if TYPE_CHECKING:
@@ -25,131 +25,6 @@ if TYPE_CHECKING:
 __all__ = ["History", "bootstrap_indices", "fit"]
 
 Callback = Callable[["History"], Any]
-
-
-@dataclass
-class History:
-    """What ``fit`` recorded, one row per epoch and one column per member.
-
-    Attributes:
-        train_loss: ``[epochs, n]`` mean training loss of each member over each epoch; NaN
-            once a member has stopped (early stopping or divergence), non-finite in the epoch
-            where it diverged.
-        val_loss: ``[epochs, n]`` validation loss (NaN once a member has stopped), or
-            ``None`` without ``val_data``.
-        best_epoch: ``[n]`` epoch (0-based) of each member's lowest validation loss, ``-1``
-            without ``val_data`` (or if it never had a finite one).
-        stopped_epoch: ``[n]`` epoch at the end of which each member stopped training (patience
-            ran out or it diverged), ``-1`` for members that trained to the end.
-        diverged: ``[n]`` bool, True for members whose training loss became NaN/inf.
-        member_ids: global index of each column (``ens.member_ids``).
-    """
-
-    train_loss: Tensor
-    val_loss: Tensor | None
-    best_epoch: Tensor
-    stopped_epoch: Tensor
-    diverged: Tensor
-    member_ids: list[int] = field(default_factory=list)
-
-    @classmethod
-    def empty(cls, member_ids: Sequence[int], validated: bool) -> History:
-        """A history with no epochs yet, for ``len(member_ids)`` members."""
-        n = len(member_ids)
-        rows = torch.empty(0, n, dtype=torch.float64)
-        return cls(
-            train_loss=rows,
-            val_loss=rows.clone() if validated else None,
-            best_epoch=torch.full((n,), -1, dtype=torch.int64),
-            stopped_epoch=torch.full((n,), -1, dtype=torch.int64),
-            diverged=torch.zeros(n, dtype=torch.bool),
-            member_ids=list(member_ids),
-        )
-
-    @property
-    def epochs(self) -> int:
-        """Number of epochs recorded."""
-        return self.train_loss.shape[0]
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain tensors and lists, loadable with ``torch.load(weights_only=True)``."""
-        return {
-            "train_loss": self.train_loss.clone(),
-            "val_loss": None if self.val_loss is None else self.val_loss.clone(),
-            "best_epoch": self.best_epoch.clone(),
-            "stopped_epoch": self.stopped_epoch.clone(),
-            "diverged": self.diverged.clone(),
-            "member_ids": list(self.member_ids),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Replace this history with ``state`` (checked first; nothing changes on error).
-
-        Raises:
-            ValueError: missing keys, or tensors of the wrong shape for this many members.
-        """
-        self.check_state(state, "History.load_state_dict")
-        for key, value in state.items():
-            setattr(self, key, value.clone() if isinstance(value, Tensor) else value)
-
-    def plot(self, path: str | os.PathLike, *, title: str | None = None) -> str | os.PathLike:
-        """Write a PNG (1000 x 400 pixels) of every member's loss curves and their mean.
-
-        Each member is a thin line, the mean over the members still training a thick one;
-        training loss on the left, validation loss (when recorded) on the right.
-
-        Args:
-            path: where to write the PNG.
-            title: optional figure title.
-
-        Returns:
-            ``path``.
-
-        Raises:
-            ImportError: matplotlib is not installed (``pip install 'vmapens[plot]'``).
-        """
-        try:
-            from matplotlib.figure import Figure
-        except ImportError as err:
-            raise ImportError(
-                "History.plot needs matplotlib; install it with: pip install 'vmapens[plot]'"
-            ) from err
-        panels = [("training loss", self.train_loss)]
-        if self.val_loss is not None:
-            panels.append(("validation loss", self.val_loss))
-        # The object API, not pyplot: no global backend or figure state is touched.
-        fig = Figure(figsize=(10, 4), dpi=100)
-        epochs = torch.arange(1, self.epochs + 1).numpy()
-        for k, (name, curves) in enumerate(panels):
-            ax = fig.add_subplot(1, len(panels), k + 1)
-            finite = curves.masked_fill(~torch.isfinite(curves), math.nan)
-            ax.plot(epochs, finite.numpy(), linewidth=0.6, alpha=0.5)
-            ax.plot(epochs, finite.nanmean(dim=1).numpy(), color="black", linewidth=2.5)
-            ax.set(xlabel="epoch", ylabel=name, title=f"{name}: {curves.shape[1]} members, mean")
-            if torch.isfinite(curves).any() and (finite[torch.isfinite(finite)] > 0).all():
-                ax.set_yscale("log")
-        if title:
-            fig.suptitle(title)
-        fig.tight_layout()
-        fig.savefig(path, format="png")
-        return path
-
-    def check_state(self, state: Any, api: str) -> None:
-        """Raise ValueError unless ``state`` is a History state for this many members."""
-        n = len(self.member_ids)
-        keys = {"train_loss", "val_loss", "best_epoch", "stopped_epoch", "diverged", "member_ids"}
-        if not isinstance(state, dict) or set(state) != keys:
-            got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"{api}: history state must have keys {sorted(keys)}, got {got}")
-        for key in ("train_loss", "val_loss"):
-            t = state[key]
-            if (t is not None or key == "train_loss") and (
-                not isinstance(t, Tensor) or t.dim() != 2 or t.shape[1] != n
-            ):
-                raise ValueError(f"{api}: history `{key}` must be an [epochs, {n}] tensor")
-        for key in ("best_epoch", "stopped_epoch", "diverged"):
-            if not isinstance(state[key], Tensor) or tuple(state[key].shape) != (n,):
-                raise ValueError(f"{api}: history `{key}` must be a [{n}] tensor")
 
 
 def bootstrap_indices(n_samples: int, seed: int, member_id: int) -> Tensor:
