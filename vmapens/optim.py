@@ -205,8 +205,9 @@ def adam_update_(
     else:
         exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     step.add_(1)
-    bias_correction1 = 1 - torch.pow(beta1, step.double())
-    bias_correction2_sqrt = (1 - torch.pow(beta2, step.double())).sqrt()
+    t = step.double()
+    bias_correction1 = 1 - torch.pow(beta1, t)
+    bias_correction2_sqrt = (1 - torch.pow(beta2, t)).sqrt()
     if v_max is not None:
         torch.maximum(v_max, exp_avg_sq, out=v_max)
     denom = torch.sqrt(exp_avg_sq if v_max is None else v_max, out=workspace)
