@@ -116,3 +116,14 @@ def test_make_step_bad_input(kwargs, exc, match):
     kwargs["optimizer"] = optimizers.get(kwargs.get("optimizer"), vmapens.StackedAdam(ens))
     with pytest.raises(exc, match=match):
         ens.make_step(nn.MSELoss(), **kwargs)
+
+
+def test_compiled_step_checks_per_member_sizes_like_eager(cnn_per_member):
+    eager, step_e, compiled, step_c = cnn_per_member
+    before = copy.deepcopy(compiled.state_dict())
+    x = torch.randn(N - 1, 6, 1, 6, 6, dtype=torch.float64)  # one slice short
+    y = torch.randn(N - 1, 6, 3, dtype=torch.float64)
+    for step in (step_e, step_c):
+        with pytest.raises(ValueError, match=r"argument 0 is mapped with in_dims=0 but has size 3"):
+            step(x, y)
+    torch.testing.assert_close(compiled.state_dict(), before, rtol=0, atol=0)

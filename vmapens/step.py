@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.func import functional_call, grad_and_value, vmap
 
+from .ensemble import _expand_in_dims
+
 if TYPE_CHECKING:
     from .ensemble import Ensemble
 
@@ -75,15 +77,14 @@ def make_step(
             f"make_step: `optimizer` must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
     masked_ok = "mask" in inspect.signature(optimizer.step).parameters
+    member_loss = _member_loss(ens, loss_fn)
     if compile:
         if not hasattr(optimizer, "apply_gradients"):
             raise TypeError(
                 "make_step: `compile=True` needs a vmapens.StackedAdam (its update runs inside the "
                 f"compiled graph), got {type(optimizer).__name__}"
             )
-        return _compiled_step(ens, _member_loss(ens, loss_fn), optimizer, in_dims)
-
-    member_loss = _member_loss(ens, loss_fn)
+        return _compiled_step(ens, member_loss, optimizer, in_dims)
 
     def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if mask is not None and not masked_ok:
@@ -152,6 +153,8 @@ def _compiled_step(
 
     def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         args = inputs if isinstance(inputs, tuple) else (inputs,)
+        # The checks map_members makes on the eager path, before tracing could bury them.
+        _expand_in_dims((in_dims, in_dims), (args, targets), len(ens))
         params = ens._stacked_params()
         trained = {k: p for k, p in params.items() if p.requires_grad}
         fixed: dict[str, torch.Tensor] = {k: p for k, p in params.items() if not p.requires_grad}
