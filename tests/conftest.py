@@ -10,7 +10,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(autouse=True)
-def _seed_and_threads():
-    # Tests compare tiny float64 models: determinism matters more than threads.
+def _seed():
+    # Every test starts from the same global RNG state, whatever ran before it.
     torch.manual_seed(0)
-    yield
