@@ -8,9 +8,9 @@ taken under the same conditions; the optimizer rows are even timed in interleave
 Timing, grids and RSS readings live in :mod:`vmapens._benchtools`.
 
 Example:
-    >>> from vmapens.bench import WORKLOAD_A, time_step
+    >>> from vmapens.bench import WORKLOAD_A, time_rounds
     >>> step = WORKLOAD_A["torchfunc"](15, torch.device("cpu"))
-    >>> time_step(step, repeats=1, min_time_s=0.0)["ms"] > 0
+    >>> time_rounds({"torchfunc": step}, repeats=1, min_time_s=0.0)["torchfunc"]["ms"] > 0
     True
 """
 
@@ -36,7 +36,6 @@ from vmapens._benchtools import (
     reset_peak_rss,
     rss_bytes,
     time_rounds,
-    time_step,
 )
 
 StepFactory = Callable[[int, torch.device], Step]
@@ -358,18 +357,11 @@ QUICK_SIZES = (1, 15)
 WORKLOADS = ("A", "B", "optim")
 #: Ensemble sizes of the optimizer-step workload (quick mode: the first only).
 OPTIM_SIZES = (15, 256, 1024)
-#: time_step settings: a full run of the default sizes stays under 5 minutes on 2 CPU cores.
+#: time_rounds settings: a full run of the default sizes stays under 5 minutes on 2 CPU cores.
 _CFG = {
     False: {"warmup": 3, "repeats": 5, "min_time_s": 0.2, "min_steps": 3},
     True: {"warmup": 1, "repeats": 3, "min_time_s": 0.02, "min_steps": 2},
 }
-
-
-def _measure(factory: StepFactory, n: int, device: torch.device, cfg: dict) -> dict:
-    try:
-        return {"status": "ok", **time_step(factory(n, device), device=device, **cfg)}
-    except NOT_AVAILABLE as e:
-        return {"status": "n/a", "reason": f"{type(e).__name__}: {e}"}
 
 
 def _measure_rounds(
@@ -438,7 +430,9 @@ def run(
         if "A" in workloads:
             # All implementations at one N are timed interleaved: their ratios share a load.
             # S(N)'s baseline: the naive N=1 step (sizes are sorted, so N=1 comes first).
-            base = _measure(a_naive, 1, device, cfg) if 1 not in sizes else None
+            base = (
+                None if 1 in sizes else _measure_rounds({"naive": a_naive}, 1, device, cfg)["naive"]
+            )
             rows = []
             for n in sizes:
                 skip = {"naive": n > NAIVE_MAX_N, "merged": n > MERGED_MAX_N}
