@@ -55,15 +55,17 @@ def test_compiled_masks_freeze_members_and_do_not_recompile(cnn_per_member):
     mask = torch.tensor([True, False, True, False])
     x = torch.randn(N, 6, 1, 6, 6, dtype=torch.float64)
     y = torch.randn(N, 6, 3, dtype=torch.float64)
-    frozen = {k: v[1].clone() for k, v in compiled.named_parameters()}
+    # Parameters and buffers (BatchNorm statistics) of masked member 1, in both ensembles.
+    frozen = [{k: v[1].clone() for k, v in e.state_dict().items()} for e in (eager, compiled)]
     torch.testing.assert_close(step_c(x, y, mask), step_e(x, y, mask), **TOL)  # compiles
     before = graphs()
     for _ in range(3):
         torch.testing.assert_close(step_c(x, y, mask), step_e(x, y, mask), **TOL)
     assert graphs() == before, "a later call with the same shapes recompiled"
     torch.testing.assert_close(compiled.state_dict(), eager.state_dict(), **TOL)
-    for k, p in compiled.named_parameters():
-        assert torch.equal(p[1], frozen[k]), f"masked member changed at {k}"
+    for ens, before in zip((eager, compiled), frozen, strict=True):
+        for k, v in ens.state_dict().items():
+            assert torch.equal(v[1], before[k]), f"masked member changed at {k}"
 
 
 def test_compiled_step_trains_like_separate_models():

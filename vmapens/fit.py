@@ -390,16 +390,8 @@ class _Loop:
         return {**self.ens._stacked_params(), **self.ens._stacked_buffers()}
 
     def step(self, step: Callable, inputs: Any, targets: Tensor, maskable: bool) -> Tensor:
-        if not maskable:
-            losses = step(inputs, targets)
-        else:
-            buffers = list(self.ens._stacked_buffers().values())
-            saved = [b.clone() for b in buffers]
-            losses = step(inputs, targets, mask=self.active)
-            # A frozen member's buffers (BatchNorm statistics) stay frozen too.
-            with torch.no_grad():
-                for b, s in zip(buffers, saved, strict=True):
-                    b.copy_(torch.where(_col(self.active, b), b, s))
+        # The mask freezes stopped members whole: parameters, optimizer state and buffers.
+        losses = step(inputs, targets, mask=self.active) if maskable else step(inputs, targets)
         self.active &= torch.isfinite(losses)
         return losses
 

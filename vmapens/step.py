@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,7 +56,8 @@ def make_step(
     Returns:
         ``step(inputs, targets, mask=None)`` returning the detached per-member losses
         ``[n]`` computed before the update. ``mask`` (bool ``[n]``) freezes the members where
-        it is False for this step.
+        it is False for this step: their parameters, optimizer state and buffers (BatchNorm
+        statistics) stay exactly as they were.
 
     Raises:
         TypeError: ``compile=True`` or a ``mask`` with an optimizer that is not a StackedAdam.
@@ -92,19 +94,36 @@ def make_step(
                 f"step: `mask` needs a vmapens.StackedAdam, got {type(optimizer).__name__}"
             )
         args = inputs if isinstance(inputs, tuple) else (inputs,)
-        # Forward and loss in one vmap: half the batching overhead of ens(...) then the loss.
-        losses = ens.map_members(member_loss, args, targets, in_dims=in_dims)
-        optimizer.zero_grad()
-        losses.sum().backward()
-        if mask is None:
-            optimizer.step()
-        else:
-            # Any optimizer whose step takes `mask` (masked_ok), not only StackedAdam.
-            masked_step: Callable[..., Any] = optimizer.step
-            masked_step(mask=mask)
+        with _frozen_buffers(ens, mask):
+            # Forward and loss in one vmap: half the batching overhead of ens(...) then the loss.
+            losses = ens.map_members(member_loss, args, targets, in_dims=in_dims)
+            optimizer.zero_grad()
+            losses.sum().backward()
+            if mask is None:
+                optimizer.step()
+            else:
+                # Any optimizer whose step takes `mask` (masked_ok), not only StackedAdam.
+                masked_step: Callable[..., Any] = optimizer.step
+                masked_step(mask=mask)
         return losses.detach()
 
     return step
+
+
+@contextlib.contextmanager
+def _frozen_buffers(ens: Ensemble, mask: torch.Tensor | None) -> Iterator[None]:
+    """Give the members where ``mask`` is False their buffers back after the step.
+
+    The forward updates every member's buffers (BatchNorm statistics); the optimizer's mask
+    only covers parameters and optimizer state.
+    """
+    buffers = [] if mask is None else list(ens._stacked_buffers().values())
+    saved = [b.clone() for b in buffers]
+    yield
+    if mask is not None:
+        with torch.no_grad():
+            for b, old in zip(buffers, saved, strict=True):
+                b.copy_(torch.where(mask.view(-1, *[1] * (b.dim() - 1)), b, old))
 
 
 def _member_loss(ens: Ensemble, loss_fn: Callable) -> Callable[..., torch.Tensor]:
@@ -160,7 +179,7 @@ def _compiled_step(
         fixed: dict[str, torch.Tensor] = {k: p for k, p in params.items() if not p.requires_grad}
         fixed.update(ens._stacked_buffers())
         # Gradients come from torch.func inside the graph: no autograd graph around it.
-        with torch.no_grad():
+        with torch.no_grad(), _frozen_buffers(ens, mask):
             return compiled(trained, fixed, args, targets, mask)
 
     return step
