@@ -112,11 +112,8 @@ class DataDependent(nn.Module):
         return -self.fc(h)
 
 
-class UsesItem(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.bn = nn.BatchNorm1d(4)
-        self.fc = nn.Linear(4, 3)
+class UsesItem(DataDependent):
+    """``.item()`` on a batched tensor: vmap cannot batch it either."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.bn(x)
