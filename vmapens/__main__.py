@@ -62,8 +62,6 @@ def workload_a(n: int = 15, steps: int = 1000) -> None:
 
 def sharded_demo(n: int = 8, epochs: int = 5) -> None:
     """n MLPs split over the processes torchrun started: fit per rank, gather on rank 0."""
-    import os
-
     import torch.distributed as dist
 
     from vmapens.bench import mlp
