@@ -12,7 +12,7 @@ import torch
 # `pytest bench/` puts only bench/ on sys.path; the package must import from a plain checkout too.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vmapens.bench import Step, StepFactory, vmapens_api_missing  # noqa: E402
+from vmapens.bench import Step, StepFactory  # noqa: E402
 
 WARMUP = 3
 
@@ -24,15 +24,9 @@ def device() -> torch.device:
 
 @pytest.fixture
 def bench_step(benchmark, device: torch.device) -> Callable[[str, StepFactory, int], None]:
-    """Build a step, warm it up outside the timed region, then time it with ``benchmark``.
-
-    vmapens rows are skipped only while the vmapens API they use does not exist yet; once it
-    does, any error is a real failure.
-    """
+    """Build a step, warm it up outside the timed region, then time it with ``benchmark``."""
 
     def run(impl: str, factory: StepFactory, n: int) -> None:
-        if impl.startswith("vmapens") and (reason := vmapens_api_missing()):
-            pytest.skip(reason)
         step = factory(n, device)
         for _ in range(WARMUP):  # lazy Adam state and compilation are not what is measured
             step()

@@ -20,7 +20,6 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import vmapens  # noqa: E402
-from vmapens import distributed  # noqa: E402
 
 SEED = 100
 STEPS = 6
@@ -59,7 +58,7 @@ def train_steps(n: int, shard: bool) -> vmapens.Ensemble:
     ens = vmapens.Ensemble(factory, n, seed=SEED, shard=shard)
     # Per-member values for all n members: StackedAdam keeps this rank's block of them.
     opt = vmapens.StackedAdam(ens, lr=learning_rates(n), eps=torch.full((n,), 1e-8))
-    step = ens.make_step(nn.MSELoss(), opt, in_dims=0)
+    step = vmapens.make_step(ens, nn.MSELoss(), opt, in_dims=0)
     x, y = data()
     rows = bootstrap(ens.member_ids)
     for _ in range(STEPS):
@@ -72,7 +71,8 @@ def fit(
 ):
     """ens.fit with bagging, per-member learning rates, shuffled mini-batches."""
     ens = vmapens.Ensemble(factory, n, seed=SEED, shard=shard)
-    history = ens.fit(
+    history = vmapens.fit(
+        ens,
         data(),
         loss_fn or nn.MSELoss(),
         epochs=EPOCHS,
@@ -108,7 +108,7 @@ def main(scenario: str, out: Path) -> None:
         for n in (8, 7):
             ens = train_steps(n, shard=True)
             report[n] = [ens.member_ids.start, ens.member_ids.stop, ens.n_total]
-            full = ens.gather(dst=0)
+            full = vmapens.gather(ens, dst=0)
             if me == 0:
                 assert full is not None and list(full.member_ids) == list(range(n))
                 torch.save(full.state_dict(), out / f"steps{n}.pt")
@@ -122,7 +122,7 @@ def main(scenario: str, out: Path) -> None:
         bar = io.StringIO()  # only rank 0 draws; it shows totals over both ranks
         ens, history = fit(8, shard=True, progress=bar)
         (out / f"progress.rank{me}.txt").write_text(bar.getvalue())
-        ens.save_members(out / "members")
+        vmapens.save_members(ens, out / "members")
         write_fit(ens, history, out / "fit.pt")
     elif scenario == "fault":
         fail = os.environ.get("VMAPENS_TEST_FAIL_RANK") == str(me)
@@ -147,8 +147,8 @@ def main(scenario: str, out: Path) -> None:
 
 def write_fit(ens: vmapens.Ensemble, history, path: Path) -> None:
     """Gather the ensemble and its history onto rank 0 and save them there."""
-    full = ens.gather(dst=0)
-    merged = distributed.gather_history(history, dst=0)
+    full = vmapens.gather(ens, dst=0)
+    merged = vmapens.gather_history(history, dst=0)
     if dist.get_rank() == 0:
         torch.save({"state": full.state_dict(), "history": merged.state_dict()}, path)
 

@@ -15,8 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import vmapens
-from vmapens import checkpoint
-from vmapens.fit import History
+from vmapens import History, checkpoint
 
 N = 4
 F64 = dict(dtype=torch.float64)
@@ -84,7 +83,7 @@ def run(case: Case, path, epochs: int, callbacks=()):
     data = (X, Y) if case.data is None else case.data
     options = {"lr": 1e-2, **case.options}
     opt = vmapens.StackedAdam(ens, lr=options.pop("lr"))
-    history = ens.fit(data, nn.MSELoss(), epochs=epochs, optimizer=opt, progress=False,
+    history = vmapens.fit(ens, data, nn.MSELoss(), epochs=epochs, optimizer=opt, progress=False,
                       checkpoint=path, callbacks=callbacks, **options)  # fmt: skip
     return ens, opt, history
 
@@ -125,10 +124,10 @@ def test_resume_with_other_options_is_refused(tmp_path):
 def test_save_load_round_trip(tmp_path):
     ens = vmapens.Ensemble(models.Tied, n=3, seed=0)
     opt = vmapens.StackedAdam(ens, lr=[1e-3, 1e-2, 1e-1])
-    ens.fit((torch.randint(0, 10, (6, 5)), torch.randn(6, 3)), nn.MSELoss(), optimizer=opt,
+    vmapens.fit(ens, (torch.randint(0, 10, (6, 5)), torch.randn(6, 3)), nn.MSELoss(), optimizer=opt,
             epochs=2, progress=False, seed=0)  # fmt: skip
-    ens.save(tmp_path / "ens.pt", optimizer=opt)
-    loaded, loaded_opt = vmapens.Ensemble.load(
+    vmapens.save(ens, tmp_path / "ens.pt", optimizer=opt)
+    loaded, loaded_opt = vmapens.load(
         tmp_path / "ens.pt", models.Tied, optimizer=lambda e: vmapens.StackedAdam(e, lr=0.5)
     )
     torch.testing.assert_close(loaded.state_dict(), ens.state_dict(), **EXACT)
@@ -209,16 +208,18 @@ def test_bad_checkpoint_raises_clearly_and_changes_nothing(make, match, tmp_path
     make(path, ens)
     for attempt in (
         lambda: checkpoint.restore(path, ens, opt),
-        lambda: ens.fit((X, Y), nn.MSELoss(), optimizer=opt, checkpoint=path, progress=False),
+        lambda: vmapens.fit(
+            ens, (X, Y), nn.MSELoss(), optimizer=opt, checkpoint=path, progress=False
+        ),
     ):
         with pytest.raises(ValueError, match=match):
             attempt()
         torch.testing.assert_close((ens.state_dict(), opt.state_dict()), before, **EXACT)
     if make is wrong_count:  # load builds as many members as the file holds
-        assert len(vmapens.Ensemble.load(path, models.MLP)) == 8
+        assert len(vmapens.load(path, models.MLP)) == 8
     else:
         with pytest.raises(ValueError, match=match.replace("5 members", r"\d members")):
-            vmapens.Ensemble.load(path, models.MLP)
+            vmapens.load(path, models.MLP)
     assert "this ran" not in capsys.readouterr().out
 
 
@@ -227,7 +228,9 @@ def test_plain_save_is_not_a_fit_checkpoint(tmp_path):
     opt = vmapens.StackedAdam(ens)
     checkpoint.save(ens, tmp_path / "ck.pt", optimizer=opt, history=History.empty([0, 1], False))
     with pytest.raises(ValueError, match=r"was written by save\(\), not by fit"):
-        ens.fit((X, Y), nn.MSELoss(), optimizer=opt, checkpoint=tmp_path / "ck.pt", progress=False)
+        vmapens.fit(
+            ens, (X, Y), nn.MSELoss(), optimizer=opt, checkpoint=tmp_path / "ck.pt", progress=False
+        )
 
 
 @pytest.mark.parametrize("fmt", ["pt", "safetensors"])
@@ -235,7 +238,7 @@ def test_plain_save_is_not_a_fit_checkpoint(tmp_path):
 def test_save_members_loads_into_the_users_class(factory, fmt, tmp_path):
     ens = vmapens.Ensemble(factory, n=2, seed=0)
     ens.member_ids, ens.n_total = range(3, 5), 5  # a shard: files are named by global index
-    paths = vmapens.checkpoint.save_members(ens, tmp_path / "members", format=fmt)
+    paths = vmapens.save_members(ens, tmp_path / "members", format=fmt)
     assert [p.name for p in paths] == [f"member_0003.{fmt}", f"member_0004.{fmt}"]
     for path, member in zip(paths, ens.unstack(), strict=True):
         if fmt == "pt":
@@ -254,7 +257,7 @@ def test_save_members_without_safetensors_says_how_to_get_it(monkeypatch, tmp_pa
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
     ens = vmapens.Ensemble(models.MLP, n=2, seed=0)
     with pytest.raises(ImportError, match=r"pip install 'vmapens\[safetensors\]'"):
-        ens.save_members(tmp_path, format="safetensors")
+        vmapens.save_members(ens, tmp_path, format="safetensors")
     assert os.listdir(tmp_path) == []
     with pytest.raises(ValueError, match=r"`format` must be 'pt' or 'safetensors', got 'npz'"):
-        ens.save_members(tmp_path, format="npz")
+        vmapens.save_members(ens, tmp_path, format="npz")

@@ -66,7 +66,7 @@ def single_fit(tmp_path_factory) -> tuple[dict, dict, Path]:
     """The fit scenario in this process, unsharded: state, history, save_members directory."""
     ens, history = dist_worker.fit(8, shard=False)
     members = tmp_path_factory.mktemp("single") / "members"
-    ens.save_members(members)
+    vmapens.save_members(ens, members)
     return ens.state_dict(), history.state_dict(), members
 
 
@@ -193,12 +193,12 @@ def test_shard_without_process_group_is_a_clear_error(build, api):
 
 def test_single_process_helpers_are_identities(tmp_path: Path):
     ens = vmapens.Ensemble(lambda: nn.Linear(2, 1), 3, seed=0)
-    assert distributed.gather(ens) is ens
+    assert vmapens.gather(ens) is ens
     assert (distributed.rank(), distributed.world_size()) == (0, 1)
     assert distributed.rank_path(tmp_path / "ckpt.pt") == tmp_path / "ckpt.pt"
     assert distributed.all_reduce_stats({"a": 1, "b": 2.5}) == {"a": 1.0, "b": 2.5}
     with pytest.raises(ValueError, match=r"^gather: `dst` must be a rank in \[0, 1\), got 1"):
-        distributed.gather(ens, dst=1)
+        vmapens.gather(ens, dst=1)
 
 
 def test_sharded_demo_outside_torchrun_says_how_to_launch(monkeypatch):

@@ -16,8 +16,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import vmapens
+from vmapens import History, bootstrap_indices
 from vmapens.bench import mlp
-from vmapens.fit import History, bootstrap_indices
 
 # One tolerance for every member-vs-twin comparison (float64 throughout).
 TOL = dict(rtol=1e-9, atol=1e-10)
@@ -99,7 +99,7 @@ def test_fit_matches_members_trained_alone(case: Case):
     ens = vmapens.Ensemble.from_modules([copy.deepcopy(m) for m in twins])
     opt = vmapens.StackedAdam(ens, lr=case.lr) if case.own_optimizer else None
     options = dict(optimizer=opt) if opt else dict(lr=case.lr)
-    history = ens.fit(case.data(), case.loss, progress=False, **options, **case.options)
+    history = vmapens.fit(ens, case.data(), case.loss, progress=False, **options, **case.options)
 
     rows = case.options.get("epochs", 1)
     assert history.train_loss.shape == (rows, N) and history.val_loss is None
@@ -117,7 +117,9 @@ def test_fit_matches_members_trained_alone(case: Case):
 def test_shuffle_is_reproducible_from_seed():
     def run(**kw):
         ens = vmapens.Ensemble(models.MLP, n=N, seed=0).double()
-        ens.fit((X, Y), nn.MSELoss(), epochs=2, batch_size=6, lr=1e-2, progress=False, **kw)
+        vmapens.fit(
+            ens, (X, Y), nn.MSELoss(), epochs=2, batch_size=6, lr=1e-2, progress=False, **kw
+        )
         return ens.state_dict()
 
     a, b = run(seed=1), run(seed=1)
@@ -132,8 +134,8 @@ def test_bootstrap_is_keyed_by_global_member_index():
     shard = vmapens.Ensemble.from_modules(full.unstack()[2:])
     shard.member_ids, shard.n_total = range(2, 4), N
     options = dict(epochs=2, batch_size=8, bootstrap=True, seed=3, lr=1e-2, progress=False)
-    full.fit((X, Y), nn.MSELoss(), **options)
-    history = shard.fit((X, Y), nn.MSELoss(), **options)
+    vmapens.fit(full, (X, Y), nn.MSELoss(), **options)
+    history = vmapens.fit(shard, (X, Y), nn.MSELoss(), **options)
     assert history.member_ids == [2, 3]
     for ours, theirs in zip(shard.unstack(), full.unstack()[2:], strict=True):
         torch.testing.assert_close(ours.state_dict(), theirs.state_dict(), **TOL)
@@ -150,7 +152,7 @@ def test_early_stopping_freezes_each_member_and_restores_its_best():
     ens = vmapens.Ensemble(models.MLP, n=N, seed=0).double()
     opt = vmapens.StackedAdam(ens, lr=[1e-3, 1e-2, 3e-2, 1e-1])
     taken: list = []
-    h = ens.fit((X[:12], Y[:12]), nn.MSELoss(), epochs=16, optimizer=opt, val_data=(XV, YV),
+    h = vmapens.fit(ens, (X[:12], Y[:12]), nn.MSELoss(), epochs=16, optimizer=opt, val_data=(XV, YV),
                 patience=3, progress=False, seed=0, callbacks=[snapshots(ens, opt, taken)])  # fmt: skip
 
     stopped = h.stopped_epoch.tolist()
@@ -184,7 +186,7 @@ def test_without_restore_best_members_keep_their_last_weights():
     ens = vmapens.Ensemble(models.MLP, n=N, seed=0).double()
     opt = vmapens.StackedAdam(ens, lr=[1e-3, 1e-2, 3e-2, 1e-1])
     taken: list = []
-    h = ens.fit((X[:12], Y[:12]), nn.MSELoss(), epochs=16, optimizer=opt, val_data=(XV, YV),
+    h = vmapens.fit(ens, (X[:12], Y[:12]), nn.MSELoss(), epochs=16, optimizer=opt, val_data=(XV, YV),
                 patience=3, restore_best=False, progress=False, seed=0,
                 callbacks=[snapshots(ens, opt, taken)])  # fmt: skip
     assert (h.best_epoch < h.epochs - 1).any()
@@ -198,7 +200,7 @@ def test_validation_runs_in_eval_mode_and_restores_train_mode():
             return out if self.training else out * 0  # eval: constant loss, never improves
 
     ens = vmapens.Ensemble(ModeSpy, n=2, seed=0).double()
-    h = ens.fit((X, Y), nn.MSELoss(), epochs=3, val_data=(XV, YV), progress=False, seed=0)
+    h = vmapens.fit(ens, (X, Y), nn.MSELoss(), epochs=3, val_data=(XV, YV), progress=False, seed=0)
     torch.testing.assert_close(h.val_loss, (YV**2).mean().expand(3, 2), **TOL)
     assert ens.training and h.best_epoch.tolist() == [0, 0]
 
@@ -207,8 +209,8 @@ def test_diverged_member_is_frozen_and_others_run_as_without_it():
     ens = vmapens.Ensemble(models.MLP, n=N, seed=0).double()
     rest = vmapens.Ensemble.from_modules([m for i, m in enumerate(ens.unstack()) if i != 2])
     options = dict(epochs=4, steps=3, batch_size=8, seed=5, progress=False, val_data=(XV, YV))
-    h = ens.fit((X, Y), nn.MSELoss(), lr=[1e-2, 1e-2, 1e200, 1e-2], **options)
-    alone = rest.fit((X, Y), nn.MSELoss(), lr=1e-2, **options)
+    h = vmapens.fit(ens, (X, Y), nn.MSELoss(), lr=[1e-2, 1e-2, 1e200, 1e-2], **options)
+    alone = vmapens.fit(rest, (X, Y), nn.MSELoss(), lr=1e-2, **options)
 
     assert h.diverged.tolist() == [False, False, True, False]
     assert h.stopped_epoch.tolist() == [-1, -1, 0, -1]
@@ -222,8 +224,13 @@ def test_diverged_member_is_frozen_and_others_run_as_without_it():
 def test_callbacks_see_the_history_so_far():
     seen = []
     ens = vmapens.Ensemble(models.MLP, n=2, seed=0).double()
-    ens.fit(
-        (X, Y), nn.MSELoss(), epochs=3, progress=False, callbacks=[lambda h: seen.append(h.epochs)]
+    vmapens.fit(
+        ens,
+        (X, Y),
+        nn.MSELoss(),
+        epochs=3,
+        progress=False,
+        callbacks=[lambda h: seen.append(h.epochs)],
     )
     assert seen == [1, 2, 3]
 
@@ -231,20 +238,20 @@ def test_callbacks_see_the_history_so_far():
 def test_progress_bar_text_goes_to_a_given_stream(capsys):
     stream = io.StringIO()
     ens = vmapens.Ensemble(models.MLP, n=3, seed=0).double()
-    ens.fit((X, Y), nn.MSELoss(), epochs=2, batch_size=10, progress=stream, seed=0)
+    vmapens.fit(ens, (X, Y), nn.MSELoss(), epochs=2, batch_size=10, progress=stream, seed=0)
     text = stream.getvalue().split("\r")[-1]
     assert "epoch 2/2" in text and "4/4" in text and "training 3/3" in text, text
     assert "loss " in text and "min " in text and "max " in text, text
     # Pytest's captured stderr is not a terminal: progress=True stays quiet, as does False.
     for progress in (True, False):
-        ens.fit((X, Y), nn.MSELoss(), epochs=2, progress=progress, seed=0)
+        vmapens.fit(ens, (X, Y), nn.MSELoss(), epochs=2, progress=progress, seed=0)
     assert capsys.readouterr().err == ""
 
 
 def test_plot_writes_a_png_of_the_expected_size(tmp_path):
     image = pytest.importorskip("matplotlib.image")
     ens = vmapens.Ensemble(models.MLP, n=3, seed=0).double()
-    h = ens.fit((X, Y), nn.MSELoss(), epochs=3, val_data=(XV, YV), progress=False, seed=0)
+    h = vmapens.fit(ens, (X, Y), nn.MSELoss(), epochs=3, val_data=(XV, YV), progress=False, seed=0)
     path = h.plot(tmp_path / "history.png", title="three members")
     assert image.imread(path).shape[:2] == (400, 1000)
 
@@ -259,7 +266,7 @@ def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path):
 
 def test_history_state_dict_round_trip():
     ens = vmapens.Ensemble(models.MLP, n=2, seed=0).double()
-    h = ens.fit((X, Y), nn.MSELoss(), epochs=2, val_data=(XV, YV), progress=False, seed=0)
+    h = vmapens.fit(ens, (X, Y), nn.MSELoss(), epochs=2, val_data=(XV, YV), progress=False, seed=0)
     other = History.empty([0, 1], validated=True)
     other.load_state_dict(h.state_dict())
     assert other.epochs == 2 and torch.equal(other.val_loss, h.val_loss)
@@ -277,7 +284,7 @@ BAD = [
     ("float-steps", dict(steps=2.0), TypeError, r"fit: `steps` must be an int"),
     ("patience-no-val", dict(patience=2), ValueError, r"`patience` needs `val_data`"),
     ("patience-torch-adam", dict(patience=2, val_data=(XV, YV), optimizer="adam"), TypeError,
-     r"StackedAdam's mask, got Adam"),
+     r"StackedOptimizer's mask, got Adam"),
     ("bootstrap-iterable", dict(data=[(X, Y)], bootstrap=True), ValueError,
      r"`bootstrap=True` needs `data` as an \(X, Y\)"),
     ("one-shot-iterator", dict(data=one_shot()), TypeError, r"must be re-iterable"),
@@ -297,7 +304,7 @@ def test_bad_arguments_raise_clearly_and_change_nothing(options, exc, match):
         options["optimizer"] = torch.optim.Adam(ens.parameters())
     options = {"data": (X, Y), **options}
     with pytest.raises(exc, match=match):
-        vmapens.fit.fit(ens, options.pop("data"), nn.MSELoss(), **options)
+        vmapens.fit(ens, options.pop("data"), nn.MSELoss(), **options)
     torch.testing.assert_close(ens.state_dict(), before, rtol=0, atol=0)
 
 
@@ -306,7 +313,8 @@ def test_compiled_fit_equals_eager_fit():
 
     def run(compile: bool):
         ens = vmapens.Ensemble(models.MLP, N, seed=0).double()
-        history = ens.fit(
+        history = vmapens.fit(
+            ens,
             (X, Y),
             nn.MSELoss(),
             epochs=4,

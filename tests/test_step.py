@@ -24,9 +24,11 @@ def twin_steps(factory, loss_fn, *, in_dims=None, **opt_kw):
     """The same ensemble twice: one trained by the eager step, one by the compiled step."""
     eager = vmapens.Ensemble(factory, N, seed=0).double()
     compiled = copy.deepcopy(eager)
-    step_e = eager.make_step(loss_fn, vmapens.StackedAdam(eager, **opt_kw), in_dims=in_dims)
-    step_c = compiled.make_step(
-        loss_fn, vmapens.StackedAdam(compiled, **opt_kw), in_dims=in_dims, compile=True
+    step_e = vmapens.make_step(
+        eager, loss_fn, vmapens.StackedAdam(eager, **opt_kw), in_dims=in_dims
+    )
+    step_c = vmapens.make_step(
+        compiled, loss_fn, vmapens.StackedAdam(compiled, **opt_kw), in_dims=in_dims, compile=True
     )
     return eager, step_e, compiled, step_c
 
@@ -75,7 +77,7 @@ def test_compiled_step_trains_like_separate_models():
         nn.Sequential(nn.Linear(2, 20), nn.Linear(20, 1), nn.Sigmoid()).double() for _ in range(N)
     ]
     ens = vmapens.Ensemble.from_modules([copy.deepcopy(m) for m in twins])
-    step = ens.make_step(nn.BCELoss(), vmapens.StackedAdam(ens, lr=1e-2), compile=True)
+    step = vmapens.make_step(ens, nn.BCELoss(), vmapens.StackedAdam(ens, lr=1e-2), compile=True)
     x, y = torch.randn(5, 2, dtype=torch.float64), torch.ones(5, 1, dtype=torch.float64)
     for _ in range(20):
         step(x, y)
@@ -91,11 +93,11 @@ def test_compiled_step_trains_like_separate_models():
 def test_eager_step_with_plain_torch_optimizer():
     ens = vmapens.Ensemble(models.MLP, N, seed=0)
     before = copy.deepcopy(ens.state_dict())
-    step = ens.make_step(nn.MSELoss(), torch.optim.SGD(ens.parameters(), lr=0.1))
+    step = vmapens.make_step(ens, nn.MSELoss(), torch.optim.SGD(ens.parameters(), lr=0.1))
     losses = step(torch.randn(7, 4), torch.randn(7, 3))
     assert losses.shape == (N,) and not losses.requires_grad
     assert not torch.equal(ens.state_dict()["fc1.weight"], before["fc1.weight"])
-    with pytest.raises(TypeError, match="`mask` needs a vmapens.StackedAdam"):
+    with pytest.raises(TypeError, match="`mask` needs a vmapens.StackedOptimizer"):
         step(torch.randn(7, 4), torch.randn(7, 3), torch.ones(N, dtype=torch.bool))
 
 
@@ -106,7 +108,7 @@ def test_eager_step_with_plain_torch_optimizer():
         (
             {"compile": True, "optimizer": "sgd"},
             TypeError,
-            r"`compile=True` needs a vmapens.StackedAdam",
+            r"`compile=True` needs a vmapens.StackedOptimizer",
         ),
         ({"optimizer": "none"}, TypeError, r"`optimizer` must be a torch.optim.Optimizer"),
     ],
@@ -117,7 +119,7 @@ def test_make_step_bad_input(kwargs, exc, match):
     optimizers = {"sgd": torch.optim.SGD(ens.parameters(), lr=0.1), "none": None}
     kwargs["optimizer"] = optimizers.get(kwargs.get("optimizer"), vmapens.StackedAdam(ens))
     with pytest.raises(exc, match=match):
-        ens.make_step(nn.MSELoss(), **kwargs)
+        vmapens.make_step(ens, nn.MSELoss(), **kwargs)
 
 
 def test_compiled_step_checks_per_member_sizes_like_eager(cnn_per_member):

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import vmapens
+from vmapens import bench as benchmarks
+from vmapens.bench import mlp
 
 
 def workload_a(n: int = 15, steps: int = 1000) -> None:
     """Workload A: n MLPs 2->20->1, BCELoss, Adam, one batch of 5, naive loop vs Ensemble."""
-    from vmapens.bench import mlp
-
     x, y = torch.randn(5, 2), torch.ones(5, 1)
     torch.manual_seed(0)
     twins = [mlp() for _ in range(n)]
@@ -34,7 +36,8 @@ def workload_a(n: int = 15, steps: int = 1000) -> None:
 
     times = {}
     for name, ens in (("eager", eager), ("compiled", compiled)):
-        step = ens.make_step(nn.BCELoss(), vmapens.StackedAdam(ens), compile=name == "compiled")
+        stacked = vmapens.StackedAdam(ens)
+        step = vmapens.make_step(ens, nn.BCELoss(), stacked, compile=name == "compiled")
         start = time.perf_counter()
         step(x, y)  # the compiled step compiles on its first call
         first = time.perf_counter() - start
@@ -62,11 +65,6 @@ def workload_a(n: int = 15, steps: int = 1000) -> None:
 
 def sharded_demo(n: int = 8, epochs: int = 5) -> None:
     """n MLPs split over the processes torchrun started: fit per rank, gather on rank 0."""
-    import torch.distributed as dist
-
-    from vmapens.bench import mlp
-    from vmapens.distributed import gather_history
-
     if "RANK" not in os.environ:
         raise SystemExit(
             "demo --sharded: start it with torchrun, e.g. "
@@ -83,14 +81,14 @@ def sharded_demo(n: int = 8, epochs: int = 5) -> None:
         y = (x.sum(dim=1, keepdim=True) > 0).float()
         ens = vmapens.Ensemble(mlp, n, seed=0, shard=True).to(device)
         lrs = torch.logspace(-3, -1, n)  # one per member, for all n: each rank keeps its own
-        history = ens.fit((x, y), nn.BCELoss(), epochs=epochs, batch_size=32, bootstrap=True,
+        history = vmapens.fit(ens, (x, y), nn.BCELoss(), epochs=epochs, batch_size=32, bootstrap=True,
                           lr=lrs, seed=0, progress=False)  # fmt: skip
         rank, world = dist.get_rank(), dist.get_world_size()
         print(f"rank {rank}/{world}: members {list(ens.member_ids)} of {ens.n_total}", flush=True)
-        full = ens.gather(dst=0)
-        merged = gather_history(history, dst=0)
+        full = vmapens.gather(ens, dst=0)
+        merged = vmapens.gather_history(history, dst=0)
         if rank == 0:
-            assert full is not None  # rank 0 is `dst`
+            assert full is not None and merged is not None  # rank 0 is `dst`
             print(f"gathered on rank 0: {len(full)} members, ids {list(full.member_ids)}")
             for i, loss in zip(merged.member_ids, merged.train_loss[-1].tolist()):
                 print(f"  member {i}: lr {lrs[i].item():.4f}  final training loss {loss:.4f}")
@@ -118,7 +116,8 @@ def digits(n: int = 32, plot: str = "vmapens-history.png") -> None:
 
     ens = vmapens.Ensemble(member, n=n, seed=0)
     start = time.perf_counter()
-    history = ens.fit(
+    history = vmapens.fit(
+        ens,
         train,
         nn.CrossEntropyLoss(),
         epochs=60,
@@ -190,8 +189,6 @@ def main(argv: list[str] | None = None) -> int:
         workload_a(steps=args.steps)
         digits()
         return 0
-    from vmapens import bench as benchmarks
-
     options = {
         "device": args.device,
         "quick": args.quick,
@@ -205,8 +202,6 @@ def main(argv: list[str] | None = None) -> int:
     results = benchmarks.run(**options)
     print(benchmarks.format_table(results))
     if args.json:
-        import json
-
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     return 0

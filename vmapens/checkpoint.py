@@ -1,152 +1,126 @@
-"""Checkpoints: atomic ``save``, checked ``load``/``restore``, and one file per member."""
+"""Checkpoints: the envelope (atomic write, checked read, version) and the verbs built on it.
+
+The envelope knows no part's insides: each stateful part (ensemble, optimizer, history, the
+fit loop) brings its own ``state_dict()`` and ``load_state_dict()``. Reading checks the
+format and version; loading applies the parts all or nothing.
+"""
 
 from __future__ import annotations
 
+import copy
+import errno
+import fcntl
 import os
 import pickle
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from .ensemble import Ensemble
+from .ensemble import Ensemble
+from .history import History
 
-__all__ = ["load", "restore", "save", "save_members"]
+__all__ = [
+    "apply_parts",
+    "check_ensemble_state",
+    "check_members",
+    "load",
+    "members_of",
+    "read",
+    "restore",
+    "save",
+    "save_members",
+    "write",
+]
 
-_FORMAT = "vmapens-checkpoint"
-_VERSION = 1
-_KEYS = {"format", "version", "member_class", "n_total", "member_ids", "state", "optimizer"}
-_KEYS |= {"optimizer_class", "history", "fit"}
-
-
-def save(
-    ens: Ensemble,
-    path: str | os.PathLike,
-    optimizer: torch.optim.Optimizer | None = None,
-    history: Any = None,
-) -> None:
-    """Write the ensemble (and optionally its optimizer and History) to ``path`` atomically.
-
-    The file is written to a temporary file in the same directory and moved over ``path``
-    with ``os.replace``: a crash mid-write leaves the previous checkpoint intact. Only tensors
-    and plain containers are stored, so ``torch.load(weights_only=True)`` reads it.
-
-    Args:
-        ens: the ensemble.
-        path: the checkpoint file.
-        optimizer: an optimizer over ``ens.parameters()`` whose state to store.
-        history: a ``vmapens.fit.History`` to store.
-
-    Example:
-        >>> from vmapens import Ensemble
-        >>> ens = Ensemble(lambda: nn.Linear(3, 1), n=4, seed=0)
-        >>> save(ens, "ens.pt")
-        >>> load("ens.pt", lambda: nn.Linear(3, 1)).n_total
-        4
-    """
-    write_checkpoint(ens, path, optimizer, history, fit_state=None)
+FORMAT = "vmapens-checkpoint"
+VERSION = 2
 
 
-def write_checkpoint(
-    ens: Ensemble,
-    path: str | os.PathLike,
-    optimizer: torch.optim.Optimizer | None,
-    history: Any,
-    fit_state: dict | None,
-) -> None:
-    """``save`` plus the training-loop state that ``fit(checkpoint=...)`` resumes from."""
-    payload = {
-        "format": _FORMAT,
-        "version": _VERSION,
-        "member_class": _class_name(ens),
-        "n_total": ens.n_total,
-        "member_ids": list(ens.member_ids),
-        "state": {k: v.detach().cpu() for k, v in ens.state_dict().items()},
-        "optimizer": None if optimizer is None else optimizer.state_dict(),
-        "optimizer_class": None if optimizer is None else type(optimizer).__name__,
-        "history": None if history is None else history.state_dict(),
-        "fit": fit_state,
-    }
-    _atomic(path, lambda f: torch.save(payload, f))
+def write(path: str | os.PathLike, parts: Mapping[str, Any], api: str = "save") -> None:
+    """Write ``parts`` (plain containers of tensors) to ``path`` atomically.
 
-
-def load(
-    path: str | os.PathLike,
-    factory: Callable[[], nn.Module],
-    optimizer: Callable[[Ensemble], torch.optim.Optimizer] | None = None,
-) -> Any:
-    """Build an Ensemble from a checkpoint, with the stored members and member ids.
-
-    Args:
-        path: a file written by ``save`` or ``fit(checkpoint=...)``.
-        factory: builds one member, as for ``Ensemble``; its class must be the stored one.
-        optimizer: an optimizer cannot exist before the ensemble it optimises, so pass how to
-            build it, e.g. ``vmapens.StackedAdam`` or ``lambda e: StackedAdam(e, lr=1e-2)``;
-            it gets the stored optimizer state.
-
-    Returns:
-        The ensemble, or ``(ensemble, optimizer)`` when ``optimizer`` is given.
+    The file is written to a temporary file in the same directory (held under an exclusive
+    lock while written), synced, moved over ``path`` with ``os.replace`` and the directory
+    synced: a crash at any point leaves the previous file intact. Temporary files that
+    interrupted saves of the same ``path`` left behind (unlocked) are removed first.
 
     Raises:
-        ValueError: the file is truncated or corrupt, holds objects other than tensors (such
-            as code to run), or does not match ``factory``'s members.
+        OSError: the directory is missing or read-only, or the disk is full; the message
+            says the previous file is intact, and no temporary file is left.
+    """
+    payload = {"format": FORMAT, "version": VERSION, **parts}
+    atomic_write(path, lambda f: torch.save(payload, f), api)
+
+
+def atomic_write(path: str | os.PathLike, write_to: Callable[..., Any], api: str) -> None:
+    """Write through a locked temporary file in the same directory, then ``os.replace`` it."""
+    path = Path(path)
+    _remove_stale(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        raise _write_error(api, path, err) from err
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # "in use": a later save leaves it alone
+            write_to(f)
+            f.flush()
+            os.fsync(f.fileno())
+            os.replace(tmp, path)
+        _sync_dir(path.parent)
+    except BaseException as err:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, (OSError, RuntimeError)) and not isinstance(err, NotImplementedError):
+            raise _write_error(api, path, err) from err
+        raise
+
+
+def _write_error(api: str, path: Path, err: BaseException) -> OSError:
+    code = getattr(err, "errno", None) or errno.EIO
+    return OSError(
+        code,
+        f"{api}: could not write {path}: {err}; any previous file at that path is intact",
+    )
+
+
+def _remove_stale(path: Path) -> None:
+    """Delete temporary files of earlier, interrupted saves of ``path`` (ours and unlocked)."""
+    if not path.parent.is_dir():
+        return
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        try:
+            fd = os.open(tmp, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # another process is writing it right now
+        finally:
+            os.close(fd)
+        tmp.unlink(missing_ok=True)
+
+
+def _sync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read(path: str | os.PathLike, api: str) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`write`; check its format and version only.
+
+    Raises:
         FileNotFoundError: no file at ``path``.
+        ValueError: a truncated or corrupt file, objects other than tensors and plain
+            containers (possibly code), another format or version.
     """
-    from .ensemble import Ensemble
-
-    payload = _read(path, "load")
-    ids = payload["member_ids"]
-    if not ids or ids != list(range(ids[0], ids[0] + len(ids))):
-        raise ValueError(f"load: {os.fspath(path)}: member ids {ids} are not a contiguous block")
-    # seed=0 leaves the caller's RNG alone; every tensor is overwritten below anyway.
-    ens = Ensemble(factory, n=len(ids), seed=0)
-    ens.member_ids, ens.n_total = range(ids[0], ids[-1] + 1), payload["n_total"]
-    opt = optimizer(ens) if optimizer is not None else None
-    payload = _check(payload, path, ens, opt, None, "load")
-    apply_checkpoint(payload, ens, opt, None)
-    return ens if opt is None else (ens, opt)
-
-
-def restore(
-    path: str | os.PathLike,
-    ens: Ensemble,
-    optimizer: torch.optim.Optimizer | None = None,
-    history: Any = None,
-) -> None:
-    """Load a checkpoint into an existing ensemble (and optimizer, History), all or nothing.
-
-    Everything is checked before anything is copied: on error ``ens``, ``optimizer`` and
-    ``history`` are unchanged.
-
-    Raises:
-        ValueError: as for ``load``, or the optimizer/History is missing from the file or
-            does not match.
-    """
-    payload = read_checkpoint(path, ens, optimizer, history, "restore")
-    apply_checkpoint(payload, ens, optimizer, history)
-
-
-def read_checkpoint(
-    path: str | os.PathLike, ens: Ensemble, optimizer: Any, history: Any, api: str
-) -> dict:
-    """Read ``path`` and check it against ``ens``/``optimizer``/``history``; changes nothing."""
-    return _check(_read(path, api), path, ens, optimizer, history, api)
-
-
-def apply_checkpoint(payload: dict, ens: Ensemble, optimizer: Any, history: Any) -> None:
-    """Copy a checked payload into the objects (see ``read_checkpoint``)."""
-    ens.load_state_dict(payload["state"])
-    if optimizer is not None:
-        optimizer.load_state_dict(payload["optimizer"])
-    if history is not None:
-        history.load_state_dict(payload["history"])
-
-
-def _read(path: str | os.PathLike, api: str) -> dict:
     where = os.fspath(path)
     if not os.path.isfile(where):
         raise FileNotFoundError(f"{api}: no checkpoint at {where}")
@@ -162,72 +136,189 @@ def _read(path: str | os.PathLike, api: str) -> dict:
         raise ValueError(
             f"{api}: {where} is not a readable checkpoint (truncated or corrupt file?): {err}"
         ) from err
-    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
-        raise ValueError(f"{api}: {where} is not a vmapens checkpoint (no `{_FORMAT}` marker)")
-    if payload.get("version") != _VERSION or set(payload) != _KEYS:
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise ValueError(f"{api}: {where} is not a vmapens checkpoint (no `{FORMAT}` marker)")
+    if payload.get("version") != VERSION:
         raise ValueError(
-            f"{api}: {where} is a vmapens checkpoint of version {payload.get('version')!r} with "
-            f"keys {sorted(payload)}; this vmapens reads version {_VERSION}"
+            f"{api}: {where} is a vmapens checkpoint of version {payload.get('version')!r}; "
+            f"this vmapens reads version {VERSION}"
         )
     return payload
 
 
-def _check(payload: dict, path: Any, ens: Ensemble, optimizer: Any, history: Any, api: str) -> dict:
-    where = os.fspath(path)
-    held = f"{len(payload['member_ids'])} members of {payload['member_class']}"
-    ours = f"{len(ens)} members of {_class_name(ens)}"
-    if payload["member_class"] != _class_name(ens) or payload["member_ids"] != list(ens.member_ids):
+def apply_parts(payload: Mapping[str, Any], parts: Mapping[str, Any], api: str, where: str) -> None:
+    """``part.load_state_dict(payload[name])`` for every part, all or nothing.
+
+    Each part checks its own state before it changes; if one refuses, the parts loaded
+    before it get their previous state back, and the error says which part and why.
+    """
+    for name in parts:
+        if payload.get(name) is None:
+            raise ValueError(f"{api}: {where} holds no {name} state")
+    before = {name: copy.deepcopy(part.state_dict()) for name, part in parts.items()}
+    done: list[str] = []
+    try:
+        for name, part in parts.items():
+            part.load_state_dict(payload[name])
+            done.append(name)
+    except (ValueError, RuntimeError, KeyError, TypeError, IndexError) as err:
+        for name in done:
+            parts[name].load_state_dict(before[name])
+        raise ValueError(f"{api}: {where}: the {name} state does not fit: {err}") from err
+
+
+def members_of(ens: Ensemble) -> dict[str, Any]:
+    cls = type(ens.template)
+    return {
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "n_total": ens.n_total,
+        "member_ids": list(ens.member_ids),
+    }
+
+
+def check_members(payload: Mapping[str, Any], ens: Ensemble, api: str, where: str) -> None:
+    """The file must hold this ensemble's members: same class and global ids."""
+    held, ours = payload.get("members"), members_of(ens)
+    if held != ours:
         raise ValueError(
-            f"{api}: {where} holds {held} (ids {_span(payload['member_ids'])} of "
-            f"{payload['n_total']}), this ensemble has {ours} (ids {_span(ens.member_ids)} of "
-            f"{ens.n_total})"
+            f"{api}: {where} holds {_describe(held)}, this ensemble has {_describe(ours)}"
         )
-    state, expected = payload["state"], ens.state_dict()
-    if set(state) != set(expected):
-        missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+
+
+def check_ensemble_state(state: Any, ens: Ensemble, api: str, where: str) -> None:
+    """The stored tensors must have this ensemble's keys, shapes and dtypes (no silent casts)."""
+    expected = ens.state_dict()
+    if not isinstance(state, dict) or set(state) != set(expected):
+        got = set(state) if isinstance(state, dict) else set()
+        missing, extra = sorted(set(expected) - got), sorted(got - set(expected))
         raise ValueError(f"{api}: {where}: keys differ: missing {missing}, unexpected {extra}")
     for key, t in expected.items():
-        got = state[key]
-        if not isinstance(got, torch.Tensor) or got.shape != t.shape or got.dtype != t.dtype:
-            what = (tuple(got.shape), got.dtype) if isinstance(got, torch.Tensor) else type(got)
+        held = state[key]
+        if not isinstance(held, torch.Tensor) or held.shape != t.shape or held.dtype != t.dtype:
+            what = (tuple(held.shape), held.dtype) if isinstance(held, torch.Tensor) else type(held)
             raise ValueError(
                 f"{api}: {where}: `{key}` is {what}, this ensemble has {(tuple(t.shape), t.dtype)}"
             )
-    if optimizer is not None:
-        _check_optimizer(payload, where, optimizer, api)
-    if history is not None:
-        if payload["history"] is None:
-            raise ValueError(f"{api}: {where} holds no History")
-        history.check_state(payload["history"], api)
-    return payload
 
 
-def _check_optimizer(payload: dict, where: str, optimizer: Any, api: str) -> None:
-    saved = payload["optimizer"]
-    if saved is None:
-        raise ValueError(f"{api}: {where} holds no optimizer state")
-    if payload["optimizer_class"] != type(optimizer).__name__:
+def _describe(m: Any) -> str:
+    if not isinstance(m, dict):
+        return repr(m)
+    ids = m["member_ids"]
+    span = f"{ids[0]}..{ids[-1]}" if ids else "none"
+    return f"{len(ids)} members of {m['class']} (ids {span} of {m['n_total']})"
+
+
+def save(
+    ens: Ensemble,
+    path: str | os.PathLike,
+    optimizer: torch.optim.Optimizer | None = None,
+    history: History | None = None,
+) -> None:
+    """Write the ensemble (and optionally its optimizer and History) to ``path`` atomically.
+
+    Only tensors and plain containers are stored, so ``torch.load(weights_only=True)`` reads
+    it. See :func:`write` for what a crash or a full disk leaves.
+
+    Args:
+        ens: the ensemble.
+        path: the checkpoint file.
+        optimizer: an optimizer over ``ens.parameters()`` whose state to store.
+        history: a ``vmapens.History`` to store.
+
+    Example:
+        >>> ens = Ensemble(lambda: nn.Linear(3, 1), n=4, seed=0)
+        >>> save(ens, "ens.pt")
+        >>> load("ens.pt", lambda: nn.Linear(3, 1)).n_total
+        4
+    """
+    if not isinstance(ens, Ensemble):
+        raise TypeError(f"save: `ens` must be a vmapens.Ensemble, got {type(ens).__name__}")
+    write(path, _parts_state(ens, optimizer, history), "save")
+
+
+def _parts_state(ens: Ensemble, optimizer: Any, history: Any) -> dict[str, Any]:
+    return {
+        "members": members_of(ens),
+        "ensemble": {k: v.detach().cpu() for k, v in ens.state_dict().items()},
+        "optimizer": None if optimizer is None else optimizer.state_dict(),
+        "optimizer_class": None if optimizer is None else type(optimizer).__name__,
+        "history": None if history is None else history.state_dict(),
+    }
+
+
+def load(
+    path: str | os.PathLike,
+    factory: Callable[[], nn.Module],
+    optimizer: Callable[[Ensemble], torch.optim.Optimizer] | None = None,
+) -> Ensemble | tuple[Ensemble, torch.optim.Optimizer]:
+    """Build an Ensemble from a checkpoint, with the stored members and member ids.
+
+    Args:
+        path: a file written by ``save`` or ``fit(checkpoint=...)``.
+        factory: builds one member, as for ``Ensemble``; its class must be the stored one.
+        optimizer: how to build the optimizer, e.g. ``vmapens.StackedAdam`` or
+            ``lambda e: StackedAdam(e, lr=1e-2)``; it gets the stored optimizer state.
+
+    Returns:
+        The ensemble, or ``(ensemble, optimizer)`` when ``optimizer`` is given.
+
+    Raises:
+        ValueError: the file is truncated or corrupt, holds objects other than tensors, or
+            does not match ``factory``'s members.
+        FileNotFoundError: no file at ``path``.
+    """
+    payload = read(path, "load")
+    members = payload.get("members") or {}
+    ids = list(members.get("member_ids", []))
+    if not ids:
+        raise ValueError(f"load: {os.fspath(path)} holds no members")
+    # seed=0 leaves the caller's RNG alone; every tensor is overwritten below anyway.
+    ens = Ensemble(factory, n=len(ids), seed=0)
+    ens.member_ids = (
+        range(ids[0], ids[-1] + 1) if ids == list(range(ids[0], ids[-1] + 1)) else tuple(ids)
+    )
+    ens.n_total = members["n_total"]
+    opt = optimizer(ens) if optimizer is not None else None
+    _restore(payload, path, ens, opt, None, "load")
+    return ens if opt is None else (ens, opt)
+
+
+def restore(
+    path: str | os.PathLike,
+    ens: Ensemble,
+    optimizer: torch.optim.Optimizer | None = None,
+    history: History | None = None,
+) -> None:
+    """Load a checkpoint into an existing ensemble (and optimizer, History), all or nothing.
+
+    Raises:
+        ValueError: as for ``load``, or the optimizer/History is missing from the file or
+            does not match; ``ens``, ``optimizer`` and ``history`` are then unchanged.
+    """
+    _restore(read(path, "restore"), path, ens, optimizer, history, "restore")
+
+
+def _restore(
+    payload: dict, path: Any, ens: Ensemble, optimizer: Any, history: Any, api: str
+) -> None:
+    where = os.fspath(path)
+    check_members(payload, ens, api, where)
+    check_ensemble_state(payload.get("ensemble"), ens, api, where)
+    if optimizer is not None and payload.get("optimizer_class") not in (
+        None,
+        type(optimizer).__name__,
+    ):
         raise ValueError(
             f"{api}: {where} holds {payload['optimizer_class']} state, the optimizer is a "
             f"{type(optimizer).__name__}"
         )
-    groups = optimizer.param_groups
-    sizes = [len(g["params"]) for g in saved["param_groups"]]
-    if sizes != [len(g["params"]) for g in groups]:
-        raise ValueError(
-            f"{api}: {where}: optimizer param groups hold {sizes} parameters, the optimizer "
-            f"{[len(g['params']) for g in groups]}"
-        )
-    params = [p for g in groups for p in g["params"]]
-    for k, state in saved["state"].items():
-        if not isinstance(k, int) or not 0 <= k < len(params):
-            raise ValueError(f"{api}: {where}: optimizer state for unknown parameter {k!r}")
-        for name, v in state.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] != params[k].shape[0]:
-                raise ValueError(
-                    f"{api}: {where}: optimizer state `{name}` of parameter {k} has shape "
-                    f"{tuple(v.shape)}, the parameter {tuple(params[k].shape)}"
-                )
+    parts: dict[str, Any] = {"ensemble": ens}
+    if optimizer is not None:
+        parts["optimizer"] = optimizer
+    if history is not None:
+        parts["history"] = history
+    apply_parts(payload, parts, api, where)
 
 
 def save_members(ens: Ensemble, directory: str | os.PathLike, format: str = "pt") -> list[Path]:
@@ -249,7 +340,6 @@ def save_members(ens: Ensemble, directory: str | os.PathLike, format: str = "pt"
         ImportError: ``format="safetensors"`` without the safetensors package.
 
     Example:
-        >>> from vmapens import Ensemble
         >>> paths = save_members(Ensemble(lambda: nn.Linear(3, 1), n=2), "members")
         >>> [p.name for p in paths]
         ['member_0000.pt', 'member_0001.pt']
@@ -272,39 +362,10 @@ def save_members(ens: Ensemble, directory: str | os.PathLike, format: str = "pt"
     for gid, sd in zip(ens.member_ids, ens.state_dicts(), strict=True):
         path = directory / f"member_{gid:04d}.{format}"
         if format == "pt":
-            _atomic(path, lambda f, sd=sd: torch.save(sd, f))
+            atomic_write(path, lambda f, sd=sd: torch.save(sd, f), "save_members")
         else:
             # safetensors refuses tensors that share memory (tied weights): one copy per key.
             tensors = {k: v.detach().cpu().contiguous().clone() for k, v in sd.items()}
-            _atomic(path, lambda f, t=tensors: f.write(to_bytes(t)))
+            atomic_write(path, lambda f, t=tensors: f.write(to_bytes(t)), "save_members")
         paths.append(path)
     return paths
-
-
-def _atomic(path: str | os.PathLike, write: Callable[..., Any]) -> None:
-    """Write through a temporary file in the same directory, then ``os.replace`` it.
-
-    ``write(f)`` gets the open binary file; ``...`` lets callers bind loop variables as
-    lambda defaults, which mypy cannot match against a one-argument signature.
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _class_name(ens: Ensemble) -> str:
-    cls = type(ens.template)
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _span(ids: Any) -> str:
-    ids = list(ids)
-    return f"{ids[0]}..{ids[-1]}" if ids else "none"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast
@@ -11,12 +12,24 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
+from ._checks import as_ids, check_choice, check_int, expand_in_dims, index_rows, to_index
+from ._members import (
+    Factory,
+    build_members,
+    check_member,
+    check_same,
+    check_seeds,
+    meta_copy,
+    named_tensors,
+    non_persistent_buffers,
+    signature,
+)
+from .distributed import member_block
+
 __all__ = ["Ensemble", "per_member"]
 
-Factory = Callable[[], nn.Module]
-
-_RANDOMNESS = ("different", "same", "error")
-_BACKENDS = ("vmap", "loop")
+RANDOMNESS = ("different", "same", "error")
+BACKENDS = ("vmap", "loop")
 # Substrings of torch.func errors that mean "this forward cannot be batched", as opposed to
 # an ordinary bug in the user's forward that would fail for a single model too.
 _UNBATCHABLE = ("Batching rule not implemented", "vmap: ", "We could not generate a fallback")
@@ -26,40 +39,46 @@ class Ensemble(nn.Module):
     """N members of one architecture, stored stacked and run together.
 
     Every parameter and buffer of the member module is stored once, with a leading member
-    dimension: ``ens.parameters()`` yields leaf tensors of shape ``[n, *member_shape]``.
-    Calling the ensemble runs all members on the same inputs through
-    ``torch.func.functional_call`` under ``torch.func.vmap`` (or one after another with
-    ``backend="loop"``) and every output tensor gains a leading member dimension.
+    dimension: ``ens.parameters()`` yields leaf tensors of shape ``[n, *member_shape]``, and
+    ``ens.state_dict()`` has the member's own keys. Calling the ensemble runs all members on
+    the same inputs through ``torch.func.functional_call`` under ``torch.func.vmap`` (or one
+    after another with ``backend="loop"``); every output tensor gains a leading member dim.
 
     Member ``i`` is ``factory()``, built exactly as you would build it alone:
 
-    * ``seed=None``: members are drawn from the global RNG one after another, exactly as
-      ``[factory() for _ in range(n)]`` would draw them.
-    * ``seed=s``: member ``i`` is what ``torch.manual_seed(s + i); factory()`` gives, so any
-      member can be rebuilt alone; the caller's global RNG state is left untouched.
+    * ``seed=None, seeds=None``: members come from the global RNG one after another, exactly
+      as ``[factory() for _ in range(n)]`` would draw them.
+    * ``seed=s``: member ``i`` is ``torch.manual_seed(vmapens.member_seed(s, i)); factory()``,
+      a stream derived from ``(s, i)``: ensembles with different seeds share no member, any
+      member can be rebuilt alone, and the caller's global RNG is left untouched.
+    * ``seeds=[k0, k1, ...]``: member ``i`` is ``torch.manual_seed(seeds[i]); factory()``, to
+      reproduce a naive loop over explicit seeds.
 
     Members are built one at a time and copied into the stacked storage, so building peaks
-    at about the stacked size plus one member (``torch.func.stack_module_state`` would need
-    all n members alive at once); no per-member module is kept afterwards (the module that
-    ``functional_call`` runs lives on the ``meta`` device).
+    at about the stacked size plus one member. The module ``functional_call`` runs lives on
+    the ``meta`` device (``ens.template``).
+
+    The verbs that act on an ensemble are free functions: ``vmapens.fit``,
+    ``vmapens.make_step``, ``vmapens.save``, ``vmapens.save_members``, ``vmapens.gather``.
 
     Args:
         factory: zero-argument callable returning an ``nn.Module``: the class itself,
             ``functools.partial(MLP, 20)`` or a lambda.
         n: number of members, ``>= 1``.
-        seed: ``None`` (global RNG) or an int (member ``i`` is seeded with ``seed + i``).
+        seed: ``None`` or an int (see above).
+        seeds: ``None`` or one int per member (see above); excludes ``seed``.
         randomness: how random ops (dropout) draw per member, as in ``torch.func.vmap``:
             ``"different"`` (independent per member), ``"same"`` or ``"error"``.
         chunk_size: run at most this many members at once under ``vmap`` (bounds memory).
-        backend: ``"vmap"`` (batched, fast) or ``"loop"`` (members one after another through
+        backend: ``"vmap"`` (batched) or ``"loop"`` (members one after another through
             ``functional_call`` on the same storage, for forwards that ``vmap`` cannot batch,
-            such as ``nn.GRU`` / ``nn.LSTM`` or data-dependent Python control flow).
+            such as data-dependent Python control flow).
         shard: build only this process's block of members when a ``torch.distributed``
-            process group is initialised (see ``docs/distributed.md``); needs an int ``seed``.
+            process group is initialised (see ``docs/distributed.md``); needs ``seed``.
 
     Raises:
         ValueError: ``n < 1``, an unknown ``randomness``/``backend``, members that differ,
-            an uninitialised lazy module.
+            an uninitialised lazy module, ``seeds`` of the wrong length.
         TypeError: ``factory`` is not callable or does not return an ``nn.Module``.
 
     Example:
@@ -70,6 +89,8 @@ class Ensemble(nn.Module):
 
     # The meta-device member that functional_call runs, kept out of nn.Module's registry.
     _template: nn.Module
+    member_ids: Sequence[int]
+    n_total: int
 
     def __init__(
         self,
@@ -77,31 +98,35 @@ class Ensemble(nn.Module):
         n: int,
         *,
         seed: int | None = None,
+        seeds: Sequence[int] | None = None,
         randomness: str = "different",
         chunk_size: int | None = None,
         backend: str = "vmap",
         shard: bool = False,
     ) -> None:
         super().__init__()
+        api = "Ensemble"
         if isinstance(factory, nn.Module):
             raise TypeError(
-                f"Ensemble: `factory` must build a new member on each call, got an instance of "
+                f"{api}: `factory` must build a new member on each call, got an instance of "
                 f"{type(factory).__name__}; pass the class (or a lambda), or use "
                 "Ensemble.from_modules([...]) to stack existing modules"
             )
         if not callable(factory):
             raise TypeError(
-                f"Ensemble: `factory` must be a zero-argument callable returning an nn.Module, "
+                f"{api}: `factory` must be a zero-argument callable returning an nn.Module, "
                 f"got {type(factory).__name__}"
             )
-        _check_int("Ensemble", "n", n, minimum=1)
+        check_int(api, "n", n, minimum=1)
         if seed is not None:
-            _check_int("Ensemble", "seed", seed)
-        self._configure(randomness, chunk_size, backend, "Ensemble")
-        member_ids = _member_ids(n, shard, seed, "Ensemble")
+            check_int(api, "seed", seed)
+        if seeds is not None:
+            seeds = check_seeds(api, seeds, n, seed)
+        self._configure(randomness, chunk_size, backend, api)
+        member_ids = _member_ids(n, shard, seed is not None or seeds is not None, api)
         rng = torch.get_rng_state()
         try:
-            self._init_storage(_build_members(factory, seed, member_ids), member_ids, n, "Ensemble")
+            self._init_storage(build_members(factory, seed, seeds, member_ids), member_ids, n, api)
         except BaseException:
             torch.set_rng_state(rng)  # a failed build leaves the caller's RNG as it was
             raise
@@ -131,52 +156,42 @@ class Ensemble(nn.Module):
 
         Raises:
             TypeError: ``modules`` is not a sequence of ``nn.Module``.
-            ValueError: ``modules`` is empty, or a member differs from member 0 (the message
-                names the first member and key that differ).
+            ValueError: ``modules`` is empty, or a member differs from member 0.
 
         Example:
             >>> ens = Ensemble.from_modules([nn.Linear(3, 2) for _ in range(4)])
             >>> len(ens)
             4
         """
+        api = "Ensemble.from_modules"
         if isinstance(modules, nn.Module) or not isinstance(modules, Sequence):
             raise TypeError(
-                "Ensemble.from_modules: `modules` must be a sequence (list or tuple) of "
-                f"nn.Module, got {type(modules).__name__}"
+                f"{api}: `modules` must be a sequence (list or tuple) of nn.Module, got "
+                f"{type(modules).__name__}"
             )
         if len(modules) == 0:
-            raise ValueError("Ensemble.from_modules: `modules` must not be empty")
+            raise ValueError(f"{api}: `modules` must not be empty")
         for i, module in enumerate(modules):
-            _check_member(module, i, "Ensemble.from_modules")
-        reference = _signature(modules[0])
+            check_member(module, i, api)
+        reference = signature(modules[0])
         for i, module in enumerate(modules[1:], start=1):
-            _check_same(reference, module, i, "Ensemble.from_modules")
+            check_same(reference, module, i, api)
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._configure(randomness, chunk_size, backend, "Ensemble.from_modules")
-        member_ids = _member_ids(len(modules), shard, 0, "Ensemble.from_modules")
-        self._init_storage(
-            (modules[i] for i in member_ids), member_ids, len(modules), "Ensemble.from_modules"
-        )
+        self._configure(randomness, chunk_size, backend, api)
+        member_ids = _member_ids(len(modules), shard, True, api)
+        self._init_storage((modules[i] for i in member_ids), member_ids, len(modules), api)
         return self
 
-    # -- construction ---------------------------------------------------------------------
-
     def _configure(self, randomness: str, chunk_size: int | None, backend: str, api: str) -> None:
-        if randomness not in _RANDOMNESS:
-            raise ValueError(
-                f"{api}: `randomness` must be one of {_RANDOMNESS}, got {randomness!r}"
-            )
-        if backend not in _BACKENDS:
-            raise ValueError(f"{api}: `backend` must be one of {_BACKENDS}, got {backend!r}")
+        check_choice(api, "randomness", randomness, RANDOMNESS)
+        check_choice(api, "backend", backend, BACKENDS)
         if chunk_size is not None:
-            _check_int(api, "chunk_size", chunk_size, minimum=1)
-        self.randomness = randomness
-        self.chunk_size = chunk_size
-        self.backend = backend
+            check_int(api, "chunk_size", chunk_size, minimum=1)
+        self.randomness, self.chunk_size, self.backend = randomness, chunk_size, backend
 
     def _init_storage(
-        self, members: Iterable[nn.Module], member_ids: range, n_total: int, api: str
+        self, members: Iterable[nn.Module], member_ids: Sequence[int], n_total: int, api: str
     ) -> None:
         """Copy members one at a time into stacked storage and keep a meta template."""
         stacked: dict[str, torch.Tensor] = {}
@@ -186,21 +201,30 @@ class Ensemble(nn.Module):
         slot = 0
         for member in members:
             if reference is None:
-                reference = _signature(member)
+                reference = signature(member)
                 training = member.training
-                # Kept out of nn.Module's registry: its meta tensors are not ours to train.
-                self.__dict__["_template"] = _meta_copy(member)
+                self.__dict__["_template"] = meta_copy(member)
                 stacked = {
                     name: torch.empty((len(member_ids), *t.shape), dtype=t.dtype, device=t.device)
-                    for name, t in _named_tensors(member)
+                    for name, t in named_tensors(member)
                 }
             else:
-                _check_same(reference, member, member_ids[slot], api)
+                check_same(reference, member, member_ids[slot], api)
             with torch.no_grad():
-                for name, t in _named_tensors(member):
+                for name, t in named_tensors(member):
                     stacked[name][slot].copy_(t)
             del member  # drop our reference before the next member is built
             slot += 1  # noqa: SIM113
+        self._adopt(stacked, member_ids, n_total, training)
+
+    def _adopt(
+        self,
+        stacked: dict[str, torch.Tensor],
+        member_ids: Sequence[int],
+        n_total: int,
+        training: bool,
+    ) -> None:
+        """Take ``stacked`` (name -> [k, ...]) as this ensemble's storage."""
         params = dict(self._template.named_parameters())
         for name, t in stacked.items():
             if name in params:
@@ -209,15 +233,14 @@ class Ensemble(nn.Module):
                 self._parameters[name] = nn.Parameter(t, requires_grad=params[name].requires_grad)
             else:
                 self._buffers[name] = t
-        self._non_persistent_buffers_set = _non_persistent_buffers(self._template)
-        self.member_ids = member_ids
-        self.n_total = n_total
+        self._non_persistent_buffers_set = non_persistent_buffers(self._template)
+        self.member_ids, self.n_total = member_ids, n_total
         # Member state_dict key -> stacked name (tied weights map several keys to one name).
-        meta_names = {id(t): name for name, t in _named_tensors(self._template)}
+        meta_names = {id(t): name for name, t in named_tensors(self._template)}
         self._state_keys = {
             key: meta_names[id(t)] for key, t in self._template.state_dict(keep_vars=True).items()
         }
-        self.training = training
+        self.train(training)
 
     # -- running ----------------------------------------------------------------------------
 
@@ -236,8 +259,7 @@ class Ensemble(nn.Module):
 
         Raises:
             ValueError: a per-member input whose size along its ``in_dims`` is not ``len(ens)``.
-            RuntimeError: the member's forward cannot be batched by ``vmap`` (the message
-                points to ``backend="loop"``).
+            RuntimeError: the member's forward cannot be batched by ``vmap``.
         """
 
         def member(state: dict[str, torch.Tensor], *args: Any) -> Any:
@@ -249,10 +271,8 @@ class Ensemble(nn.Module):
         """Run ``fn(member_state, *member_args)`` for every member, stacking the outputs.
 
         ``member_state`` is one member's parameters and buffers by name, ready for
-        ``torch.func.functional_call(module, member_state, ...)``. This is what ``forward``
-        runs, and what a training step uses to compute each member's forward *and* loss in
-        one vmap. Runs under ``vmap`` (or the loop backend) with the ensemble's randomness and
-        chunk size; buffers are restored if ``fn`` raises.
+        ``torch.func.functional_call(ens.template, member_state, ...)``. This is what
+        ``forward`` runs; buffers are restored if ``fn`` raises (see ``guard``).
 
         Args:
             fn: ``(member_state, *member_args) -> pytree of tensors``.
@@ -264,142 +284,148 @@ class Ensemble(nn.Module):
 
         Raises:
             ValueError: a per-member input whose size along its ``in_dims`` is not ``len(ens)``.
-            RuntimeError: ``fn`` cannot be batched by ``vmap`` (the message points to
-                ``backend="loop"``).
+            RuntimeError: ``fn`` cannot be batched by ``vmap``.
         """
-        dims = _expand_in_dims(in_dims, args, len(self))
-        state = {**self._stacked_params(), **self._stacked_buffers()}
-        buffers = list(self._stacked_buffers().values())
-        # vmap can fail after BatchNorm has updated some members' statistics: keep a copy so a
-        # failed call changes nothing.
+        dims = expand_in_dims("Ensemble", in_dims, args, len(self))
+        with self.guard():
+            return self.member_map(fn, dims)(self.stacked_state(), *args)
+
+    def member_map(self, fn: Callable[..., Any], in_dims: tuple) -> Callable[..., Any]:
+        """``fn`` lifted to ``(stacked_state, *args) -> stacked outputs``, the ensemble's way.
+
+        The one place that applies ``backend``, ``chunk_size`` and ``randomness``: the eager
+        forward and both training steps (eager and compiled) run members through it. It
+        touches no state; wrap the call in ``guard()``.
+
+        Args:
+            fn: ``(member_state, *member_args) -> pytree of tensors``.
+            in_dims: one entry (int or None) per positional argument of ``fn`` after the state.
+
+        Returns:
+            The batched function.
+        """
+        if self.backend == "loop":
+            return _looped(self, fn, in_dims)
+        n = len(self)
+
+        def batched(state: dict[str, torch.Tensor], *args: Any) -> Any:
+            if not state:  # a member without tensors (nn.Dropout): give vmap a dim to map
+                state = {"": torch.empty(n, 0)}
+                return vmap(
+                    lambda _, *a: fn({}, *a),
+                    in_dims=(0, *in_dims),
+                    randomness=self.randomness,
+                    chunk_size=self.chunk_size,
+                )(state, *args)
+            return vmap(
+                fn, in_dims=(0, *in_dims), randomness=self.randomness, chunk_size=self.chunk_size
+            )(state, *args)
+
+        return batched
+
+    @contextlib.contextmanager
+    def guard(self, api: str = "Ensemble") -> Iterator[None]:
+        """Around a call of the members: on an exception, give the buffers their values back.
+
+        vmap can fail after BatchNorm has updated some members' statistics; this keeps a
+        copy so that a failed call changes nothing, and rewrites "cannot batch" errors of
+        ``torch.func`` into a message that says what to do.
+        """
+        buffers = list(self.stacked_buffers().values())
         saved = [b.clone() for b in buffers]
         try:
-            if self.backend == "loop":
-                return self._loop(fn, state, args, dims)
-            return self._vmap(fn, state, args, dims)
+            yield
         except Exception as err:
             with torch.no_grad():
                 for b, s in zip(buffers, saved, strict=True):
                     b.copy_(s)
             if self.backend == "vmap" and any(m in str(err) for m in _UNBATCHABLE):
                 raise RuntimeError(
-                    f"Ensemble: the forward of {type(self._template).__name__} cannot be batched "
-                    f"with torch.func.vmap ({err}). Build the ensemble with backend='loop' to run "
-                    "the members one after another on the same stacked storage."
+                    f"{api}: the forward of {type(self._template).__name__} cannot be batched "
+                    f"with torch.func.vmap ({err}). Build the ensemble with backend='loop' to "
+                    "run the members one after another on the same stacked storage."
                 ) from err
             raise
 
-    def _vmap(self, fn: Callable[..., Any], state: dict, args: tuple, dims: tuple) -> Any:
-        if not state:  # a member without tensors (nn.Dropout): give vmap a member dim to map
-            state = {"": torch.empty(len(self), 0)}
-            inner = fn
-
-            def fn(_: dict, *args: Any) -> Any:
-                return inner({}, *args)
-
-        batched = vmap(
-            fn, in_dims=(0, *dims), randomness=self.randomness, chunk_size=self.chunk_size
-        )
-        return batched(state, *args)
-
-    def _loop(self, fn: Callable[..., Any], state: dict, args: tuple, dims: tuple) -> Any:
-        rng = torch.get_rng_state() if self.randomness == "same" else None
-        outputs = []
-        for i in range(len(self)):
-            if rng is not None:
-                torch.set_rng_state(rng)
-            member_args = [
-                a if d is None else optree.tree_map(lambda t, d=d, i=i: t.select(d, i), a)
-                for a, d in zip(args, dims, strict=True)
-            ]
-            outputs.append(fn({k: v[i] for k, v in state.items()}, *member_args))
-        return optree.tree_map(lambda *xs: torch.stack(xs), *outputs)
-
-    def make_step(
-        self,
-        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-        optimizer: torch.optim.Optimizer,
-        *,
-        in_dims: int | None = None,
-        compile: bool = False,
-    ) -> Callable[..., torch.Tensor]:
-        """``step(inputs, targets, mask=None) -> losses[n]``; see ``vmapens.step.make_step``."""
-        from .step import make_step  # step.py builds on this module
-
-        return make_step(self, loss_fn, optimizer, in_dims=in_dims, compile=compile)
-
-    def fit(
-        self, data: Any, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], **options: Any
-    ) -> Any:
-        """Train every member and return a ``History``; see ``vmapens.fit.fit`` for options."""
-        from .fit import fit  # fit.py builds on this module
-
-        return fit(self, data, loss_fn, **options)
-
-    def save(
-        self, path: Any, optimizer: torch.optim.Optimizer | None = None, history: Any = None
-    ) -> None:
-        """Write a checkpoint atomically; see ``vmapens.checkpoint.save``."""
-        from .checkpoint import save
-
-        save(self, path, optimizer=optimizer, history=history)
-
-    @classmethod
-    def load(
-        cls,
-        path: Any,
-        factory: Factory,
-        optimizer: Callable[[Ensemble], torch.optim.Optimizer] | None = None,
-    ) -> Ensemble | tuple[Ensemble, torch.optim.Optimizer]:
-        """Rebuild an ensemble (and, given how to build it, its optimizer) from a checkpoint.
-
-        See ``vmapens.checkpoint.load``: ``optimizer`` is a builder such as
-        ``vmapens.StackedAdam``, and then ``(ensemble, optimizer)`` is returned.
-        """
-        from .checkpoint import load
-
-        return load(path, factory, optimizer=optimizer)
-
-    def save_members(self, directory: Any, format: str = "pt") -> list[Any]:
-        """One file per member that the user's class loads; see ``vmapens.checkpoint``."""
-        from .checkpoint import save_members
-
-        return save_members(self, directory, format=format)
-
-    def gather(self, dst: int = 0) -> Ensemble | None:
-        """The full ensemble on rank ``dst`` (None elsewhere); see ``vmapens.distributed``."""
-        from .distributed import gather
-
-        return gather(self, dst=dst)
-
-    # -- members ------------------------------------------------------------------------------
+    # -- stacked state --------------------------------------------------------------------------
 
     @property
     def template(self) -> nn.Module:
-        """The member module ``functional_call`` runs: the user's class on the ``meta`` device.
-
-        It has the member's structure and mode but no values; pass it a member's state (as in
-        ``map_members``) to run one member.
-        """
+        """The member module ``functional_call`` runs: the user's class on the ``meta`` device."""
         return self._template
+
+    def stacked_params(self) -> dict[str, nn.Parameter]:
+        """The stacked parameters by the member's names, each ``[n, ...]`` (tied ones once)."""
+        return cast("dict[str, nn.Parameter]", self._parameters)
+
+    def stacked_buffers(self) -> dict[str, torch.Tensor]:
+        """The stacked buffers by the member's names, each ``[n, ...]``."""
+        return cast("dict[str, torch.Tensor]", self._buffers)
+
+    def stacked_state(self) -> dict[str, torch.Tensor]:
+        """Parameters then buffers: what ``member_map`` functions receive, stacked."""
+        return {**self.stacked_params(), **self.stacked_buffers()}
+
+    def _persistent(self) -> dict[str, torch.Tensor]:
+        buffers = self.stacked_buffers()
+        kept = {k: v for k, v in buffers.items() if k not in self._non_persistent_buffers_set}
+        return {**self.stacked_params(), **kept}
+
+    # -- members ------------------------------------------------------------------------------
 
     def __len__(self) -> int:
         return len(self.member_ids)
 
-    def __getitem__(self, i: int) -> nn.Module:
-        """Member ``i`` as an ordinary module of the user's class, independent of the storage."""
-        if not isinstance(i, int) or isinstance(i, bool):
-            raise TypeError(f"Ensemble: member index must be an int, got {type(i).__name__}")
+    def __getitem__(self, index: Any) -> Any:
+        """``ens[i]``: member ``i`` as a module of the user's class; ``ens[2:5]``, ``ens[[0, 3]]``:
+        a sub-Ensemble (see ``select``).
+
+        Any integer-like works as ``i`` (int, numpy integer, 0-d integer tensor).
+        """
+        i = to_index(index)
+        if i is None:
+            return self.select(index)
         if not -len(self) <= i < len(self):
             raise IndexError(f"Ensemble: member index {i} out of range for {len(self)} members")
         memo: dict[int, Any] = {}
         with torch.no_grad():
-            for name, meta in _named_tensors(self._template):
-                value = self._stacked(name)[i].clone()
+            for name, meta in named_tensors(self._template):
+                value = self.stacked_state()[name][i].clone()
                 if isinstance(meta, nn.Parameter):
                     value = nn.Parameter(value, requires_grad=meta.requires_grad)
                 memo[id(meta)] = value
         return copy.deepcopy(self._template, memo)
+
+    def select(self, index: Any) -> Ensemble:
+        """A new Ensemble of the chosen members (copies; this one is unchanged).
+
+        Args:
+            index: a slice, a sequence of integer-likes, a 1-D integer tensor or a bool
+                mask of length ``n``.
+
+        Returns:
+            An Ensemble whose member ``k`` is member ``index[k]`` of this one, with the same
+            options and the chosen members' global ids.
+
+        Raises:
+            TypeError: ``index`` is not one of the above.
+            IndexError: an index out of range.
+
+        Example:
+            >>> ens = Ensemble(lambda: nn.Linear(3, 2), n=6, seed=0)
+            >>> sub = ens.select([4, 1])
+            >>> len(sub), list(sub.member_ids)
+            (2, [4, 1])
+        """
+        rows = index_rows("Ensemble", index, len(self))
+        sub = copy.copy(self)
+        nn.Module.__init__(sub)
+        sub.__dict__["_template"] = self._template
+        with torch.no_grad():
+            stacked = {k: v[rows].clone() for k, v in self.stacked_state().items()}
+        ids = [self.member_ids[r] for r in rows.tolist()]
+        sub._adopt(stacked, as_ids(ids), self.n_total, self.training)
+        return sub
 
     def __iter__(self) -> Iterator[nn.Module]:
         return (self[i] for i in range(len(self)))
@@ -422,32 +448,47 @@ class Ensemble(nn.Module):
             >>> nn.Linear(3, 2).load_state_dict(sds[0])
             <All keys matched successfully>
         """
-        result = []
-        for i in range(len(self)):
-            values = {name: self._stacked(name)[i].detach().clone() for name in self._persistent()}
-            result.append({key: values[name] for key, name in self._state_keys.items()})
-        return result
+        persistent = self._persistent()
+        return [
+            {key: persistent[name][i].detach().clone() for key, name in self._state_keys.items()}
+            for i in range(len(self))
+        ]
 
-    def _stacked_params(self) -> dict[str, nn.Parameter]:
-        """``self._parameters``, typed without the None that nn.Module allows: we store none."""
-        return cast("dict[str, nn.Parameter]", self._parameters)
+    def apply(self, fn: Callable[[nn.Module], None]) -> Ensemble:  # type: ignore[override]
+        """Apply ``fn`` to every submodule of every member, as ``member.apply(fn)`` would alone.
 
-    def _stacked_buffers(self) -> dict[str, torch.Tensor]:
-        """``self._buffers``, typed without the None that nn.Module allows: we store none."""
-        return cast("dict[str, torch.Tensor]", self._buffers)
+        Members are visited in order, so a custom initialisation that draws from the global
+        RNG gives member ``i`` what ``models[i].apply(fn)`` gives after members ``0..i-1``.
 
-    def _stacked(self, name: str) -> torch.Tensor:
-        params = self._stacked_params()
-        return params[name] if name in params else self._stacked_buffers()[name]
-
-    def _persistent(self) -> dict[str, torch.Tensor]:
-        buffers = self._stacked_buffers()
-        return {
-            **self._stacked_params(),
-            **{k: v for k, v in buffers.items() if k not in self._non_persistent_buffers_set},
-        }
+        Example:
+            >>> ens = Ensemble(lambda: nn.Linear(3, 2), n=2, seed=0)
+            >>> _ = ens.apply(lambda m: nn.init.zeros_(m.bias) if hasattr(m, "bias") else None)
+            >>> float(ens.stacked_params()["bias"].detach().abs().sum())
+            0.0
+        """
+        with torch.no_grad():
+            for i in range(len(self)):
+                member = self[i]
+                member.apply(fn)
+                state = dict(named_tensors(member))
+                for name, t in self.stacked_state().items():
+                    t[i].copy_(state[name])
+        return self
 
     # -- nn.Module plumbing ----------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            template = self.__dict__.get("_template")
+            if template is not None and hasattr(template, name):
+                raise AttributeError(
+                    f"Ensemble: `{name}` is an attribute of the members, not of the ensemble; "
+                    f"use ens.template.{name} for the member's structure (meta tensors) or "
+                    f"ens[i].{name} for member i's values"
+                ) from None
+            raise
 
     def train(self, mode: bool = True) -> Ensemble:
         super().train(mode)
@@ -524,135 +565,31 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
     return vmap(loss_fn, in_dims=in_dims)
 
 
-# -- helpers ---------------------------------------------------------------------------------
+def _looped(ens: Ensemble, fn: Callable[..., Any], in_dims: tuple) -> Callable:
+    """The loop backend: ``fn`` once per member on its slices, outputs stacked."""
+
+    def looped(state: dict[str, torch.Tensor], *args: Any) -> Any:
+        rng = torch.get_rng_state() if ens.randomness == "same" else None
+        outputs = []
+        for i in range(len(ens)):
+            if rng is not None:
+                torch.set_rng_state(rng)
+            member_args = [
+                a if d is None else optree.tree_map(lambda t, d=d, i=i: t.select(d, i), a)
+                for a, d in zip(args, in_dims, strict=True)
+            ]
+            outputs.append(fn({k: v[i] for k, v in state.items()}, *member_args))
+        return optree.tree_map(lambda *xs: torch.stack(xs), *outputs)
+
+    return looped
 
 
-def _check_int(api: str, name: str, value: Any, minimum: int | None = None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{api}: `{name}` must be an int, got {type(value).__name__}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{api}: `{name}` must be >= {minimum}, got {value}")
-
-
-def _member_ids(n: int, shard: bool, seed: int | None, api: str) -> range:
+def _member_ids(n: int, shard: bool, seeded: bool, api: str) -> range:
     if not shard:
         return range(n)
-    if seed is None:
+    if not seeded:
         raise ValueError(
-            f"{api}: `shard=True` needs an int `seed`, so that every process builds member i "
-            "as torch.manual_seed(seed + i); factory()"
+            f"{api}: `shard=True` needs an int `seed` (or `seeds`), so that every process builds "
+            "member i alike"
         )
-    from .distributed import member_block
-
     return member_block(n, api)
-
-
-def _build_members(factory: Factory, seed: int | None, member_ids: range) -> Iterator[nn.Module]:
-    """Yield member ``i`` for each id, built as the user would build it alone."""
-    if seed is None:
-        for i in member_ids:
-            yield _check_member(factory(), i, "Ensemble")
-        return
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    for i in member_ids:
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed + i)
-            member = factory()
-        yield _check_member(member, i, "Ensemble")
-        del member
-
-
-def _check_member(member: Any, i: int, api: str) -> nn.Module:
-    if not isinstance(member, nn.Module):
-        raise TypeError(
-            f"{api}: `factory` must return an nn.Module, but member {i} is {type(member).__name__}"
-        )
-    for name, t in _named_tensors(member):
-        if nn.parameter.is_lazy(t):
-            raise ValueError(
-                f"{api}: member {i} has an uninitialised lazy tensor `{name}`; run one forward "
-                "pass on the member (or give the layer its input size) before stacking"
-            )
-    return member
-
-
-def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Unique parameters then buffers, by their first name (tied tensors appear once)."""
-    yield from module.named_parameters()
-    yield from module.named_buffers()
-
-
-def _signature(module: nn.Module) -> tuple[type, dict[str, tuple]]:
-    """What members must share: class, and each tensor's name, shape, dtype, device, grad flag."""
-    return type(module), {
-        name: (tuple(t.shape), t.dtype, t.device, t.requires_grad)
-        for name, t in _named_tensors(module)
-    }
-
-
-def _check_same(
-    reference: tuple[type, dict[str, tuple]], other: nn.Module, i: int, api: str
-) -> None:
-    ref_type, ref = reference
-    got_type, got = _signature(other)
-    if got_type is not ref_type:
-        raise ValueError(
-            f"{api}: member {i} is a {got_type.__name__}, member 0 is a {ref_type.__name__}; "
-            "all members must be of one class"
-        )
-    for key in [*ref, *(k for k in got if k not in ref)]:
-        if key not in got or key not in ref:
-            which = "lacks" if key not in got else "has an extra"
-            raise ValueError(f"{api}: member {i} {which} tensor `{key}` (compared to member 0)")
-        for what, a, b in zip(("shape", "dtype", "device", "requires_grad"), ref[key], got[key]):
-            if a != b:
-                raise ValueError(
-                    f"{api}: member {i} differs from member 0 at `{key}`: {what} {b} vs {a}"
-                )
-
-
-def _meta_copy(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module`` whose tensors live on the meta device (ties preserved)."""
-    memo: dict[int, Any] = {}
-    for _, t in _named_tensors(module):
-        meta = torch.empty_like(t, device="meta")
-        if isinstance(t, nn.Parameter):
-            meta = nn.Parameter(meta, requires_grad=t.requires_grad)
-        memo[id(t)] = meta
-    return copy.deepcopy(module, memo)
-
-
-def _non_persistent_buffers(module: nn.Module) -> set[str]:
-    return {
-        f"{prefix}.{name}" if prefix else name
-        for prefix, sub in module.named_modules()
-        for name in sub._non_persistent_buffers_set
-    }
-
-
-def _expand_in_dims(in_dims: Any, args: tuple, n: int) -> tuple:
-    """One in_dim (int or None) per positional argument, after checking per-member sizes."""
-    if in_dims is None or isinstance(in_dims, int) and not isinstance(in_dims, bool):
-        dims = (in_dims,) * len(args)
-    elif isinstance(in_dims, tuple) and len(in_dims) == len(args):
-        dims = in_dims
-    else:
-        raise ValueError(
-            f"Ensemble: `in_dims` must be None, an int, or a tuple with one entry per positional "
-            f"argument ({len(args)}), got {in_dims!r}"
-        )
-    for pos, (arg, dim) in enumerate(zip(args, dims, strict=True)):
-        if dim is None:
-            continue
-        if not isinstance(dim, int) or isinstance(dim, bool):
-            raise ValueError(f"Ensemble: `in_dims[{pos}]` must be an int or None, got {dim!r}")
-        for leaf in optree.tree_leaves(arg):
-            if not isinstance(leaf, torch.Tensor):
-                continue
-            if not -leaf.dim() <= dim < leaf.dim() or leaf.shape[dim] != n:
-                size = leaf.shape[dim] if -leaf.dim() <= dim < leaf.dim() else "no such dim"
-                raise ValueError(
-                    f"Ensemble: argument {pos} is mapped with in_dims={dim} but has size {size} "
-                    f"there (shape {tuple(leaf.shape)}); expected {n}, one slice per member"
-                )
-    return dims

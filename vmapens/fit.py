@@ -1,173 +1,32 @@
-"""The training loop: ``fit`` (epochs, bagging, early stopping, divergence, resume) and History."""
+"""The training loop: ``fit`` (epochs, bagging, early stopping, divergence, resume)."""
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence, Sized
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import optree
 import torch
 from torch import Tensor
+from tqdm import tqdm
+from tqdm.auto import tqdm as auto_tqdm
 
+from ._checks import check_int, column
+from ._data import IterableSource, Stream, TensorSource, bootstrap_indices, is_tensor_data, rows_of
+from .checkpoint import apply_parts, check_ensemble_state, check_members, members_of, read, write
 from .distributed import all_reduce_stats, rank_path, world_size
-from .ensemble import per_member
+from .ensemble import Ensemble, per_member
 from .history import History
-from .optim import StackedAdam
+from .optim import StackedAdam, StackedOptimizer
+from .step import check_optimizer, make_step
 
-if TYPE_CHECKING:
-    from .ensemble import Ensemble
+__all__ = ["Callback", "fit"]
 
-__all__ = ["History", "bootstrap_indices", "fit"]
-
-Callback = Callable[["History"], Any]
-
-
-def bootstrap_indices(n_samples: int, seed: int, member_id: int) -> Tensor:
-    """The rows that member ``member_id`` trains on with ``fit(..., bootstrap=True, seed=seed)``.
-
-    A resample with replacement of ``range(n_samples)``, drawn from a generator keyed by
-    ``(seed, member_id)``: the global member index, so a member gets the same rows whether it
-    is trained alone, in one process or in any shard. Rows that are absent are its out-of-bag
-    samples.
-
-    Example:
-        >>> idx = bootstrap_indices(10, seed=0, member_id=3)
-        >>> idx.shape, bool((idx >= 0).all() and (idx < 10).all())
-        (torch.Size([10]), True)
-    """
-    g = torch.Generator().manual_seed(_derive(seed, "bootstrap", member_id))
-    return torch.randint(n_samples, (n_samples,), generator=g)
-
-
-def _derive(seed: int, purpose: str, index: int) -> int:
-    """A 63-bit generator seed from (seed, purpose, index): independent streams, no overlap."""
-    digest = hashlib.sha256(f"vmapens:{seed}:{purpose}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-# -- data --------------------------------------------------------------------------------------
-
-
-def _is_tensor_data(data: Any) -> bool:
-    if not isinstance(data, tuple) or len(data) != 2 or not isinstance(data[1], Tensor):
-        return False
-    leaves = optree.tree_leaves(data[0])
-    return bool(leaves) and all(isinstance(t, Tensor) for t in leaves)
-
-
-def _rows_of(x: Any) -> int:
-    return optree.tree_leaves(x)[0].shape[0]
-
-
-class _TensorSource:
-    """(X, Y) tensors cut into batches; pass ``p`` is shuffled by a generator keyed by p."""
-
-    def __init__(
-        self,
-        data: tuple,
-        batch_size: int | None,
-        shuffle: bool,
-        seed: int,
-        boot: Tensor | None,
-        api: str,
-    ):
-        self.x, self.y = data
-        self.size = _rows_of(self.x)
-        if self.size == 0:
-            raise ValueError(f"{api}: `data` has no samples")
-        for leaf in [*optree.tree_leaves(self.x), self.y]:
-            if leaf.shape[0] != self.size:
-                raise ValueError(
-                    f"{api}: every tensor in `data` needs the same number of samples (dim 0), "
-                    f"got {leaf.shape[0]} and {self.size}"
-                )
-        self.batch = self.size if batch_size is None else min(batch_size, self.size)
-        self.length = math.ceil(self.size / self.batch)
-        # One batch of everything is the same set in any order: no permutation to round off.
-        self.shuffle = shuffle and self.length > 1
-        self.seed, self.boot = seed, boot
-        self._order: tuple[int, Tensor | None] = (-1, None)
-
-    def get(self, pass_: int, pos: int) -> tuple[Any, Tensor] | None:
-        if pos >= self.length:
-            return None
-        if self._order[0] != pass_:
-            order = None
-            if self.shuffle:
-                g = torch.Generator().manual_seed(_derive(self.seed, "shuffle", pass_))
-                order = torch.randperm(self.size, generator=g)
-            self._order = (pass_, order)
-        order = self._order[1]
-        rows = slice(pos * self.batch, (pos + 1) * self.batch)
-        pick: Tensor | slice = torch.arange(self.size)[rows] if order is None else order[rows]
-        if self.boot is not None:
-            pick = self.boot[:, pick]  # [n, batch]: each member's own resampled rows
-        elif order is None:
-            pick = rows
-        return optree.tree_map(lambda t: t[pick], self.x), self.y[pick]
-
-
-class _IterableSource:
-    """Any re-iterable of (inputs, targets) batches: a DataLoader, a list."""
-
-    def __init__(self, data: Iterable, api: str):
-        if iter(data) is data:
-            raise TypeError(
-                f"{api}: `data` must be re-iterable (a DataLoader, a list of batches or an "
-                "(X, Y) tuple of tensors), got a one-shot iterator"
-            )
-        self.data = data
-        self.length = len(data) if isinstance(data, Sized) else None
-        self._it: Any = None
-        self._at = (-1, 0)
-
-    def get(self, pass_: int, pos: int) -> tuple[Any, Tensor] | None:
-        if self._at != (pass_, pos):
-            # A fresh pass, or resuming mid-pass: start over and skip what was already used.
-            self._it = iter(self.data)
-            for _ in range(pos):
-                next(self._it, None)
-        self._at = (pass_, pos + 1)
-        batch = next(self._it, None)
-        if batch is None:
-            return None
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise TypeError(
-                f"fit: each batch of `data` must be an (inputs, targets) pair, got "
-                f"{type(batch).__name__}"
-            )
-        return tuple(batch)
-
-
-class _Stream:
-    """Where training stands in the data: pass number and batch position, for checkpoints."""
-
-    def __init__(self, source: Any, pass_: int = 0, pos: int = 0):
-        self.source, self.pass_, self.pos = source, pass_, pos
-
-    def in_pass(self) -> tuple[Any, Tensor] | None:
-        batch = self.source.get(self.pass_, self.pos)
-        if batch is None:
-            self.pass_, self.pos = self.pass_ + 1, 0
-        else:
-            self.pos += 1
-        return batch
-
-    def cycling(self) -> tuple[Any, Tensor]:
-        batch = self.in_pass()
-        if batch is None:
-            batch = self.in_pass()
-        if batch is None:
-            raise ValueError("fit: `data` yielded no batches")
-        return batch
-
-
-# -- the loop ------------------------------------------------------------------------------------
+Callback = Callable[[History], Any]
 
 
 def fit(
@@ -199,7 +58,7 @@ def fit(
     ``fit(data, loss, steps=1000)`` is 1000 steps and one history row, and
     ``fit(data, loss, epochs=10, steps=100)`` is 1000 steps in 10 rows.
 
-    Each step runs ``ens.make_step``: every member's forward, ``loss_fn`` per member, the sum
+    Each step runs ``vmapens.make_step``: every member's forward, ``loss_fn`` per member, the sum
     of the member losses back-propagated (each member gets exactly its own gradient).
 
     Args:
@@ -212,7 +71,7 @@ def fit(
         steps: optimizer steps per epoch (``None``: one pass over ``data``).
         optimizer: defaults to ``StackedAdam(ens, lr=lr)``. Any optimizer over
             ``ens.parameters()`` works; freezing members (early stopping, divergence) needs a
-            ``StackedAdam``.
+            ``vmapens.StackedOptimizer``.
         lr: learning rate of the default optimizer: a float, or one per member (sequence or
             1-D tensor of length n).
         batch_size: samples per batch for ``(X, Y)`` data (``None``: all of them).
@@ -243,7 +102,7 @@ def fit(
     Raises:
         ValueError: bad option values, options that need others (``patience`` without
             ``val_data``, ``bootstrap`` without tensor data), a checkpoint from another run.
-        TypeError: ``patience`` with an optimizer other than ``StackedAdam``, one-shot
+        TypeError: ``patience`` with an optimizer that is not a StackedOptimizer, one-shot
             iterators, non-callable ``loss_fn`` or callbacks.
 
     Example:
@@ -256,31 +115,35 @@ def fit(
         torch.Size([3, 4])
     """
     api = "fit"
-    _check_count(api, "epochs", epochs)
+    if not isinstance(ens, Ensemble):
+        raise TypeError(f"{api}: `ens` must be a vmapens.Ensemble, got {type(ens).__name__}")
+    check_int(api, "epochs", epochs, minimum=1)
     for name, value in (("steps", steps), ("batch_size", batch_size), ("patience", patience)):
         if value is not None:
-            _check_count(api, name, value)
+            check_int(api, name, value, minimum=1)
     if not callable(loss_fn):
         raise TypeError(f"{api}: `loss_fn` must be callable, got {type(loss_fn).__name__}")
     callbacks = tuple(callbacks)
     for k, cb in enumerate(callbacks):
         if not callable(cb):
             raise TypeError(f"{api}: `callbacks[{k}]` must be callable, got {type(cb).__name__}")
-    if val_data is not None and not _is_tensor_data(val_data):
+    if val_data is not None and not is_tensor_data(val_data):
         raise ValueError(f"{api}: `val_data` must be an (X, Y) tuple of tensors")
     if patience is not None and val_data is None:
         raise ValueError(f"{api}: `patience` needs `val_data` to measure improvement")
-    tensor_data = _is_tensor_data(data)
+    tensor_data = is_tensor_data(data)
     if bootstrap and not tensor_data:
         raise ValueError(f"{api}: `bootstrap=True` needs `data` as an (X, Y) tuple of tensors")
     if optimizer is None:
         optimizer = StackedAdam(ens, lr=lr)
     elif not isinstance(lr, float) or lr != 1e-3:
         raise ValueError(f"{api}: `lr` configures the default optimizer; give it to `optimizer`")
-    maskable = isinstance(optimizer, StackedAdam)
+    else:
+        check_optimizer(api, ens, optimizer)
+    maskable = isinstance(optimizer, StackedOptimizer)
     if patience is not None and not maskable:
         raise TypeError(
-            f"{api}: `patience` freezes members through vmapens.StackedAdam's mask, got "
+            f"{api}: `patience` freezes members through a vmapens.StackedOptimizer's mask, got "
             f"{type(optimizer).__name__}"
         )
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
@@ -300,10 +163,10 @@ def fit(
     if checkpoint is not None:
         checkpoint = rank_path(checkpoint)  # under torch.distributed, each rank its own block
     if checkpoint is not None and os.path.exists(checkpoint):
-        saved = loop.read(checkpoint, options, seed)  # checked in full; nothing changed yet
-        seed = saved["seed"]
+        saved = _read_checkpoint(checkpoint, ens, options, seed)
+        seed = saved["fit"]["options"]["seed"]
     elif seed is None:
-        if len(ens) != ens.n_total and (bootstrap or shuffle):
+        if world_size() > 1 and (bootstrap or shuffle):
             raise ValueError(f"{api}: a sharded ensemble needs an int `seed` (same on every rank)")
         seed = int(torch.randint(2**62, ()).item())
     options["seed"] = seed
@@ -312,15 +175,18 @@ def fit(
     if tensor_data:
         boot = None
         if bootstrap:
-            size = _rows_of(data[0])
+            size = rows_of(data[0])
             boot = torch.stack([bootstrap_indices(size, seed, i) for i in ens.member_ids])
-        source: Any = _TensorSource(data, batch_size, shuffle, seed, boot, api)
+        source: Any = TensorSource(data, batch_size, shuffle, seed, boot, api)
     else:
-        source = _IterableSource(data, api)
-    stream = _Stream(source)
+        source = IterableSource(data, api)
+    loop.stream = Stream(source)
+    loop.options = options
+    step = make_step(ens, loss_fn, optimizer, in_dims=0 if bootstrap else None, compile=compile)
     if saved is not None:
-        loop.apply(saved, stream)
-    step = ens.make_step(loss_fn, optimizer, in_dims=0 if bootstrap else None, compile=compile)
+        parts = {"ensemble": ens, "optimizer": optimizer, "history": loop.history, "fit": loop}
+        apply_parts(saved, parts, api, os.fspath(checkpoint or ""))
+    stream = loop.stream
     history = loop.history
 
     per_epoch = steps if steps is not None else source.length
@@ -352,7 +218,7 @@ def fit(
             loop.end_epoch(epoch, summed / count)
             bar.set_postfix_str(loop.describe(history.train_loss[-1]))
             if checkpoint is not None:
-                loop.save(checkpoint, stream, options)
+                loop.save(checkpoint)
             for cb in callbacks:
                 cb(history)
     finally:
@@ -374,6 +240,8 @@ class _Loop:
         keep_best: bool,
     ):
         self.ens, self.optimizer, self.patience = ens, optimizer, patience
+        self.stream: Stream  # set by fit once the data source is known
+        self.options: dict[str, Any] = {}
         n, device = len(ens), next(ens.parameters()).device
         self.val: tuple[Any, Tensor] | None = (
             None if val_data is None else _to_device(val_data, device)
@@ -387,7 +255,7 @@ class _Loop:
         self.best = {k: t.detach().clone() for k, t in self._state().items()} if keep_best else None
 
     def _state(self) -> dict[str, Tensor]:
-        return {**self.ens._stacked_params(), **self.ens._stacked_buffers()}
+        return self.ens.stacked_state()
 
     def step(self, step: Callable, inputs: Any, targets: Tensor, maskable: bool) -> Tensor:
         # The mask freezes stopped members whole: parameters, optimizer state and buffers.
@@ -438,7 +306,7 @@ class _Loop:
                 keep = improved.to(self.active.device)
                 with torch.no_grad():
                     for name, t in self._state().items():
-                        self.best[name] = torch.where(_col(keep, t), t, self.best[name])
+                        self.best[name] = torch.where(column(keep, t), t, self.best[name])
         h.stopped_epoch = torch.where(stop, epoch, h.stopped_epoch)
         self.active &= ~stop.to(self.active.device)
 
@@ -460,88 +328,89 @@ class _Loop:
         restore = (self.history.best_epoch >= 0).to(self.active.device)
         with torch.no_grad():
             for name, t in self._state().items():
-                t.copy_(torch.where(_col(restore, t), self.best[name], t))
+                t.copy_(torch.where(column(restore, t), self.best[name], t))
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def save(self, path: str | os.PathLike, stream: _Stream, options: dict) -> None:
-        from .checkpoint import write_checkpoint
-
-        state = {
-            "options": dict(options),
-            "pass": stream.pass_,
-            "pos": stream.pos,
+    def state_dict(self) -> dict[str, Any]:
+        """Where training stands: data position, RNG, who trains, best so far, options."""
+        return {
+            "options": dict(self.options),
+            "pass": self.stream.pass_,
+            "pos": self.stream.pos,
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
             "active": self.active.cpu(),
-            "best_val": self.best_val,
-            "bad": self.bad,
+            "best_val": self.best_val.clone(),
+            "bad": self.bad.clone(),
             "best": None if self.best is None else {k: t.cpu() for k, t in self.best.items()},
         }
-        write_checkpoint(self.ens, path, self.optimizer, self.history, fit_state=state)
 
-    def read(self, path: str | os.PathLike, options: dict, seed: int | None) -> dict:
-        """Read and check a fit checkpoint against this run; changes nothing."""
-        from .checkpoint import read_checkpoint
-
-        payload = read_checkpoint(path, self.ens, self.optimizer, self.history, "fit")
-        state = payload["fit"]
-        if state is None:
-            raise ValueError(
-                f"fit: {os.fspath(path)} was written by save(), not by fit(checkpoint=...): it "
-                "holds no training-loop state to resume from; use another path"
-            )
-        stored = state["options"]
-        ours = {**options, "seed": stored["seed"] if seed is None else seed}
-        differ = [k for k in ours if stored.get(k) != ours[k]]
-        if differ:
-            got = ", ".join(f"{k}={ours[k]!r} (checkpoint: {stored.get(k)!r})" for k in differ)
-            raise ValueError(
-                f"fit: cannot resume from {os.fspath(path)}: it was written by a run with other "
-                f"options: {got}"
-            )
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()`` (checked first; nothing changes on error)."""
         n = len(self.ens)
         for key in ("active", "best_val", "bad"):
-            if tuple(state[key].shape) != (n,):
-                raise ValueError(f"fit: {os.fspath(path)}: loop state `{key}` is not [{n}]")
-        if (state["best"] is None) != (self.best is None) or (
-            self.best is not None
-            and {k: t.shape for k, t in state["best"].items()}
-            != {k: t.shape for k, t in self.best.items()}
+            if not isinstance(state.get(key), Tensor) or tuple(state[key].shape) != (n,):
+                raise ValueError(f"loop state `{key}` is not [{n}]")
+        best = state.get("best")
+        if (best is None) != (self.best is None) or (
+            best is not None
+            and self.best is not None
+            and {k: t.shape for k, t in best.items()} != {k: t.shape for k, t in self.best.items()}
         ):
-            raise ValueError(f"fit: {os.fspath(path)}: best-epoch state does not match")
-        return {**payload, "seed": stored["seed"]}
-
-    def apply(self, payload: dict, stream: _Stream) -> None:
-        from .checkpoint import apply_checkpoint
-
-        apply_checkpoint(payload, self.ens, self.optimizer, self.history)
-        state = payload["fit"]
-        stream.pass_, stream.pos = state["pass"], state["pos"]
+            raise ValueError("best-epoch state does not match")
+        self.stream.pass_, self.stream.pos = state["pass"], state["pos"]
         self.active.copy_(state["active"])
         self.best_val, self.bad = state["best_val"].clone(), state["bad"].clone()
-        if self.best is not None:
-            self.best = {k: t.to(self.best[k].device) for k, t in state["best"].items()}
+        if self.best is not None and best is not None:
+            self.best = {k: t.to(self.best[k].device) for k, t in best.items()}
         torch.set_rng_state(state["rng"])
         if state["cuda_rng"]:
             torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+    def save(self, path: str | os.PathLike) -> None:
+        write(
+            path,
+            {
+                "members": members_of(self.ens),
+                "ensemble": {k: v.detach().cpu() for k, v in self.ens.state_dict().items()},
+                "optimizer": self.optimizer.state_dict(),
+                "optimizer_class": type(self.optimizer).__name__,
+                "history": self.history.state_dict(),
+                "fit": self.state_dict(),
+            },
+            "fit",
+        )
+
+
+def _read_checkpoint(
+    path: str | os.PathLike, ens: Ensemble, options: dict, seed: int | None
+) -> dict[str, Any]:
+    """Read a fit checkpoint and check it against this run; changes nothing."""
+    where = os.fspath(path)
+    payload = read(path, "fit")
+    check_members(payload, ens, "fit", where)
+    check_ensemble_state(payload.get("ensemble"), ens, "fit", where)
+    state = payload.get("fit")
+    if state is None:
+        raise ValueError(
+            f"fit: {where} was written by save(), not by fit(checkpoint=...): it holds no "
+            "training-loop state to resume from; use another path"
+        )
+    stored = state["options"]
+    ours = {**options, "seed": stored["seed"] if seed is None else seed}
+    differ = [k for k in ours if stored.get(k) != ours[k]]
+    if differ:
+        got = ", ".join(f"{k}={ours[k]!r} (checkpoint: {stored.get(k)!r})" for k in differ)
+        raise ValueError(
+            f"fit: cannot resume from {where}: it was written by a run with other options: {got}"
+        )
+    return payload
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:
     """``tree`` with every tensor moved to ``device``."""
     return optree.tree_map(lambda t: t.to(device), tree)
-
-
-def _col(mask: Tensor, like: Tensor) -> Tensor:
-    """A per-member bool [n] shaped to broadcast over a stacked [n, ...] tensor."""
-    return mask.view(-1, *[1] * (like.dim() - 1))
-
-
-def _check_count(api: str, name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{api}: `{name}` must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{api}: `{name}` must be >= 1, got {value}")
 
 
 class _NoBar:
@@ -561,14 +430,10 @@ def _progress_bar(progress: Any, total: int | None, done: int) -> Any:
     if progress is False or (distributed and torch.distributed.get_rank() != 0):
         return _NoBar()
     if progress is True:
-        from tqdm.auto import tqdm as auto
-
         # disable=None: tqdm stays quiet when stderr is not a terminal (logs, CI).
-        return auto(total=total, initial=done, file=sys.stderr, disable=None, unit="step")
+        return auto_tqdm(total=total, initial=done, file=sys.stderr, disable=None, unit="step")
     if not callable(getattr(progress, "write", None)):
         raise TypeError(
             f"fit: `progress` must be True, False or a text stream, got {type(progress).__name__}"
         )
-    from tqdm import tqdm
-
     return tqdm(total=total, initial=done, file=progress, unit="step", ncols=120, mininterval=0)

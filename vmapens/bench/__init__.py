@@ -5,7 +5,7 @@ data once and returns a zero-argument function doing one full training step (for
 backward, optimizer step); the ``WORKLOAD_OPTIM`` factories return the optimizer step alone, on
 fixed gradients. All rows of a table are timed in one process, so every ratio compares numbers
 taken under the same conditions; the optimizer rows are even timed in interleaved rounds.
-Timing, grids and RSS readings live in :mod:`vmapens._benchtools`.
+Timing, grids and RSS readings live in :mod:`vmapens.bench._tools`.
 
 Example:
     >>> from vmapens.bench import WORKLOAD_A, time_rounds
@@ -26,7 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
-from vmapens._benchtools import (
+from ..ensemble import Ensemble
+from ..optim import StackedAdam
+from ..step import make_step
+from ._tools import (
     NOT_AVAILABLE,
     Step,
     cell,
@@ -107,14 +110,11 @@ def _functional(members: Sequence[nn.Module]) -> tuple[dict, dict, nn.Module]:
 
 def _vmapens_step(workload: str, n: int, device: torch.device, *, compile: bool) -> Step:
     """vmapens ``make_step`` with the per-member loss (BCE for A, MSE for B)."""
-    import vmapens
-    from vmapens.optim import StackedAdam
-
     x, y = _data(workload, device)
     member, loss_fn = (mlp, nn.BCELoss()) if workload == "A" else (head, nn.MSELoss())
     # Members are built on `device` by the factory, so nothing is assumed about Ensemble.to.
-    ens = vmapens.Ensemble(lambda: member().to(device), n, seed=0)
-    step = ens.make_step(loss_fn, StackedAdam(ens), compile=compile)
+    ens = Ensemble(lambda: member().to(device), n, seed=0)
+    step = make_step(ens, loss_fn, StackedAdam(ens), compile=compile)
     return lambda: step(x, y)
 
 
@@ -246,11 +246,8 @@ def b_vmapens_eager(n: int, device: torch.device, loss: str) -> Step:
     """vmapens without compilation; the loss on the mean is written by hand on ``ens(x)``."""
     if loss == "per_head":
         return _vmapens_step("B", n, device, compile=False)
-    import vmapens
-    from vmapens.optim import StackedAdam
-
     x, y = _data("B", device)
-    ens = vmapens.Ensemble(lambda: head().to(device), n, seed=0)
+    ens = Ensemble(lambda: head().to(device), n, seed=0)
     opt = StackedAdam(ens)
 
     def step() -> None:
@@ -281,9 +278,7 @@ WORKLOAD_B: dict[str, dict[str, StepFactory]] = {
 
 def _graded_ensemble(n: int, device: torch.device) -> nn.Module:
     """Workload A's ``Ensemble(mlp, n, seed=0)``, each parameter with a fixed random gradient."""
-    import vmapens
-
-    ens = vmapens.Ensemble(lambda: mlp().to(device), n, seed=0)
+    ens = Ensemble(lambda: mlp().to(device), n, seed=0)
     gen = torch.Generator().manual_seed(0)
     for p in ens.parameters():
         p.grad = torch.randn(p.shape, generator=gen).to(device)
@@ -296,15 +291,11 @@ def _member_lrs(n: int) -> torch.Tensor:
 
 def o_stacked_adam(n: int, device: torch.device) -> Step:
     """``vmapens.StackedAdam`` with one shared learning rate."""
-    from vmapens.optim import StackedAdam
-
     return StackedAdam(_graded_ensemble(n, device)).step
 
 
 def o_stacked_adam_per_member_lr(n: int, device: torch.device) -> Step:
     """``vmapens.StackedAdam`` with one learning rate per member, ``logspace(-4, -1, n)``."""
-    from vmapens.optim import StackedAdam
-
     return StackedAdam(_graded_ensemble(n, device), lr=_member_lrs(n)).step
 
 
@@ -336,18 +327,6 @@ WORKLOAD_OPTIM: dict[str, StepFactory] = {
     f.__name__[2:]: f
     for f in (o_stacked_adam, o_stacked_adam_per_member_lr, o_foreach_adam, o_per_member_groups)
 }
-
-
-def vmapens_api_missing() -> str | None:
-    """Return why the vmapens rows cannot run yet (``None`` once the API they need exists)."""
-    try:
-        import vmapens
-        from vmapens.optim import StackedAdam  # noqa: F401
-    except ImportError as e:
-        return f"vmapens API missing: {e}"
-    if not hasattr(getattr(vmapens, "Ensemble", None), "make_step"):
-        return "vmapens API missing: Ensemble.make_step"
-    return None
 
 
 # --- Timing and tables -------------------------------------------------------------------------
@@ -568,7 +547,7 @@ def format_table(results: dict) -> str:
         out.append("groups: one torch.optim.Adam param group per member, on per-member leaves")
     if "memory" in results:
         m = results["memory"]
-        out += ["", f"Memory building vmapens.Ensemble({m['n']} x {m['params']:,} params): "]
+        out += ["", f"Memory building Ensemble({m['n']} x {m['params']:,} params): "]
         if m["status"] == "ok":
             out[-1] += (
                 f"peak RSS +{m['peak_mb']:.1f} MB vs stacked + one member "
@@ -593,10 +572,8 @@ def _build_memory_here(n: int, hidden: int) -> dict:
     params = sum(p.numel() for p in wide_mlp(hidden).parameters())
     report = {"n": n, "hidden": hidden, "params": params, "expected_mb": (n + 1) * params / 2**18}
     try:
-        import vmapens
-
         before = reset_peak_rss()  # so the peak excludes importing torch
-        ens = vmapens.Ensemble(functools.partial(wide_mlp, hidden), n, seed=0)
+        ens = Ensemble(functools.partial(wide_mlp, hidden), n, seed=0)
         peak, held = (rss_bytes(f) - before for f in ("VmHWM", "VmRSS"))
     except NOT_AVAILABLE as e:
         return {**report, "status": "n/a", "reason": f"{type(e).__name__}: {e}"}

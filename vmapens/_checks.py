@@ -1,0 +1,135 @@
+"""Argument checks and the per-member broadcast, written once for the whole package.
+
+Every public function validates at its boundary with these helpers, so messages read alike:
+they start with the API name, name the argument in backticks and say expected vs got.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+
+__all__ = [
+    "as_ids",
+    "check_choice",
+    "check_int",
+    "check_mask",
+    "column",
+    "expand_in_dims",
+    "index_rows",
+    "to_index",
+]
+
+
+def check_int(api: str, name: str, value: Any, minimum: int | None = None) -> int:
+    """Return ``value`` if it is a Python int (not a bool) ``>= minimum``; raise otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{api}: `{name}` must be an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{api}: `{name}` must be >= {minimum}, got {value}")
+    return value
+
+
+def check_choice(api: str, name: str, value: Any, choices: tuple) -> Any:
+    """Return ``value`` if it is one of ``choices``; raise ValueError otherwise."""
+    if value not in choices:
+        raise ValueError(f"{api}: `{name}` must be one of {choices}, got {value!r}")
+    return value
+
+
+def to_index(value: Any) -> int | None:
+    """An integer-like (int, numpy integer, 0-d integer tensor) as an int, else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, Tensor):
+        if value.dim() == 0 and not value.is_floating_point() and value.dtype != torch.bool:
+            return int(value.item())
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    return None
+
+
+def check_mask(api: str, mask: Any, n: int, name: str = "mask") -> None:
+    """A per-member mask must be a bool tensor of shape ``[n]`` (or None)."""
+    if mask is None:
+        return
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+        raise TypeError(f"{api}: `{name}` must be a bool tensor of shape [{n}], got {got}")
+    if tuple(mask.shape) != (n,):
+        raise ValueError(
+            f"{api}: `{name}` must have shape [{n}] (one per member), got {list(mask.shape)}"
+        )
+
+
+def column(values: Tensor, like: Tensor) -> Tensor:
+    """A per-member ``[n]`` tensor viewed as ``[n, 1, ...]`` to broadcast over ``like``."""
+    return values.view(-1, *[1] * (like.dim() - 1))
+
+
+def expand_in_dims(api: str, in_dims: Any, args: tuple, n: int) -> tuple:
+    """One in_dim (int or None) per positional argument, after checking per-member sizes."""
+    if in_dims is None or isinstance(in_dims, int) and not isinstance(in_dims, bool):
+        dims = (in_dims,) * len(args)
+    elif isinstance(in_dims, tuple) and len(in_dims) == len(args):
+        dims = in_dims
+    else:
+        raise ValueError(
+            f"{api}: `in_dims` must be None, an int, or a tuple with one entry per positional "
+            f"argument ({len(args)}), got {in_dims!r}"
+        )
+    for pos, (arg, dim) in enumerate(zip(args, dims, strict=True)):
+        if dim is None:
+            continue
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise ValueError(f"{api}: `in_dims[{pos}]` must be an int or None, got {dim!r}")
+        for leaf in optree.tree_leaves(arg):
+            if not isinstance(leaf, Tensor):
+                continue
+            if not -leaf.dim() <= dim < leaf.dim() or leaf.shape[dim] != n:
+                size = leaf.shape[dim] if -leaf.dim() <= dim < leaf.dim() else "no such dim"
+                raise ValueError(
+                    f"{api}: argument {pos} is mapped with in_dims={dim} but has size {size} "
+                    f"there (shape {tuple(leaf.shape)}); expected {n}, one slice per member"
+                )
+    return dims
+
+
+def index_rows(api: str, index: Any, n: int) -> torch.Tensor:
+    """A selection (slice, sequence, int or bool tensor) as a 1-D int64 tensor of rows."""
+    if isinstance(index, slice):
+        return torch.arange(n)[index]
+    if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
+        if tuple(index.shape) != (n,):
+            raise IndexError(f"{api}: a bool mask must have shape [{n}], got {list(index.shape)}")
+        return index.nonzero().flatten().cpu()
+    if isinstance(index, torch.Tensor) and index.dim() == 1 and not index.is_floating_point():
+        items = index.tolist()
+    elif isinstance(index, Sequence) and not isinstance(index, str):
+        items = [to_index(v) for v in index]
+    else:
+        raise TypeError(
+            f"{api}: index must be an integer-like, a slice, a sequence of ints or a 1-D "
+            f"integer/bool tensor, got {type(index).__name__}"
+        )
+    if any(i is None for i in items):
+        raise TypeError(f"{api}: every index must be an integer-like, got {index!r}")
+    if not items:
+        raise IndexError(f"{api}: selecting no members; an Ensemble needs at least one")
+    for i in items:
+        if not -n <= i < n:
+            raise IndexError(f"{api}: member index {i} out of range for {n} members")
+    return torch.tensor([i % n for i in items], dtype=torch.int64)
+
+
+def as_ids(ids: list[int]) -> Sequence[int]:
+    """Contiguous ids as a range (what sharded code expects), others as a tuple."""
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return range(ids[0], ids[0] + len(ids))
+    return tuple(ids)

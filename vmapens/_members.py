@@ -1,0 +1,133 @@
+"""Building, comparing and copying member modules: what ``Ensemble`` stacks, one at a time."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._checks import check_int
+from ._seeds import member_seed
+
+__all__ = [
+    "Factory",
+    "build_members",
+    "check_member",
+    "check_seeds",
+    "check_same",
+    "meta_copy",
+    "named_tensors",
+    "non_persistent_buffers",
+    "signature",
+]
+
+Factory = Callable[[], nn.Module]
+
+
+def build_members(
+    factory: Factory, seed: int | None, seeds: Sequence[int] | None, member_ids: Sequence[int]
+) -> Iterator[nn.Module]:
+    """Yield member ``i`` for each id, built as the user would build it alone.
+
+    ``seeds`` (one torch seed per member) wins over ``seed`` (hash-derived per member, see
+    ``member_seed``); with neither, members come from the global RNG one after another.
+    """
+    if seed is None and seeds is None:
+        for i in member_ids:
+            yield check_member(factory(), i, "Ensemble")
+        return
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    for i in member_ids:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seeds[i] if seeds is not None else member_seed(seed or 0, i))
+            member = factory()
+        yield check_member(member, i, "Ensemble")
+        del member
+
+
+def check_member(member: Any, i: int, api: str) -> nn.Module:
+    """``member`` if it is an initialised ``nn.Module``; a clear error otherwise."""
+    if not isinstance(member, nn.Module):
+        raise TypeError(
+            f"{api}: `factory` must return an nn.Module, but member {i} is {type(member).__name__}"
+        )
+    for name, t in named_tensors(member):
+        if nn.parameter.is_lazy(t):
+            raise ValueError(
+                f"{api}: member {i} has an uninitialised lazy tensor `{name}`; run one forward "
+                "pass on the member (or give the layer its input size) before stacking"
+            )
+    return member
+
+
+def named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Unique parameters then buffers, by their first name (tied tensors appear once)."""
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+def signature(module: nn.Module) -> tuple[type, dict[str, tuple]]:
+    """What members must share: class, and each tensor's name, shape, dtype, device, grad flag."""
+    return type(module), {
+        name: (tuple(t.shape), t.dtype, t.device, t.requires_grad)
+        for name, t in named_tensors(module)
+    }
+
+
+def check_same(
+    reference: tuple[type, dict[str, tuple]], other: nn.Module, i: int, api: str
+) -> None:
+    """Raise ValueError naming the first tensor where ``other`` differs from member 0."""
+    ref_type, ref = reference
+    got_type, got = signature(other)
+    if got_type is not ref_type:
+        raise ValueError(
+            f"{api}: member {i} is a {got_type.__name__}, member 0 is a {ref_type.__name__}; "
+            "all members must be of one class"
+        )
+    for key in [*ref, *(k for k in got if k not in ref)]:
+        if key not in got or key not in ref:
+            which = "lacks" if key not in got else "has an extra"
+            raise ValueError(f"{api}: member {i} {which} tensor `{key}` (compared to member 0)")
+        for what, a, b in zip(("shape", "dtype", "device", "requires_grad"), ref[key], got[key]):
+            if a != b:
+                raise ValueError(
+                    f"{api}: member {i} differs from member 0 at `{key}`: {what} {b} vs {a}"
+                )
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` whose tensors live on the meta device (ties preserved)."""
+    memo: dict[int, Any] = {}
+    for _, t in named_tensors(module):
+        meta = torch.empty_like(t, device="meta")
+        if isinstance(t, nn.Parameter):
+            meta = nn.Parameter(meta, requires_grad=t.requires_grad)
+        memo[id(t)] = meta
+    return copy.deepcopy(module, memo)
+
+
+def non_persistent_buffers(module: nn.Module) -> set[str]:
+    """Full names of the buffers that ``state_dict`` leaves out."""
+    return {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, sub in module.named_modules()
+        for name in sub._non_persistent_buffers_set
+    }
+
+
+def check_seeds(api: str, seeds: Any, n: int, seed: int | None) -> list[int]:
+    if seed is not None:
+        raise ValueError(f"{api}: give `seed` or `seeds`, not both")
+    if isinstance(seeds, (str, bytes)) or not isinstance(seeds, Sequence):
+        raise TypeError(
+            f"{api}: `seeds` must be a sequence of {n} ints, got {type(seeds).__name__}"
+        )
+    if len(seeds) != n:
+        raise ValueError(f"{api}: `seeds` has {len(seeds)} values, expected n={n}, one per member")
+    for k, s in enumerate(seeds):
+        check_int(api, f"seeds[{k}]", s)
+    return list(seeds)

@@ -1,0 +1,101 @@
+"""MemberValues: a per-member hyperparameter that torch's LR schedulers update member by member."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["MemberValues"]
+
+
+class MemberValues:
+    """An immutable per-member hyperparameter: one Python float per member.
+
+    ``group["lr"]`` holds one of these when learning rates differ across members. It is not
+    a Tensor on purpose: torch's LR schedulers ``fill_`` tensor learning rates with a single
+    value, but apply plain arithmetic to anything else, so elementwise float arithmetic here
+    gives each member exactly the float its own scheduler on a plain Adam would compute.
+
+    Args:
+        values: One float per member.
+    """
+
+    __slots__ = ("tensor", "values")
+
+    values: tuple[float, ...]
+    tensor: Tensor
+
+    def __init__(self, values: Iterable[float]) -> None:
+        object.__setattr__(self, "values", tuple(float(v) for v in values))
+        # What the optimizer reads: a compiled step sees a tensor input, not n constants, so a
+        # scheduler changing the values does not trigger a recompile.
+        object.__setattr__(self, "tensor", torch.tensor(self.values, dtype=torch.float64))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("MemberValues is immutable")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (MemberValues, (self.values,))
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, i: int) -> float:
+        return self.values[i]
+
+    def __iter__(self) -> Iterator[float]:
+        return iter(self.values)
+
+    def __repr__(self) -> str:
+        return f"MemberValues({list(self.values)})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MemberValues) and self.values == other.values
+
+    def __hash__(self) -> int:
+        return hash(self.values)
+
+    def tolist(self) -> list[float]:
+        """Return the values as a list of floats."""
+        return list(self.values)
+
+    def _map(self, other: Any, op: Callable[[float, float], float]) -> MemberValues:
+        if isinstance(other, MemberValues):
+            return MemberValues(op(a, b) for a, b in zip(self.values, other.values, strict=True))
+        if isinstance(other, (int, float)):
+            return MemberValues(op(a, other) for a in self.values)
+        return NotImplemented
+
+    def __add__(self, o: Any) -> MemberValues:
+        return self._map(o, lambda a, b: a + b)
+
+    def __radd__(self, o: Any) -> MemberValues:
+        return self._map(o, lambda a, b: b + a)
+
+    def __sub__(self, o: Any) -> MemberValues:
+        return self._map(o, lambda a, b: a - b)
+
+    def __rsub__(self, o: Any) -> MemberValues:
+        return self._map(o, lambda a, b: b - a)
+
+    def __mul__(self, o: Any) -> MemberValues:
+        return self._map(o, lambda a, b: a * b)
+
+    def __rmul__(self, o: Any) -> MemberValues:
+        return self._map(o, lambda a, b: b * a)
+
+    def __truediv__(self, o: Any) -> MemberValues:
+        return self._map(o, lambda a, b: a / b)
+
+    def __rtruediv__(self, o: Any) -> MemberValues:
+        return self._map(o, lambda a, b: b / a)
+
+    def __neg__(self) -> MemberValues:
+        return MemberValues(-a for a in self.values)
+
+
+# State dicts (optimizer and scheduler) hold MemberValues; let weights_only torch.load read them.
+torch.serialization.add_safe_globals([MemberValues])

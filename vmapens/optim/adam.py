@@ -1,0 +1,239 @@
+"""Adam and AdamW for stacked ensembles: the update rule and its optimizer.
+
+The maths lives once, in :func:`adam_update_`; :class:`StackedAdam` is the rule plus its table
+of hyperparameters on :class:`~vmapens.optim.base.StackedOptimizer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from .._checks import column
+from .base import NONNEGATIVE, UNIT, Hyper, Scalar, StackedOptimizer, member_column
+
+__all__ = ["StackedAdam", "adam_update", "adam_update_"]
+
+PerMember = float | Sequence[float] | Tensor
+
+
+def adam_update_(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    max_exp_avg_sq: Tensor | None,
+    step: Tensor,
+    *,
+    lr: Scalar,
+    beta1: Scalar,
+    beta2: Scalar,
+    eps: Scalar,
+    weight_decay: Scalar,
+    decoupled_weight_decay: bool = False,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    mask: Tensor | None = None,
+    workspace: Tensor | None = None,
+) -> None:
+    r"""One Adam step on a stacked tensor, in place, each member with its own hyperparameters.
+
+    Follows ``torch.optim.Adam``'s single-tensor update (Kingma & Ba, 2015, Algorithm 1;
+    AdamW's decoupled decay from Loshchilov & Hutter, 2019) per member ``i`` with step ``t``:
+
+    .. code-block:: text
+
+        g   = -g if maximize;  g += wd * p   (or p *= 1 - lr * wd if decoupled)
+        m   = lerp(m, g, 1 - beta1)
+        v   = v * beta2 + (1 - beta2) * g * g;  v_max = max(v_max, v) if amsgrad
+        p  += -(lr / (1 - beta1**t)) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+
+    Per-member scalars are computed in float64 (torch computes them in Python floats) and
+    broadcast as ``[n, 1, ...]`` columns. No ``.item()`` and no branching on tensor values, so
+    it traces under ``torch.compile(fullgraph=True)``. ``StackedAdam`` calls it once per
+    parameter group, on all parameters concatenated into one ``[n, total]`` tensor.
+
+    Args:
+        param: Stacked parameter [n, ...], updated in place.
+        grad: Its gradient (not modified).
+        exp_avg: First moment, shaped like ``param``, updated in place.
+        exp_avg_sq: Second moment, shaped like ``param``, updated in place.
+        max_exp_avg_sq: Running maximum of the second moment (``amsgrad``), else None.
+        step: Float32 [n] per-member step counts, updated in place.
+        lr: Learning rate, a float or a float64 [n] tensor.
+        beta1: First-moment decay, a float or a float64 [n] tensor.
+        beta2: Second-moment decay, a float or a float64 [n] tensor.
+        eps: Denominator term, a float or a float64 [n] tensor.
+        weight_decay: L2 (or decoupled) weight decay, a float or a float64 [n] tensor.
+        decoupled_weight_decay: Use AdamW's decoupled weight decay.
+        amsgrad: Normalise by the running maximum of the second moment.
+        maximize: Ascend instead of descend.
+        mask: Optional bool [n]; members where it is False come out bit-identical.
+        workspace: Optional tensor shaped like ``param`` to hold the denominator, so that a
+            step allocates no ``param``-sized temporary.
+
+    Example:
+        >>> p, g = torch.zeros(3, 2), torch.ones(3, 2)
+        >>> m, v, s = torch.zeros(3, 2), torch.zeros(3, 2), torch.zeros(3)
+        >>> adam_update_(p, g, m, v, None, s, lr=torch.tensor([0.1, 0.2, 0.3]),
+        ...              beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+        >>> p[:, 0], s
+        (tensor([-0.1000, -0.2000, -0.3000]), tensor([1., 1., 1.]))
+    """
+    if amsgrad and max_exp_avg_sq is None:
+        raise TypeError(
+            "adam_update_: `max_exp_avg_sq` must be a tensor when `amsgrad=True`, got None"
+        )
+    v_max = max_exp_avg_sq if amsgrad else None
+    state = (param, exp_avg, exp_avg_sq, *([] if v_max is None else [v_max]), step)
+    before = None if mask is None else [t.clone() for t in state]
+
+    def col(x: Scalar) -> Scalar:
+        return member_column(x, param)
+
+    g = -grad if maximize else grad
+    if isinstance(weight_decay, Tensor) or weight_decay != 0:
+        if decoupled_weight_decay:
+            param.mul_(col(1 - lr * weight_decay))
+        else:
+            g = g + col(weight_decay) * param
+    exp_avg.lerp_(g, col(1 - beta1))
+    if isinstance(beta2, Tensor):
+        exp_avg_sq.mul_(col(beta2)).addcmul_(g, g * col(1 - beta2))
+    else:
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    step.add_(1)
+    t = step.double()
+    bias_correction1 = 1 - torch.pow(beta1, t)
+    bias_correction2_sqrt = (1 - torch.pow(beta2, t)).sqrt()
+    if v_max is not None:
+        torch.maximum(v_max, exp_avg_sq, out=v_max)
+    denom = torch.sqrt(exp_avg_sq if v_max is None else v_max, out=workspace)
+    denom.div_(col(bias_correction2_sqrt)).add_(col(eps))
+    # torch's capturable Adam folds the step size into the denominator the same way.
+    param.addcdiv_(exp_avg, denom.div_(col(-lr / bias_correction1)))
+    if mask is not None and before is not None:
+        for t, old in zip(state, before, strict=True):
+            t.copy_(torch.where(column(mask, t), t, old))
+
+
+def adam_update(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    max_exp_avg_sq: Tensor | None,
+    step: Tensor,
+    **hyperparameters: Any,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+    """The pure form of :func:`adam_update_`: returns new tensors, mutates nothing.
+
+    Takes the same arguments and returns ``(param, exp_avg, exp_avg_sq, max_exp_avg_sq,
+    step)``, for functional training steps (``torch.func``, ``torch.compile``).
+
+    Example:
+        >>> p, g, z, s = torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2, 3), torch.zeros(2)
+        >>> new_p, *_ = adam_update(p, g, z, z, None, s, lr=0.1, beta1=0.9, beta2=0.999,
+        ...                         eps=1e-8, weight_decay=0.0)
+        >>> new_p[0], p[0]
+        (tensor([-0.1000, -0.1000, -0.1000]), tensor([0., 0., 0.]))
+    """
+    new_param, new_exp_avg, new_exp_avg_sq = param.clone(), exp_avg.clone(), exp_avg_sq.clone()
+    new_max = None if max_exp_avg_sq is None else max_exp_avg_sq.clone()
+    new_step = step.clone()
+    adam_update_(new_param, grad, new_exp_avg, new_exp_avg_sq, new_max, new_step, **hyperparameters)
+    return new_param, new_exp_avg, new_exp_avg_sq, new_max, new_step
+
+
+class StackedAdam(StackedOptimizer):
+    """Adam/AdamW over stacked ensemble parameters, with per-member hyperparameters.
+
+    Member ``i`` is updated exactly as ``torch.optim.Adam`` (``AdamW`` when
+    ``decoupled_weight_decay``) would update it alone with member ``i``'s hyperparameters.
+    A hyperparameter given per member is stored in ``param_groups`` as
+    :class:`~vmapens.optim.MemberValues` (a float when shared), which torch's LR schedulers
+    update member by member.
+
+    Args:
+        params: Stacked tensors [n, ...], param-group dicts, or an ``nn.Module`` (an Ensemble).
+        lr: Learning rate: a float, or a sequence / 1-D tensor with one per member.
+        betas: ``(beta1, beta2)``, each a float or one per member.
+        eps: Denominator term, a float or one per member.
+        weight_decay: Weight decay, a float or one per member.
+        decoupled_weight_decay: AdamW-style decay.
+        amsgrad: Use the AMSGrad variant.
+        maximize: Maximise the objective.
+
+    Raises:
+        ValueError: Empty params, mismatched leading sizes, out-of-range or wrong-length
+            hyperparameters.
+        TypeError: A hyperparameter of an unsupported type.
+
+    Example:
+        >>> w = torch.zeros(4, 3, requires_grad=True)
+        >>> opt = StackedAdam([w], lr=torch.logspace(-3, 0, 4))
+        >>> w.grad = torch.ones(4, 3)
+        >>> opt.step(mask=torch.tensor([True, True, False, True]))
+        >>> [round(v, 6) for v in w[:, 0].tolist()]
+        [-0.001, -0.01, 0.0, -1.0]
+    """
+
+    hyperparameters: ClassVar[dict[str, Hyper]] = {
+        "lr": Hyper("learning rate", ">= 0", NONNEGATIVE.ok),
+        "betas": Hyper("beta parameter", "in [0, 1)", UNIT.ok, pair=True),
+        "eps": Hyper("epsilon value", ">= 0", NONNEGATIVE.ok),
+        "weight_decay": Hyper("weight_decay value", ">= 0", NONNEGATIVE.ok),
+    }
+    torch_class = torch.optim.Adam
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]] | nn.Module,
+        lr: PerMember = 1e-3,
+        betas: tuple[PerMember, PerMember] = (0.9, 0.999),
+        eps: PerMember = 1e-8,
+        weight_decay: PerMember = 0.0,
+        *,
+        decoupled_weight_decay: bool = False,
+        amsgrad: bool = False,
+        maximize: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled_weight_decay=decoupled_weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+        )
+        super().__init__(params, defaults)
+
+    def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        moments = ("exp_avg", "exp_avg_sq")
+        return (*moments, "max_exp_avg_sq") if group["amsgrad"] else moments
+
+    def update_(
+        self, param: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]
+    ) -> None:
+        beta1, beta2 = group["betas"]
+        adam_update_(
+            param,
+            grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            state.get("max_exp_avg_sq"),
+            state["step"],
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+            amsgrad=group["amsgrad"],
+            maximize=group["maximize"],
+            workspace=state.get("_workspace"),
+        )

@@ -1,0 +1,95 @@
+"""Per-member gradient clipping: each member clipped as torch.nn.utils would clip it alone."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from .._checks import column
+
+__all__ = ["clip_grad_norm_", "clip_grad_value_"]
+
+
+def _grads(
+    api: str, ens_or_params: nn.Module | Tensor | Iterable[Tensor]
+) -> tuple[list, int, torch.device]:
+    params: list[Tensor]
+    if isinstance(ens_or_params, nn.Module):
+        params = list(ens_or_params.parameters())
+    elif isinstance(ens_or_params, Tensor):
+        params = [ens_or_params]
+    else:
+        params = list(ens_or_params)
+    if not params:
+        raise ValueError(f"{api}: no parameters given")
+    sizes = sorted({p.shape[0] if p.dim() else -1 for p in params})
+    if len(sizes) != 1 or sizes[0] < 1:
+        raise ValueError(
+            f"{api}: all parameters must share a leading member dim n, got sizes {sizes}"
+        )
+    grads = [p.grad for p in params if p.grad is not None and p.grad.numel() > 0]
+    return grads, sizes[0], params[0].device
+
+
+def clip_grad_norm_(
+    ens_or_params: nn.Module | Tensor | Iterable[Tensor], max_norm: float, norm_type: float = 2.0
+) -> Tensor:
+    """Clip each member's gradients by that member's own total norm, in place.
+
+    Member ``i`` is treated exactly as ``torch.nn.utils.clip_grad_norm_`` would treat it alone:
+    ``g *= min(max_norm / (norm_i + 1e-6), 1)``. A member with non-finite gradients gets a
+    non-finite norm and leaves the others untouched.
+
+    Args:
+        ens_or_params: An ensemble (``nn.Module``), a stacked tensor or an iterable of them.
+        max_norm: Maximum total norm per member.
+        norm_type: p of the p-norm (``inf`` allowed).
+
+    Returns:
+        The per-member total gradient norms, shape [n] (before clipping).
+
+    Raises:
+        ValueError: No parameters, or mismatched leading sizes.
+
+    Example:
+        >>> w = torch.zeros(2, 3, requires_grad=True)
+        >>> w.grad = torch.tensor([[3.0, 4.0, 0.0], [0.3, 0.4, 0.0]])
+        >>> clip_grad_norm_([w], max_norm=1.0)
+        tensor([5.0000, 0.5000])
+    """
+    grads, n, device = _grads("clip_grad_norm_", ens_or_params)
+    norm_type = float(norm_type)
+    if not grads:
+        return torch.zeros(n, device=device)
+    per_tensor = [
+        torch.linalg.vector_norm(g.reshape(n, math.prod(g.shape[1:])), norm_type, dim=1)
+        for g in grads
+    ]
+    norms = torch.linalg.vector_norm(torch.stack(per_tensor, dim=0), norm_type, dim=0)
+    coef = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, [column(coef.to(g.device, g.dtype), g) for g in grads])
+    return norms
+
+
+def clip_grad_value_(
+    ens_or_params: nn.Module | Tensor | Iterable[Tensor], clip_value: float
+) -> None:
+    """Clamp every gradient element to ``[-clip_value, clip_value]``, as torch.nn.utils does.
+
+    Elementwise, so each member is clipped exactly as it would be alone.
+
+    Example:
+        >>> w = torch.zeros(2, 2, requires_grad=True)
+        >>> w.grad = torch.tensor([[3.0, -0.5], [-2.0, 0.1]])
+        >>> clip_grad_value_([w], 1.0)
+        >>> w.grad
+        tensor([[ 1.0000, -0.5000],
+                [-1.0000,  0.1000]])
+    """
+    grads, _, _ = _grads("clip_grad_value_", ens_or_params)
+    if grads:
+        torch._foreach_clamp_min_(grads, -clip_value)
+        torch._foreach_clamp_max_(grads, clip_value)

@@ -1,0 +1,179 @@
+"""SGD with momentum for stacked ensembles: the update rule and its optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from .._checks import column
+from .base import NONNEGATIVE, Hyper, Scalar, StackedOptimizer, member_column
+
+__all__ = ["StackedSGD", "sgd_update_"]
+
+PerMember = float | Sequence[float] | Tensor
+
+
+def sgd_update_(
+    param: Tensor,
+    grad: Tensor,
+    momentum_buffer: Tensor | None,
+    step: Tensor,
+    *,
+    lr: Scalar,
+    momentum: Scalar,
+    dampening: Scalar,
+    weight_decay: Scalar,
+    nesterov: bool = False,
+    maximize: bool = False,
+) -> None:
+    """One SGD step in place on a stacked tensor, each member with its own hyperparameters.
+
+    Follows ``torch.optim.SGD`` (Sutskever et al., 2013) per member ``i``; the momentum buffer
+    starts as the first gradient, undampened, and a member whose momentum is 0 has none:
+
+    .. code-block:: text
+
+        g = -g if maximize;  g += wd * p
+        b = g if t == 0 else momentum * b + (1 - dampening) * g
+        g = g + momentum * b if nesterov else b          (members with momentum != 0)
+        p -= lr * g
+
+    Args:
+        param: Stacked parameter [n, ...], updated in place.
+        grad: Its gradient (not modified).
+        momentum_buffer: Shaped like ``param``, updated in place; None when no member uses
+            momentum.
+        step: Float32 [n] per-member step counts, updated in place.
+        lr: A float or a float64 [n] tensor, as are the other hyperparameters.
+        momentum: Momentum factor.
+        dampening: Dampening of the momentum.
+        weight_decay: L2 penalty.
+        nesterov: Nesterov momentum.
+        maximize: Ascend instead of descend.
+
+    Example:
+        >>> p, g, b, s = torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2, 3), torch.zeros(2)
+        >>> sgd_update_(p, g, b, s, lr=torch.tensor([0.1, 0.2]), momentum=0.9, dampening=0.0,
+        ...             weight_decay=0.0)
+        >>> p[:, 0]
+        tensor([-0.1000, -0.2000])
+    """
+
+    def col(x: Scalar) -> Scalar:
+        return member_column(x, param)
+
+    g = -grad if maximize else grad
+    if isinstance(weight_decay, Tensor) or weight_decay != 0:
+        g = g + col(weight_decay) * param
+    if momentum_buffer is not None:
+        first = column(step == 0, param)
+        momentum_buffer.copy_(
+            torch.where(first, g, momentum_buffer * col(momentum) + g * col(1 - dampening))
+        )
+        d = g + col(momentum) * momentum_buffer if nesterov else momentum_buffer
+        # Members without momentum step on the plain gradient, as torch's SGD does.
+        uses = torch.as_tensor(momentum, device=param.device) != 0
+        g = torch.where(column(uses.expand(param.shape[0]), param), d, g)
+    param.sub_(g * col(lr))
+    step.add_(1)
+
+
+class StackedSGD(StackedOptimizer):
+    """SGD (with momentum) over stacked parameters, with per-member hyperparameters.
+
+    Member ``i`` is updated exactly as ``torch.optim.SGD`` would update it alone with member
+    ``i``'s hyperparameters; ``member_state_dict(i)`` hands it off to ``torch.optim.SGD``.
+
+    Args:
+        params: Stacked tensors [n, ...], param-group dicts, or an Ensemble.
+        lr: Learning rate, a float or one per member.
+        momentum: Momentum factor, a float or one per member.
+        dampening: Dampening for momentum, a float or one per member.
+        weight_decay: L2 penalty, a float or one per member.
+        nesterov: Nesterov momentum (needs momentum > 0 and dampening 0 for every member).
+        maximize: Maximise the objective.
+
+    Example:
+        >>> w = torch.zeros(2, 3, requires_grad=True)
+        >>> opt = StackedSGD([w], lr=0.1, momentum=[0.0, 0.9])
+        >>> for _ in range(2):
+        ...     w.grad = torch.ones(2, 3)
+        ...     opt.step()
+        >>> w[:, 0]
+        tensor([-0.2000, -0.2900], grad_fn=<SelectBackward0>)
+    """
+
+    hyperparameters: ClassVar[dict[str, Hyper]] = {
+        "lr": Hyper("learning rate", ">= 0", NONNEGATIVE.ok),
+        "momentum": Hyper("momentum value", ">= 0", NONNEGATIVE.ok),
+        "dampening": Hyper("dampening value", "a float", lambda v: True),
+        "weight_decay": Hyper("weight_decay value", ">= 0", NONNEGATIVE.ok),
+    }
+    torch_class = torch.optim.SGD
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]] | nn.Module,
+        lr: PerMember = 1e-3,
+        momentum: PerMember = 0.0,
+        dampening: PerMember = 0.0,
+        weight_decay: PerMember = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+        )
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            if group["nesterov"] and not (
+                min(_values(group["momentum"])) > 0
+                and max(map(abs, _values(group["dampening"]))) == 0
+            ):
+                raise ValueError(
+                    "StackedSGD: Nesterov momentum requires a momentum and zero dampening "
+                    "(`momentum` > 0 and `dampening` 0 for every member)"
+                )
+
+    def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("momentum_buffer",) if max(_values(group["momentum"])) != 0 else ()
+
+    def update_(
+        self, param: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]
+    ) -> None:
+        sgd_update_(
+            param,
+            grad,
+            state.get("momentum_buffer"),
+            state["step"],
+            lr=group["lr"],
+            momentum=group["momentum"],
+            dampening=group["dampening"],
+            weight_decay=group["weight_decay"],
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+        )
+
+    def member_state(
+        self, state: dict[str, Tensor], group: dict[str, Any], i: int
+    ) -> dict[str, Tensor]:
+        # torch's SGD keeps a momentum buffer only once a member with momentum has stepped.
+        momentum = _values(group["momentum"])
+        if "momentum_buffer" not in state or state["step"][i] == 0:
+            return {}
+        if momentum[i % len(momentum)] == 0:
+            return {}
+        return {"momentum_buffer": state["momentum_buffer"][i].clone()}
+
+
+def _values(v: Any) -> list[float]:
+    return list(v) if not isinstance(v, (int, float)) else [float(v)]
