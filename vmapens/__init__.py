@@ -3,9 +3,10 @@
 from ._data import bootstrap_indices
 from ._seeds import member_seed
 from .checkpoint import load, restore, save, save_members
-from .ensemble import Ensemble, per_member
+from .ensemble import Ensemble
 from .fit import fit
 from .history import History
+from .losses import per_member
 from .optim import (
     MemberValues,
     StackedAdam,

@@ -15,8 +15,9 @@ from ._checks import column
 from ._data import Stream
 from .checkpoint import check_ensemble_state, check_members, members_of, read, write
 from .distributed import all_reduce_stats
-from .ensemble import Ensemble, per_member
+from .ensemble import Ensemble
 from .history import History
+from .losses import per_member
 
 __all__ = ["Loop", "read_checkpoint", "to_device"]
 

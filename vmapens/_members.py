@@ -6,6 +6,7 @@ import copy
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import optree
 import torch
 from torch import nn
 
@@ -18,6 +19,7 @@ __all__ = [
     "check_member",
     "check_seeds",
     "check_same",
+    "looped",
     "meta_copy",
     "named_tensors",
     "non_persistent_buffers",
@@ -131,3 +133,22 @@ def check_seeds(api: str, seeds: Any, n: int, seed: int | None) -> list[int]:
     for k, s in enumerate(seeds):
         check_int(api, f"seeds[{k}]", s)
     return list(seeds)
+
+
+def looped(n: int, randomness: str, fn: Callable[..., Any], in_dims: tuple) -> Callable:
+    """The loop backend: ``fn`` once per member on its slices, outputs stacked."""
+
+    def looped(state: dict[str, torch.Tensor], *args: Any) -> Any:
+        rng = torch.get_rng_state() if randomness == "same" else None
+        outputs = []
+        for i in range(n):
+            if rng is not None:
+                torch.set_rng_state(rng)
+            member_args = [
+                a if d is None else optree.tree_map(lambda t, d=d, i=i: t.select(d, i), a)
+                for a, d in zip(args, in_dims, strict=True)
+            ]
+            outputs.append(fn({k: v[i] for k, v in state.items()}, *member_args))
+        return optree.tree_map(lambda *xs: torch.stack(xs), *outputs)
+
+    return looped

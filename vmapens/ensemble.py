@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
-import optree
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
+from ._attention import batched_attention
 from ._checks import as_ids, check_choice, check_int, expand_in_dims, index_rows, to_index
 from ._members import (
     Factory,
@@ -19,14 +19,15 @@ from ._members import (
     check_member,
     check_same,
     check_seeds,
+    looped,
     meta_copy,
     named_tensors,
-    non_persistent_buffers,
     signature,
 )
+from ._storage import StackedModule
 from .distributed import member_block
 
-__all__ = ["Ensemble", "per_member"]
+__all__ = ["Ensemble"]
 
 RANDOMNESS = ("different", "same", "error")
 BACKENDS = ("vmap", "loop")
@@ -35,7 +36,7 @@ BACKENDS = ("vmap", "loop")
 _UNBATCHABLE = ("Batching rule not implemented", "vmap: ", "We could not generate a fallback")
 
 
-class Ensemble(nn.Module):
+class Ensemble(StackedModule):
     """N members of one architecture, stored stacked and run together.
 
     Every parameter and buffer of the member module is stored once, with a leading member
@@ -86,11 +87,6 @@ class Ensemble(nn.Module):
         >>> ens(torch.randn(8, 3)).shape
         torch.Size([4, 8, 2])
     """
-
-    # The meta-device member that functional_call runs, kept out of nn.Module's registry.
-    _template: nn.Module
-    member_ids: Sequence[int]
-    n_total: int
 
     def __init__(
         self,
@@ -217,31 +213,6 @@ class Ensemble(nn.Module):
             slot += 1  # noqa: SIM113
         self._adopt(stacked, member_ids, n_total, training)
 
-    def _adopt(
-        self,
-        stacked: dict[str, torch.Tensor],
-        member_ids: Sequence[int],
-        n_total: int,
-        training: bool,
-    ) -> None:
-        """Take ``stacked`` (name -> [k, ...]) as this ensemble's storage."""
-        params = dict(self._template.named_parameters())
-        for name, t in stacked.items():
-            if name in params:
-                # Written straight into _parameters: register_parameter forbids the dots of
-                # the member's own names, and those names are what state_dict must show.
-                self._parameters[name] = nn.Parameter(t, requires_grad=params[name].requires_grad)
-            else:
-                self._buffers[name] = t
-        self._non_persistent_buffers_set = non_persistent_buffers(self._template)
-        self.member_ids, self.n_total = member_ids, n_total
-        # Member state_dict key -> stacked name (tied weights map several keys to one name).
-        meta_names = {id(t): name for name, t in named_tensors(self._template)}
-        self._state_keys = {
-            key: meta_names[id(t)] for key, t in self._template.state_dict(keep_vars=True).items()
-        }
-        self.train(training)
-
     # -- running ----------------------------------------------------------------------------
 
     def forward(self, *args: Any, in_dims: Any = None, **kwargs: Any) -> Any:
@@ -305,7 +276,7 @@ class Ensemble(nn.Module):
             The batched function.
         """
         if self.backend == "loop":
-            return _looped(self, fn, in_dims)
+            return looped(len(self), self.randomness, fn, in_dims)
         n = len(self)
 
         def batched(state: dict[str, torch.Tensor], *args: Any) -> Any:
@@ -325,20 +296,28 @@ class Ensemble(nn.Module):
 
     @contextlib.contextmanager
     def guard(self, api: str = "Ensemble") -> Iterator[None]:
-        """Around a call of the members: on an exception, give the buffers their values back.
+        """Around a call of the members: what every call of ``member_map`` runs inside.
 
-        vmap can fail after BatchNorm has updated some members' statistics; this keeps a
-        copy so that a failed call changes nothing, and rewrites "cannot batch" errors of
-        ``torch.func`` into a message that says what to do.
+        * vmap can fail after BatchNorm has updated some members' statistics: the buffers
+          are copied first and given back on any exception, so a failed call changes nothing.
+        * "cannot batch" errors of ``torch.func`` become a message that says what to do.
+        * CPU attention (``F.scaled_dot_product_attention``, ``nn.MultiheadAttention``,
+          ``nn.TransformerEncoder``) runs as one call for all members instead of a member
+          loop, and the eval-mode fast path that vmap cannot batch is off
+          (``vmapens._attention.batched_attention``). A compiled step enters this outside
+          its graph.
         """
         buffers = list(self.stacked_buffers().values())
         saved = [b.clone() for b in buffers]
         try:
-            yield
-        except Exception as err:
+            with batched_attention():
+                yield
+        except BaseException as err:
             with torch.no_grad():
                 for b, s in zip(buffers, saved, strict=True):
                     b.copy_(s)
+            if not isinstance(err, Exception):
+                raise
             if self.backend == "vmap" and any(m in str(err) for m in _UNBATCHABLE):
                 raise RuntimeError(
                     f"{api}: the forward of {type(self._template).__name__} cannot be batched "
@@ -347,34 +326,7 @@ class Ensemble(nn.Module):
                 ) from err
             raise
 
-    # -- stacked state --------------------------------------------------------------------------
-
-    @property
-    def template(self) -> nn.Module:
-        """The member module ``functional_call`` runs: the user's class on the ``meta`` device."""
-        return self._template
-
-    def stacked_params(self) -> dict[str, nn.Parameter]:
-        """The stacked parameters by the member's names, each ``[n, ...]`` (tied ones once)."""
-        return cast("dict[str, nn.Parameter]", self._parameters)
-
-    def stacked_buffers(self) -> dict[str, torch.Tensor]:
-        """The stacked buffers by the member's names, each ``[n, ...]``."""
-        return cast("dict[str, torch.Tensor]", self._buffers)
-
-    def stacked_state(self) -> dict[str, torch.Tensor]:
-        """Parameters then buffers: what ``member_map`` functions receive, stacked."""
-        return {**self.stacked_params(), **self.stacked_buffers()}
-
-    def _persistent(self) -> dict[str, torch.Tensor]:
-        buffers = self.stacked_buffers()
-        kept = {k: v for k, v in buffers.items() if k not in self._non_persistent_buffers_set}
-        return {**self.stacked_params(), **kept}
-
     # -- members ------------------------------------------------------------------------------
-
-    def __len__(self) -> int:
-        return len(self.member_ids)
 
     def __getitem__(self, index: Any) -> Any:
         """``ens[i]``: member ``i`` as a module of the user's class; ``ens[2:5]``, ``ens[[0, 3]]``:
@@ -440,20 +392,6 @@ class Ensemble(nn.Module):
         """
         return list(self)
 
-    def state_dicts(self) -> list[dict[str, torch.Tensor]]:
-        """One state_dict per member, each loadable with ``strict=True`` by the user's class.
-
-        Example:
-            >>> sds = Ensemble(lambda: nn.Linear(3, 2), n=4).state_dicts()
-            >>> nn.Linear(3, 2).load_state_dict(sds[0])
-            <All keys matched successfully>
-        """
-        persistent = self._persistent()
-        return [
-            {key: persistent[name][i].detach().clone() for key, name in self._state_keys.items()}
-            for i in range(len(self))
-        ]
-
     def apply(self, fn: Callable[[nn.Module], None]) -> Ensemble:  # type: ignore[override]
         """Apply ``fn`` to every submodule of every member, as ``member.apply(fn)`` would alone.
 
@@ -474,114 +412,6 @@ class Ensemble(nn.Module):
                 for name, t in self.stacked_state().items():
                     t[i].copy_(state[name])
         return self
-
-    # -- nn.Module plumbing ----------------------------------------------------------------
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            template = self.__dict__.get("_template")
-            if template is not None and hasattr(template, name):
-                raise AttributeError(
-                    f"Ensemble: `{name}` is an attribute of the members, not of the ensemble; "
-                    f"use ens.template.{name} for the member's structure (meta tensors) or "
-                    f"ens[i].{name} for member i's values"
-                ) from None
-            raise
-
-    def train(self, mode: bool = True) -> Ensemble:
-        super().train(mode)
-        self._template.train(mode)
-        return self
-
-    def extra_repr(self) -> str:
-        return f"n={len(self)}, backend={self.backend!r}, member={self._template!r}"
-
-    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        # The member's own keys, in its own order, tied aliases included.
-        persistent = self._persistent()
-        for key, name in self._state_keys.items():
-            t = persistent[name]
-            destination[prefix + key] = t if keep_vars else t.detach()
-
-    def _load_from_state_dict(
-        self,
-        state_dict: dict,
-        prefix: str,
-        local_metadata: dict,
-        strict: bool,
-        missing_keys: list,
-        unexpected_keys: list,
-        error_msgs: list,
-    ) -> None:
-        # nn.Module's own loader splits keys at the first dot (taking "fc.weight" for a child
-        # module) and copies tensors as it goes; ours checks everything before copying.
-        persistent = self._persistent()
-        ours = {prefix + k: persistent[name] for k, name in self._state_keys.items()}
-        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in ours)
-        missing_keys.extend(k for k in ours if k not in state_dict)
-        pending = []
-        for key, target in ours.items():
-            if key not in state_dict:
-                continue
-            value = state_dict[key]
-            if not isinstance(value, torch.Tensor) or value.shape != target.shape:
-                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
-                error_msgs.append(
-                    f"size mismatch for {key}: copying a param with shape {got} from checkpoint, "
-                    f"the shape in current model is {tuple(target.shape)}."
-                )
-            pending.append((target, value))
-        if error_msgs or (strict and (missing_keys or unexpected_keys)):
-            return
-        with torch.no_grad():
-            for target, value in pending:
-                target.copy_(value)
-
-
-def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -> Callable:
-    """Wrap a loss so it returns one value per member, shape ``[n]``.
-
-    The ensemble's training loss is the *sum* of these: the gradient of the sum with respect
-    to member ``i``'s parameters is exactly the gradient of member ``i``'s own loss, so every
-    member trains as it would alone. A mean would scale each member's gradient by ``1/n``.
-
-    Args:
-        loss_fn: ``(output, target) -> scalar``, e.g. ``nn.BCELoss()`` or a function.
-        in_dims: as in ``torch.func.vmap``; the default ``(0, None)`` maps the stacked output
-            and shares the target. Use ``(0, 0)`` for per-member targets.
-
-    Returns:
-        ``(output, target) -> Tensor[n]``.
-
-    Example:
-        >>> loss = per_member(nn.MSELoss())(torch.zeros(4, 8, 1), torch.ones(8, 1))
-        >>> loss.shape
-        torch.Size([4])
-    """
-    if not callable(loss_fn):
-        raise TypeError(f"per_member: `loss_fn` must be callable, got {type(loss_fn).__name__}")
-    return vmap(loss_fn, in_dims=in_dims)
-
-
-def _looped(ens: Ensemble, fn: Callable[..., Any], in_dims: tuple) -> Callable:
-    """The loop backend: ``fn`` once per member on its slices, outputs stacked."""
-
-    def looped(state: dict[str, torch.Tensor], *args: Any) -> Any:
-        rng = torch.get_rng_state() if ens.randomness == "same" else None
-        outputs = []
-        for i in range(len(ens)):
-            if rng is not None:
-                torch.set_rng_state(rng)
-            member_args = [
-                a if d is None else optree.tree_map(lambda t, d=d, i=i: t.select(d, i), a)
-                for a, d in zip(args, in_dims, strict=True)
-            ]
-            outputs.append(fn({k: v[i] for k, v in state.items()}, *member_args))
-        return optree.tree_map(lambda *xs: torch.stack(xs), *outputs)
-
-    return looped
 
 
 def _member_ids(n: int, shard: bool, seeded: bool, api: str) -> range:

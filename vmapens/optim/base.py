@@ -11,7 +11,6 @@ the plain torch optimizer, and sub-ensemble selection.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, cast
@@ -20,40 +19,19 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_mask, column, index_rows
-from ._values import MemberValues
+from ._hyper import (
+    NONNEGATIVE,
+    UNIT,
+    Hyper,
+    Scalar,
+    check_hyper,
+    group_args,
+    local_values,
+    member_column,
+    pick_group,
+)
 
-__all__ = ["Hyper", "Scalar", "StackedOptimizer", "member_column"]
-
-Scalar = float | Tensor
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-@dataclasses.dataclass(frozen=True)
-class Hyper:
-    """A per-member hyperparameter: its torch error wording, rule and check.
-
-    ``pair=True`` for a tuple of two values such as Adam's ``betas``.
-    """
-
-    what: str
-    rule: str
-    ok: Callable[[float], bool]
-    pair: bool = False
-
-
-NONNEGATIVE = Hyper("value", ">= 0", lambda v: v >= 0)
-UNIT = Hyper("value", "in [0, 1)", lambda v: 0 <= v < 1)
-
-
-def member_column(x: Scalar, like: Tensor) -> Scalar:
-    """A hyperparameter as the update rule uses it: a float, or ``[n, 1, ...]`` for ``like``.
-
-    Low-precision parameters take float32 columns: in-place ops compute in the promoted dtype.
-    """
-    if not isinstance(x, Tensor):
-        return x
-    dtype = torch.float32 if like.dtype in _LOW_PRECISION else like.dtype
-    return column(x.to(dtype), like)
+__all__ = ["NONNEGATIVE", "UNIT", "Hyper", "Scalar", "StackedOptimizer", "member_column"]
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -148,67 +126,22 @@ class StackedOptimizer(torch.optim.Optimizer):
         return sizes[0]
 
     def _normalise(self, group: dict[str, Any]) -> None:
+        api, n = self._api, self.num_members
+
+        def local(value: Any) -> Any:
+            return local_values(value, self._block, self._n_total)
+
         for name, hyper in self.hyperparameters.items():
             value = group[name]
             if hyper.pair:
                 if not isinstance(value, (tuple, list)) or len(value) != 2:
                     raise ValueError(f"{self._api}: `{name}` must be a pair, got {value!r}")
                 group[name] = tuple(
-                    self._hyper(f"{name}[{j}]", self._local(v), hyper, f" at index {j}")
+                    check_hyper(api, f"{name}[{j}]", local(v), hyper, n, f" at index {j}")
                     for j, v in enumerate(value)
                 )
             else:
-                group[name] = self._hyper(name, self._local(value), hyper)
-
-    def _hyper(self, name: str, value: Any, hyper: Hyper, where: str = "") -> float | MemberValues:
-        """A float (shared) or n values (per member), checked against ``hyper``'s rule."""
-        api, n = self._api, self.num_members
-        out: float | MemberValues
-        if isinstance(value, Tensor):
-            if value.dim() > 1:
-                raise ValueError(
-                    f"{api}: `{name}` must be a float or 1-D, got shape {tuple(value.shape)}"
-                )
-            value = value.item() if value.dim() == 0 else value.tolist()
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            vals, out = [float(value)], float(value)
-        elif isinstance(value, (Sequence, MemberValues)) and not isinstance(value, str):
-            if len(value) != n:
-                raise ValueError(
-                    f"{api}: `{name}` has {len(value)} values, expected n={n}, one per member"
-                )
-            vals = [float(v) for v in value]
-            out = MemberValues(vals)
-        else:
-            raise TypeError(
-                f"{api}: `{name}` must be a float or a sequence/1-D tensor of n={n} floats, "
-                f"got {type(value).__name__}"
-            )
-        for v in vals:
-            if not hyper.ok(v):
-                raise ValueError(
-                    f"{api}: Invalid {hyper.what}{where}: {v} (`{name}` must be {hyper.rule})"
-                )
-        return out
-
-    def _local(self, value: Any) -> Any:
-        """This block's values of a per-member hyperparameter given for all n_total members."""
-        sized = isinstance(value, (Sequence, MemberValues)) and not isinstance(value, str)
-        sized = sized or isinstance(value, Tensor) and value.dim() == 1
-        if self._block is None or not sized or len(value) != self._n_total:
-            return value
-        return [value[i] for i in self._block]
-
-    def _group_args(self, group: dict[str, Any], device: torch.device) -> dict[str, Any]:
-        """The group with MemberValues as float64 tensors on ``device``: what update_ reads."""
-
-        def arg(v: Any) -> Any:
-            return v.tensor.to(device) if isinstance(v, MemberValues) else v
-
-        out = dict(group)
-        for name, hyper in self.hyperparameters.items():
-            out[name] = tuple(arg(v) for v in group[name]) if hyper.pair else arg(group[name])
-        return out
+                group[name] = check_hyper(api, name, local(value), hyper, n)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group, validated like the constructor's arguments.
@@ -371,7 +304,7 @@ class StackedOptimizer(torch.optim.Optimizer):
         mask: Tensor | None,
     ) -> None:
         params = group["params"]
-        args = self._group_args(group, params[0].device)
+        args = group_args(group, self.hyperparameters, params[0].device)
         if flat is not None:
             rows = [_rows(p) for p in params]  # views: the params are contiguous
             work = flat["workspace"]
@@ -497,7 +430,7 @@ class StackedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             ids = list(range(start, start + len(group["params"])))
             start += len(ids)
-            groups.append({**_pick_group(group, self.hyperparameters, [i]), "params": ids})
+            groups.append({**pick_group(group, self.hyperparameters, [i]), "params": ids})
             for k, p in zip(ids, group["params"], strict=True):
                 member = self.member_state(self.state[p], group, i) if self.state[p] else {}
                 if member:
@@ -533,13 +466,13 @@ class StackedOptimizer(torch.optim.Optimizer):
             size = len(group["params"])
             groups.append(
                 {
-                    **_pick_group(group, self.hyperparameters, picked),
+                    **pick_group(group, self.hyperparameters, picked),
                     "params": new_params[start : start + size],
                 }
             )
             start += size
         new = type(self).__new__(type(self))
-        defaults = _pick_group(self.defaults, self.hyperparameters, picked)
+        defaults = pick_group(self.defaults, self.hyperparameters, picked)
         StackedOptimizer.__init__(new, groups, defaults)
         for p_old, p_new in zip(old, new_params, strict=True):
             if self.state[p_old]:
@@ -553,17 +486,3 @@ class StackedOptimizer(torch.optim.Optimizer):
 
 def _layout(params: list[Tensor]) -> tuple:
     return tuple((p.dtype, p.device, tuple(p.shape)) for p in params)
-
-
-def _pick_group(group: dict[str, Any], hypers: dict[str, Hyper], rows: list[int]) -> dict[str, Any]:
-    """``group``'s options with each per-member value cut to ``rows`` (a float for one row)."""
-
-    def pick(v: Any) -> Any:
-        if not isinstance(v, MemberValues):
-            return v
-        return v[rows[0]] if len(rows) == 1 else MemberValues(v[r] for r in rows)
-
-    out = {k: v for k, v in group.items() if k != "params"}
-    for name, hyper in hypers.items():
-        out[name] = tuple(pick(v) for v in group[name]) if hyper.pair else pick(group[name])
-    return out

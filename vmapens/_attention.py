@@ -1,0 +1,164 @@
+"""Attention under ``torch.func.vmap`` on CPU: one folded kernel call instead of a member loop.
+
+``F.scaled_dot_product_attention`` on CPU lowers to
+``aten::_scaled_dot_product_flash_attention_for_cpu`` (and its ``_backward``), for which
+functorch has no batching rule: under ``vmap`` each call falls back to a loop over the
+members, with a "performance drop" warning.
+
+Attention is independent along the leading batch dim, so the member dim can be folded into
+it: ``[n, B, H, L, E] -> [n * B, H, L, E]``, one kernel call, then unfolded. While
+:func:`batched_attention` is active that rule is registered for both ops.
+
+Why the dispatcher and not a ``TorchFunctionMode``: a mode is popped while it handles a
+Python-level overridable function, so the ``scaled_dot_product_attention`` call inside
+``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``)
+never reaches it. A batching rule on the aten op sees every call, whoever makes it, and is
+differentiated by the op's own autograd formula, under ``loss.backward()`` and
+``torch.func.grad`` alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+from torch._C._functorch import _add_batch_dim, _unwrap_batched
+from torch._functorch.pyfunctorch import VmapInterpreter, retrieve_current_functorch_interpreter
+
+__all__ = ["batched_attention"]
+
+_FORWARD = "_scaled_dot_product_flash_attention_for_cpu"
+_BACKWARD = "_scaled_dot_product_flash_attention_for_cpu_backward"
+# Leading positional tensors of each op (the attention mask is keyword-only in both).
+_N_TENSORS = {_FORWARD: 3, _BACKWARD: 6}
+
+# The kernels and the fast-path switch are process-wide, so one outermost entry sets both up
+# for every thread and nesting depth and the last exit undoes them: a per-entry save/restore
+# would let one thread's exit turn the fast path back on under another thread still inside,
+# and registering the same kernel twice makes torch warn about overriding it. The rule is
+# exact, so a vmapped call elsewhere that meets it in the meantime loses nothing.
+_lock = threading.Lock()
+_depth = 0
+_library: torch.library.Library | None = None
+_fastpath = True
+
+
+@contextlib.contextmanager
+def batched_attention() -> Iterator[None]:
+    """Run CPU attention under ``torch.func.vmap`` as one call for all members.
+
+    Inside the context:
+
+    * ``F.scaled_dot_product_attention`` on vmapped inputs (directly, or inside
+      ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer``) runs as one fused CPU
+      kernel call with the member dim folded into the batch dim, forward and backward, with
+      no "performance drop" warning. Results and gradients equal each member run alone.
+      Calls without vmapped inputs are untouched. Calls that torch routes to the composite
+      math path (``dropout_p > 0``, an attention mask that requires grad) were never
+      looped and are untouched too; dropout keeps ``vmap``'s ``randomness`` semantics.
+    * The ``nn.MultiheadAttention`` / ``nn.TransformerEncoder`` eval-mode fast path (fused
+      encoder layer, nested tensors for ``src_key_padding_mask``), which ``vmap`` cannot
+      batch at all, is switched off with ``torch.backends.mha.set_fastpath_enabled(False)``;
+      the previous setting comes back when the outermost context exits, also when the
+      body raises.
+
+    It works under eager ``vmap`` + ``loss.backward()``, ``vmap(grad_and_value(...))``,
+    and a ``torch.compile``-d function of either, provided the context is entered *outside*
+    the compiled function (it is read while tracing; dynamo cannot trace entering it).
+    Contexts nest and may be entered from several threads.
+
+    Returns:
+        A context manager yielding ``None``.
+
+    Example:
+        >>> import torch.nn.functional as F
+        >>> q = torch.randn(3, 2, 4, 5, 8)  # 3 members
+        >>> with batched_attention():
+        ...     out = torch.func.vmap(F.scaled_dot_product_attention)(q, q, q)
+        >>> out.shape
+        torch.Size([3, 2, 4, 5, 8])
+    """
+    _enter()
+    try:
+        yield
+    finally:
+        _exit()
+
+
+def _enter() -> None:
+    global _depth, _library, _fastpath
+    with _lock:
+        if _depth == 0:
+            lib = torch.library.Library("aten", "IMPL")
+            for name in (_FORWARD, _BACKWARD):
+                lib.impl(name, _batching_rule(name), "FuncTorchBatched", with_keyset=True)
+            _library = lib
+            _fastpath = torch.backends.mha.get_fastpath_enabled()
+            torch.backends.mha.set_fastpath_enabled(False)
+        _depth += 1
+
+
+def _exit() -> None:
+    global _depth, _library
+    with _lock:
+        _depth -= 1
+        if _depth == 0:
+            torch.backends.mha.set_fastpath_enabled(_fastpath)
+            if _library is not None:
+                # Removes the kernels, so vmap's own fallback is back in charge.
+                _library._destroy()
+                _library = None
+
+
+def _batching_rule(name: str) -> Any:
+    op = getattr(torch.ops.aten, name).default
+    n_tensors = _N_TENSORS[name]
+
+    def rule(
+        keyset: Any, *args: Any, attn_mask: Tensor | None = None, scale: float | None = None
+    ) -> tuple[Tensor, ...]:
+        # FuncTorchBatched kernels only run while a vmap level is the current one.
+        interpreter = cast(VmapInterpreter, retrieve_current_functorch_interpreter())
+        level, n = interpreter.level(), interpreter.batch_size()
+        unwrapped = [_unwrap_batched(t, level) for t in args[:n_tensors]]
+        mask, mask_dim = (None, None) if attn_mask is None else _unwrap_batched(attn_mask, level)
+        rest = args[n_tensors:]
+        # Below this level the tensors are ordinary again (or batched at an outer level).
+        lower = torch._C._ExcludeDispatchKeyGuard(
+            torch._C.DispatchKeySet(torch._C.DispatchKey.FuncTorchBatched)
+        )
+        with lower:
+            if mask_dim is None and all(d is None for _, d in unwrapped):
+                return op(*(t for t, _ in unwrapped), *rest, attn_mask=mask, scale=scale)
+            # The query is argument 1 of the backward (after grad_out), 0 of the forward.
+            query, query_dim = unwrapped[1 if name == _BACKWARD else 0]
+            batch = query.shape[0] if query_dim is None else query.movedim(query_dim, 0).shape[1]
+            folded = [_fold(t, d, n) for t, d in unwrapped]
+            outs = op(*folded, *rest, attn_mask=_fold_mask(mask, mask_dim, n, batch), scale=scale)
+        return tuple(_add_batch_dim(o.unflatten(0, (n, -1)), 0, level) for o in outs)
+
+    return rule
+
+
+def _fold(t: Tensor, bdim: int | None, n: int) -> Tensor:
+    """``[n, B, ...]`` (member dim at ``bdim``, or none: shared) as ``[n * B, ...]``."""
+    t = t.expand(n, *t.shape) if bdim is None else t.movedim(bdim, 0)
+    return t.flatten(0, 1)
+
+
+def _fold_mask(mask: Tensor | None, bdim: int | None, n: int, batch: int) -> Tensor | None:
+    """The attention mask for the folded batch: broadcastable to ``[n * batch, H, L, S]``."""
+    if mask is None:
+        return None
+    if bdim is None:
+        # A shared mask without a real batch dim broadcasts over the folded one as it is.
+        if mask.dim() < 4 or mask.shape[0] == 1:
+            return mask
+        return mask.expand(n, *mask.shape).flatten(0, 1)
+    mask = mask.movedim(bdim, 0)
+    mask = mask.reshape(n, *[1] * (5 - mask.dim()), *mask.shape[1:])
+    return mask.expand(n, batch, *mask.shape[2:]).flatten(0, 1)

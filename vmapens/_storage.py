@@ -1,0 +1,161 @@
+"""StackedModule: stacked member tensors under the member's own names, as an nn.Module.
+
+The storage half of ``Ensemble``: it keeps every parameter and buffer of the member once,
+with a leading member dim, in ``_parameters``/``_buffers`` under the member's dotted names, so
+that ``state_dict()`` has the member's keys (tied aliases included); it loads state dicts all
+or nothing, and gives the meta-device template the mode of the ensemble.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar, cast
+
+import torch
+from torch import nn
+
+from ._members import named_tensors, non_persistent_buffers
+
+__all__ = ["StackedModule"]
+
+_M = TypeVar("_M", bound="StackedModule")
+
+
+class StackedModule(nn.Module):
+    """Stacked ``[n, ...]`` tensors by the member's names, and the member's meta template."""
+
+    # The meta-device member that functional_call runs, kept out of nn.Module's registry.
+    _template: nn.Module
+    member_ids: Sequence[int]
+    n_total: int
+    _state_keys: dict[str, str]
+
+    def _adopt(
+        self,
+        stacked: dict[str, torch.Tensor],
+        member_ids: Sequence[int],
+        n_total: int,
+        training: bool,
+    ) -> None:
+        """Take ``stacked`` (name -> [k, ...]) as this ensemble's storage."""
+        params = dict(self._template.named_parameters())
+        for name, t in stacked.items():
+            if name in params:
+                # Written straight into _parameters: register_parameter forbids the dots of
+                # the member's own names, and those names are what state_dict must show.
+                self._parameters[name] = nn.Parameter(t, requires_grad=params[name].requires_grad)
+            else:
+                self._buffers[name] = t
+        self._non_persistent_buffers_set = non_persistent_buffers(self._template)
+        self.member_ids, self.n_total = member_ids, n_total
+        # Member state_dict key -> stacked name (tied weights map several keys to one name).
+        meta_names = {id(t): name for name, t in named_tensors(self._template)}
+        self._state_keys = {
+            key: meta_names[id(t)] for key, t in self._template.state_dict(keep_vars=True).items()
+        }
+        self.train(training)
+
+    def __len__(self) -> int:
+        return len(self.member_ids)
+
+    # -- stacked state --------------------------------------------------------------------------
+
+    @property
+    def template(self) -> nn.Module:
+        """The member module ``functional_call`` runs: the user's class on the ``meta`` device."""
+        return self._template
+
+    def stacked_params(self) -> dict[str, nn.Parameter]:
+        """The stacked parameters by the member's names, each ``[n, ...]`` (tied ones once)."""
+        return cast("dict[str, nn.Parameter]", self._parameters)
+
+    def stacked_buffers(self) -> dict[str, torch.Tensor]:
+        """The stacked buffers by the member's names, each ``[n, ...]``."""
+        return cast("dict[str, torch.Tensor]", self._buffers)
+
+    def stacked_state(self) -> dict[str, torch.Tensor]:
+        """Parameters then buffers: what ``member_map`` functions receive, stacked."""
+        return {**self.stacked_params(), **self.stacked_buffers()}
+
+    def _persistent(self) -> dict[str, torch.Tensor]:
+        buffers = self.stacked_buffers()
+        kept = {k: v for k, v in buffers.items() if k not in self._non_persistent_buffers_set}
+        return {**self.stacked_params(), **kept}
+
+    def state_dicts(self) -> list[dict[str, torch.Tensor]]:
+        """One state_dict per member, each loadable with ``strict=True`` by the user's class.
+
+        Example:
+            >>> sds = Ensemble(lambda: nn.Linear(3, 2), n=4).state_dicts()
+            >>> nn.Linear(3, 2).load_state_dict(sds[0])
+            <All keys matched successfully>
+        """
+        persistent = self._persistent()
+        return [
+            {key: persistent[name][i].detach().clone() for key, name in self._state_keys.items()}
+            for i in range(len(self))
+        ]
+
+    # -- nn.Module plumbing ----------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            template = self.__dict__.get("_template")
+            if template is not None and hasattr(template, name):
+                raise AttributeError(
+                    f"Ensemble: `{name}` is an attribute of the members, not of the ensemble; "
+                    f"use ens.template.{name} for the member's structure (meta tensors) or "
+                    f"ens[i].{name} for member i's values"
+                ) from None
+            raise
+
+    def train(self: _M, mode: bool = True) -> _M:
+        super().train(mode)
+        self._template.train(mode)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"n={len(self)}, backend={self.backend!r}, member={self._template!r}"
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        # The member's own keys, in its own order, tied aliases included.
+        persistent = self._persistent()
+        for key, name in self._state_keys.items():
+            t = persistent[name]
+            destination[prefix + key] = t if keep_vars else t.detach()
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict,
+        prefix: str,
+        local_metadata: dict,
+        strict: bool,
+        missing_keys: list,
+        unexpected_keys: list,
+        error_msgs: list,
+    ) -> None:
+        # nn.Module's own loader splits keys at the first dot (taking "fc.weight" for a child
+        # module) and copies tensors as it goes; ours checks everything before copying.
+        persistent = self._persistent()
+        ours = {prefix + k: persistent[name] for k, name in self._state_keys.items()}
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in ours)
+        missing_keys.extend(k for k in ours if k not in state_dict)
+        pending = []
+        for key, target in ours.items():
+            if key not in state_dict:
+                continue
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor) or value.shape != target.shape:
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape {got} from checkpoint, "
+                    f"the shape in current model is {tuple(target.shape)}."
+                )
+            pending.append((target, value))
+        if error_msgs or (strict and (missing_keys or unexpected_keys)):
+            return
+        with torch.no_grad():
+            for target, value in pending:
+                target.copy_(value)
