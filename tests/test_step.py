@@ -131,3 +131,76 @@ def test_compiled_step_checks_per_member_sizes_like_eager(cnn_per_member):
         with pytest.raises(ValueError, match=r"argument 0 is mapped with in_dims=0 but has size 3"):
             step(x, y)
     torch.testing.assert_close(compiled.state_dict(), before, rtol=0, atol=0)
+
+
+# -- the compiled step honours the ensemble's options as the eager step does ------------------
+
+
+def _dropout_member() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+
+
+def _same_members(randomness: str, **options) -> vmapens.Ensemble:
+    """N identical members: only the forward's randomness can tell them apart."""
+    torch.manual_seed(0)
+    member = _dropout_member()
+    return vmapens.Ensemble.from_modules([member] * N, randomness=randomness, **options)
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("randomness", ["same", "different"])
+def test_steps_honour_randomness(randomness, compile):
+    ens = _same_members(randomness)
+    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedSGD(ens, lr=0.1), compile=compile)
+    losses = step(torch.randn(16, 3), torch.randn(16, 1))
+    equal = torch.allclose(losses, losses[0].expand(N))
+    # "same": every member draws the same dropout mask (identical members stay identical);
+    # "different": each its own.
+    assert equal == (randomness == "same"), losses
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_steps_honour_randomness_error(compile):
+    ens = _same_members("error")
+    before = copy.deepcopy(ens.state_dict())
+    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedSGD(ens, lr=0.1), compile=compile)
+    with pytest.raises(Exception, match="randomness"):
+        step(torch.randn(16, 3), torch.randn(16, 1))
+    torch.testing.assert_close(ens.state_dict(), before, rtol=0, atol=0)
+
+
+def test_compiled_step_honours_chunk_size():
+    # vmap's chunk_size splits the members into chunks: the result equals unchunked.
+    torch.manual_seed(0)
+    members = [models.MLP().double() for _ in range(N)]
+    whole = vmapens.Ensemble.from_modules(members)
+    chunked = vmapens.Ensemble.from_modules(members, chunk_size=3)
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    step_whole = vmapens.make_step(whole, nn.MSELoss(), vmapens.StackedAdam(whole))
+    step_chunked = vmapens.make_step(
+        chunked, nn.MSELoss(), vmapens.StackedAdam(chunked), compile=True
+    )
+    for _ in range(2):
+        torch.testing.assert_close(step_chunked(x, y), step_whole(x, y), **TOL)
+    torch.testing.assert_close(chunked.state_dict(), whole.state_dict(), **TOL)
+
+
+def test_compiled_step_with_loop_backend_is_refused_up_front():
+    ens = vmapens.Ensemble(models.MLP, N, seed=0, backend="loop")
+    with pytest.raises(ValueError, match=r"make_step: `compile=True` needs .*backend='vmap'"):
+        vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedAdam(ens), compile=True)
+    # The eager step runs the same loop backend.
+    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedAdam(ens))
+    assert step(torch.randn(5, 4), torch.randn(5, 3)).shape == (N,)
+
+
+def test_compiled_step_refuses_endless_batch_sizes_clearly(monkeypatch):
+    monkeypatch.setattr(vmapens.step, "MAX_SHAPES", 2)  # dynamo's limit is 8: fewer compiles
+    ens = vmapens.Ensemble(models.MLP, N, seed=0)
+    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedSGD(ens, lr=0.1), compile=True)
+    for size in range(1, vmapens.step.MAX_SHAPES + 1):
+        step(torch.randn(size, 4), torch.randn(size, 3))  # one compile per size, allowed
+    before = copy.deepcopy(ens.state_dict())
+    with pytest.raises(ValueError, match=r"compiled for 2 input shapes .*drop_last=True"):
+        step(torch.randn(20, 4), torch.randn(20, 3))
+    torch.testing.assert_close(ens.state_dict(), before, rtol=0, atol=0)
