@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sized
+from collections.abc import Iterable, Sequence, Sized
 from typing import Any
 
 import optree
@@ -39,6 +39,13 @@ def bootstrap_indices(n_samples: int, seed: int, member_id: int) -> Tensor:
     return torch.randint(n_samples, (n_samples,), generator=g)
 
 
+def oob_mask(boot: Tensor, n_samples: int) -> Tensor:
+    """``[n, n_samples]`` bool: the rows each member's resample ``boot[i]`` left out."""
+    drawn = torch.zeros(boot.shape[0], n_samples, dtype=torch.bool)
+    drawn[torch.arange(boot.shape[0])[:, None], boot] = True
+    return ~drawn
+
+
 # -- data --------------------------------------------------------------------------------------
 
 
@@ -49,12 +56,27 @@ def is_tensor_data(data: Any) -> bool:
     return bool(leaves) and all(isinstance(t, Tensor) for t in leaves)
 
 
-def rows_of(x: Any) -> int:
-    return optree.tree_leaves(x)[0].shape[0]
+def rows_of(x: Any, member_dim: bool = False) -> int:
+    """Samples in a tree of tensors: dim 0, or dim 1 when dim 0 is the member dim."""
+    return optree.tree_leaves(x)[0].shape[1 if member_dim else 0]
+
+
+def check_members(api: str, name: str, tree: Any, n: int) -> None:
+    """Every tensor of per-member data needs the member dim first, of size ``n``."""
+    for leaf in optree.tree_leaves(tree):
+        if isinstance(leaf, Tensor) and (leaf.dim() < 2 or leaf.shape[0] != n):
+            raise ValueError(
+                f"{api}: with `in_dims=0` every tensor of `{name}` needs shape [n={n}, samples, "
+                f"...], one slice per member; got {tuple(leaf.shape)}"
+            )
 
 
 class TensorSource:
-    """(X, Y) tensors cut into batches; pass ``p`` is shuffled by a generator keyed by p."""
+    """(X, Y) tensors cut into batches; pass ``p`` is shuffled by a generator keyed by p.
+
+    With ``member_dim``, every tensor is ``[n, samples, ...]`` (member ``i`` trains on its own
+    slice); batches then cut dim 1, in the same order for every member.
+    """
 
     def __init__(
         self,
@@ -64,16 +86,19 @@ class TensorSource:
         seed: int,
         boot: Tensor | None,
         api: str,
+        member_dim: bool = False,
     ):
         self.x, self.y = data
-        self.size = rows_of(self.x)
+        self.member_dim = member_dim
+        axis = 1 if member_dim else 0
+        self.size = rows_of(self.x, member_dim)
         if self.size == 0:
             raise ValueError(f"{api}: `data` has no samples")
         for leaf in [*optree.tree_leaves(self.x), self.y]:
-            if leaf.shape[0] != self.size:
+            if leaf.shape[axis] != self.size:
                 raise ValueError(
-                    f"{api}: every tensor in `data` needs the same number of samples (dim 0), "
-                    f"got {leaf.shape[0]} and {self.size}"
+                    f"{api}: every tensor in `data` needs the same number of samples (dim "
+                    f"{axis}), got {leaf.shape[axis]} and {self.size}"
                 )
         self.batch = self.size if batch_size is None else min(batch_size, self.size)
         self.length = math.ceil(self.size / self.batch)
@@ -98,6 +123,11 @@ class TensorSource:
             pick = self.boot[:, pick]  # [n, batch]: each member's own resampled rows
         elif order is None:
             pick = rows
+        if self.member_dim:
+            if isinstance(pick, Tensor) and pick.dim() == 2:  # per member and per row
+                members = torch.arange(pick.shape[0])[:, None]
+                return optree.tree_map(lambda t: t[members, pick], self.x), self.y[members, pick]
+            return optree.tree_map(lambda t: t[:, pick], self.x), self.y[:, pick]
         return optree.tree_map(lambda t: t[pick], self.x), self.y[pick]
 
 
@@ -131,6 +161,43 @@ class IterableSource:
                 f"{type(batch).__name__}"
             )
         return tuple(batch)
+
+
+class MemberIterables:
+    """One re-iterable per member (a DataLoader each): a step stacks one batch of each."""
+
+    def __init__(self, loaders: Sequence[Iterable], n: int, api: str):
+        if len(loaders) != n:
+            raise ValueError(
+                f"{api}: with `in_dims=0`, `data` as a list holds one DataLoader per member: "
+                f"expected {n}, got {len(loaders)}"
+            )
+        self.sources = [IterableSource(loader, api) for loader in loaders]
+        lengths = {src.length for src in self.sources}
+        if len(lengths) != 1:
+            raise ValueError(
+                f"{api}: the per-member DataLoaders must yield the same number of batches per "
+                f"pass, got {sorted(lengths, key=str)}"
+            )
+        self.length = self.sources[0].length
+
+    def get(self, pass_: int, pos: int) -> tuple[Any, Tensor] | None:
+        got = [src.get(pass_, pos) for src in self.sources]
+        batches = [b for b in got if b is not None]
+        if not batches:
+            return None
+        if len(batches) != len(got):
+            raise ValueError(
+                "fit: the per-member DataLoaders ran out of batches at different steps"
+            )
+        try:
+            inputs = optree.tree_map(lambda *ts: torch.stack(ts), *[b[0] for b in batches])
+            return inputs, torch.stack([b[1] for b in batches])
+        except RuntimeError as err:
+            raise ValueError(
+                f"fit: the per-member batches of step {pos} differ in shape; every member's "
+                f"DataLoader must give batches of one shape per step (drop_last=True): {err}"
+            ) from err
 
 
 class Stream:

@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
 import torch
 from torch import Tensor
+from torch.func import vmap
 
-from ._checks import column
+from ._checks import column, index_rows
 from ._data import Stream
+from ._metrics import Metric, metric_pair, score
 from .checkpoint import check_ensemble_state, check_members, members_of, read, write
 from .distributed import all_reduce_stats
 from .ensemble import Ensemble
 from .history import History
 from .losses import per_member
 
-__all__ = ["Loop", "read_checkpoint", "to_device"]
+__all__ = ["Loop", "fingerprint", "hyperparameters_of", "read_checkpoint", "to_device"]
 
 
 class Loop:
@@ -33,15 +35,25 @@ class Loop:
         val_data: tuple[Any, Tensor] | None,
         patience: int | None,
         keep_best: bool,
+        val_in_dims: int | None = None,
     ):
         self.ens, self.optimizer, self.patience = ens, optimizer, patience
         self.stream: Stream  # set by fit once the data source is known
         self.options: dict[str, Any] = {}
+        self.scheduler: Any = None
+        self.hooks: Any = None  # fit's callbacks.Hooks: its stateful callbacks are checkpointed
+        self.global_step = 0
+        self.metrics: dict[str, Metric] = {}
+        self.scores: tuple[dict[str, Tensor], dict[str, Tensor]] = ({}, {})
+        self.monitor, self.sign = "val_loss", 1.0
         n, device = len(ens), next(ens.parameters()).device
         self.val: tuple[Any, Tensor] | None = (
             None if val_data is None else to_device(val_data, device)
         )
-        self.val_loss = per_member(loss_fn)
+        self.val_in_dims = val_in_dims
+        self.loss_fn = loss_fn
+        self.val_loss = per_member(loss_fn, in_dims=(0, val_in_dims))
+        self.oob: tuple[Any, Tensor, Tensor, int | None] | None = None
         self.history = History.empty(list(ens.member_ids), val_data is not None)
         # On the device, updated without a host sync per step.
         self.active = torch.ones(n, dtype=torch.bool, device=device)
@@ -52,10 +64,25 @@ class Loop:
     def _state(self) -> dict[str, Tensor]:
         return self.ens.stacked_state()
 
+    def track(self, metrics: Mapping[str, Any], monitor: str, mode: str) -> None:
+        """Record ``metrics`` on the validation data; judge improvement by ``monitor``."""
+        self.metrics = {k: metric_pair(fn) for k, fn in metrics.items()}
+        self.monitor, self.sign = monitor, 1.0 if mode == "min" else -1.0
+        ids = list(self.ens.member_ids)
+        self.history = History.empty(ids, self.val is not None, list(self.metrics))
+
+    def use_out_of_bag(self, data: tuple, mask: Tensor, in_dims: int | None) -> None:
+        """Validate each member on the training rows its resample left out (``mask`` [n, S])."""
+        x, y = data
+        self.val = (x, y)
+        self.oob = (x, y, mask.to(y.device), in_dims)
+        self.history = History.empty(list(self.ens.member_ids), True)
+
     def step(self, step: Callable, inputs: Any, targets: Tensor, maskable: bool) -> Tensor:
         # The mask freezes stopped members whole: parameters, optimizer state and buffers.
         losses = step(inputs, targets, mask=self.active) if maskable else step(inputs, targets)
         self.active &= torch.isfinite(losses)
+        self.global_step += 1
         return losses
 
     def totals(self, losses: Tensor | None = None) -> dict[str, float]:
@@ -91,8 +118,17 @@ class Loop:
             val = torch.where(running, self._validate(), nan)
             assert h.val_loss is not None  # History.empty made it: there is validation data
             h.val_loss = torch.cat([h.val_loss, val[None]])
-            improved = active & (val < self.best_val)
-            self.best_val = torch.where(improved, val, self.best_val)
+            watched = val
+            if h.metrics is not None and h.ensemble_metrics is not None:
+                per, whole = self.scores
+                for k, value in per.items():
+                    h.metrics[k] = torch.cat([h.metrics[k], torch.where(running, value, nan)[None]])
+                    h.ensemble_metrics[k] = torch.cat([h.ensemble_metrics[k], whole[k][None]])
+                if self.monitor != "val_loss":
+                    watched = h.metrics[self.monitor.removeprefix("val_")][-1]
+            watched = self.sign * watched  # lower is better from here on
+            improved = active & (watched < self.best_val)
+            self.best_val = torch.where(improved, watched, self.best_val)
             h.best_epoch = torch.where(improved, epoch, h.best_epoch)
             self.bad = torch.where(improved, 0, self.bad + 1)
             if self.patience is not None:
@@ -108,14 +144,57 @@ class Loop:
     def _validate(self) -> Tensor:
         assert self.val is not None  # called only with validation data
         x, y = self.val
+        dims = self.oob[3] if self.oob is not None else self.val_in_dims
         training = self.ens.training
         self.ens.eval()
         try:
             with torch.no_grad():
-                out = self.ens(*(x if isinstance(x, tuple) else (x,)))
-                return self.val_loss(out, y).double().cpu()
+                out = self.ens(*(x if isinstance(x, tuple) else (x,)), in_dims=dims)
+                self.scores = score(self.metrics, out, y, self.history.diverged)
+                if self.oob is None:
+                    return self.val_loss(out, y).double().cpu()
+                return self._out_of_bag(out, y, self.oob[2], dims).double().cpu()
         finally:
             self.ens.train(training)
+
+    def _out_of_bag(self, out: Any, y: Tensor, mask: Tensor, dims: int | None) -> Tensor:
+        """Each member's mean loss over its out-of-bag rows (NaN when it has none).
+
+        The loss of one row at a time, averaged over the member's rows: what ``loss_fn`` on
+        the member's out-of-bag subset gives for a loss that averages over samples.
+        """
+        loss_fn = self.loss_fn
+
+        def row(o: Any, t: Tensor) -> Tensor:
+            return loss_fn(optree.tree_map(lambda v: v[None], o), t[None])
+
+        rows = vmap(vmap(row), in_dims=(0, dims))(out, y).double()
+        kept = mask.to(rows.dtype)
+        return (rows * kept).sum(1) / kept.sum(1)
+
+    # -- what callbacks may do (callbacks.Context) -------------------------------------------
+
+    def stop(self, members: Any, epoch: int) -> None:
+        """Stop ``members`` (rows) from now on; ``history.stopped_epoch`` records ``epoch``."""
+        stop = torch.zeros(len(self.ens), dtype=torch.bool)
+        stop[index_rows("Context.stop", members, len(self.ens))] = True
+        stop &= self.active.cpu()
+        self.history.stopped_epoch = torch.where(stop, epoch, self.history.stopped_epoch)
+        self.active &= ~stop.to(self.active.device)
+
+    def inherit(self, src: Any, dst: Any) -> None:
+        """Rows ``dst`` take over the best score, patience count and best snapshot of ``src``."""
+        n = len(self.ens)
+        s, d = index_rows("Context.inherit", src, n), index_rows("Context.inherit", dst, n)
+        if len(s) != len(d):
+            raise ValueError(
+                f"Context.inherit: `src` and `dst` must have the same length, got {len(s)} and "
+                f"{len(d)}"
+            )
+        for t in (self.best_val, self.bad, self.history.best_epoch):
+            t[d] = t[s]
+        for t in (self.best or {}).values():
+            t[d.to(t.device)] = t[s.to(t.device)]
 
     def finish(self) -> None:
         if self.best is None:
@@ -139,6 +218,8 @@ class Loop:
             "best_val": self.best_val.clone(),
             "bad": self.bad.clone(),
             "best": None if self.best is None else {k: t.cpu() for k, t in self.best.items()},
+            "global_step": self.global_step,
+            "callbacks": [] if self.hooks is None else self.hooks.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -154,6 +235,9 @@ class Loop:
             and {k: t.shape for k, t in best.items()} != {k: t.shape for k, t in self.best.items()}
         ):
             raise ValueError("best-epoch state does not match")
+        if self.hooks is not None:  # first: it checks the callbacks match, and may refuse
+            self.hooks.load_state_dict(state.get("callbacks", []))
+        self.global_step = state.get("global_step", 0)
         self.stream.pass_, self.stream.pos = state["pass"], state["pos"]
         self.active.copy_(state["active"])
         self.best_val, self.bad = state["best_val"].clone(), state["bad"].clone()
@@ -172,6 +256,7 @@ class Loop:
                 "optimizer": self.optimizer.state_dict(),
                 "optimizer_class": type(self.optimizer).__name__,
                 "history": self.history.state_dict(),
+                "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
                 "fit": self.state_dict(),
             },
             "fit",
@@ -179,7 +264,11 @@ class Loop:
 
 
 def read_checkpoint(
-    path: str | os.PathLike, ens: Ensemble, options: dict, seed: int | None
+    path: str | os.PathLike,
+    ens: Ensemble,
+    options: dict,
+    seed: int | None,
+    override: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Read a fit checkpoint and check it against this run; changes nothing."""
     where = os.fspath(path)
@@ -194,13 +283,43 @@ def read_checkpoint(
         )
     stored = state["options"]
     ours = {**options, "seed": stored["seed"] if seed is None else seed}
-    differ = [k for k in ours if stored.get(k) != ours[k]]
+    unknown = [k for k in override if k not in ours]
+    if unknown:
+        raise ValueError(f"fit: `override` names unknown options {unknown}; known: {sorted(ours)}")
+    differ = [k for k in ours if stored.get(k) != ours[k] and k not in override]
     if differ:
         got = ", ".join(f"{k}={ours[k]!r} (checkpoint: {stored.get(k)!r})" for k in differ)
         raise ValueError(
-            f"fit: cannot resume from {where}: it was written by a run with other options: {got}"
+            f"fit: cannot resume from {where}: it was written by a run with other options: "
+            f"{got}; resume with the same arguments, or pass override={tuple(differ)!r} to use "
+            "this run's"
         )
+    payload["fit"]["options"] = {**stored, **{k: ours[k] for k in override}}
     return payload
+
+
+def fingerprint(value: Any) -> str:
+    """A short text that changes when ``value`` (tensors included) changes, for resume checks."""
+
+    def describe(v: Any) -> Any:
+        if isinstance(v, Tensor):
+            d = v.detach().double().cpu()
+            return ("tensor", tuple(v.shape), str(v.dtype), float(d.sum()), float((d * d).sum()))
+        if isinstance(v, dict):
+            return {str(k): describe(x) for k, x in sorted(v.items(), key=lambda kv: str(kv[0]))}
+        if isinstance(v, (list, tuple)):
+            return [describe(x) for x in v]
+        if isinstance(v, (int, float, str, bool)) or v is None:
+            return v
+        return repr(v)
+
+    return repr(describe(value))
+
+
+def hyperparameters_of(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's hyperparameters as built (not its state), for resume checks."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return f"{type(optimizer).__name__}: {fingerprint(groups)}"
 
 
 def to_device(tree: Any, device: torch.device) -> Any:

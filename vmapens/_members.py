@@ -12,6 +12,7 @@ from torch import nn
 
 from ._checks import check_int
 from ._seeds import member_seed
+from .distributed import member_block
 
 __all__ = [
     "Factory",
@@ -20,6 +21,7 @@ __all__ = [
     "check_seeds",
     "check_same",
     "looped",
+    "member_ids_for",
     "meta_copy",
     "named_tensors",
     "non_persistent_buffers",
@@ -152,3 +154,15 @@ def looped(n: int, randomness: str, fn: Callable[..., Any], in_dims: tuple) -> C
         return optree.tree_map(lambda *xs: torch.stack(xs), *outputs)
 
     return looped
+
+
+def member_ids_for(n: int, shard: bool, seeded: bool, api: str) -> range:
+    """The global ids this process builds: all, or its block of a sharded ensemble."""
+    if not shard:
+        return range(n)
+    if not seeded:
+        raise ValueError(
+            f"{api}: `shard=True` needs an int `seed` (or `seeds`), so that every process builds "
+            "member i alike"
+        )
+    return member_block(n, api)

@@ -8,12 +8,14 @@ or nothing, and gives the meta-device template the mode of the ensemble.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
 
+from ._checks import as_ids, index_rows
 from ._members import named_tensors, non_persistent_buffers
 
 __all__ = ["StackedModule"]
@@ -29,6 +31,8 @@ class StackedModule(nn.Module):
     member_ids: Sequence[int]
     n_total: int
     _state_keys: dict[str, str]
+    _runner: nn.Module
+    backend: str
 
     def _adopt(
         self,
@@ -61,6 +65,14 @@ class StackedModule(nn.Module):
     # -- stacked state --------------------------------------------------------------------------
 
     @property
+    def runner(self) -> nn.Module:
+        """The module ``functional_call`` runs: the template, with ``nn.GRU`` / ``nn.LSTM`` /
+        ``nn.RNN`` (and cells) swapped for implementations ``vmap`` can batch (same parameter
+        names, same maths; see ``vmapens._recurrent``) unless the backend is ``"loop"``.
+        """
+        return self._template if self.backend == "loop" else self._runner
+
+    @property
     def template(self) -> nn.Module:
         """The member module ``functional_call`` runs: the user's class on the ``meta`` device."""
         return self._template
@@ -86,6 +98,7 @@ class StackedModule(nn.Module):
         """One state_dict per member, each loadable with ``strict=True`` by the user's class.
 
         Example:
+            >>> from vmapens import Ensemble
             >>> sds = Ensemble(lambda: nn.Linear(3, 2), n=4).state_dicts()
             >>> nn.Linear(3, 2).load_state_dict(sds[0])
             <All keys matched successfully>
@@ -95,6 +108,39 @@ class StackedModule(nn.Module):
             {key: persistent[name][i].detach().clone() for key, name in self._state_keys.items()}
             for i in range(len(self))
         ]
+
+    def select(self: _M, index: Any) -> _M:
+        """A new Ensemble of the chosen members (copies; this one is unchanged).
+
+        Args:
+            index: a slice, a sequence of integer-likes, a 1-D integer tensor or a bool
+                mask of length ``n``.
+
+        Returns:
+            An Ensemble whose member ``k`` is member ``index[k]`` of this one, with the same
+            options and the chosen members' global ids.
+
+        Raises:
+            TypeError: ``index`` is not one of the above.
+            IndexError: an index out of range.
+
+        Example:
+            >>> from vmapens import Ensemble
+            >>> ens = Ensemble(lambda: nn.Linear(3, 2), n=6, seed=0)
+            >>> sub = ens.select([4, 1])
+            >>> len(sub), list(sub.member_ids)
+            (2, [4, 1])
+        """
+        rows = index_rows("Ensemble", index, len(self))
+        sub = copy.copy(self)
+        nn.Module.__init__(sub)  # fresh registries; options and template are shared
+        sub.__dict__["_template"] = self._template
+        sub.__dict__["_runner"] = self._runner
+        with torch.no_grad():
+            stacked = {k: v[rows].clone() for k, v in self.stacked_state().items()}
+        ids = [self.member_ids[r] for r in rows.tolist()]
+        sub._adopt(stacked, as_ids(ids), self.n_total, self.training)
+        return sub
 
     # -- nn.Module plumbing ----------------------------------------------------------------
 
@@ -114,6 +160,7 @@ class StackedModule(nn.Module):
     def train(self: _M, mode: bool = True) -> _M:
         super().train(mode)
         self._template.train(mode)
+        self._runner.train(mode)
         return self
 
     def extra_repr(self) -> str:

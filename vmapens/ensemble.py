@@ -12,7 +12,8 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from ._attention import batched_attention
-from ._checks import as_ids, check_choice, check_int, expand_in_dims, index_rows, to_index
+from ._precision import autocast_members
+from ._checks import check_choice, check_int, expand_in_dims, to_index
 from ._members import (
     Factory,
     build_members,
@@ -20,12 +21,13 @@ from ._members import (
     check_same,
     check_seeds,
     looped,
+    member_ids_for,
     meta_copy,
     named_tensors,
     signature,
 )
+from ._recurrent import batchable
 from ._storage import StackedModule
-from .distributed import member_block
 
 __all__ = ["Ensemble"]
 
@@ -119,7 +121,7 @@ class Ensemble(StackedModule):
         if seeds is not None:
             seeds = check_seeds(api, seeds, n, seed)
         self._configure(randomness, chunk_size, backend, api)
-        member_ids = _member_ids(n, shard, seed is not None or seeds is not None, api)
+        member_ids = member_ids_for(n, shard, seed is not None or seeds is not None, api)
         rng = torch.get_rng_state()
         try:
             self._init_storage(build_members(factory, seed, seeds, member_ids), member_ids, n, api)
@@ -175,7 +177,7 @@ class Ensemble(StackedModule):
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._configure(randomness, chunk_size, backend, api)
-        member_ids = _member_ids(len(modules), shard, True, api)
+        member_ids = member_ids_for(len(modules), shard, True, api)
         self._init_storage((modules[i] for i in member_ids), member_ids, len(modules), api)
         return self
 
@@ -200,6 +202,7 @@ class Ensemble(StackedModule):
                 reference = signature(member)
                 training = member.training
                 self.__dict__["_template"] = meta_copy(member)
+                self.__dict__["_runner"] = batchable(self._template)
                 stacked = {
                     name: torch.empty((len(member_ids), *t.shape), dtype=t.dtype, device=t.device)
                     for name, t in named_tensors(member)
@@ -234,7 +237,7 @@ class Ensemble(StackedModule):
         """
 
         def member(state: dict[str, torch.Tensor], *args: Any) -> Any:
-            return functional_call(self._template, state, args, kwargs)
+            return functional_call(self.runner, state, args, kwargs)
 
         return self.map_members(member, *args, in_dims=in_dims)
 
@@ -280,16 +283,22 @@ class Ensemble(StackedModule):
         n = len(self)
 
         def batched(state: dict[str, torch.Tensor], *args: Any) -> Any:
+            # torch.autocast would cast vmap's decompositions, not the member's own ops.
+            device = next(iter(state.values()), torch.empty(0)).device.type
+            member = autocast_members(fn, device)
             if not state:  # a member without tensors (nn.Dropout): give vmap a dim to map
                 state = {"": torch.empty(n, 0)}
                 return vmap(
-                    lambda _, *a: fn({}, *a),
+                    lambda _, *a: member({}, *a),
                     in_dims=(0, *in_dims),
                     randomness=self.randomness,
                     chunk_size=self.chunk_size,
                 )(state, *args)
             return vmap(
-                fn, in_dims=(0, *in_dims), randomness=self.randomness, chunk_size=self.chunk_size
+                member,
+                in_dims=(0, *in_dims),
+                randomness=self.randomness,
+                chunk_size=self.chunk_size,
             )(state, *args)
 
         return batched
@@ -348,37 +357,6 @@ class Ensemble(StackedModule):
                 memo[id(meta)] = value
         return copy.deepcopy(self._template, memo)
 
-    def select(self, index: Any) -> Ensemble:
-        """A new Ensemble of the chosen members (copies; this one is unchanged).
-
-        Args:
-            index: a slice, a sequence of integer-likes, a 1-D integer tensor or a bool
-                mask of length ``n``.
-
-        Returns:
-            An Ensemble whose member ``k`` is member ``index[k]`` of this one, with the same
-            options and the chosen members' global ids.
-
-        Raises:
-            TypeError: ``index`` is not one of the above.
-            IndexError: an index out of range.
-
-        Example:
-            >>> ens = Ensemble(lambda: nn.Linear(3, 2), n=6, seed=0)
-            >>> sub = ens.select([4, 1])
-            >>> len(sub), list(sub.member_ids)
-            (2, [4, 1])
-        """
-        rows = index_rows("Ensemble", index, len(self))
-        sub = copy.copy(self)
-        nn.Module.__init__(sub)
-        sub.__dict__["_template"] = self._template
-        with torch.no_grad():
-            stacked = {k: v[rows].clone() for k, v in self.stacked_state().items()}
-        ids = [self.member_ids[r] for r in rows.tolist()]
-        sub._adopt(stacked, as_ids(ids), self.n_total, self.training)
-        return sub
-
     def __iter__(self) -> Iterator[nn.Module]:
         return (self[i] for i in range(len(self)))
 
@@ -412,14 +390,3 @@ class Ensemble(StackedModule):
                 for name, t in self.stacked_state().items():
                     t[i].copy_(state[name])
         return self
-
-
-def _member_ids(n: int, shard: bool, seeded: bool, api: str) -> range:
-    if not shard:
-        return range(n)
-    if not seeded:
-        raise ValueError(
-            f"{api}: `shard=True` needs an int `seed` (or `seeds`), so that every process builds "
-            "member i alike"
-        )
-    return member_block(n, api)

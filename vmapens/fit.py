@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ._checks import check_int
-from ._data import IterableSource, Stream, TensorSource, bootstrap_indices, is_tensor_data, rows_of
-from ._loop import Loop, read_checkpoint, to_device
+from ._checks import check_choice, check_int
+from ._data import (
+    IterableSource,
+    MemberIterables,
+    Stream,
+    TensorSource,
+    bootstrap_indices,
+    check_members,
+    is_tensor_data,
+    oob_mask,
+    rows_of,
+)
+from ._loop import Loop, fingerprint, hyperparameters_of, read_checkpoint, to_device
+from ._metrics import check_monitor
 from ._progress import progress_bar
+from ._schedule import build_scheduler, step_scheduler
+from .callbacks import Callback, Hooks
 from .checkpoint import apply_parts
 from .distributed import rank_path, world_size
 from .ensemble import Ensemble
@@ -22,8 +36,6 @@ from .optim import StackedAdam, StackedOptimizer
 from .step import check_optimizer, make_step
 
 __all__ = ["Callback", "fit"]
-
-Callback = Callable[[History], Any]
 
 
 def fit(
@@ -38,13 +50,21 @@ def fit(
     batch_size: int | None = None,
     shuffle: bool = True,
     bootstrap: bool = False,
-    val_data: tuple[Any, Tensor] | None = None,
+    val_data: tuple[Any, Tensor] | str | None = None,
+    in_dims: int | None = None,
+    val_in_dims: int | None = None,
+    scheduler: Any = None,
+    scheduler_interval: str = "epoch",
+    override: Sequence[str] = (),
     patience: int | None = None,
     restore_best: bool = True,
+    metrics: Mapping[str, Any] | None = None,
+    monitor: str = "val_loss",
+    mode: str = "min",
     compile: bool = False,
     progress: bool | Any = True,
     seed: int | None = None,
-    callbacks: Sequence[Callback] = (),
+    callbacks: Sequence[Callback | Callable[[History], Any]] = (),
     checkpoint: str | os.PathLike | None = None,
 ) -> History:
     """Train every member of ``ens`` and return a :class:`History`.
@@ -62,7 +82,10 @@ def fit(
         ens: the ensemble to train, in the mode it should train in (``ens.train()``).
         data: ``(X, Y)`` tensors (``X`` may be a tuple of inputs), cut into batches of
             ``batch_size`` and reshuffled every pass; or any re-iterable of
-            ``(inputs, targets)`` batches, such as a ``DataLoader``.
+            ``(inputs, targets)`` batches, such as a ``DataLoader``. With ``in_dims=0``,
+            per-member data: ``(X, Y)`` tensors of shape ``[n, samples, ...]`` (member ``i``
+            trains on ``X[i], Y[i]``, e.g. one fold each), or a list of ``n`` DataLoaders (one
+            per member, batches of one shape per step).
         loss_fn: ``(output, target) -> scalar`` for one member, e.g. ``nn.CrossEntropyLoss()``.
         epochs: number of epochs.
         steps: optimizer steps per epoch (``None``: one pass over ``data``).
@@ -76,19 +99,43 @@ def fit(
         bootstrap: bagging: each member trains on its own resample of ``(X, Y)`` (see
             :func:`bootstrap_indices`, keyed by the member's global index).
         val_data: ``(Xv, Yv)``: each member's validation loss after each epoch, computed in
-            eval mode under ``torch.no_grad()`` in one forward (the training mode is restored).
+            eval mode under ``torch.no_grad()`` in one forward (the training mode is restored);
+            ``"oob"`` with ``bootstrap=True``: each member's loss on the training rows its
+            resample left out (out-of-bag).
+        in_dims: ``None`` (every member sees the same data) or ``0`` (per-member data, see
+            ``data``).
+        val_in_dims: ``0`` when ``val_data`` is per member (``[n, samples, ...]``).
+        scheduler: an LR scheduler over ``optimizer``, or ``scheduler(optimizer)`` building
+            one (use that with the default optimizer); stepped after every epoch (or every
+            step with ``scheduler_interval="step"``). ``vmapens.ReduceLROnPlateau`` is
+            stepped with each member's validation loss. Its state is in the checkpoint.
+        scheduler_interval: ``"epoch"`` or ``"step"``.
+        override: names of options that may differ from the checkpoint's when resuming
+            (``"optimizer"``: this run's hyperparameters replace the stored ones; ``"val_data"``,
+            ``"scheduler"``: this run's are used, the stored scheduler state is dropped; any
+            loop option such as ``"batch_size"``). Without it a difference is an error.
         patience: stop a member once its validation loss has not improved for this many
             epochs; the other members carry on. Needs ``val_data``.
         restore_best: with ``val_data``, give each member its best-epoch parameters and
             buffers back at the end.
+        metrics: name -> ``(output, target) -> scalar`` for one member (vmapped over the
+            members like the loss; a torchmetrics ``Metric`` runs member by member), computed
+            on ``val_data`` after each epoch in the same eval-mode forward as the validation
+            loss: ``history.metrics[name]`` per member and ``history.ensemble_metrics[name]``
+            for the output averaged over the members. Needs shared ``(X, Y)`` ``val_data``.
+        monitor: what improvement means for ``patience``, ``restore_best`` and
+            ``history.best_epoch``: ``"val_loss"`` or ``"val_<name>"`` for a metric.
+        mode: ``"min"`` or ``"max"``: whether lower or higher ``monitor`` is better.
         compile: compile the training step (see ``make_step``).
         progress: ``True``: a tqdm bar on stderr when it is a terminal; ``False``: quiet; a
             text stream (``io.StringIO``, an open log file): the bar is drawn there always.
             Only rank 0 draws it when ``torch.distributed`` is initialised.
         seed: seeds shuffling and bootstrap resamples (``None``: drawn from torch's global
             RNG; pass one for sharded runs, so every process draws alike).
-        callbacks: callables run after each epoch (and after the checkpoint is written) with
-            the history so far.
+        callbacks: callables ``fn(history)`` run after each epoch, after the checkpoint is
+            written; and ``vmapens.Callback`` objects, whose ``on_step_end(ctx)`` runs after
+            every step and ``on_epoch_end(ctx)`` after each epoch, before the checkpoint (their
+            ``state_dict()`` is in it; see ``vmapens.callbacks``).
         checkpoint: a file written atomically after every epoch. When it exists at the start,
             training resumes from it and ends exactly as an uninterrupted run would. Under
             ``torch.distributed`` each rank uses its own ``vmapens.distributed.rank_path``.
@@ -120,17 +167,39 @@ def fit(
             check_int(api, name, value, minimum=1)
     if not callable(loss_fn):
         raise TypeError(f"{api}: `loss_fn` must be callable, got {type(loss_fn).__name__}")
-    callbacks = tuple(callbacks)
-    for k, cb in enumerate(callbacks):
-        if not callable(cb):
-            raise TypeError(f"{api}: `callbacks[{k}]` must be callable, got {type(cb).__name__}")
-    if val_data is not None and not is_tensor_data(val_data):
+    hooks = Hooks(tuple(callbacks), api)
+    metrics = dict(metrics or {})
+    check_monitor(api, monitor, mode, metrics)
+    if metrics and (val_data is None or isinstance(val_data, str) or val_in_dims is not None):
+        raise ValueError(f"{api}: `metrics` need shared `val_data` as (X, Y) tensors")
+    for name, value in (("in_dims", in_dims), ("val_in_dims", val_in_dims)):
+        if value not in (None, 0):
+            raise ValueError(f"{api}: `{name}` must be None or 0, got {value!r}")
+    oob = isinstance(val_data, str)
+    if oob and (val_data != "oob" or not bootstrap):
+        raise ValueError(
+            f"{api}: `val_data` must be an (X, Y) tuple of tensors, or 'oob' with bootstrap=True; "
+            f"got {val_data!r}" + ("" if bootstrap else " without bootstrap")
+        )
+    if val_data is not None and not oob and not is_tensor_data(val_data):
         raise ValueError(f"{api}: `val_data` must be an (X, Y) tuple of tensors")
+    if val_in_dims == 0 and not oob and val_data is not None:
+        check_members(api, "val_data", val_data, len(ens))
     if patience is not None and val_data is None:
         raise ValueError(f"{api}: `patience` needs `val_data` to measure improvement")
     tensor_data = is_tensor_data(data)
     if bootstrap and not tensor_data:
         raise ValueError(f"{api}: `bootstrap=True` needs `data` as an (X, Y) tuple of tensors")
+    if in_dims == 0 and tensor_data:
+        check_members(api, "data", data, len(ens))
+    elif in_dims == 0 and not isinstance(data, (list, tuple)):
+        raise TypeError(
+            f"{api}: with `in_dims=0`, `data` must be (X, Y) tensors of shape [n, samples, ...] "
+            f"or a list of n DataLoaders, got {type(data).__name__}"
+        )
+    check_choice(api, "scheduler_interval", scheduler_interval, ("epoch", "step"))
+    if isinstance(override, str) or not all(isinstance(o, str) for o in override):
+        raise TypeError(f"{api}: `override` must be a sequence of option names, got {override!r}")
     if optimizer is None:
         optimizer = StackedAdam(ens, lr=lr)
     elif not isinstance(lr, float) or lr != 1e-3:
@@ -145,6 +214,7 @@ def fit(
         )
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise TypeError(f"{api}: `seed` must be an int or None, got {type(seed).__name__}")
+    scheduler = build_scheduler(api, scheduler, optimizer)
 
     options = {
         "steps": steps,
@@ -154,13 +224,26 @@ def fit(
         "patience": patience,
         "validated": val_data is not None,
         "restore_best": restore_best,
+        # Only when used: checkpoints of runs without metrics stay resumable.
+        **({"metrics": sorted(metrics)} if metrics else {}),
+        **({"monitor": (monitor, mode)} if (monitor, mode) != ("val_loss", "min") else {}),
+        "in_dims": in_dims,
+        "val_data": fingerprint(val_data),
+        "optimizer": hyperparameters_of(optimizer),
+        "scheduler": None if scheduler is None else fingerprint(scheduler.state_dict()),
     }
-    loop = Loop(ens, optimizer, loss_fn, val_data, patience, restore_best and val_data is not None)
+    shared_val = None if isinstance(val_data, str) else val_data
+    loop = Loop(ens, optimizer, loss_fn, shared_val, patience,
+                restore_best and val_data is not None, val_in_dims=val_in_dims)  # fmt: skip
+    loop.scheduler = scheduler
+    loop.hooks = hooks
+    if metrics or monitor != "val_loss" or mode != "min":
+        loop.track(metrics, monitor, mode)
     saved = None
     if checkpoint is not None:
         checkpoint = rank_path(checkpoint)  # under torch.distributed, each rank its own block
     if checkpoint is not None and os.path.exists(checkpoint):
-        saved = read_checkpoint(checkpoint, ens, options, seed)
+        saved = read_checkpoint(checkpoint, ens, options, seed, tuple(override))
         seed = saved["fit"]["options"]["seed"]
     elif seed is None:
         if world_size() > 1 and (bootstrap or shuffle):
@@ -172,17 +255,31 @@ def fit(
     if tensor_data:
         boot = None
         if bootstrap:
-            size = rows_of(data[0])
+            size = rows_of(data[0], in_dims == 0)
             boot = torch.stack([bootstrap_indices(size, seed, i) for i in ens.member_ids])
-        source: Any = TensorSource(data, batch_size, shuffle, seed, boot, api)
+            if oob:
+                loop.use_out_of_bag(to_device(data, device), oob_mask(boot, size), in_dims)
+        member_dim = in_dims == 0
+        source: Any = TensorSource(data, batch_size, shuffle, seed, boot, api, member_dim)
+    elif in_dims == 0:
+        source = MemberIterables(data, len(ens), api)
     else:
         source = IterableSource(data, api)
     loop.stream = Stream(source)
     loop.options = options
-    step = make_step(ens, loss_fn, optimizer, in_dims=0 if bootstrap else None, compile=compile)
+    per_member_data = bootstrap or in_dims == 0
+    step = make_step(
+        ens, loss_fn, optimizer, in_dims=0 if per_member_data else None, compile=compile
+    )
     if saved is not None:
         parts = {"ensemble": ens, "optimizer": optimizer, "history": loop.history, "fit": loop}
+        if scheduler is not None and "scheduler" not in override:
+            parts["scheduler"] = scheduler
+        fresh = copy.deepcopy(optimizer.param_groups) if "optimizer" in override else None
         apply_parts(saved, parts, api, os.fspath(checkpoint or ""))
+        if fresh is not None:  # this run's hyperparameters replace the stored ones
+            for group, new in zip(optimizer.param_groups, fresh, strict=True):
+                group.update({k: v for k, v in new.items() if k != "params"})
     stream = loop.stream
     history = loop.history
 
@@ -204,6 +301,9 @@ def fit(
                     break
                 inputs, targets = to_device(batch, device)
                 losses = loop.step(step, inputs, targets, maskable)
+                if scheduler is not None and scheduler_interval == "step":
+                    scheduler.step()
+                hooks.step_end(loop, epoch, losses)
                 summed += losses.double()
                 count += 1
                 bar.update(1)
@@ -213,11 +313,13 @@ def fit(
             if count == 0:
                 raise ValueError(f"{api}: `data` yielded no batches")
             loop.end_epoch(epoch, summed / count)
+            if scheduler is not None:
+                step_scheduler(scheduler, scheduler_interval, history)
+            hooks.epoch_end(loop, epoch)
             bar.set_postfix_str(loop.describe(history.train_loss[-1]))
             if checkpoint is not None:
                 loop.save(checkpoint)
-            for cb in callbacks:
-                cb(history)
+            hooks.after_checkpoint(history)
     finally:
         bar.close()
     loop.finish()

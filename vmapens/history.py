@@ -30,6 +30,10 @@ class History:
             ran out or it diverged), ``-1`` for members that trained to the end.
         diverged: ``[n]`` bool, True for members whose training loss became NaN/inf.
         member_ids: global index of each column (``ens.member_ids``).
+        metrics: name -> ``[epochs, n]`` validation metric of each member (NaN once it has
+            stopped), for ``fit(..., metrics={name: fn})``; ``None`` without metrics.
+        ensemble_metrics: name -> ``[epochs]`` the metric of the ensemble's averaged output
+            (members that diverged left out); ``None`` without metrics.
     """
 
     train_loss: Tensor
@@ -38,12 +42,17 @@ class History:
     stopped_epoch: Tensor
     diverged: Tensor
     member_ids: list[int] = field(default_factory=list)
+    metrics: dict[str, Tensor] | None = None
+    ensemble_metrics: dict[str, Tensor] | None = None
 
     @classmethod
-    def empty(cls, member_ids: Sequence[int], validated: bool) -> History:
+    def empty(
+        cls, member_ids: Sequence[int], validated: bool, metrics: Sequence[str] = ()
+    ) -> History:
         """A history with no epochs yet, for ``len(member_ids)`` members."""
         n = len(member_ids)
         rows = torch.empty(0, n, dtype=torch.float64)
+        names = list(metrics)
         return cls(
             train_loss=rows,
             val_loss=rows.clone() if validated else None,
@@ -51,6 +60,10 @@ class History:
             stopped_epoch=torch.full((n,), -1, dtype=torch.int64),
             diverged=torch.zeros(n, dtype=torch.bool),
             member_ids=list(member_ids),
+            metrics={k: rows.clone() for k in names} if names else None,
+            ensemble_metrics={k: torch.empty(0, dtype=torch.float64) for k in names}
+            if names
+            else None,
         )
 
     @property
@@ -67,6 +80,8 @@ class History:
             "stopped_epoch": self.stopped_epoch.clone(),
             "diverged": self.diverged.clone(),
             "member_ids": list(self.member_ids),
+            "metrics": _clone(self.metrics),
+            "ensemble_metrics": _clone(self.ensemble_metrics),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -76,14 +91,19 @@ class History:
             ValueError: missing keys, or tensors of the wrong shape for this many members.
         """
         self.check_state(state, "History.load_state_dict")
+        # States written before metrics existed have no metric keys: no metrics.
+        state = {"metrics": None, "ensemble_metrics": None, **state}
         for key, value in state.items():
+            value = _clone(value) if isinstance(value, dict) else value
             setattr(self, key, value.clone() if isinstance(value, Tensor) else value)
 
     def plot(self, path: str | os.PathLike, *, title: str | None = None) -> str | os.PathLike:
         """Write a PNG (1000 x 400 pixels) of every member's loss curves and their mean.
 
         Each member is a thin line, the mean over the members still training a thick one;
-        training loss on the left, validation loss (when recorded) on the right.
+        training loss on the left, validation loss (when recorded) on the right, then one
+        panel per metric (the averaged ensemble's value dashed). Each panel past two adds 500
+        pixels of width.
 
         Args:
             path: where to write the PNG.
@@ -101,17 +121,21 @@ class History:
             raise ImportError(
                 "History.plot needs matplotlib; install it with: pip install 'vmapens[plot]'"
             ) from err
-        panels = [("training loss", self.train_loss)]
+        panels: list[tuple[str, Tensor, Tensor | None]] = [("training loss", self.train_loss, None)]
         if self.val_loss is not None:
-            panels.append(("validation loss", self.val_loss))
+            panels.append(("validation loss", self.val_loss, None))
+        whole = self.ensemble_metrics or {}
+        panels += [(f"validation {k}", v, whole[k]) for k, v in (self.metrics or {}).items()]
         # The object API, not pyplot: no global backend or figure state is touched.
-        fig = Figure(figsize=(10, 4), dpi=100)
+        fig = Figure(figsize=(5 * max(2, len(panels)), 4), dpi=100)
         epochs = torch.arange(1, self.epochs + 1).numpy()
-        for k, (name, curves) in enumerate(panels):
+        for k, (name, curves, ensemble) in enumerate(panels):
             ax = fig.add_subplot(1, len(panels), k + 1)
             finite = curves.masked_fill(~torch.isfinite(curves), math.nan)
             ax.plot(epochs, finite.numpy(), linewidth=0.6, alpha=0.5)
             ax.plot(epochs, finite.nanmean(dim=1).numpy(), color="black", linewidth=2.5)
+            if ensemble is not None:
+                ax.plot(epochs, ensemble.numpy(), color="black", linestyle="--", linewidth=1.5)
             ax.set(xlabel="epoch", ylabel=name, title=f"{name}: {curves.shape[1]} members, mean")
             if torch.isfinite(curves).any() and (finite[torch.isfinite(finite)] > 0).all():
                 ax.set_yscale("log")
@@ -125,9 +149,11 @@ class History:
         """Raise ValueError unless ``state`` is a History state for this many members."""
         n = len(self.member_ids)
         keys = {"train_loss", "val_loss", "best_epoch", "stopped_epoch", "diverged", "member_ids"}
-        if not isinstance(state, dict) or set(state) != keys:
+        optional = {"metrics", "ensemble_metrics"}  # absent in states from before metrics
+        if not isinstance(state, dict) or not keys <= set(state) <= keys | optional:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"{api}: history state must have keys {sorted(keys)}, got {got}")
+        _check_metrics(state, n, api)
         for key in ("train_loss", "val_loss"):
             t = state[key]
             if (t is not None or key == "train_loss") and (
@@ -137,3 +163,30 @@ class History:
         for key in ("best_epoch", "stopped_epoch", "diverged"):
             if not isinstance(state[key], Tensor) or tuple(state[key].shape) != (n,):
                 raise ValueError(f"{api}: history `{key}` must be a [{n}] tensor")
+
+
+def _clone(tables: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
+    return None if tables is None else {k: t.clone() for k, t in tables.items()}
+
+
+def _check_metrics(state: dict[str, Any], n: int, api: str) -> None:
+    """Metric tables: per member ``[epochs, n]``, of the ensemble ``[epochs]``, same names."""
+    per_member, whole = state.get("metrics"), state.get("ensemble_metrics")
+    if (per_member is None) != (whole is None):
+        raise ValueError(f"{api}: history `metrics` and `ensemble_metrics` must both be set")
+    if per_member is None or whole is None:
+        return
+    if not isinstance(per_member, dict) or not isinstance(whole, dict):
+        raise ValueError(f"{api}: history metrics must be dicts of tensors")
+    if sorted(per_member) != sorted(whole):
+        raise ValueError(
+            f"{api}: history `metrics` {sorted(per_member)} and `ensemble_metrics` "
+            f"{sorted(whole)} name different metrics"
+        )
+    for name, t in per_member.items():
+        if not isinstance(t, Tensor) or t.dim() != 2 or t.shape[1] != n:
+            raise ValueError(f"{api}: history metric `{name}` must be an [epochs, {n}] tensor")
+        if not isinstance(whole[name], Tensor) or tuple(whole[name].shape) != (t.shape[0],):
+            raise ValueError(
+                f"{api}: history ensemble metric `{name}` must be a [{t.shape[0]}] tensor"
+            )

@@ -27,6 +27,7 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
         ``(output, target) -> Tensor[n]``.
 
     Example:
+        >>> from torch import nn
         >>> loss = per_member(nn.MSELoss())(torch.zeros(4, 8, 1), torch.ones(8, 1))
         >>> loss.shape
         torch.Size([4])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 import types
 from collections.abc import Callable, Iterator
@@ -12,15 +13,19 @@ from typing import Any
 import torch
 from torch.func import functional_call, grad_and_value
 
-from ._checks import check_mask, column, expand_in_dims
+from ._checks import check_choice, check_mask, column, expand_in_dims
+from ._precision import LossScale
 from .ensemble import Ensemble
 from .optim import StackedOptimizer
+from .optim.clip import clip_norms_, clip_values_
 
-__all__ = ["Step", "check_optimizer", "make_step"]
+__all__ = ["PRECISIONS", "LossScale", "Step", "check_optimizer", "make_step"]
 
 Step = Callable[..., torch.Tensor]
 #: Distinct input shapes one compiled step accepts before refusing (dynamo's default limit).
 MAX_SHAPES = 8
+#: ``precision=`` names and the autocast dtype each member's forward and loss run in.
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def make_step(
@@ -30,6 +35,10 @@ def make_step(
     *,
     in_dims: int | None = None,
     compile: bool = False,
+    clip_grad_norm: float | None = None,
+    clip_grad_value: float | None = None,
+    precision: str | None = None,
+    loss_scale: LossScale | None = None,
 ) -> Step:
     """Build ``step(inputs, targets, mask=None) -> losses[n]`` for an ensemble.
 
@@ -57,6 +66,18 @@ def make_step(
         in_dims: ``None`` when every member sees the same ``inputs`` and ``targets``; ``0``
             when both hold one slice per member along dim 0 (bagging, per-member data).
         compile: compile the whole step into one graph.
+        clip_grad_norm: clip each member's gradients to this total 2-norm, as
+            ``torch.nn.utils.clip_grad_norm_(member.parameters(), clip_grad_norm)`` would
+            clip that member alone (see ``vmapens.clip_grad_norm_``).
+        clip_grad_value: clamp every gradient element to ``[-v, v]``, as
+            ``torch.nn.utils.clip_grad_value_`` would.
+        precision: ``"bf16"`` or ``"fp16"``: each member's forward and loss run as under
+            ``torch.autocast(device_type, dtype)`` for that member alone (docs/semantics.md,
+            "Mixed precision"). ``"fp16"`` adds a per-member dynamic loss scale, as one
+            ``torch.amp.GradScaler`` per member: gradients are unscaled (then clipped), a
+            member with non-finite gradients skips its update. Needs a StackedOptimizer.
+        loss_scale: the ``LossScale`` that ``"fp16"`` uses (default: ``LossScale(n)`` with
+            GradScaler's defaults); keep a handle on it to checkpoint or configure it.
 
     Returns:
         ``step(inputs, targets, mask=None)`` returning the detached per-member losses
@@ -67,7 +88,9 @@ def make_step(
         TypeError: ``loss_fn`` not callable; ``optimizer`` not an optimizer; ``compile=True``
             with an optimizer that is not a StackedOptimizer.
         ValueError: ``in_dims`` is not ``None`` or ``0``; ``optimizer`` holds tensors that
-            are not this ensemble's parameters; ``compile=True`` with ``backend="loop"``.
+            are not this ensemble's parameters; ``compile=True`` with ``backend="loop"``;
+            both clip options, a clip bound <= 0, an unknown ``precision``, ``loss_scale``
+            without ``"fp16"`` or for another number of members.
 
     Example:
         >>> from vmapens import Ensemble, StackedAdam
@@ -84,6 +107,7 @@ def make_step(
     if not callable(loss_fn):
         raise TypeError(f"{api}: `loss_fn` must be callable, got {type(loss_fn).__name__}")
     check_optimizer(api, ens, optimizer)
+    update = _update(api, ens, optimizer, clip_grad_norm, clip_grad_value, precision, loss_scale)
     member_loss = _member_loss(ens, loss_fn)
     if compile:
         if not isinstance(optimizer, StackedOptimizer):
@@ -97,7 +121,7 @@ def make_step(
                 "runs members one after another in Python, which torch.compile would unroll n "
                 "times. Use compile=False with backend='loop'."
             )
-        return _compiled_step(ens, member_loss, optimizer, in_dims)
+        return _compiled_step(ens, member_loss, optimizer, in_dims, update)
     batched = ens.member_map(member_loss, (in_dims, in_dims))
 
     def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,15 +132,21 @@ def make_step(
         try:
             with ens.guard("step"), _frozen_buffers(ens, mask):
                 # Forward and loss in one vmap: half the batching overhead of ens(...) + loss.
-                losses = batched(ens.stacked_state(), args, targets)
-                grads = torch.autograd.grad(losses.sum(), params, allow_unused=True)
+                with update.autocast():
+                    losses = batched(ens.stacked_state(), args, targets)
+                scaled = losses if update.scale is None else losses * update.scale.scale
+                grads = torch.autograd.grad(scaled.sum(), params, allow_unused=True)
                 for p, new in zip(params, grads, strict=True):
                     p.grad = new
-                if mask is None:
+                live = [p.grad for p in params if p.grad is not None]
+                stepping, found_inf = update.gradients_(live, mask)
+                if stepping is None:
                     optimizer.step()
                 else:
                     masked: Callable[..., Any] = optimizer.step  # a StackedOptimizer's
-                    masked(mask=mask)
+                    masked(mask=stepping)
+                if update.scale is not None:
+                    update.scale.update_(found_inf, mask)
         except BaseException:
             for p, g in zip(params, old_grads, strict=True):
                 p.grad = g
@@ -125,6 +155,85 @@ def make_step(
         return losses.detach()
 
     return step
+
+
+@dataclasses.dataclass(frozen=True)
+class _Update:
+    """What a step does around the optimizer: autocast, loss scale, clipping."""
+
+    device_type: str
+    dtype: torch.dtype | None
+    clip_norm: float | None
+    clip_value: float | None
+    scale: LossScale | None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward's autocast (member-exact: see ``Ensemble.member_map``)."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, self.dtype)
+
+    def gradients_(
+        self, grads: list[torch.Tensor], mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Unscale, then clip ``grads`` in place; returns (who steps, who overflowed).
+
+        GradScaler's order: a member's gradients are unscaled before they are clipped.
+        """
+        found_inf = torch.zeros(0, dtype=torch.bool)
+        if self.scale is not None:
+            found_inf = self.scale.unscale_(grads)
+            mask = ~found_inf if mask is None else mask & ~found_inf
+        if grads and self.clip_norm is not None:
+            clip_norms_(grads, self.clip_norm)
+        if grads and self.clip_value is not None:
+            clip_values_(grads, self.clip_value)
+        return mask, found_inf
+
+
+def _update(
+    api: str,
+    ens: Ensemble,
+    optimizer: Any,
+    clip_norm: float | None,
+    clip_value: float | None,
+    precision: str | None,
+    loss_scale: LossScale | None,
+) -> _Update:
+    """make_step's options checked, as the step uses them."""
+    if clip_norm is not None and clip_value is not None:
+        raise ValueError(f"{api}: give one of `clip_grad_norm` and `clip_grad_value`, not both")
+    for name, bound in (("clip_grad_norm", clip_norm), ("clip_grad_value", clip_value)):
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))):
+            raise TypeError(f"{api}: `{name}` must be a float, got {type(bound).__name__}")
+        if bound is not None and not bound > 0:
+            raise ValueError(f"{api}: `{name}` must be > 0, got {bound}")
+    if precision is not None:
+        check_choice(api, "precision", precision, tuple(PRECISIONS))
+    device = next(iter(ens.parameters())).device
+    if precision == "fp16":
+        if not isinstance(optimizer, StackedOptimizer):
+            raise TypeError(
+                f"{api}: `precision='fp16'` skips overflowing members through a "
+                f"vmapens.StackedOptimizer's mask, got {type(optimizer).__name__}"
+            )
+        loss_scale = LossScale(len(ens), device=device) if loss_scale is None else loss_scale
+    if loss_scale is not None:
+        if not isinstance(loss_scale, LossScale):
+            raise TypeError(
+                f"{api}: `loss_scale` must be a LossScale, got {type(loss_scale).__name__}"
+            )
+        if precision != "fp16":
+            raise ValueError(f"{api}: `loss_scale` needs `precision='fp16'`, got {precision!r}")
+        if loss_scale.scale.shape != (len(ens),):
+            raise ValueError(
+                f"{api}: `loss_scale` is for {loss_scale.scale.shape[0]} members, the ensemble "
+                f"has {len(ens)}"
+            )
+        loss_scale.scale = loss_scale.scale.to(device)
+        loss_scale.growth_tracker = loss_scale.growth_tracker.to(device)
+    dtype = None if precision is None else PRECISIONS[precision]
+    return _Update(device.type, dtype, clip_norm, clip_value, loss_scale)
 
 
 def check_optimizer(api: str, ens: Ensemble, optimizer: Any) -> None:
@@ -199,42 +308,60 @@ def _member_loss(ens: Ensemble, loss_fn: Callable) -> Callable[..., torch.Tensor
     """``(member_state, inputs, target) -> loss`` for one member, as it would run alone."""
 
     def member_loss(state: Any, inputs: tuple, target: torch.Tensor) -> torch.Tensor:
-        return loss_fn(functional_call(ens.template, state, inputs), target)
+        return loss_fn(functional_call(ens.runner, state, inputs), target)
 
     return member_loss
 
 
 def _compiled_step(
-    ens: Ensemble, member_loss: Callable, optimizer: StackedOptimizer, in_dims: int | None
+    ens: Ensemble,
+    member_loss: Callable,
+    optimizer: StackedOptimizer,
+    in_dims: int | None,
+    update: _Update,
 ) -> Step:
     names = {id(p): name for name, p in ens.named_parameters()}
     order = [p for group in optimizer.param_groups for p in group["params"]]
     trained = [name for name, p in ens.stacked_params().items() if p.requires_grad]
 
-    def loss_of(params: dict, fixed: dict, inputs: tuple, target: torch.Tensor) -> torch.Tensor:
-        return member_loss({**params, **fixed}, inputs, target)
+    def loss_of(params: dict, fixed: dict, inputs: tuple, target: torch.Tensor, scale: Any) -> Any:
+        loss = member_loss({**params, **fixed}, inputs, target)
+        return (loss if scale is None else loss * scale), loss
 
-    def member_grads(state: dict, inputs: tuple, target: torch.Tensor) -> Any:
+    def member_grads(state: dict, inputs: tuple, target: torch.Tensor, scale: Any) -> Any:
         # Buffers go in as an argument, not a closure: grad must not see them as captured
         # tensors, which BatchNorm updates in place.
         fixed = {k: v for k, v in state.items() if k not in trained}
         params = {k: state[k] for k in trained}
-        return grad_and_value(loss_of)(params, fixed, inputs, target)
+        grads, (_, loss) = grad_and_value(loss_of, has_aux=True)(
+            params, fixed, inputs, target, scale
+        )
+        return grads, loss
 
-    batched = ens.member_map(member_grads, (in_dims, in_dims))
+    scaled = update.scale is not None
+    batched = ens.member_map(member_grads, (in_dims, in_dims, 0 if scaled else None))
 
-    def body(state: dict, inputs: tuple, targets: torch.Tensor, mask: Any) -> Any:
-        grads, losses = batched(state, inputs, targets)
+    def body(state: dict, inputs: tuple, targets: torch.Tensor, mask: Any, scale: Any) -> Any:
+        with update.autocast():
+            grads, losses = batched(state, inputs, targets, scale)
         # Frozen parameters get no gradient (None), as with loss.backward().
-        optimizer.apply_gradients([grads.get(names[id(p)]) for p in order], mask=mask)
+        ordered = [grads.get(names[id(p)]) for p in order]
+        stepping, found_inf = update.gradients_([g for g in ordered if g is not None], mask)
+        optimizer.apply_gradients(ordered, mask=stepping)
+        if update.scale is not None:
+            update.scale.update_(found_inf, mask)
         return losses
 
     device = next(iter(ens.parameters())).device
     mode = "reduce-overhead" if device.type == "cuda" else None
+    # Inductor otherwise keeps fused intermediates in float32 where eager rounds to bf16/fp16.
+    options = None if update.dtype is None else {"emulate_precision_casts": True}
     # dynamic=False: shapes are fixed per ensemble, and functorch's grad cannot trace symbolic
     # sizes. _own_code: dynamo caches compiled graphs on the code object, so every make_step
     # would otherwise share one cache (and its recompile limit) with every other ensemble.
-    compiled = torch.compile(_own_code(body), fullgraph=True, mode=mode, dynamic=False)
+    compiled = torch.compile(
+        _own_code(body), fullgraph=True, mode=mode, dynamic=False, options=options
+    )
     shapes: set[tuple] = set()
 
     def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -250,7 +377,8 @@ def _compiled_step(
         optimizer.prepare()  # state is created outside the graph
         # Gradients come from torch.func inside the graph: no autograd graph around it.
         with torch.no_grad(), ens.guard("step"), _frozen_buffers(ens, mask):
-            losses = compiled(ens.stacked_state(), args, targets, mask)
+            scale = None if update.scale is None else update.scale.scale
+            losses = compiled(ens.stacked_state(), args, targets, mask, scale)
         shapes.add(key)
         return losses
 

@@ -145,16 +145,16 @@ def reset_peak_rss() -> int:
     return rss_bytes()
 
 
-def child_json(code: str, api: str) -> dict:
+def child_json(code: str, api: str, env: Mapping[str, str] | None = None) -> dict:
     """Run ``code`` in a fresh ``sys.executable`` and return the JSON on its last output line.
 
     The child imports this very package even from an uninstalled checkout, and runs on one
-    thread so that no thread pool's buffers blur what it measures.
+    thread so that no thread pool's buffers blur what it measures; ``env`` adds variables.
     """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    full = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full)
     if proc.returncode != 0:
         raise RuntimeError(f"{api}: subprocess failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

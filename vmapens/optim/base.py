@@ -51,8 +51,9 @@ class StackedOptimizer(torch.optim.Optimizer):
     """Base class of stacked optimizers: member ``i`` of every tensor is ``p[i]``.
 
     Subclasses set :attr:`hyperparameters` (name -> :class:`Hyper`, in torch's order),
-    :attr:`torch_class` (the plain optimizer a member hands off to) and implement
-    :meth:`state_names` and :meth:`update_`.
+    :attr:`torch_class` (the plain optimizer a member hands off to, None where torch has
+    none) and implement :meth:`state_names` and :meth:`update_`; :meth:`scalar_state` and
+    :meth:`initial_state` add per-member counters and non-zero initial state.
 
     Args:
         params: stacked tensors ``[n, ...]``, param-group dicts, or an ``Ensemble``.
@@ -60,7 +61,7 @@ class StackedOptimizer(torch.optim.Optimizer):
     """
 
     hyperparameters: ClassVar[dict[str, Hyper]] = {}
-    torch_class: ClassVar[type[torch.optim.Optimizer]]
+    torch_class: ClassVar[type[torch.optim.Optimizer] | None]
     # Not `n`: dynamo's OptimizerVariable intercepts any attribute name that is a substring of
     # "_init_group" (torch 2.13), which breaks the graph.
     num_members: int
@@ -101,6 +102,21 @@ class StackedOptimizer(torch.optim.Optimizer):
     ) -> dict[str, Tensor]:
         """Member ``i``'s state for :attr:`torch_class` (default: every tensor's row ``i``)."""
         return {key: v[i].clone() for key, v in state.items()}
+
+    def scalar_state(self, group: dict[str, Any]) -> dict[str, float]:
+        """The per-member float32 ``[n]`` state (name -> starting value), ``step`` first.
+
+        These count per member, not per element (NAdam adds ``mu_product``); they stay
+        float32 whatever the parameters' dtype, as torch keeps them.
+        """
+        return {"step": 0.0}
+
+    def initial_state(self, name: str, param: Tensor, group: dict[str, Any]) -> Tensor:
+        """State ``name`` of ``param`` before the first step (default: zeros).
+
+        ``group`` is as :meth:`update_` reads it (hyperparameters as floats or ``[n]``).
+        """
+        return torch.zeros_like(param, memory_format=torch.contiguous_format)
 
     # -- hyperparameters ------------------------------------------------------------------------
 
@@ -176,21 +192,26 @@ class StackedOptimizer(torch.optim.Optimizer):
             names = self.state_names(group)
             changed = False
             # New state shares one step count per group (what the flat update needs).
-            fresh = torch.zeros(
-                self.num_members, dtype=torch.float32, device=group["params"][0].device
-            )
+            device, starts = group["params"][0].device, self.scalar_state(group)
+            fresh: dict[str, Tensor] = {}
             for p in group["params"]:
                 state = self.state[p]
-                if "step" not in state:
-                    state["step"] = fresh if fresh.device == p.device else fresh.to(p.device)
-                    changed = True
-                elif state["step"].device != p.device:
-                    state["step"] = state["step"].to(p.device)
-                    changed = True
+                for key, start in starts.items():
+                    t = state.get(key)
+                    if t is None:
+                        full = torch.full((self.num_members,), start, dtype=torch.float32)
+                        new = fresh.setdefault(key, full.to(device))
+                        state[key] = new if new.device == p.device else new.to(p.device)
+                        changed = True
+                    elif t.device != p.device or t.dtype != torch.float32:
+                        # torch's load_state_dict casts all but `step` to the param's dtype.
+                        state[key] = t.to(dtype=torch.float32, device=p.device)
+                        changed = True
                 for key in names:
                     t = state.get(key)
                     if t is None:
-                        state[key] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                        args = group_args(group, self.hyperparameters, p.device)
+                        state[key] = self.initial_state(key, p, args)
                         changed = True
                     elif t.dtype != p.dtype or t.device != p.device:
                         state[key] = t.to(dtype=p.dtype, device=p.device)
@@ -212,13 +233,17 @@ class StackedOptimizer(torch.optim.Optimizer):
             self._flat[index] = {"key": key, "step": None}  # mixed: per-tensor updates only
             return
         states = [self.state[p] for p in params]
-        shared = states[0]["step"]
-        if not torch.compiler.is_compiling() and all(
-            torch.equal(s["step"], shared) for s in states
-        ):
-            for s in states:  # equal counts (e.g. after load_state_dict): share them again
-                s["step"] = shared
-        flat: dict[str, Any] = {"key": key, "step": shared, "views": {}}
+        scalars = {}
+        for name in self.scalar_state(group):
+            shared = states[0][name]
+            if not torch.compiler.is_compiling() and all(
+                torch.equal(s[name], shared) for s in states
+            ):
+                for s in states:  # equal counts (e.g. after load_state_dict): share them again
+                    s[name] = shared
+            scalars[name] = shared
+        flat: dict[str, Any] = {"key": key, "step": scalars["step"], "scalars": scalars}
+        flat["views"] = {}
         # Kept between steps for the concatenated parameters, gradients and a scratch tensor:
         # on CPU, fresh [n, total] temporaries every step make the system allocator hand pages
         # back and fault them in again (3x slower at n=4096). CUDA's allocator reuses blocks.
@@ -255,7 +280,7 @@ class StackedOptimizer(torch.optim.Optimizer):
         params = self.param_groups[index]["params"]
         for k, p in enumerate(params):
             s = self.state[p]
-            if not p.is_contiguous() or s["step"] is not flat["step"]:
+            if not p.is_contiguous() or any(s[c] is not v for c, v in flat["scalars"].items()):
                 return None
             if any(s[key] is not views[k] for key, views in flat["views"].items()):
                 return None
@@ -288,7 +313,7 @@ class StackedOptimizer(torch.optim.Optimizer):
         out: dict[int, Tensor] = {}
         for _, group, _, flat in plan:
             if flat is not None:
-                tensors = [flat[k] for k in flat["views"]] + [flat["step"]]
+                tensors = [flat[k] for k in flat["views"]] + list(flat["scalars"].values())
             else:
                 tensors = list(group["params"])
                 tensors += [v for p in group["params"] for v in self.state[p].values()]
@@ -312,16 +337,17 @@ class StackedOptimizer(torch.optim.Optimizer):
             dense = cast("list[Tensor]", g)  # _flat_state found no None gradient
             flat_grad = torch.cat([_rows(x) for x in dense], dim=1, out=work[1])
             state = {k: flat[k] for k in flat["views"]}
-            state["step"] = flat["step"]
+            state.update(flat["scalars"])
             if work[2] is not None:
                 state["_workspace"] = work[2]
             self._masked(p, flat_grad, state, args, mask)
             torch._foreach_copy_(rows, list(p.split([r.shape[1] for r in rows], dim=1)))
             return
         states = [self.state[p] for p in params]
-        if len({id(s["step"]) for s in states}) < len(states):
-            for s in states:  # per-parameter counts from here on, as torch keeps them
-                s["step"] = s["step"].clone()
+        for name in self.scalar_state(group):
+            if len({id(s[name]) for s in states}) < len(states):
+                for s in states:  # per-parameter counts from here on, as torch keeps them
+                    s[name] = s[name].clone()
         for p, grad, s in zip(params, g, states, strict=True):
             if grad is not None:  # no gradient: skipped, as torch's optimizers do
                 self._masked(p, grad, s, args, mask)

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from .._checks import column
 
-__all__ = ["clip_grad_norm_", "clip_grad_value_"]
+__all__ = ["clip_grad_norm_", "clip_grad_value_", "clip_norms_", "clip_values_"]
 
 
 def _grads(
@@ -61,14 +61,22 @@ def clip_grad_norm_(
         tensor([5.0000, 0.5000])
     """
     grads, n, device = _grads("clip_grad_norm_", ens_or_params)
-    norm_type = float(norm_type)
     if not grads:
         return torch.zeros(n, device=device)
+    return clip_norms_(grads, max_norm, norm_type)
+
+
+def clip_norms_(grads: list[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """:func:`clip_grad_norm_` on stacked gradient tensors ``[n, ...]`` (non-empty, none None).
+
+    No host sync and no data-dependent branch: it runs inside a compiled step's graph.
+    """
+    n = grads[0].shape[0]
     per_tensor = [
-        torch.linalg.vector_norm(g.reshape(n, math.prod(g.shape[1:])), norm_type, dim=1)
+        torch.linalg.vector_norm(g.reshape(n, math.prod(g.shape[1:])), float(norm_type), dim=1)
         for g in grads
     ]
-    norms = torch.linalg.vector_norm(torch.stack(per_tensor, dim=0), norm_type, dim=0)
+    norms = torch.linalg.vector_norm(torch.stack(per_tensor, dim=0), float(norm_type), dim=0)
     coef = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
     torch._foreach_mul_(grads, [column(coef.to(g.device, g.dtype), g) for g in grads])
     return norms
@@ -91,5 +99,10 @@ def clip_grad_value_(
     """
     grads, _, _ = _grads("clip_grad_value_", ens_or_params)
     if grads:
-        torch._foreach_clamp_min_(grads, -clip_value)
-        torch._foreach_clamp_max_(grads, clip_value)
+        clip_values_(grads, clip_value)
+
+
+def clip_values_(grads: list[Tensor], clip_value: float) -> None:
+    """:func:`clip_grad_value_` on gradient tensors (non-empty, none None), in place."""
+    torch._foreach_clamp_min_(grads, -clip_value)
+    torch._foreach_clamp_max_(grads, clip_value)

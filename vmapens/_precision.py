@@ -1,0 +1,364 @@
+"""Mixed precision per member: autocast as each member alone gets it, and loss scaling.
+
+``torch.autocast`` casts at the dispatcher, *below* ``torch.func.vmap``'s batching rules, so
+under vmap it sees the ops a batching rule decomposes into rather than the member's own ops:
+a linear layer with a per-member bias becomes ``matmul`` (cast) + ``add`` (not cast) and stays
+float32, where the member alone gets one bfloat16 ``addmm``. :class:`MemberAutocast` applies
+autocast's cast policy one level up, per ``torch`` function the member calls, so it sees what
+the member alone would send to autocast.
+
+Ops on autocast's lower-precision list are *emulated*: inputs rounded to the low dtype,
+computed in float32, the result rounded to the low dtype. That is what the CPU kernels do
+(float32 accumulation, one rounding at the end) and what the batched decompositions would
+otherwise round twice. The price is float32 arithmetic inside those ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ._checks import column
+
+__all__ = ["POLICIES", "LossScale", "MemberAutocast", "active_autocast", "autocast_members"]
+
+_CONV = {"conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d"}
+_CONV |= {"conv_transpose3d", "convolution", "_convolution", "prelu"}
+_LOSSES = {
+    "binary_cross_entropy_with_logits",
+    "cosine_embedding_loss",
+    "hinge_embedding_loss",
+    "huber_loss",
+    "kl_div",
+    "l1_loss",
+    "margin_ranking_loss",
+    "mse_loss",
+    "multi_margin_loss",
+    "multilabel_margin_loss",
+    "nll_loss",
+    "nll_loss2d",
+    "poisson_nll_loss",
+    "smooth_l1_loss",
+    "soft_margin_loss",
+    "triplet_margin_loss",
+}
+# The function names (aten op names, as torch's Python functions and Tensor methods carry them)
+# of autocast's lists in aten/src/ATen/autocast_mode.cpp: lower precision, float32, promote.
+_CPU_FP32 = _LOSSES | {
+    "adaptive_avg_pool3d",
+    "adaptive_max_pool3d",
+    "avg_pool3d",
+    "binary_cross_entropy",
+    "cdist",
+    "cholesky",
+    "cholesky_inverse",
+    "cholesky_solve",
+    "cross_entropy",
+    "ctc_loss",
+    "fractional_max_pool2d",
+    "fractional_max_pool3d",
+    "geqrf",
+    "grid_sampler",
+    "inverse",
+    "lu_solve",
+    "max_pool3d",
+    "max_unpool2d",
+    "max_unpool3d",
+    "nanquantile",
+    "orgqr",
+    "ormqr",
+    "pinverse",
+    "polar",
+    "prod",
+    "qr",
+    "quantile",
+    "reflection_pad1d",
+    "reflection_pad2d",
+    "replication_pad1d",
+    "replication_pad2d",
+    "replication_pad3d",
+    "stft",
+    "svd",
+    "trace",
+    "triangular_solve",
+    "view_as_complex",
+}
+_CPU_FP32 |= {f"fft_{k}" for k in ("fft", "ifft", "fft2", "ifft2", "fftn", "ifftn", "hfft")}
+_CPU_FP32 |= {f"fft_{k}" for k in ("rfft", "irfft", "rfft2", "irfft2", "rfftn", "irfftn", "ihfft")}
+_CPU_FP32 |= {
+    f"linalg_{k}"
+    for k in (
+        "cholesky",
+        "cholesky_ex",
+        "cond",
+        "eig",
+        "eigh",
+        "eigvals",
+        "eigvalsh",
+        "householder_product",
+        "inv",
+        "inv_ex",
+        "lstsq",
+        "matrix_rank",
+        "qr",
+        "solve",
+        "svd",
+        "svdvals",
+        "tensorinv",
+        "tensorsolve",
+    )
+}
+_CUDA_FP32 = _LOSSES | {
+    "acos",
+    "asin",
+    "cdist",
+    "cosh",
+    "cosine_similarity",
+    "cross_entropy",
+    "cumprod",
+    "cumsum",
+    "dist",
+    "erfinv",
+    "exp",
+    "expm1",
+    "frobenius_norm",
+    "group_norm",
+    "layer_norm",
+    "linalg_matrix_norm",
+    "linalg_vector_norm",
+    "log",
+    "log10",
+    "log1p",
+    "log2",
+    "log_softmax",
+    "logsumexp",
+    "norm",
+    "nuclear_norm",
+    "pdist",
+    "pow",
+    "prod",
+    "reciprocal",
+    "renorm",
+    "rms_norm",
+    "rsqrt",
+    "sinh",
+    "softmax",
+    "softplus",
+    "sum",
+    "tan",
+}
+_CUDA_FP32 |= {f"upsample_{k}" for k in ("nearest1d", "nearest2d", "nearest3d", "linear1d")}
+_CUDA_FP32 |= {f"upsample_{k}" for k in ("bilinear2d", "bicubic2d", "trilinear3d")}
+_MATMUL = {"addbmm", "addmm", "baddbmm", "bmm", "linalg_vecdot", "linear", "matmul", "mm"}
+_MATMUL |= {"__matmul__", "__rmatmul__", "scaled_dot_product_attention"}
+#: device type -> (lower precision, float32, promote): the names of each autocast list.
+POLICIES: dict[str, tuple[frozenset[str], frozenset[str], frozenset[str]]] = {
+    "cpu": (
+        frozenset(_CONV | _MATMUL | {"_addmm_activation", "_native_multi_head_attention"}),
+        frozenset(_CPU_FP32),
+        frozenset({"cat", "concat", "concatenate", "index_copy", "stack"}),
+    ),
+    "cuda": (
+        frozenset(
+            _CONV
+            | _MATMUL
+            | {"addmv", "addr", "chain_matmul", "einsum", "linalg_multi_dot", "mv"}
+            | {"gru_cell", "lstm_cell", "rnn_relu_cell", "rnn_tanh_cell"}
+        ),
+        frozenset(_CUDA_FP32),
+        frozenset({"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sampler"})
+        | frozenset({"index_put", "scatter_add", "tensordot", "vdot"}),
+    ),
+}
+# Normalisation with a low-precision input and float32 weights: the member alone gets the
+# mixed-dtype kernel (float32 arithmetic, output in the input's dtype); the batched rule has none.
+_NORMS = frozenset({"batch_norm", "group_norm", "instance_norm", "layer_norm"})
+_NO_BATCH_RULE = frozenset({"scaled_dot_product_attention"})
+_redispatch = getattr(torch.overrides, "redispatch_function", None)
+
+
+def active_autocast(device_type: str) -> torch.dtype | None:
+    """The dtype of the ``torch.autocast`` active for ``device_type``, or None."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def autocast_members(fn: Callable[..., Any], device_type: str) -> Callable[..., Any]:
+    """``fn`` (one member's function, about to be vmapped) made exact under ``torch.autocast``.
+
+    With no autocast active for ``device_type`` this is ``fn`` itself. Otherwise ``fn`` runs
+    with ``torch.autocast`` off and :class:`MemberAutocast` on, so that each member gets what
+    ``torch.autocast`` would give it alone.
+    """
+    dtype = active_autocast(device_type)
+    if dtype is None:
+        return fn
+
+    def member(*args: Any) -> Any:
+        with torch.autocast(device_type, enabled=False), MemberAutocast(device_type, dtype):
+            return fn(*args)
+
+    return member
+
+
+class MemberAutocast(TorchFunctionMode):
+    """Inside one member's function under vmap: autocast's policy, applied per torch function.
+
+    Enter it inside the function that vmap maps, with ``torch.autocast`` itself disabled
+    there (it would also cast the batched decompositions).
+
+    Args:
+        device_type: the members' device type (``"cpu"``, ``"cuda"``).
+        dtype: the low-precision dtype (``torch.bfloat16`` or ``torch.float16``).
+    """
+
+    def __init__(self, device_type: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.device_type, self.dtype = device_type, dtype
+        self.low, self.fp32, self.promote = POLICIES.get(
+            device_type, (frozenset(), frozenset(), frozenset())
+        )
+
+    def _eligible(self, t: Any) -> bool:
+        # autocast casts floating tensors of its device type, never float64 ones.
+        return (
+            isinstance(t, torch.Tensor)
+            and t.is_floating_point()
+            and t.device.type == self.device_type
+            and t.dtype != torch.float64
+        )
+
+    def _cast(self, tree: Any, dtype: torch.dtype) -> Any:
+        return tree_map(lambda t: t.to(dtype) if self._eligible(t) else t, tree)
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        name = getattr(func, "__name__", "")
+        inputs = (args, kwargs or {})
+        if name in _NO_BATCH_RULE:
+            # vmap runs these member by member: the member's own low-precision kernel.
+            inputs = self._cast(inputs, self.dtype)
+        elif name in self.low:
+            rounded = self._cast(self._cast(inputs, self.dtype), torch.float32)
+            return self._cast(func(*rounded[0], **rounded[1]), self.dtype)
+        elif name in self.fp32:
+            inputs = self._cast(inputs, torch.float32)
+        elif name in self.promote:
+            dtypes = {t.dtype for t in tree_leaves(inputs) if self._eligible(t)}
+            inputs = self._cast(inputs, torch.float32 if torch.float32 in dtypes else self.dtype)
+        elif name in _NORMS and self._eligible(args[0]) and args[0].dtype != torch.float32:
+            out = func(*self._cast(args, torch.float32), **self._cast(kwargs or {}, torch.float32))
+            return out.to(args[0].dtype)
+        if (
+            _redispatch is not None
+            and getattr(func, "__module__", "") == "torch.nn.functional"
+            and not torch.compiler.is_compiling()  # dynamo cannot trace the re-entry
+        ):
+            # Python composites (multi-head attention, interpolate): the member alone would
+            # autocast the ops inside them, so keep the policy on for those.
+            with self:
+                return _redispatch(func, types, *inputs)
+        return func(*inputs[0], **inputs[1])
+
+
+class LossScale:
+    """Per-member dynamic loss scale: ``n`` ``torch.amp.GradScaler`` s, one per member.
+
+    Member ``i``'s loss is multiplied by ``scale[i]`` before the backward pass and its gradients
+    divided by it after. A member whose gradients are not all finite skips its optimizer step
+    and has its scale multiplied by ``backoff_factor``; a member that stepped
+    ``growth_interval`` times in a row has it multiplied by ``growth_factor``. The arithmetic
+    is ``GradScaler``'s (``torch._amp_update_scale_``), member by member.
+
+    Args:
+        n: number of members.
+        init_scale: every member's first scale (GradScaler's default).
+        growth_factor: scale multiplier after ``growth_interval`` finite steps.
+        backoff_factor: scale multiplier after a step with non-finite gradients.
+        growth_interval: finite steps in a row before the scale grows.
+        device: where the ``[n]`` scale and growth tracker live.
+
+    Example:
+        >>> ls = LossScale(3, init_scale=8.0)
+        >>> ls.update_(torch.tensor([False, True, False]))
+        >>> ls.scale
+        tensor([8., 4., 8.])
+    """
+
+    def __init__(
+        self,
+        n: int,
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        device: torch.device | str | None = None,
+    ) -> None:
+        api = "LossScale"
+        for name, value, ok, rule in (
+            ("init_scale", init_scale, init_scale > 0, "> 0"),
+            ("growth_factor", growth_factor, growth_factor > 1, "> 1"),
+            ("backoff_factor", backoff_factor, 0 < backoff_factor < 1, "in (0, 1)"),
+            ("growth_interval", growth_interval, growth_interval >= 1, ">= 1"),
+        ):
+            if not ok:
+                raise ValueError(f"{api}: `{name}` must be {rule}, got {value}")
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.scale = torch.full((n,), float(init_scale), dtype=torch.float32, device=device)
+        self.growth_tracker = torch.zeros(n, dtype=torch.int32, device=device)
+
+    def unscale_(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Divide each member's gradients by its scale in place; True where any is non-finite."""
+        inv = self.scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
+        found = torch.zeros_like(self.scale, dtype=torch.bool)
+        for g in grads:
+            found = found | ~torch.isfinite(g).reshape(g.shape[0], -1).all(dim=1)
+        torch._foreach_mul_(grads, [column(inv.to(g.dtype), g) for g in grads])
+        return found
+
+    def update_(self, found_inf: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Back off where ``found_inf``, count (and maybe grow) elsewhere; ``mask`` False: frozen."""
+        grown = self.growth_tracker + 1
+        grow = ~found_inf & (grown == self.growth_interval)
+        # float32 * double rounded to float32, and no growth to inf: _amp_update_scale_'s rule.
+        bigger = (self.scale.double() * self.growth_factor).float()
+        smaller = (self.scale.double() * self.backoff_factor).float()
+        scale = torch.where(grow & torch.isfinite(bigger), bigger, self.scale)
+        scale = torch.where(found_inf, smaller, scale)
+        tracker = torch.where(found_inf | grow, 0, grown).to(torch.int32)
+        if mask is not None:
+            scale = torch.where(mask, scale, self.scale)
+            tracker = torch.where(mask, tracker, self.growth_tracker)
+        self.scale.copy_(scale)
+        self.growth_tracker.copy_(tracker)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The ``[n]`` scales and growth trackers and the options, on the CPU."""
+        return {
+            "scale": self.scale.cpu().clone(),
+            "growth_tracker": self.growth_tracker.cpu().clone(),
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load ``state_dict()`` (checked first; nothing changes on error)."""
+        n = self.scale.shape[0]
+        for key in ("scale", "growth_tracker"):
+            t = state.get(key)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (n,):
+                raise ValueError(f"LossScale: `{key}` must be a tensor of shape [{n}]")
+        self.scale.copy_(state["scale"])
+        self.growth_tracker.copy_(state["growth_tracker"])
+        self.growth_factor = float(state["growth_factor"])
+        self.backoff_factor = float(state["backoff_factor"])
+        self.growth_interval = int(state["growth_interval"])

@@ -1,0 +1,402 @@
+"""Recurrent layers that ``torch.func.vmap`` can batch and ``torch.compile`` can trace.
+
+``vmap`` has no batching rule for ``aten::gru``/``lstm``/``rnn_tanh`` (pytorch#105982) and
+dynamo refuses ``nn.RNN``/``nn.GRU``/``nn.LSTM`` in ``fullgraph`` mode, so an ensemble of
+members holding them cannot be batched as they are. ``batchable`` re-classes those layers (and
+the three cells) to subclasses whose ``forward`` writes the same maths in ops that ``vmap``
+batches and dynamo traces: one matmul projects every time step's input at once, and a Python
+loop over time steps runs only the recurrent part. Parameter names, shapes and ``state_dict``
+keys stay the original ones, so ``functional_call(batchable(m), m.state_dict(), ...)`` works.
+
+This file imports only torch: it sits at the bottom of the package.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
+
+__all__ = [
+    "BatchableGRU",
+    "BatchableGRUCell",
+    "BatchableLSTM",
+    "BatchableLSTMCell",
+    "BatchableRNN",
+    "BatchableRNNCell",
+    "batchable",
+]
+
+_PACKED = (
+    "Ensemble: PackedSequence inputs are not batched (torch.func.vmap cannot batch "
+    "torch's packed recurrent kernels); pad the sequences (torch.nn.utils.rnn.pad_sequence) "
+    "or build the ensemble with backend='loop'"
+)
+
+
+def _gru_step(
+    gi_rz: Tensor, gi_n: Tensor, h: Tensor, w_hh_t: Tensor, b_hh: Tensor | None
+) -> Tensor:
+    """One GRU step from the input projections (gates r, z, n in torch's row order)."""
+    # mm then add, not addmm: under vmap addmm costs an mm plus scaled adds (~20% slower).
+    gh = torch.mm(h, w_hh_t) if b_hh is None else torch.mm(h, w_hh_t) + b_hh
+    # split, not two slices: its backward is one cat instead of two zero-filled copies.
+    gh_rz, gh_n = gh.split([gi_rz.size(-1), gi_n.size(-1)], -1)
+    r, z = torch.sigmoid(gi_rz + gh_rz).chunk(2, -1)
+    # b_hn sits inside r * (...), which is why GRU keeps b_hh out of the input projection.
+    n = torch.tanh(torch.addcmul(gi_n, r, gh_n))
+    return torch.lerp(n, h, z)  # (1 - z) * n + z * h in one op
+
+
+def _lstm_step(
+    gi: Tensor, h: Tensor, c: Tensor, w_hh_t: Tensor, w_hr_t: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """One LSTM step; ``gi`` already holds both biases (gates i, f, g, o in torch's order)."""
+    # chunk, not slices: its backward is one cat instead of zero-filled copies.
+    i, f, g, o = (gi + torch.mm(h, w_hh_t)).chunk(4, -1)
+    c = torch.addcmul(f.sigmoid() * c, i.sigmoid(), g.tanh())
+    h = o.sigmoid() * c.tanh()
+    return (h if w_hr_t is None else torch.mm(h, w_hr_t)), c
+
+
+def _rnn_step(gi: Tensor, h: Tensor, w_hh_t: Tensor, relu: bool) -> Tensor:
+    """One Elman step; ``gi`` already holds both biases."""
+    pre = gi + torch.mm(h, w_hh_t)
+    return torch.relu(pre) if relu else torch.tanh(pre)
+
+
+def _project(
+    x: Tensor, w_ih: Tensor, b_ih: Tensor | None, b_hh: Tensor | None, gru: bool
+) -> Tensor:
+    """The input projection; folds ``b_hh`` in where the maths allows (all but GRU)."""
+    if b_ih is not None and b_hh is not None and not gru:
+        b_ih = b_ih + b_hh
+    return F.linear(x, w_ih, b_ih)
+
+
+class _Recurrent(nn.RNNBase):
+    """The shared ``forward`` of the three full-sequence layers, dispatched on ``self.mode``.
+
+    The base is ``nn.RNNBase`` rather than ``nn.GRU`` & co. on purpose: dynamo refuses any
+    instance of those three classes in ``fullgraph`` mode, subclasses included.
+    """
+
+    def forward(
+        self, input: Tensor, hx: Tensor | tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor | tuple[Tensor, Tensor]]:
+        api = type(self).__name__
+        if isinstance(input, PackedSequence):
+            raise TypeError(_PACKED)
+        if input.dim() not in (2, 3):
+            raise ValueError(
+                f"{api}: `input` must be 2-D (unbatched) or 3-D (batched), got {input.dim()}-D"
+            )
+        if input.size(-1) != self.input_size:
+            raise ValueError(
+                f"{api}: `input` must have {self.input_size} features (last dim), "
+                f"got {input.size(-1)}"
+            )
+        lstm = self.mode == "LSTM"
+        batched = input.dim() == 3
+        x = input if batched else input.unsqueeze(1)
+        time_dim = 1 if batched and self.batch_first else 0
+        directions = 2 if self.bidirectional else 1
+        h0, c0 = self._initial(hx, x.size(1 - time_dim), batched, directions, x)
+
+        h_n: list[Tensor] = []
+        c_n: list[Tensor] = []
+        for layer in range(self.num_layers):
+            if layer and self.dropout and self.training:
+                # Between layers only, as torch does: never on the input or the last output.
+                x = F.dropout(x, self.dropout, training=True)
+            outs = []
+            for direction in range(directions):
+                k = layer * directions + direction
+                out, h, c = self._direction(
+                    x, h0[k], c0[k] if lstm else None, layer, direction, time_dim
+                )
+                outs.append(out)
+                h_n.append(h)
+                if c is not None:
+                    c_n.append(c)
+            x = outs[0] if directions == 1 else torch.cat(outs, -1)
+
+        h_last = torch.stack(h_n)
+        c_last = torch.stack(c_n) if lstm else h_last
+        if not batched:
+            x, h_last, c_last = x.squeeze(1), h_last.squeeze(1), c_last.squeeze(1)
+        return x, ((h_last, c_last) if lstm else h_last)
+
+    def _initial(
+        self,
+        hx: Tensor | tuple[Tensor, Tensor] | None,
+        batch: int,
+        batched: bool,
+        directions: int,
+        x: Tensor,
+    ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """The per-layer-and-direction initial states ``(h0, c0)``, checked, batch dim kept."""
+        api = type(self).__name__
+        lstm = self.mode == "LSTM"
+        rows = self.num_layers * directions
+        out_size = self.proj_size if self.proj_size > 0 else self.hidden_size
+        if hx is None:
+            h = torch.zeros(rows, batch, out_size, dtype=x.dtype, device=x.device)
+            c = torch.zeros(rows, batch, self.hidden_size, dtype=x.dtype, device=x.device)
+            return h.unbind(0), (c.unbind(0) if lstm else ())
+        if lstm and not (isinstance(hx, tuple) and len(hx) == 2):
+            raise TypeError(f"{api}: `hx` must be a tuple (h_0, c_0), got {type(hx).__name__}")
+        if not lstm and not isinstance(hx, Tensor):
+            raise TypeError(f"{api}: `hx` must be a Tensor, got {type(hx).__name__}")
+        states = hx if lstm else (hx,)
+        sizes = (out_size, self.hidden_size)
+        checked = []
+        for name, state, size in zip(("h_0", "c_0"), states, sizes):
+            want = (rows, batch, size) if batched else (rows, size)
+            if tuple(state.shape) != want:
+                raise ValueError(
+                    f"{api}: `hx` ({name}) must have shape {list(want)}, got {list(state.shape)}"
+                )
+            checked.append((state if batched else state.unsqueeze(1)).unbind(0))
+        return checked[0], (checked[1] if lstm else ())
+
+    def _direction(
+        self,
+        x: Tensor,
+        h: Tensor,
+        c: Tensor | None,
+        layer: int,
+        direction: int,
+        time_dim: int,
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Run one layer in one direction: ``(output over time, last h, last c)``."""
+        suffix = f"_l{layer}_reverse" if direction else f"_l{layer}"
+        # getattr at call time: functional_call swaps these attributes, not _flat_weights.
+        w_ih = getattr(self, "weight_ih" + suffix)
+        w_hh_t = getattr(self, "weight_hh" + suffix).t()
+        b_ih = getattr(self, "bias_ih" + suffix) if self.bias else None
+        b_hh = getattr(self, "bias_hh" + suffix) if self.bias else None
+        gi = _project(x, w_ih, b_ih, b_hh, gru=self.mode == "GRU")
+        outs: list[Tensor] = []
+        if self.mode == "GRU":
+            gi_rz, gi_n = gi.split([2 * self.hidden_size, self.hidden_size], -1)
+            pairs = list(zip(gi_rz.unbind(time_dim), gi_n.unbind(time_dim)))
+            for gi_rz_t, gi_n_t in pairs[::-1] if direction else pairs:
+                h = _gru_step(gi_rz_t, gi_n_t, h, w_hh_t, b_hh)
+                outs.append(h)
+        elif c is not None:  # LSTM, the one mode with a cell state
+            w_hr_t = getattr(self, "weight_hr" + suffix).t() if self.proj_size > 0 else None
+            steps = gi.unbind(time_dim)
+            for gi_t in steps[::-1] if direction else steps:
+                h, c = _lstm_step(gi_t, h, c, w_hh_t, w_hr_t)
+                outs.append(h)
+        else:
+            relu = self.mode == "RNN_RELU"
+            steps = gi.unbind(time_dim)
+            for gi_t in steps[::-1] if direction else steps:
+                h = _rnn_step(gi_t, h, w_hh_t, relu)
+                outs.append(h)
+        if direction:
+            outs.reverse()
+        return torch.stack(outs, time_dim), h, c
+
+
+class BatchableRNN(_Recurrent):
+    """``nn.RNN`` with a ``forward`` that ``torch.func.vmap`` batches and dynamo traces.
+
+    Same constructor (``nonlinearity`` keyword-only), parameters, maths and outputs as
+    ``nn.RNN``; ``batchable`` turns existing ``nn.RNN`` layers into this class in place of
+    building new ones. Not an ``nn.RNN`` subclass (dynamo refuses those).
+
+    Example:
+        >>> rnn = BatchableRNN(3, 5, nonlinearity="relu")
+        >>> out, h_n = rnn(torch.randn(7, 2, 3))
+        >>> tuple(out.shape), tuple(h_n.shape)
+        ((7, 2, 5), (1, 2, 5))
+    """
+
+    def __init__(self, *args, nonlinearity: str = "tanh", **kwargs) -> None:
+        modes = {"tanh": "RNN_TANH", "relu": "RNN_RELU"}
+        if nonlinearity not in modes:
+            raise ValueError(
+                f"BatchableRNN: `nonlinearity` must be one of ('tanh', 'relu'), got {nonlinearity!r}"
+            )
+        super().__init__(modes[nonlinearity], *args, **kwargs)
+        self.nonlinearity = nonlinearity
+
+
+class BatchableGRU(_Recurrent):
+    """``nn.GRU`` with a ``forward`` that ``torch.func.vmap`` batches and dynamo traces.
+
+    Same constructor, parameters, maths and outputs as ``nn.GRU``. Not an ``nn.GRU``
+    subclass (dynamo refuses those).
+
+    Example:
+        >>> gru = BatchableGRU(3, 5, num_layers=2, batch_first=True)
+        >>> out, h_n = gru(torch.randn(2, 7, 3))
+        >>> tuple(out.shape), tuple(h_n.shape)
+        ((2, 7, 5), (2, 2, 5))
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__("GRU", *args, **kwargs)
+
+
+class BatchableLSTM(_Recurrent):
+    """``nn.LSTM`` with a ``forward`` that ``torch.func.vmap`` batches and dynamo traces.
+
+    Same constructor (``proj_size`` included), parameters, maths and outputs as ``nn.LSTM``.
+    Not an ``nn.LSTM`` subclass (dynamo refuses those).
+
+    Example:
+        >>> lstm = BatchableLSTM(3, 5, proj_size=4)
+        >>> out, (h_n, c_n) = lstm(torch.randn(7, 3))
+        >>> tuple(out.shape), tuple(h_n.shape), tuple(c_n.shape)
+        ((7, 4), (1, 4), (1, 5))
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__("LSTM", *args, **kwargs)
+
+
+def _cell_inputs(cell: nn.RNNCellBase, input: Tensor, hx: Tensor | None) -> tuple[Tensor, bool]:
+    """Check a cell's input and return it with a batch dim, and whether it had one."""
+    api = type(cell).__name__
+    if isinstance(input, PackedSequence):
+        raise TypeError(_PACKED)
+    if input.dim() not in (1, 2):
+        raise ValueError(
+            f"{api}: `input` must be 1-D (unbatched) or 2-D (batched), got {input.dim()}-D"
+        )
+    if input.size(-1) != cell.input_size:
+        raise ValueError(
+            f"{api}: `input` must have {cell.input_size} features (last dim), got {input.size(-1)}"
+        )
+    if hx is not None and hx.dim() != input.dim():
+        raise ValueError(f"{api}: `hx` must be {input.dim()}-D like `input`, got {hx.dim()}-D")
+    batched = input.dim() == 2
+    return (input if batched else input.unsqueeze(0)), batched
+
+
+def _cell_state(hx: Tensor | None, x: Tensor, size: int, batched: bool) -> Tensor:
+    """A cell state with a batch dim: ``hx`` as given, or zeros."""
+    if hx is None:
+        return torch.zeros(x.size(0), size, dtype=x.dtype, device=x.device)
+    return hx if batched else hx.unsqueeze(0)
+
+
+class BatchableRNNCell(nn.RNNCell):
+    """``nn.RNNCell`` with a ``forward`` written in ops that ``torch.func.vmap`` batches.
+
+    Example:
+        >>> cell = BatchableRNNCell(3, 5)
+        >>> tuple(cell(torch.randn(2, 3)).shape)
+        (2, 5)
+    """
+
+    def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
+        x, batched = _cell_inputs(self, input, hx)
+        h = _cell_state(hx, x, self.hidden_size, batched)
+        gi = _project(x, self.weight_ih, self.bias_ih, self.bias_hh, gru=False)
+        h = _rnn_step(gi, h, self.weight_hh.t(), self.nonlinearity == "relu")
+        return h if batched else h.squeeze(0)
+
+
+class BatchableGRUCell(nn.GRUCell):
+    """``nn.GRUCell`` with a ``forward`` written in ops that ``torch.func.vmap`` batches.
+
+    Example:
+        >>> cell = BatchableGRUCell(3, 5)
+        >>> tuple(cell(torch.randn(3)).shape)
+        (5,)
+    """
+
+    def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
+        x, batched = _cell_inputs(self, input, hx)
+        h = _cell_state(hx, x, self.hidden_size, batched)
+        gi = _project(x, self.weight_ih, self.bias_ih, self.bias_hh, gru=True)
+        gi_rz, gi_n = gi.split([2 * self.hidden_size, self.hidden_size], -1)
+        h = _gru_step(gi_rz, gi_n, h, self.weight_hh.t(), self.bias_hh)
+        return h if batched else h.squeeze(0)
+
+
+class BatchableLSTMCell(nn.LSTMCell):
+    """``nn.LSTMCell`` with a ``forward`` written in ops that ``torch.func.vmap`` batches.
+
+    Example:
+        >>> cell = BatchableLSTMCell(3, 5)
+        >>> h, c = cell(torch.randn(2, 3))
+        >>> tuple(h.shape), tuple(c.shape)
+        ((2, 5), (2, 5))
+    """
+
+    def forward(
+        self, input: Tensor, hx: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        if hx is not None and not (isinstance(hx, tuple) and len(hx) == 2):
+            raise TypeError(
+                f"BatchableLSTMCell: `hx` must be a tuple (h_0, c_0), got {type(hx).__name__}"
+            )
+        x, batched = _cell_inputs(self, input, None if hx is None else hx[0])
+        h = _cell_state(None if hx is None else hx[0], x, self.hidden_size, batched)
+        c = _cell_state(None if hx is None else hx[1], x, self.hidden_size, batched)
+        gi = _project(x, self.weight_ih, self.bias_ih, self.bias_hh, gru=False)
+        h, c = _lstm_step(gi, h, c, self.weight_hh.t(), None)
+        return (h, c) if batched else (h.squeeze(0), c.squeeze(0))
+
+
+_BATCHABLE: dict[type, type] = {
+    nn.RNN: BatchableRNN,
+    nn.GRU: BatchableGRU,
+    nn.LSTM: BatchableLSTM,
+    nn.RNNCell: BatchableRNNCell,
+    nn.GRUCell: BatchableGRUCell,
+    nn.LSTMCell: BatchableLSTMCell,
+}
+
+
+def batchable(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` whose recurrent layers ``torch.func.vmap`` can batch.
+
+    Every submodule (the root included) whose type is exactly ``nn.RNN``, ``nn.GRU``,
+    ``nn.LSTM``, ``nn.RNNCell``, ``nn.GRUCell`` or ``nn.LSTMCell`` is re-classed to the
+    matching ``Batchable*`` class: same attributes, parameter names and ``state_dict`` keys,
+    same maths, and a ``forward`` in plain ops (matmul, sigmoid, tanh, a loop over time) that
+    ``vmap`` batches and ``torch.compile(fullgraph=True)`` traces. All flags are supported
+    (layers, bidirectional, batch_first, bias, dropout, nonlinearity, proj_size, unbatched
+    input, given states). Subclasses of those types are left alone, since their own
+    ``forward`` may differ. ``module`` itself is not changed; it may live on ``meta``.
+
+    Args:
+        module: the member module (any device, ``meta`` included).
+
+    Returns:
+        The converted deep copy (an equal deep copy if there was nothing to convert).
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``. The converted layers raise TypeError
+            on ``PackedSequence`` inputs, which they cannot batch.
+
+    Example:
+        >>> from torch.func import functional_call, stack_module_state, vmap
+        >>> grus = [nn.GRU(3, 5) for _ in range(4)]
+        >>> params, _ = stack_module_state(grus)
+        >>> template = batchable(grus[0]).to("meta")
+        >>> run = vmap(lambda p, x: functional_call(template, p, (x,)), in_dims=(0, None))
+        >>> out, h_n = run(params, torch.randn(7, 2, 3))
+        >>> tuple(out.shape), tuple(h_n.shape)
+        ((4, 7, 2, 5), (4, 1, 2, 5))
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"batchable: `module` must be a torch.nn.Module, got {type(module).__name__}"
+        )
+    clone = copy.deepcopy(module)
+    for sub in clone.modules():
+        target = _BATCHABLE.get(type(sub))
+        if target is not None:
+            sub.__class__ = target
+    return clone

@@ -1,0 +1,48 @@
+"""Learning-rate schedulers inside ``fit``: built on the optimizer, stepped per epoch or step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .history import History
+from .optim import ReduceLROnPlateau
+
+__all__ = ["build_scheduler", "step_scheduler"]
+
+
+def build_scheduler(api: str, scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """``scheduler`` itself, or ``scheduler(optimizer)`` when it is a builder; checked."""
+    if scheduler is None:
+        return None
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise TypeError(
+            f"{api}: `scheduler` is torch's ReduceLROnPlateau, which lowers every member's "
+            "learning rate on one number; use vmapens.ReduceLROnPlateau, which follows each "
+            "member's own validation loss"
+        )
+    if not hasattr(scheduler, "step") or not hasattr(scheduler, "state_dict"):
+        if not callable(scheduler):
+            raise TypeError(
+                f"{api}: `scheduler` must be an LR scheduler or a callable building one from the "
+                f"optimizer, got {type(scheduler).__name__}"
+            )
+        scheduler = scheduler(optimizer)
+        return build_scheduler(api, scheduler, optimizer)
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError(
+            f"{api}: `scheduler` was built on another optimizer; build it on the one fit "
+            "trains with (pass a builder, lambda opt: StepLR(opt, ...), for the default one)"
+        )
+    return scheduler
+
+
+def step_scheduler(scheduler: Any, interval: str, history: History) -> None:
+    """The end-of-epoch step: plateau schedulers get each member's validation loss."""
+    if isinstance(scheduler, ReduceLROnPlateau):
+        if history.val_loss is None:
+            raise ValueError("fit: vmapens.ReduceLROnPlateau needs `val_data`")
+        scheduler.step(history.val_loss[-1])
+    elif interval == "epoch":
+        scheduler.step()

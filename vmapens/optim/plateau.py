@@ -1,0 +1,154 @@
+"""ReduceLROnPlateau per member: each member's learning rate follows its own metric."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
+
+from .._checks import check_choice
+from ._values import MemberValues
+from .base import StackedOptimizer
+
+__all__ = ["ReduceLROnPlateau"]
+
+
+class ReduceLROnPlateau:
+    """``torch.optim.lr_scheduler.ReduceLROnPlateau`` for every member on its own.
+
+    ``step(metrics)`` takes one value per member; member ``i``'s learning rate, best value,
+    bad-epoch count and cooldown evolve exactly as a torch ReduceLROnPlateau would evolve them
+    on a plain optimizer fed member ``i``'s values alone. Learning rates become
+    :class:`~vmapens.optim.MemberValues` in ``param_groups``. A non-finite metric (a member
+    that stopped) never counts as an improvement.
+
+    Args:
+        optimizer: a StackedOptimizer.
+        mode: ``"min"`` or ``"max"``.
+        factor: multiply the learning rate by this on a plateau.
+        patience: epochs without improvement before reducing.
+        threshold: the least change that counts as an improvement.
+        threshold_mode: ``"rel"`` or ``"abs"``.
+        cooldown: epochs to wait after a reduction.
+        min_lr: lower bound of every learning rate (float, or one per param group).
+        eps: reductions smaller than this are skipped.
+
+    Example:
+        >>> from vmapens import StackedSGD
+        >>> w = torch.zeros(2, 3, requires_grad=True)
+        >>> opt = StackedSGD([w], lr=1.0)
+        >>> sched = ReduceLROnPlateau(opt, patience=0, factor=0.5)
+        >>> sched.step(torch.tensor([1.0, 1.0]))
+        >>> sched.step(torch.tensor([0.5, 2.0]))  # member 1 got worse
+        >>> opt.param_groups[0]["lr"]
+        MemberValues([1.0, 0.5])
+    """
+
+    def __init__(
+        self,
+        optimizer: StackedOptimizer,
+        mode: str = "min",
+        factor: float = 0.1,
+        patience: int = 10,
+        threshold: float = 1e-4,
+        threshold_mode: str = "rel",
+        cooldown: int = 0,
+        min_lr: float | Sequence[float] = 0.0,
+        eps: float = 1e-8,
+    ) -> None:
+        api = "ReduceLROnPlateau"
+        if not isinstance(optimizer, StackedOptimizer):
+            raise TypeError(
+                f"{api}: `optimizer` must be a vmapens.StackedOptimizer, got "
+                f"{type(optimizer).__name__}; for a plain optimizer use torch's ReduceLROnPlateau"
+            )
+        if factor >= 1.0:
+            raise ValueError(f"{api}: `factor` must be < 1.0, got {factor}")
+        check_choice(api, "mode", mode, ("min", "max"))
+        check_choice(api, "threshold_mode", threshold_mode, ("rel", "abs"))
+        groups = optimizer.param_groups
+        if not isinstance(min_lr, (int, float)):
+            if len(min_lr) != len(groups):
+                raise ValueError(
+                    f"{api}: expected {len(groups)} values of `min_lr`, got {len(min_lr)}"
+                )
+            self.min_lrs = [float(v) for v in min_lr]
+        else:
+            self.min_lrs = [float(min_lr)] * len(groups)
+        self.optimizer = optimizer
+        self.mode, self.factor, self.patience = mode, factor, patience
+        self.threshold, self.threshold_mode = threshold, threshold_mode
+        self.cooldown, self.eps = cooldown, eps
+        n = optimizer.num_members
+        worst = math.inf if mode == "min" else -math.inf
+        self.best = [worst] * n
+        self.num_bad_epochs = [0] * n
+        self.cooldown_counter = [0] * n
+        self.last_epoch = 0
+
+    def _better(self, a: float, best: float) -> bool:
+        if not math.isfinite(a):
+            return False
+        if self.mode == "min":
+            limit = (
+                best * (1 - self.threshold)
+                if self.threshold_mode == "rel"
+                else best - self.threshold
+            )
+            return a < limit
+        limit = (
+            best * (self.threshold + 1) if self.threshold_mode == "rel" else best + self.threshold
+        )
+        return a > limit
+
+    def step(self, metrics: Tensor | Sequence[float]) -> None:
+        """Record one value per member and reduce the learning rates of members on a plateau."""
+        values = [float(v) for v in (metrics.tolist() if isinstance(metrics, Tensor) else metrics)]
+        n = self.optimizer.num_members
+        if len(values) != n:
+            raise ValueError(
+                f"ReduceLROnPlateau.step: `metrics` needs {n} values, got {len(values)}"
+            )
+        self.last_epoch += 1
+        reduce = [False] * n
+        for i, current in enumerate(values):
+            if self._better(current, self.best[i]):
+                self.best[i], self.num_bad_epochs[i] = current, 0
+            else:
+                self.num_bad_epochs[i] += 1
+            if self.cooldown_counter[i] > 0:
+                self.cooldown_counter[i] -= 1
+                self.num_bad_epochs[i] = 0
+            if self.num_bad_epochs[i] > self.patience:
+                reduce[i] = True
+                self.cooldown_counter[i] = self.cooldown
+                self.num_bad_epochs[i] = 0
+        if any(reduce):
+            for group, min_lr in zip(self.optimizer.param_groups, self.min_lrs, strict=True):
+                lrs = (
+                    list(group["lr"])
+                    if isinstance(group["lr"], MemberValues)
+                    else [group["lr"]] * n
+                )
+                for i in range(n):
+                    new = max(lrs[i] * self.factor, min_lr)
+                    if reduce[i] and lrs[i] - new > self.eps:
+                        lrs[i] = new
+                group["lr"] = MemberValues(lrs)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but the optimizer, as plain values."""
+        return {k: v for k, v in self.__dict__.items() if k != "optimizer"}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` (checked first)."""
+        missing = set(self.state_dict()) - set(state)
+        if missing:
+            raise ValueError(f"ReduceLROnPlateau.load_state_dict: missing {sorted(missing)}")
+        n = self.optimizer.num_members
+        for key in ("best", "num_bad_epochs", "cooldown_counter"):
+            if len(state[key]) != n:
+                raise ValueError(f"ReduceLROnPlateau.load_state_dict: `{key}` is not of length {n}")
+        self.__dict__.update({k: (list(v) if isinstance(v, list) else v) for k, v in state.items()})

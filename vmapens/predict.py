@@ -1,0 +1,186 @@
+"""Predictions of a trained ensemble: every member's outputs, or one of their reductions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+
+from ._checks import check_choice, check_int
+from .ensemble import Ensemble
+
+__all__ = ["REDUCTIONS", "predict", "reduce_members"]
+
+REDUCTIONS = (
+    "none",
+    "mean",
+    "vote",
+    "min",
+    "max",
+    "variance",
+    "entropy",
+    "mutual_information",
+    "disagreement",
+)
+_CLASSES = ("vote", "entropy", "mutual_information", "disagreement")
+
+
+def predict(
+    ens: Ensemble,
+    data: Any,
+    *,
+    reduce: str = "none",
+    batch_size: int | None = None,
+    in_dims: Any = None,
+    softmax: bool = False,
+    chunk_size: int | None = None,
+) -> Any:
+    """Run every member on ``data`` in eval mode under ``torch.no_grad()``, batch by batch.
+
+    The ensemble's mode is restored afterwards. Reductions work per sample, over the member
+    dim, on each member's output ``[samples, ...]``; the class reductions read the last dim
+    as classes:
+
+    * ``"none"``: the members' outputs, ``[n, samples, ...]`` (any pytree of tensors).
+    * ``"mean"``, ``"min"``, ``"max"``: elementwise over the members, ``[samples, ...]``.
+    * ``"variance"``: elementwise population variance over the members (divides by n).
+    * ``"vote"``: each member's argmax class, the most frequent one per sample (ties go to
+      the lowest class index), ``[samples, ...]`` int64.
+    * ``"entropy"``: the entropy of the mean predicted distribution, ``H[mean_i p_i]``
+      (natural log), ``[samples, ...]``: total predictive uncertainty.
+    * ``"mutual_information"``: ``H[mean_i p_i] - mean_i H[p_i]`` (BALD), the part of the
+      entropy that comes from members disagreeing.
+    * ``"disagreement"``: the fraction of member pairs ``i != j`` whose argmax classes
+      differ (0 when n is 1).
+
+    ``entropy`` and ``mutual_information`` need probabilities: pass ``softmax=True`` when the
+    members return logits.
+
+    Args:
+        ens: the ensemble.
+        data: the member's input (a tensor), a tuple of its positional inputs, or an iterable
+            of batches, each one input or a tuple/list of inputs (a ``DataLoader`` over
+            ``TensorDataset(x)`` yields ``[x]``).
+        reduce: one of ``REDUCTIONS``.
+        batch_size: cut tensor ``data`` into batches of this many samples (``None``: one
+            batch). Samples are dim 0 of each input, or dim 1 for inputs mapped with
+            ``in_dims=0`` (one slice per member).
+        in_dims: as in ``Ensemble.forward``: ``None`` (every member sees the same inputs),
+            an int, or one entry per positional input.
+        softmax: apply ``softmax`` over the last dim of each member's output first (members
+            that return logits; ``"mean"`` then averages probabilities).
+        chunk_size: run at most this many members at once (overrides ``ens.chunk_size`` for
+            this call, to bound the activation memory).
+
+    Returns:
+        A tensor (or, with ``reduce="none"``, the output pytree) of the predictions.
+
+    Raises:
+        ValueError: an unknown ``reduce``, bad ``batch_size``/``chunk_size``, per-member
+            inputs of the wrong size, data with no batches.
+        TypeError: ``ens`` is not an Ensemble; a reduction of a non-tensor output.
+
+    Example:
+        >>> ens = Ensemble(lambda: torch.nn.Linear(4, 3), n=5, seed=0)
+        >>> x = torch.randn(10, 4)
+        >>> predict(ens, x, batch_size=4).shape
+        torch.Size([5, 10, 3])
+        >>> predict(ens, x, reduce="entropy", softmax=True).shape
+        torch.Size([10])
+    """
+    api = "predict"
+    if not isinstance(ens, Ensemble):
+        raise TypeError(f"{api}: `ens` must be a vmapens.Ensemble, got {type(ens).__name__}")
+    check_choice(api, "reduce", reduce, REDUCTIONS)
+    for name, value in (("batch_size", batch_size), ("chunk_size", chunk_size)):
+        if value is not None:
+            check_int(api, name, value, minimum=1)
+    outputs = []
+    training, chunks = ens.training, ens.chunk_size
+    ens.eval()
+    if chunk_size is not None:
+        ens.chunk_size = chunk_size
+    try:
+        with torch.no_grad():
+            for batch in _batches(data, batch_size, in_dims, api):
+                out = ens(*batch, in_dims=in_dims)
+                if softmax:
+                    out = optree.tree_map(lambda t: t.softmax(-1), out)
+                outputs.append(out if reduce == "none" else reduce_members(out, reduce))
+    finally:
+        ens.train(training)
+        ens.chunk_size = chunks
+    if not outputs:
+        raise ValueError(f"{api}: `data` yielded no batches")
+    dim = 1 if reduce == "none" else 0
+    return optree.tree_map(lambda *ts: torch.cat(ts, dim=dim), *outputs)
+
+
+def reduce_members(out: Tensor, reduce: str) -> Tensor:
+    """One of ``predict``'s reductions of a stacked output ``[n, samples, ...]`` over dim 0.
+
+    Example:
+        >>> reduce_members(torch.tensor([[0.0, 1.0], [2.0, 5.0]]), "variance")
+        tensor([1., 4.])
+    """
+    check_choice("reduce_members", "reduce", reduce, REDUCTIONS)
+    if not isinstance(out, Tensor):
+        raise TypeError(
+            f"predict: `reduce={reduce!r}` needs the members to return one tensor, got "
+            f"{type(out).__name__}; use reduce='none'"
+        )
+    if reduce == "none":
+        return out
+    if reduce == "mean":
+        return out.mean(0)
+    if reduce == "min":
+        return out.amin(0)
+    if reduce == "max":
+        return out.amax(0)
+    if reduce == "variance":
+        return out.var(0, correction=0)
+    if reduce in ("entropy", "mutual_information"):
+        total = _entropy(out.mean(0))
+        return total if reduce == "entropy" else total - _entropy(out).mean(0)
+    n, classes = out.shape[0], out.shape[-1]
+    counts = torch.nn.functional.one_hot(out.argmax(-1), classes).sum(0)  # [samples, ..., C]
+    if reduce == "vote":
+        return counts.argmax(-1)  # argmax returns the first maximum: ties go to the lowest class
+    if n == 1:
+        return torch.zeros(counts.shape[:-1], dtype=out.dtype, device=out.device)
+    agree = (counts * (counts - 1)).sum(-1).to(out.dtype)
+    return 1 - agree / (n * (n - 1))
+
+
+def _entropy(p: Tensor) -> Tensor:
+    return -torch.special.xlogy(p, p).sum(-1)
+
+
+def _batches(data: Any, batch_size: int | None, in_dims: Any, api: str) -> Iterable[tuple]:
+    """Tuples of positional inputs: tensor data cut along the samples, or the given batches."""
+    if isinstance(data, Tensor) or (
+        isinstance(data, tuple) and data and all(isinstance(t, Tensor) for t in data)
+    ):
+        args = data if isinstance(data, tuple) else (data,)
+        dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args)
+        if len(dims) != len(args):
+            raise ValueError(
+                f"{api}: `in_dims` must be None, an int, or a tuple with one entry per input "
+                f"({len(args)}), got {in_dims!r}"
+            )
+        # Samples are dim 0 of what each member sees: dim 1 of an input mapped at dim 0.
+        axes = [1 if d == 0 else 0 for d in dims]
+        size = args[0].shape[axes[0]]
+        step = size if batch_size is None else batch_size
+        for start in range(0, size, max(step, 1)):
+            yield tuple(
+                a.narrow(ax, start, min(step, size - start)) for a, ax in zip(args, axes)
+            )
+        return
+    if batch_size is not None:
+        raise ValueError(f"{api}: `batch_size` cuts tensor `data`; an iterable is already batched")
+    for batch in data:
+        yield tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)

@@ -1,0 +1,113 @@
+"""Reinforcement-learning helpers for Q-ensembles: target ensembles and random member subsets."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._checks import check_int
+from .ensemble import Ensemble
+
+__all__ = ["make_target", "polyak_", "random_members"]
+
+
+def make_target(online: Ensemble) -> Ensemble:
+    """A target ensemble: a copy of ``online`` whose parameters take no gradient.
+
+    Follow ``online`` with :func:`polyak_` (soft updates) or ``polyak_(target, online, 1.0)``
+    (hard copies). The copy has the same members, mode and options; its tensors are its own.
+
+    Example:
+        >>> online = Ensemble(lambda: torch.nn.Linear(3, 1), n=4, seed=0)
+        >>> target = make_target(online)
+        >>> any(p.requires_grad for p in target.parameters())
+        False
+    """
+    if not isinstance(online, Ensemble):
+        raise TypeError(
+            f"make_target: `online` must be a vmapens.Ensemble, got {type(online).__name__}"
+        )
+    target = online.select(slice(None))
+    target.requires_grad_(False)
+    return target
+
+
+def polyak_(target: Ensemble, online: Ensemble, tau: float) -> None:
+    """Soft update ``target <- (1 - tau) * target + tau * online``, every member at once.
+
+    The parameters move in one fused ``torch._foreach_lerp_`` over the stacked tensors (the
+    update of TD3/SAC/REDQ target networks, Lillicrap et al., 2016); buffers (BatchNorm
+    statistics) are copied from ``online``, as ``load_state_dict`` would.
+
+    Args:
+        target: the ensemble updated in place (e.g. from :func:`make_target`).
+        online: the ensemble it follows: same members, names and shapes.
+        tau: the step toward ``online``, in ``[0, 1]`` (``1.0``: a hard copy).
+
+    Raises:
+        TypeError: not Ensembles, or ``tau`` not a number.
+        ValueError: ``tau`` outside ``[0, 1]``, or the ensembles do not match.
+
+    Example:
+        >>> online = Ensemble(lambda: torch.nn.Linear(3, 1), n=4, seed=0)
+        >>> target = make_target(online)
+        >>> with torch.no_grad():
+        ...     _ = online.stacked_params()["bias"].add_(1.0)
+        >>> polyak_(target, online, tau=0.5)
+        >>> torch.allclose(target.stacked_params()["bias"],
+        ...                online.stacked_params()["bias"] - 0.5)
+        True
+    """
+    api = "polyak_"
+    for name, ens in (("target", target), ("online", online)):
+        if not isinstance(ens, Ensemble):
+            raise TypeError(f"{api}: `{name}` must be a vmapens.Ensemble, got {type(ens).__name__}")
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)):
+        raise TypeError(f"{api}: `tau` must be a float, got {type(tau).__name__}")
+    if not 0.0 <= tau <= 1.0:
+        raise ValueError(f"{api}: `tau` must be in [0, 1], got {tau}")
+    ours, theirs = target.stacked_state(), online.stacked_state()
+    shapes = {k: (t.shape, t.dtype) for k, t in ours.items()}
+    if shapes != {k: (t.shape, t.dtype) for k, t in theirs.items()}:
+        raise ValueError(
+            f"{api}: `target` and `online` must hold the same tensors (names, shapes, dtypes)"
+        )
+    params = target.stacked_params()
+    names = [k for k in params if ours[k].is_floating_point()]
+    with torch.no_grad():
+        if names:
+            torch._foreach_lerp_([ours[k] for k in names], [theirs[k] for k in names], float(tau))
+        for k, t in ours.items():
+            if k not in names:
+                t.copy_(theirs[k])
+
+
+def random_members(
+    n: int, k: int, generator: torch.Generator | None = None, *, device: torch.device | str = "cpu"
+) -> Tensor:
+    """A bool ``[n]`` mask with ``k`` members drawn uniformly without replacement.
+
+    REDQ (Chen et al., 2021) takes the minimum over a random subset of ``k`` of its ``n``
+    Q-functions for every target: ``q.masked_fill(~mask[:, None], inf).amin(0)``. Use the
+    mask as an index (``mask.nonzero()``) or to mask per-member values.
+
+    Args:
+        n: number of members.
+        k: members to draw, ``1 <= k <= n``.
+        generator: the generator to draw from (``None``: torch's global one).
+        device: where the mask lives.
+
+    Example:
+        >>> mask = random_members(10, 2, torch.Generator().manual_seed(0))
+        >>> mask.shape, int(mask.sum())
+        (torch.Size([10]), 2)
+    """
+    api = "random_members"
+    check_int(api, "n", n, minimum=1)
+    check_int(api, "k", k, minimum=1)
+    if k > n:
+        raise ValueError(f"{api}: `k` must be <= `n` ({n}), got {k}")
+    rows = torch.randperm(n, generator=generator)[:k]
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[rows] = True
+    return mask.to(device)

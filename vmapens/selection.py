@@ -1,0 +1,122 @@
+"""Sub-ensembles: the k best members by a score or a recorded metric."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._checks import check_choice, check_int
+from .ensemble import Ensemble
+from .history import History
+from .optim import StackedOptimizer
+
+__all__ = ["best_k", "member_scores"]
+
+
+def member_scores(history: History, metric: str = "val_loss", mode: str = "min") -> Tensor:
+    """Each member's best value of ``metric`` over the epochs, ``[n]`` float64.
+
+    The best value is what ``fit(..., restore_best=True)`` leaves each member at when
+    ``metric`` is the monitored one. Members with no finite value get NaN.
+
+    Args:
+        history: what ``fit`` returned.
+        metric: ``"val_loss"``, ``"train_loss"``, or a metric ``name`` / ``"val_<name>"`` of
+            ``history.metrics``.
+        mode: ``"min"`` or ``"max"``: which end is best.
+
+    Returns:
+        ``[n]`` scores.
+
+    Raises:
+        ValueError: ``metric`` was not recorded, or a bad ``mode``.
+
+    Example:
+        >>> h = History.empty([0, 1], validated=True)
+        >>> h.val_loss = torch.tensor([[3.0, 1.0], [2.0, float("nan")]], dtype=torch.float64)
+        >>> member_scores(h)
+        tensor([2., 1.], dtype=torch.float64)
+    """
+    api = "member_scores"
+    check_choice(api, "mode", mode, ("min", "max"))
+    tables = {"train_loss": history.train_loss, "val_loss": history.val_loss}
+    for name, t in (history.metrics or {}).items():
+        tables[name] = tables[f"val_{name}"] = t
+    table = tables.get(metric)
+    if table is None:
+        known = sorted(k for k, t in tables.items() if t is not None)
+        raise ValueError(f"{api}: `metric` {metric!r} was not recorded; recorded: {known}")
+    finite = torch.isfinite(table)
+    fill = torch.inf if mode == "min" else -torch.inf
+    values = table.masked_fill(~finite, fill)
+    best = values.amin(0) if mode == "min" else values.amax(0)
+    return best.masked_fill(~finite.any(0), torch.nan).double()
+
+
+def best_k(
+    ens: Ensemble,
+    history_or_scores: History | Tensor,
+    k: int,
+    *,
+    metric: str = "val_loss",
+    mode: str = "min",
+    optimizer: StackedOptimizer | None = None,
+) -> Any:
+    """The sub-ensemble of the ``k`` best members, best first (and their optimizer).
+
+    Args:
+        ens: the ensemble.
+        history_or_scores: the :class:`History` of its training (each member scored by its
+            best ``metric``, see :func:`member_scores`) or a ``[n]`` tensor of scores.
+        k: how many members to keep, ``1 <= k <= n``.
+        metric: the recorded metric to rank by (with a History).
+        mode: ``"min"`` (lower is better) or ``"max"``.
+        optimizer: a StackedOptimizer over ``ens``: also return one over the sub-ensemble
+            with the kept members' hyperparameters and state (``StackedOptimizer.select``),
+            to train them on.
+
+    Returns:
+        ``ens.select(rows)`` with the ``k`` best rows in order, best first (ties: lower row
+        first; NaN scores rank last), or ``(sub_ensemble, sub_optimizer)`` with
+        ``optimizer``.
+
+    Raises:
+        ValueError: ``k`` out of range, scores of the wrong shape, an unknown metric.
+        TypeError: ``optimizer`` is not a StackedOptimizer.
+
+    Example:
+        >>> ens = Ensemble(lambda: torch.nn.Linear(2, 1), n=4, seed=0)
+        >>> list(best_k(ens, torch.tensor([0.3, 0.1, 0.4, 0.2]), 2).member_ids)
+        [1, 3]
+    """
+    api = "best_k"
+    n = len(ens)
+    check_int(api, "k", k, minimum=1)
+    if k > n:
+        raise ValueError(f"{api}: `k` must be <= the number of members ({n}), got {k}")
+    check_choice(api, "mode", mode, ("min", "max"))
+    if isinstance(history_or_scores, History):
+        scores = member_scores(history_or_scores, metric, mode)
+    elif isinstance(history_or_scores, Tensor):
+        scores = history_or_scores.detach().double().cpu()
+    else:
+        raise TypeError(
+            f"{api}: `history_or_scores` must be a History or an [n] tensor, got "
+            f"{type(history_or_scores).__name__}"
+        )
+    if tuple(scores.shape) != (n,):
+        raise ValueError(f"{api}: scores must have shape [{n}], got {list(scores.shape)}")
+    if optimizer is not None and not isinstance(optimizer, StackedOptimizer):
+        raise TypeError(
+            f"{api}: `optimizer` must be a vmapens.StackedOptimizer, got "
+            f"{type(optimizer).__name__}"
+        )
+    # Lower is better, NaN last; a stable sort keeps ties in row order.
+    key = (scores if mode == "min" else -scores).nan_to_num(nan=torch.inf, posinf=torch.inf)
+    rows = torch.sort(key, stable=True).indices[:k]
+    sub = ens.select(rows)
+    if optimizer is None:
+        return sub
+    return sub, optimizer.select(rows, sub)
