@@ -15,13 +15,21 @@ from torch.func import vmap
 from ._checks import column, index_rows
 from ._data import Stream
 from ._metrics import Metric, metric_pair, score
+from ._precision import LossScale
 from .checkpoint import check_ensemble_state, check_members, members_of, read, write
 from .distributed import all_reduce_stats
 from .ensemble import Ensemble
 from .history import History
 from .losses import per_member
 
-__all__ = ["Loop", "fingerprint", "hyperparameters_of", "read_checkpoint", "to_device"]
+__all__ = [
+    "Loop",
+    "fingerprint",
+    "hyperparameters_of",
+    "read_checkpoint",
+    "scheduler_options",
+    "to_device",
+]
 
 
 class Loop:
@@ -42,6 +50,7 @@ class Loop:
         self.options: dict[str, Any] = {}
         self.scheduler: Any = None
         self.hooks: Any = None  # fit's callbacks.Hooks: its stateful callbacks are checkpointed
+        self.loss_scale: LossScale | None = None  # precision="fp16": per-member loss scales
         self.global_step = 0
         self.metrics: dict[str, Metric] = {}
         self.scores: tuple[dict[str, Tensor], dict[str, Tensor]] = ({}, {})
@@ -220,6 +229,7 @@ class Loop:
             "best": None if self.best is None else {k: t.cpu() for k, t in self.best.items()},
             "global_step": self.global_step,
             "callbacks": [] if self.hooks is None else self.hooks.state_dict(),
+            "loss_scale": None if self.loss_scale is None else self.loss_scale.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -235,8 +245,12 @@ class Loop:
             and {k: t.shape for k, t in best.items()} != {k: t.shape for k, t in self.best.items()}
         ):
             raise ValueError("best-epoch state does not match")
+        if (state.get("loss_scale") is None) != (self.loss_scale is None):
+            raise ValueError("loss-scale state does not match (precision='fp16' in one run only)")
         if self.hooks is not None:  # first: it checks the callbacks match, and may refuse
             self.hooks.load_state_dict(state.get("callbacks", []))
+        if self.loss_scale is not None:
+            self.loss_scale.load_state_dict(state["loss_scale"])
         self.global_step = state.get("global_step", 0)
         self.stream.pass_, self.stream.pos = state["pass"], state["pos"]
         self.active.copy_(state["active"])
@@ -288,7 +302,7 @@ def read_checkpoint(
         raise ValueError(f"fit: `override` names unknown options {unknown}; known: {sorted(ours)}")
     differ = [k for k in ours if stored.get(k) != ours[k] and k not in override]
     if differ:
-        got = ", ".join(f"{k}={ours[k]!r} (checkpoint: {stored.get(k)!r})" for k in differ)
+        got = ", ".join(_difference(k, ours[k], stored.get(k)) for k in differ)
         raise ValueError(
             f"fit: cannot resume from {where}: it was written by a run with other options: "
             f"{got}; resume with the same arguments, or pass override={tuple(differ)!r} to use "
@@ -298,15 +312,21 @@ def read_checkpoint(
     return payload
 
 
+def _difference(name: str, ours: Any, stored: Any) -> str:
+    """``name=ours (checkpoint: stored)``, naming only the entries that differ in a dict."""
+    if isinstance(ours, dict) and isinstance(stored, dict):
+        keys = [k for k in {**stored, **ours} if ours.get(k) != stored.get(k)]
+        return ", ".join(f"{name}.{k}={ours.get(k)} (checkpoint: {stored.get(k)})" for k in keys)
+    return f"{name}={ours!r} (checkpoint: {stored!r})"
+
+
 def fingerprint(value: Any) -> str:
     """A short text that changes when ``value`` (tensors included) changes, for resume checks."""
 
     def describe(v: Any) -> Any:
         if isinstance(v, Tensor):
             d = v.detach().double().cpu()
-            return ("tensor", tuple(v.shape), str(v.dtype), float(d.sum()), float((d * d).sum()))
-        if isinstance(v, dict):
-            return {str(k): describe(x) for k, x in sorted(v.items(), key=lambda kv: str(kv[0]))}
+            return f"tensor{tuple(v.shape)} {v.dtype} sum={float(d.sum()):.17g} sq={float((d * d).sum()):.17g}"
         if isinstance(v, (list, tuple)):
             return [describe(x) for x in v]
         if isinstance(v, (int, float, str, bool)) or v is None:
@@ -316,10 +336,25 @@ def fingerprint(value: Any) -> str:
     return repr(describe(value))
 
 
-def hyperparameters_of(optimizer: torch.optim.Optimizer) -> str:
-    """The optimizer's hyperparameters as built (not its state), for resume checks."""
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return f"{type(optimizer).__name__}: {fingerprint(groups)}"
+def hyperparameters_of(optimizer: torch.optim.Optimizer) -> dict[str, str]:
+    """The optimizer's hyperparameters as built (not its state), by name, for resume checks."""
+    out = {"class": type(optimizer).__name__}
+    for k, group in enumerate(optimizer.param_groups):
+        for name, v in group.items():
+            if name not in ("params", "initial_lr"):  # initial_lr: set by a scheduler
+                out[f"group{k}.{name}"] = repr(v)
+    return out
+
+
+def scheduler_options(scheduler: Any) -> dict[str, str] | None:
+    """A scheduler's own settings (not what it derived from the optimizer), for resume checks."""
+    if scheduler is None:
+        return None
+    state = scheduler.state_dict()
+    own = {k: repr(v) for k, v in state.items() if not k.startswith("_")}
+    for derived in ("base_lrs", "last_epoch", "optimizer"):
+        own.pop(derived, None)
+    return {"class": type(scheduler).__name__, **own}
 
 
 def to_device(tree: Any, device: torch.device) -> Any:

@@ -22,7 +22,9 @@ def build_scheduler(api: str, scheduler: Any, optimizer: torch.optim.Optimizer) 
             "learning rate on one number; use vmapens.ReduceLROnPlateau, which follows each "
             "member's own validation loss"
         )
-    if not hasattr(scheduler, "step") or not hasattr(scheduler, "state_dict"):
+    if isinstance(scheduler, type) or not (
+        hasattr(scheduler, "step") and hasattr(scheduler, "state_dict")
+    ):
         if not callable(scheduler):
             raise TypeError(
                 f"{api}: `scheduler` must be an LR scheduler or a callable building one from the "

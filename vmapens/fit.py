@@ -23,7 +23,14 @@ from ._data import (
     oob_mask,
     rows_of,
 )
-from ._loop import Loop, fingerprint, hyperparameters_of, read_checkpoint, to_device
+from ._loop import (
+    Loop,
+    fingerprint,
+    hyperparameters_of,
+    read_checkpoint,
+    scheduler_options,
+    to_device,
+)
 from ._metrics import check_monitor
 from ._progress import progress_bar
 from ._schedule import build_scheduler, step_scheduler
@@ -32,8 +39,8 @@ from .checkpoint import apply_parts
 from .distributed import rank_path, world_size
 from .ensemble import Ensemble
 from .history import History
-from .optim import StackedAdam, StackedOptimizer
-from .step import check_optimizer, make_step
+from .optim import StackedOptimizer
+from .step import LossScale, build_optimizer, make_step
 
 __all__ = ["Callback", "fit"]
 
@@ -45,8 +52,7 @@ def fit(
     *,
     epochs: int = 1,
     steps: int | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    lr: float | Sequence[float] | Tensor = 1e-3,
+    optimizer: torch.optim.Optimizer | Callable[[Ensemble], torch.optim.Optimizer] | None = None,
     batch_size: int | None = None,
     shuffle: bool = True,
     bootstrap: bool = False,
@@ -62,10 +68,15 @@ def fit(
     monitor: str = "val_loss",
     mode: str = "min",
     compile: bool = False,
+    clip_grad_norm: float | None = None,
+    clip_grad_value: float | None = None,
+    precision: str | None = None,
+    loss_scale: LossScale | None = None,
     progress: bool | Any = True,
     seed: int | None = None,
     callbacks: Sequence[Callback | Callable[[History], Any]] = (),
     checkpoint: str | os.PathLike | None = None,
+    **hyperparameters: Any,
 ) -> History:
     """Train every member of ``ens`` and return a :class:`History`.
 
@@ -89,11 +100,10 @@ def fit(
         loss_fn: ``(output, target) -> scalar`` for one member, e.g. ``nn.CrossEntropyLoss()``.
         epochs: number of epochs.
         steps: optimizer steps per epoch (``None``: one pass over ``data``).
-        optimizer: defaults to ``StackedAdam(ens, lr=lr)``. Any optimizer over
-            ``ens.parameters()`` works; freezing members (early stopping, divergence) needs a
-            ``vmapens.StackedOptimizer``.
-        lr: learning rate of the default optimizer: a float, or one per member (sequence or
-            1-D tensor of length n).
+        optimizer: an optimizer over ``ens.parameters()``; or a ``vmapens.StackedOptimizer``
+            class or a factory ``(ens) -> optimizer``, which ``fit`` calls as
+            ``optimizer(ens, **hyperparameters)``. Default: ``vmapens.StackedAdam``. Freezing
+            members (early stopping, divergence) needs a ``vmapens.StackedOptimizer``.
         batch_size: samples per batch for ``(X, Y)`` data (``None``: all of them).
         shuffle: reshuffle ``(X, Y)`` every pass, from ``seed`` and the pass number.
         bootstrap: bagging: each member trains on its own resample of ``(X, Y)`` (see
@@ -127,6 +137,13 @@ def fit(
             ``history.best_epoch``: ``"val_loss"`` or ``"val_<name>"`` for a metric.
         mode: ``"min"`` or ``"max"``: whether lower or higher ``monitor`` is better.
         compile: compile the training step (see ``make_step``).
+        clip_grad_norm: clip each member's gradient norm, as ``torch.nn.utils.clip_grad_norm_``
+            clips a model alone (see ``make_step``).
+        clip_grad_value: clamp each gradient element to ``[-v, v]`` (see ``make_step``).
+        precision: ``"bf16"`` or ``"fp16"``: each member's forward and loss under
+            ``torch.autocast`` as for that member alone; ``"fp16"`` with a per-member loss scale
+            (one ``GradScaler`` per member), kept in the checkpoint (see ``make_step``).
+        loss_scale: the ``vmapens.step.LossScale`` for ``"fp16"`` (default: GradScaler's).
         progress: ``True``: a tqdm bar on stderr when it is a terminal; ``False``: quiet; a
             text stream (``io.StringIO``, an open log file): the bar is drawn there always.
             Only rank 0 draws it when ``torch.distributed`` is initialised.
@@ -139,6 +156,10 @@ def fit(
         checkpoint: a file written atomically after every epoch. When it exists at the start,
             training resumes from it and ends exactly as an uninterrupted run would. Under
             ``torch.distributed`` each rank uses its own ``vmapens.distributed.rank_path``.
+        **hyperparameters: keyword arguments that are not ``fit`` options go to the optimizer
+            ``fit`` builds: a float, or one value per member (sequence or 1-D tensor of
+            length n), e.g. ``lr=[1e-3, 1e-2]``, ``momentum=0.9``. An error with an optimizer
+            instance.
 
     Returns:
         The :class:`History`; its rows stop early when every member has stopped.
@@ -200,12 +221,7 @@ def fit(
     check_choice(api, "scheduler_interval", scheduler_interval, ("epoch", "step"))
     if isinstance(override, str) or not all(isinstance(o, str) for o in override):
         raise TypeError(f"{api}: `override` must be a sequence of option names, got {override!r}")
-    if optimizer is None:
-        optimizer = StackedAdam(ens, lr=lr)
-    elif not isinstance(lr, float) or lr != 1e-3:
-        raise ValueError(f"{api}: `lr` configures the default optimizer; give it to `optimizer`")
-    else:
-        check_optimizer(api, ens, optimizer)
+    optimizer = build_optimizer(api, ens, optimizer, hyperparameters)
     maskable = isinstance(optimizer, StackedOptimizer)
     if patience is not None and not maskable:
         raise TypeError(
@@ -224,13 +240,14 @@ def fit(
         "patience": patience,
         "validated": val_data is not None,
         "restore_best": restore_best,
+        **({"precision": precision} if precision is not None else {}),
         # Only when used: checkpoints of runs without metrics stay resumable.
         **({"metrics": sorted(metrics)} if metrics else {}),
         **({"monitor": (monitor, mode)} if (monitor, mode) != ("val_loss", "min") else {}),
         "in_dims": in_dims,
         "val_data": fingerprint(val_data),
         "optimizer": hyperparameters_of(optimizer),
-        "scheduler": None if scheduler is None else fingerprint(scheduler.state_dict()),
+        "scheduler": scheduler_options(scheduler),
     }
     shared_val = None if isinstance(val_data, str) else val_data
     loop = Loop(ens, optimizer, loss_fn, shared_val, patience,
@@ -268,9 +285,14 @@ def fit(
     loop.stream = Stream(source)
     loop.options = options
     per_member_data = bootstrap or in_dims == 0
+    if precision == "fp16" and loss_scale is None:
+        loss_scale = LossScale(len(ens), device=device)
+    loop.loss_scale = loss_scale
     step = make_step(
-        ens, loss_fn, optimizer, in_dims=0 if per_member_data else None, compile=compile
-    )
+        ens, loss_fn, optimizer, in_dims=0 if per_member_data else None, compile=compile,
+        clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value, precision=precision,
+        loss_scale=loss_scale,
+    )  # fmt: skip
     if saved is not None:
         parts = {"ensemble": ens, "optimizer": optimizer, "history": loop.history, "fit": loop}
         if scheduler is not None and "scheduler" not in override:
