@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
+from torch.nn.utils.rnn import PackedSequence
 
 from ._attention import batched_attention
-from ._precision import autocast_members
 from ._checks import check_choice, check_int, expand_in_dims, to_index
 from ._members import (
     Factory,
@@ -26,6 +26,7 @@ from ._members import (
     named_tensors,
     signature,
 )
+from ._precision import autocast_members
 from ._recurrent import batchable
 from ._storage import StackedModule
 
@@ -235,6 +236,13 @@ class Ensemble(StackedModule):
             ValueError: a per-member input whose size along its ``in_dims`` is not ``len(ens)``.
             RuntimeError: the member's forward cannot be batched by ``vmap``.
         """
+
+        packed = [a for a in (*args, *kwargs.values()) if isinstance(a, PackedSequence)]
+        if packed and self.backend == "vmap":
+            raise TypeError(
+                "Ensemble: PackedSequence inputs are not batched by vmap; pad the sequences "
+                "(torch.nn.utils.rnn.pad_sequence) or build the ensemble with backend='loop'"
+            )
 
         def member(state: dict[str, torch.Tensor], *args: Any) -> Any:
             return functional_call(self.runner, state, args, kwargs)
