@@ -220,3 +220,61 @@ def test_transformer_encoder_with_padding_mask_in_eval_equals_members_alone():
                 alone = m.eval()(x, src_key_padding_mask=pad)
             # torch's fast path writes zeros at padded positions; compare the real tokens.
             torch.testing.assert_close(out[i][~pad], alone[~pad], **TOL64)
+
+
+# -- 10. round-off of a parameter whose true gradient is zero --------------------------------
+
+
+class ConvBiasBeforeBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)  # BatchNorm cancels this bias: its true gradient is 0
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def test_zero_gradient_parameters_differ_by_plain_pytorchs_own_round_off():
+    # Adam divides a gradient of pure round-off (~1e-17) by its own running size, so the
+    # bias moves by lr-sized steps whose sign is noise: any change of summation order moves
+    # it, in plain PyTorch too. vmapens stays within what reordering the batch rows gives.
+    twins = [ConvBiasBeforeBatchNorm().double() for _ in range(N)]
+    ens = vmapens.Ensemble.from_modules([copy.deepcopy(m) for m in twins])
+    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedAdam(ens, lr=1e-2))
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(8, 1, 6, 6, generator=g, dtype=torch.float64),
+         torch.randn(8, 3, generator=g, dtype=torch.float64))
+        for _ in range(20)
+    ]  # fmt: skip
+    perm = torch.randperm(8, generator=torch.Generator().manual_seed(2))
+    alone, permuted = _twins_of(twins), _twins_of(twins)
+    for x, y in batches:
+        step(x, y)
+    _train_on(alone, batches)
+    _train_on(permuted, [(x[perm], y[perm]) for x, y in batches])
+
+    def gap(ms, key):
+        return max((a.state_dict()[key] - b.state_dict()[key]).abs().max().item()
+                   for a, b in zip(ms, alone, strict=True))  # fmt: skip
+
+    members = ens.unstack()
+    assert gap(permuted, "conv.bias") > 1e-12  # plain PyTorch moves it too
+    assert gap(members, "conv.bias") <= 10 * gap(permuted, "conv.bias")
+    for key in ("conv.weight", "head.weight", "bn.weight"):  # running_mean includes the bias
+        assert gap(members, key) < 1e-13
+
+
+def _twins_of(models_):
+    return [copy.deepcopy(m) for m in models_]
+
+
+def _train_on(models_, batches):
+    for m in models_:
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        for x, y in batches:
+            opt.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
