@@ -217,3 +217,26 @@ def test_resume_with_other_arguments_is_refused_unless_overridden(tmp_path, chan
     opt_override = {**options, **change, "epochs": 3, "override": (name,)}
     h = vmapens.fit(other, (XS[0], YS[0]), nn.MSELoss(), **opt_override)
     assert h.epochs == 3
+
+
+# -- compile="auto" ------------------------------------------------------------------------------
+
+
+def _graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize(
+    "pays_after_s", [0.0, 3600.0], ids=["long-run-compiles", "short-run-eager"]
+)
+def test_auto_compile_switches_only_when_it_pays_and_results_agree(monkeypatch, pays_after_s):
+    monkeypatch.setattr(vmapens._autocompile, "COMPILE_PAYS_AFTER_S", pays_after_s)
+    options = dict(epochs=3, batch_size=4, shuffle=False, lr=1e-2, progress=False)
+    auto, twins = pair()
+    eager = vmapens.Ensemble.from_modules(twins)
+    before = _graphs()
+    vmapens.fit(auto, (XS[0], YS[0]), nn.MSELoss(), compile="auto", **options)
+    compiled = _graphs() > before
+    assert compiled == (pays_after_s == 0.0)
+    vmapens.fit(eager, (XS[0], YS[0]), nn.MSELoss(), **options)
+    torch.testing.assert_close(auto.state_dict(), eager.state_dict(), **TOL)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -11,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._autocompile import AutoStep
 from ._checks import check_choice, check_int
 from ._data import (
     IterableSource,
@@ -39,8 +42,8 @@ from .checkpoint import apply_parts
 from .distributed import rank_path, world_size
 from .ensemble import Ensemble
 from .history import History
-from .optim import StackedOptimizer
-from .step import LossScale, build_optimizer, make_step
+from .optim import StackedAdam, StackedOptimizer
+from .step import LossScale, check_optimizer, make_step
 
 __all__ = ["Callback", "fit"]
 
@@ -67,7 +70,7 @@ def fit(
     metrics: Mapping[str, Any] | None = None,
     monitor: str = "val_loss",
     mode: str = "min",
-    compile: bool = False,
+    compile: bool | str = False,
     clip_grad_norm: float | None = None,
     clip_grad_value: float | None = None,
     precision: str | None = None,
@@ -136,7 +139,10 @@ def fit(
         monitor: what improvement means for ``patience``, ``restore_best`` and
             ``history.best_epoch``: ``"val_loss"`` or ``"val_<name>"`` for a metric.
         mode: ``"min"`` or ``"max"``: whether lower or higher ``monitor`` is better.
-        compile: compile the training step (see ``make_step``).
+        compile: compile the training step (see ``make_step``); ``"auto"``: train eagerly and
+            switch to the compiled step once the eager steps still to run are estimated to take
+            longer than ``vmapens._autocompile.COMPILE_PAYS_AFTER_S`` (60 s), so a short run
+            is never slowed by a compile. Results equal the eager ones up to round-off.
         clip_grad_norm: clip each member's gradient norm, as ``torch.nn.utils.clip_grad_norm_``
             clips a model alone (see ``make_step``).
         clip_grad_value: clamp each gradient element to ``[-v, v]`` (see ``make_step``).
@@ -219,9 +225,10 @@ def fit(
             f"or a list of n DataLoaders, got {type(data).__name__}"
         )
     check_choice(api, "scheduler_interval", scheduler_interval, ("epoch", "step"))
+    check_choice(api, "compile", compile, (False, True, "auto"))
     if isinstance(override, str) or not all(isinstance(o, str) for o in override):
         raise TypeError(f"{api}: `override` must be a sequence of option names, got {override!r}")
-    optimizer = build_optimizer(api, ens, optimizer, hyperparameters)
+    optimizer = _build_optimizer(api, ens, optimizer, hyperparameters)
     maskable = isinstance(optimizer, StackedOptimizer)
     if patience is not None and not maskable:
         raise TypeError(
@@ -240,7 +247,7 @@ def fit(
         "patience": patience,
         "validated": val_data is not None,
         "restore_best": restore_best,
-        **({"precision": precision} if precision is not None else {}),
+        "precision": precision,
         # Only when used: checkpoints of runs without metrics stay resumable.
         **({"metrics": sorted(metrics)} if metrics else {}),
         **({"monitor": (monitor, mode)} if (monitor, mode) != ("val_loss", "min") else {}),
@@ -288,11 +295,14 @@ def fit(
     if precision == "fp16" and loss_scale is None:
         loss_scale = LossScale(len(ens), device=device)
     loop.loss_scale = loss_scale
-    step = make_step(
-        ens, loss_fn, optimizer, in_dims=0 if per_member_data else None, compile=compile,
+    build = functools.partial(
+        make_step, ens, loss_fn, optimizer, in_dims=0 if per_member_data else None,
         clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value, precision=precision,
         loss_scale=loss_scale,
     )  # fmt: skip
+    step: Callable[..., Tensor] = (
+        build(compile=compile) if isinstance(compile, bool) else build(compile=False)
+    )
     if saved is not None:
         parts = {"ensemble": ens, "optimizer": optimizer, "history": loop.history, "fit": loop}
         if scheduler is not None and "scheduler" not in override:
@@ -307,6 +317,9 @@ def fit(
 
     per_epoch = steps if steps is not None else source.length
     total = epochs * per_epoch if per_epoch else None
+    if compile == "auto":
+        left = None if total is None else total - history.epochs * (per_epoch or 0)
+        step = AutoStep(lambda c: build(compile=c), left)
     bar = progress_bar(progress, total, history.epochs * (per_epoch or 0))
     # Under torch.distributed every rank runs the same epochs (the stop test and the progress
     # totals are collectives at epoch ends); per-step bar updates would only show this rank.
@@ -346,3 +359,45 @@ def fit(
         bar.close()
     loop.finish()
     return history
+
+
+def _build_optimizer(
+    api: str, ens: Ensemble, optimizer: Any, hyperparameters: dict[str, Any]
+) -> torch.optim.Optimizer:
+    """``optimizer`` as ``fit`` takes it: None (StackedAdam), an instance, or a class or
+    factory called as ``optimizer(ens, **hyperparameters)``."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if hyperparameters:
+            names = ", ".join(f"`{k}`" for k in hyperparameters)
+            raise ValueError(
+                f"{api}: {names} configure the optimizer that {api} builds, but `optimizer` is "
+                f"already built ({type(optimizer).__name__}); give them to its constructor, or "
+                "pass its class"
+            )
+        check_optimizer(api, ens, optimizer)
+        return optimizer
+    build = StackedAdam if optimizer is None else optimizer
+    if isinstance(build, type) and not issubclass(build, StackedOptimizer):
+        raise TypeError(
+            f"{api}: an `optimizer` class must be a vmapens.StackedOptimizer, got "
+            f"{build.__name__}; pass an instance over ens.parameters() or a factory "
+            "`lambda ens: ...` instead"
+        )
+    if not callable(build):
+        raise TypeError(
+            f"{api}: `optimizer` must be an optimizer, a StackedOptimizer class or a factory "
+            f"`(ens) -> optimizer`, got {type(build).__name__}"
+        )
+    name = getattr(build, "__name__", type(build).__name__)
+    try:
+        inspect.signature(build).bind(ens, **hyperparameters)
+    except TypeError as err:
+        raise TypeError(
+            f"{api}: {name} does not take these keyword arguments ({err}); {api}'s keyword "
+            "arguments that are not its own options go to the optimizer"
+        ) from None
+    except ValueError:  # no signature to check (a builtin): the call will say
+        pass
+    built = build(ens, **hyperparameters)
+    check_optimizer(api, ens, built)
+    return built

@@ -1,0 +1,55 @@
+"""``fit(compile="auto")``: train eagerly, and compile only when the run is long enough to pay."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["COMPILE_PAYS_AFTER_S", "AutoStep"]
+
+#: Compile once the eager steps still to run would take longer than this. A first compile costs
+#: 3-40 s on a CPU (workload A to a small Transformer, docs/performance.md), and the compiled
+#: step is 2-7x faster, so below this budget compiling could make the run slower end to end.
+COMPILE_PAYS_AFTER_S = 60.0
+#: Eager steps timed before deciding (after one untimed warm-up step).
+TIMED_STEPS = 5
+
+
+class AutoStep:
+    """A training step that starts eager and switches to the compiled step when it pays.
+
+    After a warm-up step and ``TIMED_STEPS`` timed eager steps, it estimates the eager time of
+    the steps still to come; above ``COMPILE_PAYS_AFTER_S`` it builds the compiled step and
+    uses it from then on. With an unknown number of steps it stays eager. The compiled step
+    equals the eager one up to round-off (tests: 1e-9 in float64).
+
+    Args:
+        build: ``build(compile) -> step``, e.g. ``functools.partial(make_step, ens, ...)``.
+        total_steps: steps this run will take (``None`` if unknown).
+    """
+
+    def __init__(
+        self, build: Callable[[bool], Callable[..., torch.Tensor]], total_steps: int | None
+    ):
+        self.build = build
+        self.total_steps = total_steps
+        self.step = build(False)
+        self.compiled = False
+        self.done = 0
+        self.timed_s = 0.0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        deciding = not self.compiled and self.total_steps is not None and self.done <= TIMED_STEPS
+        start = time.perf_counter()
+        losses = self.step(*args, **kwargs)
+        if deciding and self.done > 0:  # the first step warms caches up: not timed
+            self.timed_s += time.perf_counter() - start
+        self.done += 1
+        if deciding and self.done == TIMED_STEPS + 1 and self.total_steps is not None:
+            left = self.total_steps - self.done
+            if left * self.timed_s / TIMED_STEPS > COMPILE_PAYS_AFTER_S:
+                self.step, self.compiled = self.build(True), True
+        return losses
