@@ -36,11 +36,12 @@ _BACKWARD = "_scaled_dot_product_flash_attention_for_cpu_backward"
 # Leading positional tensors of each op (the attention mask is keyword-only in both).
 _N_TENSORS = {_FORWARD: 3, _BACKWARD: 6}
 
-# The kernels and the fast-path switch are process-wide, so one outermost entry sets both up
-# for every thread and nesting depth and the last exit undoes them: a per-entry save/restore
-# would let one thread's exit turn the fast path back on under another thread still inside,
-# and registering the same kernel twice makes torch warn about overriding it. The rule is
-# exact, so a vmapped call elsewhere that meets it in the meantime loses nothing.
+# The fast-path switch is process-wide, so one outermost entry turns it off for every thread
+# and nesting depth and the last exit restores it: a per-entry save/restore would let one
+# thread's exit turn the fast path back on under another thread still inside. The batching
+# rule is registered at the first entry and stays: registering costs ~0.1 ms, too much for
+# every training step, and the rule is exact, so a vmapped call elsewhere that meets it later
+# only runs faster (and without the fallback's warning).
 _lock = threading.Lock()
 _depth = 0
 _library: torch.library.Library | None = None
@@ -92,26 +93,23 @@ def batched_attention() -> Iterator[None]:
 def _enter() -> None:
     global _depth, _library, _fastpath
     with _lock:
-        if _depth == 0:
+        if _library is None:
             lib = torch.library.Library("aten", "IMPL")
             for name in (_FORWARD, _BACKWARD):
                 lib.impl(name, _batching_rule(name), "FuncTorchBatched", with_keyset=True)
             _library = lib
+        if _depth == 0:
             _fastpath = torch.backends.mha.get_fastpath_enabled()
             torch.backends.mha.set_fastpath_enabled(False)
         _depth += 1
 
 
 def _exit() -> None:
-    global _depth, _library
+    global _depth
     with _lock:
         _depth -= 1
         if _depth == 0:
             torch.backends.mha.set_fastpath_enabled(_fastpath)
-            if _library is not None:
-                # Removes the kernels, so vmap's own fallback is back in charge.
-                _library._destroy()
-                _library = None
 
 
 def _batching_rule(name: str) -> Any:

@@ -94,7 +94,10 @@ def gather_history(history: History, dst: int = 0) -> History | None:
     A collective: every rank of the default group must call it. Per-member columns are
     concatenated in rank order (``[epochs, n]`` tables along dim 1, ``[n]`` vectors along
     dim 0, ``member_ids`` lists joined); a rank whose members all stopped early recorded
-    fewer epochs, and its missing rows are NaN, as for any member that stopped.
+    fewer epochs, and its missing rows are NaN, as for any member that stopped. Per-member
+    ``metrics`` are gathered like the losses; ``ensemble_metrics`` scored each rank's own
+    block of members, not the whole ensemble, so the merged history has ``None`` there
+    (score the gathered ensemble with ``vmapens.predict`` instead).
 
     Args:
         history: this rank's ``History`` (a dataclass whose fields are per-member).
@@ -119,7 +122,7 @@ def gather_history(history: History, dst: int = 0) -> History | None:
     merged = {}
     for f in dataclasses.fields(history):
         values = [getattr(p, f.name) for p in parts]
-        merged[f.name] = _merge_columns(values)
+        merged[f.name] = None if f.name == "ensemble_metrics" else _merge_columns(values)
     return dataclasses.replace(parts[0], **merged)
 
 
@@ -127,6 +130,8 @@ def _merge_columns(values: list[Any]) -> Any:
     first = values[0]
     if first is None:
         return None
+    if isinstance(first, dict):  # per-metric tables
+        return {k: _merge_columns([v[k] for v in values]) for k in first}
     if isinstance(first, list):
         return [v for part in values for v in part]
     if first.dim() == 1:
