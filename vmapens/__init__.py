@@ -2,10 +2,12 @@
 
 from ._data import bootstrap_indices
 from ._seeds import member_seed
+from .callbacks import Callback, Context
 from .checkpoint import load, restore, save, save_members
 from .ensemble import Ensemble
 from .fit import fit
 from .history import History
+from .loggers import CSVLogger, TensorBoardLogger
 from .losses import per_member
 from .optim import (
     MemberValues,
@@ -24,13 +26,22 @@ from .optim import (
     clip_grad_value_,
     sgd_update_,
 )
+from .pbt import PBT, exploit_, explore
+from .predict import predict
+from .rl import make_target, polyak_, random_members
+from .selection import best_k
 from .sharding import gather, gather_history
 from .step import make_step
+from .sweep import Sweep
 
 __all__ = [
+    "CSVLogger",
+    "Callback",
+    "Context",
     "Ensemble",
     "History",
     "MemberValues",
+    "PBT",
     "ReduceLROnPlateau",
     "StackedAdagrad",
     "StackedAdam",
@@ -40,18 +51,27 @@ __all__ = [
     "StackedOptimizer",
     "StackedRMSprop",
     "StackedSGD",
+    "Sweep",
+    "TensorBoardLogger",
     "adam_update",
     "adam_update_",
+    "best_k",
     "bootstrap_indices",
     "clip_grad_norm_",
     "clip_grad_value_",
+    "exploit_",
+    "explore",
     "fit",
     "gather",
     "gather_history",
     "load",
     "make_step",
+    "make_target",
     "member_seed",
     "per_member",
+    "polyak_",
+    "predict",
+    "random_members",
     "restore",
     "save",
     "save_members",

@@ -152,6 +152,51 @@ def digits(n: int = 32, plot: str = "vmapens-history.png") -> None:
         print(f"  no plot: {err}")
 
 
+def sweep_demo(n: int = 16, epochs: int = 24, k: int = 5) -> None:
+    """A learning-rate sweep with population-based training on digits, then the top k."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        print("The sweep demo needs scikit-learn: pip install 'vmapens[examples]'")
+        return
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16
+    y = torch.tensor(digits.target)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[order], y[order]
+    a, b = int(0.6 * len(x)), int(0.8 * len(x))
+    train, val, test = (x[:a], y[:a]), (x[a:b], y[a:b]), (x[b:], y[b:])
+
+    def member() -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+    def accuracy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (out.argmax(-1) == target).float().mean()
+
+    ens = vmapens.Ensemble(member, n=n, seed=0)
+    lrs = torch.logspace(-4, -0.5, n)
+    opt = vmapens.StackedAdam(ens, lr=lrs)
+    pbt = vmapens.PBT(interval=4, fraction=0.25, monitor="val_acc", mode="max", seed=0)
+    start = time.perf_counter()
+    history = vmapens.fit(ens, train, nn.CrossEntropyLoss(), epochs=epochs, batch_size=128,
+                          optimizer=opt, val_data=val, metrics={"acc": accuracy},
+                          monitor="val_acc", mode="max", seed=0, progress=False,
+                          callbacks=[pbt])  # fmt: skip
+    seconds = time.perf_counter() - start
+    final = opt.param_groups[0]["lr"]
+    assert history.metrics is not None  # fit was given metrics
+    best_acc = history.metrics["acc"].nan_to_num(-1.0).amax(0)
+    best = int(best_acc.argmax())
+    print(f"\nSweep: {n} MLPs on digits, lr {lrs[0]:.1e}..{lrs[-1]:.1e}, PBT every 4 epochs")
+    print(f"  trained {epochs} epochs in {seconds:.1f} s; {len(pbt.log)} exploit/explore rounds")
+    print(f"  best member: {best} (lr now {final[best]:.2e}), val accuracy {best_acc[best]:.3f}")
+    top = vmapens.best_k(ens, history, k, metric="acc", mode="max")
+    probs = vmapens.predict(top, test[0], reduce="mean", softmax=True)
+    member_acc = vmapens.predict(top, test[0]).argmax(-1).eq(test[1]).float().mean(1)
+    print(f"  test accuracy of the top {k} members: {member_acc.min():.3f}..{member_acc.max():.3f}")
+    print(f"  test accuracy of their averaged ensemble: {accuracy(probs, test[1]):.3f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vmapens", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -162,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="split the members over torchrun's processes (docs/distributed.md)",
     )
+    demo.add_argument(
+        "--sweep",
+        action="store_true",
+        help="an lr sweep with population-based training on digits, then the top-k ensemble",
+    )
     bench = sub.add_parser(
         "bench", help="time vmapens against the naive loop and hand-merged models"
     )
@@ -171,8 +221,13 @@ def main(argv: list[str] | None = None) -> int:
         "--workloads",
         nargs="+",
         default=None,
-        choices=["A", "B", "optim"],
-        help="what to time (default: all; optim is the optimizer step alone)",
+        choices=benchmarks.WORKLOADS,
+        help="what to time (default: all, or a quick subset with --quick); optim: the optimizer "
+        "step alone; cnn/transformer/gru/lstm: real models; result: time to result of "
+        "workload A in fresh processes; compile: first compiled step, cold and warm caches",
+    )
+    bench.add_argument(
+        "--real-n", type=int, default=None, help="N for cnn/transformer/gru/lstm (default 16)"
     )
     bench.add_argument("--json", default=None, help="also write the results to this file")
     bench.add_argument("--quick", action="store_true", help="tiny sizes, a CI smoke test")
@@ -184,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "demo" and args.sharded:
         sharded_demo()
+        return 0
+    if args.command == "demo" and args.sweep:
+        sweep_demo()
         return 0
     if args.command == "demo":
         workload_a(steps=args.steps)
@@ -199,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         options["sizes"] = tuple(args.sizes)
     if args.workloads:
         options["workloads"] = tuple(dict.fromkeys(args.workloads))
+    if args.real_n:
+        options["real_n"] = args.real_n
     results = benchmarks.run(**options)
     print(benchmarks.format_table(results))
     if args.json:

@@ -369,8 +369,9 @@ def _build_optimizer(
     if isinstance(optimizer, torch.optim.Optimizer):
         if hyperparameters:
             names = ", ".join(f"`{k}`" for k in hyperparameters)
+            verb = "configures" if len(hyperparameters) == 1 else "configure"
             raise ValueError(
-                f"{api}: {names} configure the optimizer that {api} builds, but `optimizer` is "
+                f"{api}: {names} {verb} the optimizer that {api} builds, but `optimizer` is "
                 f"already built ({type(optimizer).__name__}); give them to its constructor, or "
                 "pass its class"
             )

@@ -98,7 +98,7 @@ def predict(
     for name, value in (("batch_size", batch_size), ("chunk_size", chunk_size)):
         if value is not None:
             check_int(api, name, value, minimum=1)
-    outputs = []
+    outputs: list[Any] = []
     training, chunks = ens.training, ens.chunk_size
     ens.eval()
     if chunk_size is not None:
@@ -116,7 +116,7 @@ def predict(
     if not outputs:
         raise ValueError(f"{api}: `data` yielded no batches")
     dim = 1 if reduce == "none" else 0
-    return optree.tree_map(lambda *ts: torch.cat(ts, dim=dim), *outputs)
+    return optree.tree_map(lambda *ts: torch.cat(ts, dim=dim), outputs[0], *outputs[1:])
 
 
 def reduce_members(out: Tensor, reduce: str) -> Tensor:
@@ -176,9 +176,7 @@ def _batches(data: Any, batch_size: int | None, in_dims: Any, api: str) -> Itera
         size = args[0].shape[axes[0]]
         step = size if batch_size is None else batch_size
         for start in range(0, size, max(step, 1)):
-            yield tuple(
-                a.narrow(ax, start, min(step, size - start)) for a, ax in zip(args, axes)
-            )
+            yield tuple(a.narrow(ax, start, min(step, size - start)) for a, ax in zip(args, axes))
         return
     if batch_size is not None:
         raise ValueError(f"{api}: `batch_size` cuts tensor `data`; an iterable is already batched")

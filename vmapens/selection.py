@@ -12,7 +12,20 @@ from .ensemble import Ensemble
 from .history import History
 from .optim import StackedOptimizer
 
-__all__ = ["best_k", "member_scores"]
+__all__ = ["best_k", "member_scores", "metric_table"]
+
+
+def metric_table(history: History, name: str, api: str, arg: str) -> Tensor:
+    """The ``[epochs, n]`` table of a recorded metric: ``"train_loss"``, ``"val_loss"``, or a
+    name of ``history.metrics`` (bare or as ``"val_<name>"``)."""
+    tables = {"train_loss": history.train_loss, "val_loss": history.val_loss}
+    for key, t in (history.metrics or {}).items():
+        tables[key] = tables[f"val_{key}"] = t
+    table = tables.get(name)
+    if table is None:
+        known = sorted(k for k, t in tables.items() if t is not None)
+        raise ValueError(f"{api}: `{arg}` {name!r} was not recorded; recorded: {known}")
+    return table
 
 
 def member_scores(history: History, metric: str = "val_loss", mode: str = "min") -> Tensor:
@@ -41,13 +54,7 @@ def member_scores(history: History, metric: str = "val_loss", mode: str = "min")
     """
     api = "member_scores"
     check_choice(api, "mode", mode, ("min", "max"))
-    tables = {"train_loss": history.train_loss, "val_loss": history.val_loss}
-    for name, t in (history.metrics or {}).items():
-        tables[name] = tables[f"val_{name}"] = t
-    table = tables.get(metric)
-    if table is None:
-        known = sorted(k for k, t in tables.items() if t is not None)
-        raise ValueError(f"{api}: `metric` {metric!r} was not recorded; recorded: {known}")
+    table = metric_table(history, metric, api, "metric")
     finite = torch.isfinite(table)
     fill = torch.inf if mode == "min" else -torch.inf
     values = table.masked_fill(~finite, fill)
@@ -110,8 +117,7 @@ def best_k(
         raise ValueError(f"{api}: scores must have shape [{n}], got {list(scores.shape)}")
     if optimizer is not None and not isinstance(optimizer, StackedOptimizer):
         raise TypeError(
-            f"{api}: `optimizer` must be a vmapens.StackedOptimizer, got "
-            f"{type(optimizer).__name__}"
+            f"{api}: `optimizer` must be a vmapens.StackedOptimizer, got {type(optimizer).__name__}"
         )
     # Lower is better, NaN last; a stable sort keeps ties in row order.
     key = (scores if mode == "min" else -scores).nan_to_num(nan=torch.inf, posinf=torch.inf)

@@ -1,0 +1,121 @@
+"""Loggers for ``fit``: per-member scalars after every epoch, to a CSV file or TensorBoard."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+
+from .callbacks import Callback, Context
+from .optim import MemberValues
+
+__all__ = ["CSVLogger", "TensorBoardLogger", "epoch_scalars"]
+
+
+def epoch_scalars(ctx: Context) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """This epoch's per-member scalars (name -> one float per member) and ensemble scalars.
+
+    Per member: ``train_loss``, ``val_loss`` and every metric (NaN once a member has stopped),
+    and ``lr`` of the first param group. Of the ensemble: ``ensemble_<metric>``.
+    """
+    h = ctx.history
+    per: dict[str, list[float]] = {"train_loss": h.train_loss[-1].tolist()}
+    if h.val_loss is not None:
+        per["val_loss"] = h.val_loss[-1].tolist()
+    for name, t in (h.metrics or {}).items():
+        per[name] = t[-1].tolist()
+    lr = ctx.optimizer.param_groups[0].get("lr")
+    if isinstance(lr, MemberValues):
+        per["lr"] = lr.tolist()
+    elif isinstance(lr, (int, float)):
+        per["lr"] = [float(lr)] * len(h.member_ids)
+    whole = {f"ensemble_{k}": float(t[-1]) for k, t in (h.ensemble_metrics or {}).items()}
+    return per, whole
+
+
+class CSVLogger(Callback):
+    """Append one row per member and epoch to a CSV file.
+
+    Columns: ``epoch``, ``member`` (global index), then the scalars of :func:`epoch_scalars`
+    (``train_loss``, ``val_loss``, metrics, ``lr``, ``ensemble_<metric>``, the last the same
+    on every row of an epoch). Stopped members' losses are empty cells. A run that starts at
+    epoch 0 writes a new file; a resumed run appends to it.
+
+    Args:
+        path: the CSV file.
+
+    Example:
+        >>> import torch
+        >>> import csv, tempfile, os
+        >>> from vmapens import Ensemble, fit
+        >>> path = os.path.join(tempfile.mkdtemp(), "log.csv")
+        >>> ens = Ensemble(lambda: torch.nn.Linear(2, 1), n=3, seed=0)
+        >>> _ = fit(ens, (torch.randn(8, 2), torch.randn(8, 1)), torch.nn.MSELoss(), epochs=2,
+        ...         progress=False, callbacks=[CSVLogger(path)])
+        >>> from pathlib import Path
+        >>> rows = list(csv.DictReader(Path(path).read_text().splitlines()))
+        >>> len(rows), sorted(rows[0])
+        (6, ['epoch', 'lr', 'member', 'train_loss'])
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+
+    def on_epoch_end(self, ctx: Context) -> None:
+        per, whole = epoch_scalars(ctx)
+        fields = ["epoch", "member", *per, *whole]
+        fresh = ctx.epoch == 0 or not os.path.exists(self.path)
+        with open(self.path, "w" if fresh else "a", newline="") as f:
+            writer = csv.writer(f)
+            if fresh:
+                writer.writerow(fields)
+            for col, member in enumerate(ctx.history.member_ids):
+                values = [v[col] for v in per.values()] + list(whole.values())
+                writer.writerow([ctx.epoch, member, *(_cell(v) for v in values)])
+
+
+def _cell(v: float) -> str:
+    return "" if math.isnan(v) else repr(v)
+
+
+class TensorBoardLogger(Callback):
+    """Write per-member scalars to TensorBoard after every epoch.
+
+    Tags ``<scalar>/member_<i>`` for each scalar of :func:`epoch_scalars` and member ``i``
+    (global index), ``<scalar>/mean`` over the members still training, and
+    ``ensemble/<metric>`` for the averaged ensemble; the global step is the epoch. Stopped
+    members are not written.
+
+    Args:
+        log_dir: TensorBoard's run directory.
+
+    Raises:
+        ImportError: tensorboard is not installed (``pip install 'vmapens[tensorboard]'``).
+    """
+
+    def __init__(self, log_dir: str | os.PathLike) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            raise ImportError(
+                "TensorBoardLogger needs tensorboard; install it with: "
+                "pip install 'vmapens[tensorboard]'"
+            ) from err
+        self.writer = SummaryWriter(os.fspath(log_dir))
+
+    def on_epoch_end(self, ctx: Context) -> None:
+        per, whole = epoch_scalars(ctx)
+        for name, values in per.items():
+            live = [v for v in values if not math.isnan(v)]
+            for member, v in zip(ctx.history.member_ids, values, strict=True):
+                if not math.isnan(v):
+                    self.writer.add_scalar(f"{name}/member_{member}", v, ctx.epoch)
+            if live:
+                self.writer.add_scalar(f"{name}/mean", sum(live) / len(live), ctx.epoch)
+        for name, v in whole.items():
+            self.writer.add_scalar(f"ensemble/{name.removeprefix('ensemble_')}", v, ctx.epoch)
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        self.writer.close()

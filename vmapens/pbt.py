@@ -1,0 +1,241 @@
+"""Population-based training (Jaderberg et al., 2017) over the members of one ensemble.
+
+``exploit_`` copies members (parameters, buffers, optimizer state and hyperparameters) row to
+row; ``explore`` perturbs members' hyperparameters; ``PBT`` is the ``fit`` callback that does
+both every few epochs. Rows are this process's members (``ens[i]``), as everywhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._checks import check_choice, check_int, index_rows
+from .callbacks import Callback, Context
+from .ensemble import Ensemble
+from .optim import MemberValues, StackedOptimizer
+from .selection import metric_table
+
+__all__ = ["PBT", "exploit_", "explore"]
+
+
+def exploit_(ens: Ensemble, optimizer: torch.optim.Optimizer | None, src: Any, dst: Any) -> None:
+    """Members ``dst[j]`` become copies of members ``src[j]``, in place.
+
+    Copied: parameters, buffers, every per-member optimizer state tensor (moments, step
+    counts) and per-member hyperparameters (``MemberValues`` in ``param_groups``), so a copy
+    continues exactly as its source would. All rows are read before any is written.
+
+    Args:
+        ens: the ensemble.
+        optimizer: its optimizer, or ``None`` to copy the members alone. Any optimizer over
+            ``ens.parameters()`` works; state tensors without a member dim (a plain Adam's
+            shared step count) are left alone.
+        src: the source rows (a sequence of ints or a 1-D integer tensor; repeats allowed).
+        dst: the destination rows, as many as ``src``, without repeats.
+
+    Raises:
+        ValueError: ``src`` and ``dst`` differ in length, or ``dst`` repeats a row.
+        IndexError: a row out of range.
+
+    Example:
+        >>> from vmapens import StackedAdam
+        >>> ens = Ensemble(lambda: torch.nn.Linear(2, 1), n=3, seed=0)
+        >>> opt = StackedAdam(ens, lr=[0.1, 0.2, 0.3])
+        >>> exploit_(ens, opt, [0], [2])
+        >>> torch.equal(ens.stacked_params()["weight"][2], ens.stacked_params()["weight"][0])
+        True
+        >>> opt.param_groups[0]["lr"]
+        MemberValues([0.1, 0.2, 0.1])
+    """
+    api = "exploit_"
+    n = len(ens)
+    s, d = index_rows(api, src, n), index_rows(api, dst, n)
+    if len(s) != len(d):
+        raise ValueError(
+            f"{api}: `src` and `dst` must have the same length, got {len(s)} and {len(d)}"
+        )
+    if len(set(d.tolist())) != len(d):
+        raise ValueError(f"{api}: `dst` must not repeat a row, got {d.tolist()}")
+    tensors: dict[int, Tensor] = {id(t): t for t in ens.stacked_state().values()}
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                for v in optimizer.state.get(p, {}).values():
+                    # Shared tensors (one step count per group) are copied once.
+                    if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == n:
+                        tensors[id(v)] = v
+            for key, value in group.items():
+                if isinstance(value, MemberValues):
+                    group[key] = _copy_rows(value, s, d)
+                elif isinstance(value, tuple) and any(isinstance(v, MemberValues) for v in value):
+                    group[key] = tuple(
+                        _copy_rows(v, s, d) if isinstance(v, MemberValues) else v for v in value
+                    )
+    with torch.no_grad():
+        for t in tensors.values():
+            t[d.to(t.device)] = t[s.to(t.device)]
+
+
+def _copy_rows(values: MemberValues, s: Tensor, d: Tensor) -> MemberValues:
+    out = list(values)
+    for i, j in zip(s.tolist(), d.tolist(), strict=True):
+        out[j] = values[i]
+    return MemberValues(out)
+
+
+def explore(
+    optimizer: StackedOptimizer,
+    members: Any,
+    factors: Sequence[float] = (0.8, 1.2),
+    generator: torch.Generator | None = None,
+    *,
+    names: Sequence[str] = ("lr",),
+) -> None:
+    """Multiply each of ``members``' hyperparameters by a factor drawn from ``factors``.
+
+    One draw per member and name (uniform over ``factors``, from ``generator``), applied in
+    every param group; the values stay ``MemberValues`` (a shared float becomes one value
+    per member), so schedulers and compiled steps keep working.
+
+    Args:
+        optimizer: a StackedOptimizer.
+        members: the rows to perturb (a sequence of ints or a 1-D integer tensor).
+        factors: the multipliers to draw from.
+        generator: the generator to draw from (``None``: torch's global one).
+        names: the hyperparameters to perturb (single-valued ones, not ``betas``).
+
+    Raises:
+        TypeError: ``optimizer`` is not a StackedOptimizer.
+        ValueError: an unknown or paired hyperparameter, empty ``factors``, or a perturbed
+            value that the optimizer refuses (e.g. ``momentum`` past 1).
+
+    Example:
+        >>> from vmapens import StackedSGD
+        >>> ens = Ensemble(lambda: torch.nn.Linear(2, 1), n=3, seed=0)
+        >>> opt = StackedSGD(ens, lr=0.1)
+        >>> explore(opt, [1], factors=(2.0,))
+        >>> opt.param_groups[0]["lr"]
+        MemberValues([0.1, 0.2, 0.1])
+    """
+    api = "explore"
+    if not isinstance(optimizer, StackedOptimizer):
+        raise TypeError(
+            f"{api}: `optimizer` must be a vmapens.StackedOptimizer (per-member "
+            f"hyperparameters), got {type(optimizer).__name__}"
+        )
+    factors = [float(f) for f in factors]
+    if not factors:
+        raise ValueError(f"{api}: `factors` must not be empty")
+    n = optimizer.num_members
+    rows = index_rows(api, members, n).tolist()
+    hypers = optimizer.hyperparameters
+    for name in names:
+        if name not in hypers or hypers[name].pair:
+            single = sorted(k for k, h in hypers.items() if not h.pair)
+            raise ValueError(f"{api}: `names` must be among {single}, got {name!r}")
+    new_groups = []
+    for name in names:
+        draws = torch.randint(len(factors), (len(rows),), generator=generator).tolist()
+        for group in optimizer.param_groups:
+            value = group[name]
+            values = list(value) if isinstance(value, MemberValues) else [float(value)] * n
+            for row, k in zip(rows, draws, strict=True):
+                values[row] *= factors[k]
+            hyper = hypers[name]
+            for v in values:
+                if not hyper.ok(v):
+                    raise ValueError(f"{api}: `{name}` would become {v}, must be {hyper.rule}")
+            new_groups.append((group, name, MemberValues(values)))
+    for group, name, new in new_groups:  # all checked: nothing changes on error
+        group[name] = new
+
+
+class PBT(Callback):
+    """Population-based training as a ``fit`` callback: exploit and explore every few epochs.
+
+    Every ``interval`` epochs the members still training are ranked by ``monitor`` (this
+    epoch's value); each of the bottom ``fraction`` copies a member drawn uniformly from the
+    top ``fraction`` (:func:`exploit_`, and it takes over ``fit``'s best-so-far bookkeeping,
+    so ``restore_best`` stays coherent), then has its hyperparameters perturbed
+    (:func:`explore`). All draws come from one generator seeded with ``seed``: a run is
+    deterministic, and its state is in ``fit``'s checkpoint, so a resumed run is
+    bit-identical to an uninterrupted one.
+
+    Args:
+        interval: epochs between two exploit/explore rounds.
+        fraction: the share of members copied from and to, in ``(0, 0.5]`` (at least one
+            member each when two or more are ranked).
+        monitor: ``"val_loss"``, ``"train_loss"``, or a metric ``name`` / ``"val_<name>"``.
+        mode: ``"min"`` or ``"max"``: which end of ``monitor`` is better.
+        factors: the multipliers ``explore`` draws from.
+        names: the hyperparameters ``explore`` perturbs.
+        seed: seeds the generator.
+
+    Attributes:
+        log: one ``(epoch, src, dst)`` entry per round: rows ``dst`` copied rows ``src``.
+
+    Example:
+        >>> from vmapens import fit, StackedAdam
+        >>> ens = Ensemble(lambda: torch.nn.Linear(2, 1), n=4, seed=0)
+        >>> x, y = torch.randn(16, 2), torch.randn(16, 1)
+        >>> pbt = PBT(interval=1, seed=0)
+        >>> _ = fit(ens, (x, y), torch.nn.MSELoss(), epochs=2, val_data=(x, y), progress=False,
+        ...         optimizer=StackedAdam(ens, lr=[1e-3, 1e-2, 1e-1, 1.0]), callbacks=[pbt])
+        >>> len(pbt.log)
+        2
+    """
+
+    def __init__(
+        self,
+        interval: int,
+        *,
+        fraction: float = 0.25,
+        monitor: str = "val_loss",
+        mode: str = "min",
+        factors: Sequence[float] = (0.8, 1.2),
+        names: Sequence[str] = ("lr",),
+        seed: int = 0,
+    ) -> None:
+        api = "PBT"
+        check_int(api, "interval", interval, minimum=1)
+        if not 0 < fraction <= 0.5:
+            raise ValueError(f"{api}: `fraction` must be in (0, 0.5], got {fraction}")
+        check_choice(api, "mode", mode, ("min", "max"))
+        check_int(api, "seed", seed)
+        self.interval, self.fraction, self.monitor, self.mode = interval, fraction, monitor, mode
+        self.factors, self.names = tuple(factors), tuple(names)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.log: list[tuple[int, list[int], list[int]]] = []
+
+    def on_epoch_end(self, ctx: Context) -> None:
+        if (ctx.epoch + 1) % self.interval:
+            return
+        values = metric_table(ctx.history, self.monitor, "PBT", "monitor")[-1].double()
+        key = values if self.mode == "min" else -values
+        eligible = (ctx.active.cpu() & torch.isfinite(key)).nonzero().flatten()
+        m = len(eligible)
+        q = min(max(1, int(m * self.fraction)), m // 2)
+        if q == 0:
+            return
+        order = eligible[torch.sort(key[eligible], stable=True).indices]
+        top, bottom = order[:q], order[m - q :]
+        src = top[torch.randint(q, (q,), generator=self.generator)]
+        if not isinstance(ctx.optimizer, StackedOptimizer):
+            raise TypeError(
+                f"PBT: needs a vmapens.StackedOptimizer, got {type(ctx.optimizer).__name__}"
+            )
+        exploit_(ctx.ensemble, ctx.optimizer, src, bottom)
+        ctx.inherit(src, bottom)
+        explore(ctx.optimizer, bottom, self.factors, self.generator, names=self.names)
+        self.log.append((ctx.epoch, src.tolist(), bottom.tolist()))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state(), "log": list(self.log)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+        self.log = [(e, list(s), list(d)) for e, s, d in state["log"]]

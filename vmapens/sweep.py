@@ -1,0 +1,329 @@
+"""Hyperparameter sweeps where each trial is one member: optuna ask-and-tell, or grid/random.
+
+A round asks for N trials, builds one Ensemble whose member ``j`` is trial ``j`` (its own
+seed, its own optimizer hyperparameters), trains it with ``fit`` and tells the results. With
+optuna, every member reports its monitored value after each epoch and a pruned trial's
+member is frozen (``fit``'s member mask) while the others train on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._checks import check_choice, check_int
+from ._seeds import derive_seed, member_seed
+from .callbacks import Callback, Context
+from .ensemble import Ensemble
+from .fit import fit
+from .history import History
+from .optim import StackedAdam
+from .selection import member_scores, metric_table
+
+__all__ = ["Sweep", "SweepResult", "TrialResult"]
+
+BACKENDS = ("optuna", "random", "grid")
+
+
+@dataclass
+class TrialResult:
+    """One trial: its hyperparameters and what its member did.
+
+    Attributes:
+        number: the trial number (0, 1, ... in the order asked).
+        params: the hyperparameters ``space`` chose.
+        value: the best monitored value over its epochs (NaN if none was finite).
+        state: ``"complete"``, ``"pruned"`` or ``"failed"`` (no finite value).
+        values: the monitored value after each epoch it trained.
+        round: which ensemble (round) it was trained in; ``member``: its row there.
+    """
+
+    number: int
+    params: dict[str, Any]
+    value: float
+    state: str
+    values: list[float]
+    round: int
+    member: int
+
+
+@dataclass
+class SweepResult:
+    """Every trial's result, and the trained ensembles and histories, one per round."""
+
+    trials: list[TrialResult]
+    ensembles: list[Ensemble] = field(default_factory=list)
+    histories: list[History] = field(default_factory=list)
+    mode: str = "min"
+
+    @property
+    def best(self) -> TrialResult:
+        """The complete trial with the best value."""
+        done = [t for t in self.trials if t.state == "complete"]
+        if not done:
+            raise ValueError("SweepResult.best: no trial completed")
+        sign = 1.0 if self.mode == "min" else -1.0
+        return min(done, key=lambda t: sign * t.value)
+
+
+class _PlainTrial:
+    """The part of ``optuna.Trial`` a ``space`` uses, for the grid and random backends."""
+
+    def __init__(self, number: int, rng: random.Random, grid: Mapping[str, Any] | None):
+        self.number, self._rng, self._grid = number, rng, grid
+        self.params: dict[str, Any] = {}
+        self.intermediate_values: dict[int, float] = {}
+
+    def _pick(self, name: str, draw: Callable[[], Any]) -> Any:
+        if self._grid is not None:
+            if name not in self._grid:
+                raise ValueError(f"Sweep: `space` asked for {name!r}, which `grid` does not hold")
+            value = self._grid[name]
+        else:
+            value = draw()
+        self.params[name] = value
+        return value
+
+    def suggest_float(
+        self, name: str, low: float, high: float, *, log: bool = False, step: float | None = None
+    ) -> float:
+        def draw() -> float:
+            if log:
+                return math.exp(self._rng.uniform(math.log(low), math.log(high)))
+            if step is not None:
+                return low + step * self._rng.randint(0, int((high - low) / step))
+            return self._rng.uniform(low, high)
+
+        return self._pick(name, draw)
+
+    def suggest_int(
+        self, name: str, low: int, high: int, *, step: int = 1, log: bool = False
+    ) -> int:
+        def draw() -> int:
+            if log:
+                return round(math.exp(self._rng.uniform(math.log(low), math.log(high))))
+            return low + step * self._rng.randint(0, (high - low) // step)
+
+        return self._pick(name, draw)
+
+    def suggest_categorical(self, name: str, choices: Sequence[Any]) -> Any:
+        return self._pick(name, lambda: self._rng.choice(list(choices)))
+
+    def report(self, value: float, step: int) -> None:
+        self.intermediate_values[step] = value
+
+    def should_prune(self) -> bool:
+        return False  # the plain backends do not prune
+
+
+class _Report(Callback):
+    """Reports each member's monitored value to its optuna trial; freezes pruned members."""
+
+    def __init__(self, trials: list[Any], monitor: str, pruning: bool):
+        self.trials, self.monitor, self.pruning = trials, monitor, pruning
+        self.pruned: set[int] = set()
+
+    def on_epoch_end(self, ctx: Context) -> None:
+        row = metric_table(ctx.history, self.monitor, "Sweep", "monitor")[-1]
+        active = ctx.active.cpu()
+        for j, trial in enumerate(self.trials):
+            if not bool(active[j]) or not math.isfinite(float(row[j])):
+                continue
+            trial.report(float(row[j]), ctx.epoch)
+            if self.pruning and trial.should_prune():
+                self.pruned.add(j)
+                ctx.stop([j])
+
+
+class Sweep:
+    """A sweep of ``space`` over members of one architecture: one trial per member.
+
+    Args:
+        factory: builds one member (as for ``Ensemble``).
+        space: ``space(trial) -> dict`` of optimizer hyperparameters (``lr``,
+            ``weight_decay``, ...), drawn with ``trial.suggest_float`` / ``suggest_int`` /
+            ``suggest_categorical`` (an ``optuna.Trial``, or the same methods in the grid
+            and random backends).
+        backend: ``"optuna"`` (needs ``pip install 'vmapens[optuna]'``), ``"random"`` or
+            ``"grid"``.
+        study: the optuna study to ask and tell (default: a new one with a TPE sampler
+            seeded with ``seed``, and optuna's median pruner).
+        grid: with ``backend="grid"``: name -> list of values; trials run their product in
+            order.
+        seed: trial ``t``'s member is built with ``vmapens.member_seed(seed, t)``; also the
+            random backend's draws and fit's ``seed`` (shuffling) unless given to ``run``.
+        optimizer: ``optimizer(ens, **per_member_hyperparameters)``, e.g. ``StackedAdam``.
+        monitor: ``"val_loss"``, ``"train_loss"`` or ``"val_<metric>"`` (a metric given to
+            ``run`` through ``fit``'s ``metrics``): what trials are judged by.
+        mode: ``"min"`` or ``"max"``.
+
+    Example:
+        >>> import torch
+        >>> x, y = torch.randn(32, 3), torch.randn(32, 1)
+        >>> sweep = Sweep(lambda: torch.nn.Linear(3, 1),
+        ...               lambda t: {"lr": t.suggest_float("lr", 1e-3, 1e-1, log=True)},
+        ...               backend="random", seed=0)
+        >>> result = sweep.run((x, y), torch.nn.MSELoss(), n_trials=4, epochs=2,
+        ...                    val_data=(x, y), progress=False)
+        >>> len(result.trials), result.best.state
+        (4, 'complete')
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[], Any],
+        space: Callable[[Any], dict[str, Any]],
+        *,
+        backend: str = "optuna",
+        study: Any = None,
+        grid: Mapping[str, Sequence[Any]] | None = None,
+        seed: int = 0,
+        optimizer: Callable[..., Any] = StackedAdam,
+        monitor: str = "val_loss",
+        mode: str = "min",
+    ) -> None:
+        api = "Sweep"
+        check_choice(api, "backend", backend, BACKENDS)
+        check_choice(api, "mode", mode, ("min", "max"))
+        check_int(api, "seed", seed)
+        if not callable(space):
+            raise TypeError(f"{api}: `space` must be callable, got {type(space).__name__}")
+        if (grid is None) != (backend != "grid"):
+            raise ValueError(f"{api}: `grid` is needed with backend='grid', and only there")
+        if study is not None and backend != "optuna":
+            raise ValueError(f"{api}: `study` needs backend='optuna', got {backend!r}")
+        self.factory, self.space, self.backend, self.seed = factory, space, backend, seed
+        self.optimizer, self.monitor, self.mode = optimizer, monitor, mode
+        self.grid = None if grid is None else {k: list(v) for k, v in grid.items()}
+        self.study = study
+        if backend == "optuna":
+            self.study = study if study is not None else self._new_study()
+        self._asked = 0
+
+    def _new_study(self) -> Any:
+        try:
+            import optuna
+        except ImportError as err:
+            raise ImportError(
+                "Sweep(backend='optuna') needs optuna; install it with: "
+                "pip install 'vmapens[optuna]', or use backend='random' or 'grid'"
+            ) from err
+        return optuna.create_study(
+            direction="minimize" if self.mode == "min" else "maximize",
+            sampler=optuna.samplers.TPESampler(seed=self.seed),
+            pruner=optuna.pruners.MedianPruner(),
+        )
+
+    def _ask(self) -> Any:
+        number = self._asked
+        self._asked += 1
+        if self.backend == "optuna":
+            return self.study.ask()
+        grid = None
+        if self.grid is not None:
+            combos = list(itertools.product(*self.grid.values()))
+            grid = dict(zip(self.grid, combos[number % len(combos)], strict=True))
+        return _PlainTrial(number, random.Random(derive_seed(self.seed, "sweep", number)), grid)
+
+    def run(
+        self,
+        data: Any,
+        loss_fn: Callable[[Any, Any], Any],
+        *,
+        n_trials: int | None = None,
+        per_ensemble: int | None = None,
+        **fit_options: Any,
+    ) -> SweepResult:
+        """Ask, train and tell ``n_trials`` trials, ``per_ensemble`` members at a time.
+
+        Args:
+            data: training data, as for ``fit``.
+            loss_fn: the member loss, as for ``fit``.
+            n_trials: trials in all (default with ``backend="grid"``: the grid's size).
+            per_ensemble: trials per round (default: all in one). Later rounds let optuna's
+                sampler learn from earlier ones, and its pruner compare with them.
+            **fit_options: passed to ``fit`` (``epochs``, ``batch_size``, ``val_data``,
+                ``metrics``, ``callbacks``, ...; not ``optimizer`` or ``lr``).
+
+        Returns:
+            A :class:`SweepResult`.
+
+        Raises:
+            ValueError: bad counts, ``fit`` options the sweep sets itself, hyperparameters
+                the optimizer does not take.
+        """
+        api = "Sweep.run"
+        if n_trials is None:
+            if self.grid is None:
+                raise ValueError(f"{api}: `n_trials` is needed unless backend='grid'")
+            n_trials = math.prod(len(v) for v in self.grid.values())
+        check_int(api, "n_trials", n_trials, minimum=1)
+        per = n_trials if per_ensemble is None else check_int(api, "per_ensemble", per_ensemble, 1)
+        taken = sorted({"optimizer", "lr"} & set(fit_options))
+        if taken:
+            raise ValueError(f"{api}: the sweep builds the optimizer; do not pass {taken}")
+        if self.monitor.startswith("val_"):
+            fit_options = {"monitor": self.monitor, "mode": self.mode, **fit_options}
+        fit_options.setdefault("seed", self.seed)
+        result = SweepResult([], mode=self.mode)
+        for start in range(0, n_trials, per):
+            self._round(data, loss_fn, min(per, n_trials - start), fit_options, result)
+        return result
+
+    def _round(
+        self, data: Any, loss_fn: Any, count: int, options: dict[str, Any], result: SweepResult
+    ) -> None:
+        trials = [self._ask() for _ in range(count)]
+        params = [dict(self.space(t)) for t in trials]
+        numbers = [t.number for t in trials]
+        ens = Ensemble(self.factory, count, seeds=[member_seed(self.seed, k) for k in numbers])
+        names = list(params[0])
+        if any(list(p) != names for p in params):
+            raise ValueError("Sweep: `space` must return the same hyperparameter names every time")
+        hyper = {k: _per_member([p[k] for p in params], self.optimizer, k) for k in names}
+        optimizer = self.optimizer(ens, **hyper)
+        report = _Report(trials, self.monitor, self.backend == "optuna")
+        callbacks = [*options.get("callbacks", ()), report]
+        history = fit(
+            ens, data, loss_fn, optimizer=optimizer, **{**options, "callbacks": callbacks}
+        )
+        best = member_scores(history, self.monitor, self.mode)
+        table = metric_table(history, self.monitor, "Sweep", "monitor")
+        for j, trial in enumerate(trials):
+            values = [float(v) for v in table[:, j] if math.isfinite(float(v))]
+            value = float(best[j])
+            state = "pruned" if j in report.pruned else "complete"
+            state = state if math.isfinite(value) else "failed"
+            if self.backend == "optuna":
+                self._tell(trial, state, value)
+            result.trials.append(
+                TrialResult(trial.number, params[j], value, state, values, len(result.ensembles), j)
+            )
+        result.ensembles.append(ens)
+        result.histories.append(history)
+
+    def _tell(self, trial: Any, state: str, value: float) -> None:
+        import optuna
+
+        if state == "complete":
+            self.study.tell(trial, value)
+        else:
+            kind = optuna.trial.TrialState
+            self.study.tell(trial, state=kind.PRUNED if state == "pruned" else kind.FAIL)
+
+
+def _per_member(values: list[Any], optimizer: Any, name: str) -> Any:
+    """One hyperparameter's per-member values as the optimizer takes them (pairs as two)."""
+    hypers = getattr(optimizer, "hyperparameters", None)
+    if isinstance(hypers, dict) and name not in hypers:
+        raise ValueError(
+            f"Sweep: `space` returned {name!r}, which {optimizer.__name__} does not take; "
+            f"per-member hyperparameters: {sorted(hypers)}"
+        )
+    if isinstance(hypers, dict) and hypers[name].pair:
+        return tuple(list(v) for v in zip(*values, strict=True))
+    return values
