@@ -355,7 +355,9 @@ def _compiled_step(
     device = next(iter(ens.parameters())).device
     mode = "reduce-overhead" if device.type == "cuda" else None
     # Inductor otherwise keeps fused intermediates in float32 where eager rounds to bf16/fp16.
-    options = None if update.dtype is None else {"emulate_precision_casts": True}
+    options: dict[str, Any] | None = (
+        None if update.dtype is None else {"emulate_precision_casts": True}
+    )
     # dynamic=False: shapes are fixed per ensemble, and functorch's grad cannot trace symbolic
     # sizes. _own_code: dynamo caches compiled graphs on the code object, so every make_step
     # would otherwise share one cache (and its recompile limit) with every other ensemble.
