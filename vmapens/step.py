@@ -124,9 +124,11 @@ def make_step(
         return _compiled_step(ens, member_loss, optimizer, in_dims, update)
     batched = ens.member_map(member_loss, (in_dims, in_dims))
 
+    # The stacked parameters keep their identity through .to() / .double(): list them once.
+    params = [p for p in ens.parameters() if p.requires_grad]
+
     def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         args = _check_call(ens, optimizer, inputs, targets, mask, in_dims)
-        params = [p for p in ens.parameters() if p.requires_grad]
         old_grads = [p.grad for p in params]
         undo = _undo_point(ens, optimizer)
         try:

@@ -110,7 +110,7 @@ def adam_update_(
     bias_correction1 = 1 - torch.pow(beta1, t)
     bias_correction2_sqrt = (1 - torch.pow(beta2, t)).sqrt()
     if v_max is not None:
-        torch.maximum(v_max, exp_avg_sq, out=v_max)
+        v_max.copy_(torch.maximum(v_max, exp_avg_sq))  # out= on a state view breaks compile
     denom = torch.sqrt(exp_avg_sq if v_max is None else v_max, out=workspace)
     denom.div_(col(bias_correction2_sqrt)).add_(col(eps))
     # torch's capturable Adam folds the step size into the denominator the same way.

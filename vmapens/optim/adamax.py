@@ -71,7 +71,9 @@ def adamax_update_(
     if isinstance(weight_decay, Tensor) or weight_decay != 0:
         g = g + col(weight_decay) * param
     exp_avg.lerp_(g, col(1 - beta1))
-    torch.maximum(exp_inf.mul_(col(beta2)), torch.abs(g, out=workspace).add_(col(eps)), out=exp_inf)
+    # clamp_min_ is torch.maximum in place (NaN included); `out=` would break dynamo's graph
+    # on a non-contiguous state view.
+    exp_inf.mul_(col(beta2)).clamp_min_(torch.abs(g, out=workspace).add_(col(eps)))
     clr = lr / (1 - torch.pow(beta1, step.double()))
     param.addcdiv_(torch.mul(exp_avg, col(-clr), out=workspace), exp_inf)
 

@@ -11,14 +11,15 @@ the plain torch optimizer, and sub-ensemble selection.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_mask, column, index_rows
+from .._checks import check_mask, column
+from ._flat import FlatState, layout, rows
+from ._handoff import MemberHandOff
 from ._hyper import (
     NONNEGATIVE,
     UNIT,
@@ -28,15 +29,9 @@ from ._hyper import (
     group_args,
     local_values,
     member_column,
-    pick_group,
 )
 
 __all__ = ["NONNEGATIVE", "UNIT", "Hyper", "Scalar", "StackedOptimizer", "member_column"]
-
-
-def _rows(t: Tensor) -> Tensor:
-    """View a stacked tensor as [n, k] (k may be 0) so per-member scalars broadcast as [n, 1]."""
-    return t.reshape(t.shape[0], math.prod(t.shape[1:]))
 
 
 def _params_of(params: Any) -> list[Any]:
@@ -47,7 +42,7 @@ def _params_of(params: Any) -> list[Any]:
     return list(params)
 
 
-class StackedOptimizer(torch.optim.Optimizer):
+class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
     """Base class of stacked optimizers: member ``i`` of every tensor is ``p[i]``.
 
     Subclasses set :attr:`hyperparameters` (name -> :class:`Hyper`, in torch's order),
@@ -120,10 +115,6 @@ class StackedOptimizer(torch.optim.Optimizer):
 
     # -- hyperparameters ------------------------------------------------------------------------
 
-    @property
-    def _api(self) -> str:
-        return type(self).__name__
-
     def _leading_n(self, tensors: Sequence[Any]) -> int:
         api = self._api
         if not tensors:
@@ -189,6 +180,12 @@ class StackedOptimizer(torch.optim.Optimizer):
         call this themselves; a compiled step calls it before entering the graph.
         """
         for index, group in enumerate(self.param_groups):
+            flat = self._flat[index]
+            # Packed for these parameters as they are: the per-step fast path. Not while
+            # tracing: reading every state entry makes dynamo guard on them.
+            fast = flat is not None and not torch.compiler.is_compiling()
+            if fast and flat is not None and flat["key"] == layout(group["params"]):
+                continue
             names = self.state_names(group)
             changed = False
             # New state shares one step count per group (what the flat update needs).
@@ -217,74 +214,29 @@ class StackedOptimizer(torch.optim.Optimizer):
                         state[key] = t.to(dtype=p.dtype, device=p.device)
                         changed = True
             flat = self._flat[index]
-            if changed or flat is None or flat["key"] != _layout(group["params"]):
+            if changed or flat is None or flat["key"] != layout(group["params"]):
                 self._pack(index)
 
-    def _pack(self, index: int) -> None:
-        """Move the group's state into flat ``[n, total]`` buffers that the state keeps views of.
-
-        While every parameter of the group has a gradient and one shared step count, a step
-        is then one update on a single ``[n, total]`` tensor.
-        """
-        group = self.param_groups[index]
-        params = group["params"]
-        key = _layout(params)
-        if len({(p.dtype, p.device) for p in params}) != 1:
-            self._flat[index] = {"key": key, "step": None}  # mixed: per-tensor updates only
-            return
-        states = [self.state[p] for p in params]
-        scalars = {}
-        for name in self.scalar_state(group):
-            shared = states[0][name]
-            if not torch.compiler.is_compiling() and all(
-                torch.equal(s[name], shared) for s in states
-            ):
-                for s in states:  # equal counts (e.g. after load_state_dict): share them again
-                    s[name] = shared
-            scalars[name] = shared
-        flat: dict[str, Any] = {"key": key, "step": scalars["step"], "scalars": scalars}
-        flat["views"] = {}
-        # Kept between steps for the concatenated parameters, gradients and a scratch tensor:
-        # on CPU, fresh [n, total] temporaries every step make the system allocator hand pages
-        # back and fault them in again (3x slower at n=4096). CUDA's allocator reuses blocks.
-        total = sum(p[0].numel() for p in params)
-        p0 = params[0]
-        flat["workspace"] = (
-            torch.empty(3, self.num_members, total, dtype=p0.dtype).unbind()
-            if p0.device.type == "cpu"
-            else (None, None, None)
-        )
-        for name in self.state_names(group):
-            flat[name] = torch.cat([_rows(s[name]) for s in states], dim=1)
-            offset, views = 0, []
-            for s, p in zip(states, params, strict=True):
-                size = p[0].numel()
-                s[name] = flat[name][:, offset : offset + size].view(p.shape)
-                views.append(s[name])
-                offset += size
-            flat["views"][name] = views
-        self._flat[index] = flat
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict saved by ``state_dict()`` (then re-flatten the state)."""
+        """Load a state dict saved by ``state_dict()`` (checked first, then re-flattened).
+
+        Raises:
+            ValueError: state for unknown parameters, or tensors whose leading dim is not n.
+        """
+        params = [p for g in self.param_groups for p in g["params"]]
+        for k, state in dict(state_dict.get("state", {})).items():
+            if not isinstance(k, int) or not 0 <= k < len(params):
+                raise ValueError(f"{self._api}.load_state_dict: state for unknown parameter {k!r}")
+            for name, v in state.items():
+                if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] != self.num_members:
+                    raise ValueError(
+                        f"{self._api}.load_state_dict: `{name}` of parameter {k} has shape "
+                        f"{tuple(v.shape)}, expected [n={self.num_members}, ...]"
+                    )
         super().load_state_dict(state_dict)
         self._flat = [None] * len(self.param_groups)
         if self.state:
             self.prepare()
-
-    def _flat_state(self, index: int, grads: list[Tensor | None]) -> dict | None:
-        """Group ``index``'s flat buffers when the single-tensor update applies, else None."""
-        flat = self._flat[index]
-        if flat is None or flat["step"] is None or any(g is None for g in grads):
-            return None
-        params = self.param_groups[index]["params"]
-        for k, p in enumerate(params):
-            s = self.state[p]
-            if not p.is_contiguous() or any(s[c] is not v for c, v in flat["scalars"].items()):
-                return None
-            if any(s[key] is not views[k] for key, views in flat["views"].items()):
-                return None
-        return flat
 
     # -- stepping ------------------------------------------------------------------------------
 
@@ -298,7 +250,7 @@ class StackedOptimizer(torch.optim.Optimizer):
         # Everything an update writes in place before its last op, copied so that a failed
         # step changes nothing (a compiled graph runs whole or not at all: no copy there).
         saved = [] if torch.compiler.is_compiling() else self._written(plan)
-        backup = [t.clone() for t in saved]
+        backup = self._backup_of(saved)
         try:
             with torch.no_grad():
                 for index, group, g, flat in plan:
@@ -308,6 +260,22 @@ class StackedOptimizer(torch.optim.Optimizer):
                 for t, b in zip(saved, backup, strict=True):
                     t.copy_(b)
             raise
+
+    def _backup_of(self, tensors: list[Tensor]) -> list[Tensor]:
+        """Copies of ``tensors`` in buffers kept between steps (one foreach copy, no allocation).
+
+        Fresh clones every step would make the CPU allocator hand pages back and fault them in
+        again, as for the flat workspace (see ``_pack``).
+        """
+        if not tensors:
+            return []
+        key = tuple((id(t), t.shape, t.dtype, t.device) for t in tensors)
+        cached = self.__dict__.get("_backup")
+        if cached is None or cached[0] != key:
+            cached = (key, [torch.empty_like(t) for t in tensors])
+            self.__dict__["_backup"] = cached
+        torch._foreach_copy_(cached[1], tensors)
+        return cached[1]
 
     def _written(self, plan: list) -> list[Tensor]:
         out: dict[int, Tensor] = {}
@@ -331,17 +299,17 @@ class StackedOptimizer(torch.optim.Optimizer):
         params = group["params"]
         args = group_args(group, self.hyperparameters, params[0].device)
         if flat is not None:
-            rows = [_rows(p) for p in params]  # views: the params are contiguous
+            views = [rows(p) for p in params]  # views: the params are contiguous
             work = flat["workspace"]
-            p = torch.cat(rows, dim=1, out=work[0])
+            p = torch.cat(views, dim=1, out=work[0])
             dense = cast("list[Tensor]", g)  # _flat_state found no None gradient
-            flat_grad = torch.cat([_rows(x) for x in dense], dim=1, out=work[1])
+            flat_grad = torch.cat([rows(x) for x in dense], dim=1, out=work[1])
             state = {k: flat[k] for k in flat["views"]}
             state.update(flat["scalars"])
             if work[2] is not None:
                 state["_workspace"] = work[2]
             self._masked(p, flat_grad, state, args, mask)
-            torch._foreach_copy_(rows, list(p.split([r.shape[1] for r in rows], dim=1)))
+            torch._foreach_copy_(views, list(p.split([r.shape[1] for r in views], dim=1)))
             return
         states = [self.state[p] for p in params]
         for name in self.scalar_state(group):
@@ -418,97 +386,8 @@ class StackedOptimizer(torch.optim.Optimizer):
 
     # -- members -------------------------------------------------------------------------------
 
-    def member_state_dict(self, i: int, module: nn.Module | None = None) -> dict[str, Any]:
-        """Member ``i``'s optimizer state, loadable by the plain torch optimizer.
-
-        Build ``torch_class`` over the member's parameters with the same param-group layout,
-        then ``opt.load_state_dict(stacked.member_state_dict(i))`` continues member ``i``
-        alone on exactly its ensemble trajectory.
-
-        Args:
-            i: Member index (negative counts from the end).
-            module: Optional member module; its parameters are checked against the stacked
-                ones (count and shapes, in order).
-
-        Returns:
-            A ``torch.optim.Optimizer`` state dict with member ``i``'s float hyperparameters
-            and cloned slices of its state.
-
-        Raises:
-            IndexError: ``i`` out of range.
-            ValueError: ``module``'s parameters do not match.
-        """
-        api = f"{self._api}.member_state_dict"
-        n = self.num_members
-        if not -n <= i < n:
-            raise IndexError(f"{api}: `i`={i} out of range for n={n}")
-        i %= n
-        params = [p for g in self.param_groups for p in g["params"]]
-        if module is not None:
-            shapes = [tuple(p.shape) for p in module.parameters()]
-            expected = [tuple(p.shape[1:]) for p in params]
-            if shapes != expected:
-                raise ValueError(
-                    f"{api}: `module` parameters do not match the stacked ones; got shapes "
-                    f"{shapes}, expected {expected} (same order)"
-                )
-        groups, state, start = [], {}, 0
-        for group in self.param_groups:
-            ids = list(range(start, start + len(group["params"])))
-            start += len(ids)
-            groups.append({**pick_group(group, self.hyperparameters, [i]), "params": ids})
-            for k, p in zip(ids, group["params"], strict=True):
-                member = self.member_state(self.state[p], group, i) if self.state[p] else {}
-                if member:
-                    state[k] = member
-        return {"state": state, "param_groups": groups}
-
-    def select(self, index: Any, params: Any) -> StackedOptimizer:
-        """A new optimizer of this class for a sub-ensemble, with its members' state.
-
-        Args:
-            index: the members kept, as for ``Ensemble.select``.
-            params: the sub-ensemble (``ens.select(index)``) or its stacked parameters, in the
-                same order as this optimizer's.
-
-        Returns:
-            An optimizer whose member ``k`` has member ``index[k]``'s hyperparameters and state.
-
-        Raises:
-            ValueError: ``params`` does not match this optimizer's parameters.
-        """
-        rows = index_rows(f"{self._api}.select", index, self.num_members)
-        new_params = _params_of(params)
-        old = [p for g in self.param_groups for p in g["params"]]
-        shapes = [tuple(p.shape[1:]) for p in new_params]
-        if shapes != [tuple(p.shape[1:]) for p in old]:
-            raise ValueError(
-                f"{self._api}.select: `params` do not match this optimizer's parameters "
-                f"(member shapes {shapes})"
-            )
-        picked = rows.tolist()
-        groups, start = [], 0
-        for group in self.param_groups:
-            size = len(group["params"])
-            groups.append(
-                {
-                    **pick_group(group, self.hyperparameters, picked),
-                    "params": new_params[start : start + size],
-                }
-            )
-            start += size
+    def _fresh(self, groups: list[dict[str, Any]], defaults: dict[str, Any]) -> StackedOptimizer:
+        """A new optimizer of this class over ``groups``, with no state (for ``select``)."""
         new = type(self).__new__(type(self))
-        defaults = pick_group(self.defaults, self.hyperparameters, picked)
         StackedOptimizer.__init__(new, groups, defaults)
-        for p_old, p_new in zip(old, new_params, strict=True):
-            if self.state[p_old]:
-                new.state[p_new] = {
-                    k: v[rows.to(v.device)].clone() for k, v in self.state[p_old].items()
-                }
-        if new.state:
-            new.prepare()
         return new
-
-
-def _layout(params: list[Tensor]) -> tuple:
-    return tuple((p.dtype, p.device, tuple(p.shape)) for p in params)

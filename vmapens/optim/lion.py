@@ -91,9 +91,8 @@ class StackedLion(StackedOptimizer):
         >>> opt = StackedLion([w], lr=[1e-4, 1e-3])
         >>> w.grad = torch.tensor([[1.0, -2.0, 0.0]]).repeat(2, 1)
         >>> opt.step()
-        >>> w.detach()
-        tensor([[-0.0001,  0.0001,  0.0000],
-                [-0.0010,  0.0010,  0.0000]])
+        >>> (w.detach() * 1e4).tolist()
+        [[-1.0, 1.0, 0.0], [-10.0, 10.0, 0.0]]
     """
 
     hyperparameters: ClassVar[dict[str, Hyper]] = {

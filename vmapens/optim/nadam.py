@@ -72,7 +72,7 @@ def nadam_update_(
         ...               beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
         ...               momentum_decay=4e-3)
         >>> p[:, 0]
-        tensor([-0.1000, -0.2000])
+        tensor([-0.1056, -0.2113])
     """
 
     def col(x: Scalar) -> Scalar:
@@ -129,7 +129,7 @@ class StackedNAdam(StackedOptimizer):
         >>> w.grad = torch.ones(2, 3)
         >>> opt.step()
         >>> w[:, 0], opt.state[w]["mu_product"]
-        (tensor([-0.0020, -0.0200], grad_fn=<SelectBackward0>), tensor([0.4502, 0.4502]))
+        (tensor([-0.0021, -0.0211], grad_fn=<SelectBackward0>), tensor([0.4501, 0.4501]))
     """
 
     hyperparameters: ClassVar[dict[str, Hyper]] = {

@@ -89,10 +89,11 @@ def rmsprop_update_(
     avg.add_(col(eps))
     if momentum_buffer is not None:
         momentum_buffer.mul_(col(momentum)).addcdiv_(g, avg)
-        if isinstance(lr, Tensor):
-            param.addcmul_(momentum_buffer, col(-lr))
+        step_size = col(-lr)
+        if isinstance(step_size, Tensor):
+            param.addcmul_(momentum_buffer, step_size)
         else:
-            param.add_(momentum_buffer, alpha=-lr)
+            param.add_(momentum_buffer, alpha=step_size)
     elif isinstance(lr, Tensor):
         param.addcdiv_(g * col(-lr), avg)
     else:
@@ -162,7 +163,7 @@ class StackedRMSprop(StackedOptimizer):
         super().__init__(params, defaults)
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
-        names = ("square_avg",)
+        names: tuple[str, ...] = ("square_avg",)
         names += ("momentum_buffer",) if max(_values(group["momentum"])) > 0 else ()
         return (*names, "grad_avg") if group["centered"] else names
 
