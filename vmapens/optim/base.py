@@ -299,7 +299,15 @@ class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
         params = group["params"]
         args = group_args(group, self.hyperparameters, params[0].device)
         if flat is not None:
-            views = [rows(p) for p in params]  # views: the params are contiguous
+            # Row views of the params, kept while the params keep their storage (a
+            # `p.data = ...` elsewhere gives new storage, and new views).
+            if torch.compiler.is_compiling():
+                views = [rows(p) for p in params]
+            else:
+                ptrs = [p.data_ptr() for p in params]
+                if flat.get("ptrs") != ptrs:
+                    flat["ptrs"], flat["rows"] = ptrs, [rows(p) for p in params]
+                views = flat["rows"]
             work = flat["workspace"]
             p = torch.cat(views, dim=1, out=work[0])
             dense = cast("list[Tensor]", g)  # _flat_state found no None gradient
@@ -308,7 +316,13 @@ class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
             state.update(flat["scalars"])
             if work[2] is not None:
                 state["_workspace"] = work[2]
+            if flat.get("uniform") is None and not torch.compiler.is_compiling():
+                step = flat["step"]
+                flat["uniform"] = bool((step == step[0]).all()) if step.numel() else True
+            state["_uniform"] = flat.get("uniform", False)
             self._masked(p, flat_grad, state, args, mask)
+            if mask is not None and not torch.compiler.is_compiling() and not bool(mask.all()):
+                flat["uniform"] = False  # the masked members' step counts fell behind
             torch._foreach_copy_(views, list(p.split([r.shape[1] for r in views], dim=1)))
             return
         states = [self.state[p] for p in params]
