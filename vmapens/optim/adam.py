@@ -267,9 +267,5 @@ def _fusable(state: dict[str, Tensor], group: dict[str, Any]) -> bool:
     flat CPU path, not under compile."""
     if not state.get("_uniform") or "_workspace" not in state or torch.compiler.is_compiling():
         return False
-    names = ("lr", "eps", "weight_decay")
-    if any(isinstance(group[k], Tensor) for k in names) or any(
-        isinstance(b, Tensor) for b in group["betas"]
-    ):
-        return False
-    return True
+    values = [group["lr"], group["eps"], group["weight_decay"], *group["betas"]]
+    return not any(isinstance(v, Tensor) for v in values)
