@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import doctest
+import importlib
 import json
+import pkgutil
 import sys
+import types
 
 import pytest
 import torch
 
 from vmapens import bench
+from vmapens.bench import _optional
 
 #: Peak (and held) RSS over the stacked parameters plus one member, as the issue bounds it.
 MEMORY_FACTOR = 1.2
@@ -78,6 +83,7 @@ BAD_RUNS = [
     pytest.param({"workloads": ("C",)}, "run: `workloads` must be", id="unknown-workload"),
     pytest.param({"sizes": (0,)}, "run: `sizes` must be positive ints", id="zero-size"),
     pytest.param({"optim_sizes": ()}, "run: `optim_sizes` must be", id="no-optim-size"),
+    pytest.param({"real_n": 0}, "run: `real_n` must be positive ints", id="zero-real-n"),
 ]
 
 
@@ -91,3 +97,111 @@ def test_run_rejects_bad_arguments(kwargs, match):
 def test_build_memory_rejects_bad_n(value):
     with pytest.raises(ValueError, match="build_memory: `n` must be a positive int"):
         bench.build_memory(value)
+
+
+#: The losses of the real-model rows agree with the naive loop's to float32 rounding.
+REAL_TOL = {"rtol": 1e-5, "atol": 1e-6}
+REAL_ROWS = [
+    pytest.param(workload, impl, id=f"{workload}-{impl}")
+    for workload, rows in bench.WORKLOAD_REAL.items()
+    for impl in rows
+    if impl not in ("naive", "vmapens_compiled")
+    and (workload, impl) not in {("gru", "torchfunc"), ("lstm", "torchfunc")}
+]
+
+
+@pytest.mark.parametrize(("workload", "impl"), REAL_ROWS)
+def test_real_rows_train_the_same_members_as_the_naive_loop(workload, impl):
+    # Losses of three steps: the first checks the forward, the next two the updates.
+    cpu = torch.device("cpu")
+    naive = bench.WORKLOAD_REAL[workload]["naive"](2, cpu)
+    step = bench.WORKLOAD_REAL[workload][impl](2, cpu)
+    expected = torch.stack([naive() for _ in range(3)])
+    torch.testing.assert_close(torch.stack([step() for _ in range(3)]), expected, **REAL_TOL)
+
+
+@pytest.mark.parametrize("workload", ["gru", "lstm"])
+def test_recipe_without_batchable_is_reported_not_raised(workload):
+    with pytest.raises(NotImplementedError, match="Batching rule not implemented"):
+        bench.WORKLOAD_REAL[workload]["torchfunc"](2, torch.device("cpu"))
+
+
+def test_run_quick_real_smoke():
+    # One workload that batches and one whose bare recipe cannot: both kinds of row.
+    results = bench.run(workloads=("cnn", "gru"), quick=True, threads=1)
+    assert json.loads(json.dumps(results)) == results
+    for workload in ("cnn", "gru"):
+        factories = bench.WORKLOAD_REAL[workload]
+        rows = {r["impl"]: r for r in results[workload]["rows"]}
+        assert list(rows) == list(factories)
+        assert results[workload]["n"] == bench.QUICK_REAL_N
+        assert rows["vmapens_compiled"]["status"] == "skipped"
+        assert rows["naive"]["status"] == rows["vmapens_eager"]["status"] == "ok", rows
+    gru = {r["impl"]: r for r in results["gru"]["rows"]}
+    assert gru["torchfunc"]["status"] == "n/a" and "aten::gru" in gru["torchfunc"]["reason"]
+    table = bench.format_table(results)
+    assert "target: vmapens_eager >= 2x naive" in table
+    assert "n/a torchfunc: NotImplementedError" in table
+
+
+def test_time_to_result_runs_in_fresh_processes():
+    rows = bench.time_to_result(2, 3, rows=["naive", "merged"])
+    assert [r["impl"] for r in rows] == ["naive", "merged"]
+    for r in rows:
+        assert 0 < r["first_s"] <= r["run_s"] < r["process_s"], r
+        assert r["graphs"] == 0  # nothing compiled in an eager run
+    table = bench.format_table({"meta": _META, "result": {"rows": rows}})
+    assert "Time to result" in table and "run/merged" in table
+
+
+_META = {"torch": torch.__version__, "device": "cpu", "threads": 1, "quick": True}
+
+
+def test_compile_table_renders_every_mode():
+    rows = [
+        {"workload": "A", "mode": mode, "first_s": 1.0, "second_s": 1e-3, "process_s": 3.0,
+         "graphs": 1, "fx_hit": int(mode != "cold"), "fx_miss": int(mode == "cold"),
+         "aot_hit": 0, "aot_miss": 1}
+        for mode in ("cold", "warm", "mega")
+    ]  # fmt: skip
+    table = bench.format_table({"meta": _META, "compile": {"rows": rows}})
+    assert "First compiled step" in table and "0/1" in table and "1/0" in table
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        pytest.param(
+            lambda: bench.time_to_result(rows=["fast"]), "time_to_result: `rows`", id="row"
+        ),
+        pytest.param(
+            lambda: bench.first_step_times(["gru"]), "first_step_times: `workloads`", id="wl"
+        ),
+    ],
+)
+def test_compile_time_rejects_unknown_names(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_optional_optimizers_get_only_the_arguments_they_take(monkeypatch):
+    calls = []
+    fake = types.SimpleNamespace(
+        run_optimizers=lambda device, quick=False: calls.append((device, quick)) or {"ok": 1},
+        format_optimizers=lambda results: f"optimizers: {results['ok']}",
+    )
+    monkeypatch.setattr(_optional, "optimizers", fake)
+    assert _optional.run_optimizers(torch.device("cpu"), True, print) == {"ok": 1}
+    assert calls == [(torch.device("cpu"), True)]
+    assert _optional.format_optimizers({"ok": 1}) == ["optimizers: 1"]
+
+
+BENCH_MODULES = sorted(m.name for m in pkgutil.iter_modules(bench.__path__, "vmapens.bench."))
+
+
+@pytest.mark.parametrize("name", BENCH_MODULES)
+def test_bench_docstring_examples(name, monkeypatch, tmp_path):
+    # tests/test_docs.py runs the package's top-level modules only.
+    monkeypatch.chdir(tmp_path)
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"

@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from collections.abc import Callable
 from types import ModuleType
@@ -18,16 +19,13 @@ from typing import Any
 
 import torch
 
-try:
-    from . import optimizers as _module
-except ModuleNotFoundError as err:  # not written yet: only its own absence is tolerated
-    if err.name != f"{__package__}.optimizers":
-        raise
-    _module = None
+# Only its absence is tolerated: an optimizers.py that fails to import raises as usual.
+optimizers: ModuleType | None = None
+if importlib.util.find_spec(f"{__package__}.optimizers") is not None:
+    from . import optimizers  # type: ignore[attr-defined,no-redef,unused-ignore]
 
-#: The optimizer module, or None.
-optimizers: ModuleType | None = _module
-AVAILABLE = optimizers is not None
+#: Whether ``vmapens/bench/optimizers.py`` exists.
+AVAILABLE: bool = optimizers is not None
 
 
 def _accepted(fn: Callable, **kwargs: Any) -> dict[str, Any]:

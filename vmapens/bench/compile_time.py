@@ -108,13 +108,18 @@ def _child(code: str, api: str, cache_dir: str | None) -> dict:
 
 
 def time_to_result(
-    n: int = RESULT_N, steps: int = RESULT_STEPS, *, log: Callable[[str], None] | None = None
+    n: int = RESULT_N,
+    steps: int = RESULT_STEPS,
+    *,
+    rows: Sequence[str] = tuple(RESULT_ROWS),
+    log: Callable[[str], None] | None = None,
 ) -> list[dict]:
     """Workload A trained from scratch, compilation included, each row in a fresh process.
 
     Args:
         n: Number of MLPs.
         steps: Training steps.
+        rows: Keys of :data:`RESULT_ROWS` to run, in its order.
         log: Called with a progress line before each row.
 
     Returns:
@@ -122,13 +127,21 @@ def time_to_result(
         the imports), ``first_s`` (its first step), ``process_s`` (the whole child process,
         interpreter start and ``import torch`` included) and torch's compile counters.
 
+    Raises:
+        ValueError: If a row is unknown.
+
     Example:
-        >>> [r["impl"] for r in time_to_result(2, 3)][:2]
-        ['naive', 'merged']
+        >>> [r["impl"] for r in time_to_result(2, 3, rows=["naive"])]
+        ['naive']
     """
-    rows = []
+    unknown = [r for r in rows if r not in RESULT_ROWS]
+    if unknown:
+        raise ValueError(f"time_to_result: `rows` must be among {list(RESULT_ROWS)}, got {unknown}")
+    out = []
     with tempfile.TemporaryDirectory(prefix="vmapens-inductor-") as cache:
         for name, (impl, mode) in RESULT_ROWS.items():
+            if name not in rows:
+                continue
             if log:
                 log(f"time to result: {name}, {steps} steps, fresh process")
             code = (
@@ -136,8 +149,8 @@ def time_to_result(
                 f"print(json.dumps(_result_here({impl!r}, {n}, {steps})))"
             )
             # `warm` follows `cold` in RESULT_ROWS: it finds the directory cold just filled.
-            rows.append({"impl": name, **_child(code, "time_to_result", cache if mode else None)})
-    return rows
+            out.append({"impl": name, **_child(code, "time_to_result", cache if mode else None)})
+    return out
 
 
 def first_step_times(
@@ -170,8 +183,11 @@ def first_step_times(
         with tempfile.TemporaryDirectory(prefix="vmapens-inductor-") as tmp:
             blob = os.path.join(tmp, "artifacts.bin")
             cache, fresh = os.path.join(tmp, "cache"), os.path.join(tmp, "fresh")
-            plans = {"cold": (cache, blob, None), "warm": (cache, None, None)}
-            plans["mega"] = (fresh, None, blob)
+            plans: dict[str, tuple[str, str | None, str | None]] = {
+                "cold": (cache, blob, None),
+                "warm": (cache, None, None),
+                "mega": (fresh, None, blob),
+            }
             for mode, (directory, save, load) in plans.items():
                 if log:
                     log(f"first compiled step: {workload}, {mode} cache, fresh process")

@@ -2,6 +2,9 @@
 
 Each workload has the same rows, all step factories ``factory(n, device) -> step``:
 
+Every step returns the members' losses ``[n]``, and member ``i`` is built after
+``torch.manual_seed(i)`` in every row, so all rows train the same members.
+
 * ``naive``: N plain modules, each with its own ``torch.optim.Adam``, one after another.
 * ``torchfunc``: the bare torch.func recipe: ``stack_module_state`` + ``vmap(functional_call)``
   + the sum of the member losses, ``backward`` and one ``torch.optim.Adam(foreach=True)``.
@@ -15,11 +18,13 @@ the plain recipe cannot vmap ``aten::gru``/``aten::lstm`` (no batching rule), so
 
 Example:
     >>> step = WORKLOAD_REAL["cnn"]["vmapens_eager"](2, torch.device("cpu"))
-    >>> step()
+    >>> step().shape
+    torch.Size([2])
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import warnings
@@ -119,8 +124,12 @@ def _probe(forward: Callable[[], object]) -> None:
 
 
 def _members(workload: str, n: int, device: torch.device) -> list[nn.Module]:
-    torch.manual_seed(0)
-    return [_SPECS[workload][0]().to(device) for _ in range(n)]
+    """Member ``i`` is built after ``torch.manual_seed(i)``, in every row: the same members."""
+    members = []
+    for i in range(n):
+        torch.manual_seed(i)
+        members.append(_SPECS[workload][0]().to(device))
+    return members
 
 
 def naive(workload: str, n: int, device: torch.device) -> Step:
@@ -129,11 +138,15 @@ def naive(workload: str, n: int, device: torch.device) -> Step:
     loss_fn, models = _SPECS[workload][2], _members(workload, n, device)
     opts = [torch.optim.Adam(m.parameters()) for m in models]
 
-    def step() -> None:
+    def step() -> torch.Tensor:
+        losses = []
         for model, opt in zip(models, opts, strict=True):
             opt.zero_grad()
-            loss_fn(model(x), y).backward()
+            loss = loss_fn(model(x), y)
+            loss.backward()
             opt.step()
+            losses.append(loss.detach())
+        return torch.stack(losses)
 
     return step
 
@@ -159,16 +172,15 @@ def torchfunc(
     _probe(lambda: losses(params, buffers, x, y))
     opt = torch.optim.Adam(params.values(), foreach=True)
 
-    def step() -> None:
+    def step() -> torch.Tensor:
         opt.zero_grad()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", _FALLBACK, UserWarning)
-            if attn:
-                with batched_attention():
-                    losses(params, buffers, x, y).sum().backward()
-            else:
-                losses(params, buffers, x, y).sum().backward()
+            with batched_attention() if attn else contextlib.nullcontext():
+                out = losses(params, buffers, x, y)
+            out.sum().backward()
         opt.step()
+        return out.detach()
 
     return step
 
@@ -181,7 +193,7 @@ def vmapens_step(workload: str, n: int, device: torch.device, *, compile: bool) 
     """
     x, y = _data(workload, device)
     factory, _, loss_fn, _ = _SPECS[workload]
-    ens = Ensemble(lambda: factory().to(device), n, seed=0)
+    ens = Ensemble(lambda: factory().to(device), n, seeds=range(n))
     _probe(lambda: ens(x))
     step = make_step(ens, loss_fn, StackedAdam(ens), compile=compile)
     return lambda: step(x, y)

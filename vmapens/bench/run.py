@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from ._tools import time_rounds
+from ._optional import AVAILABLE, run_optimizers
+from ._tools import Step, time_rounds
 from .compile_time import first_step_times, time_to_result
 from .memory import build_memory
-from ._optional import AVAILABLE, run_optimizers
 from .real import REAL_N, WORKLOAD_REAL
 from .workloads import (
     HEADS,
@@ -37,12 +37,10 @@ from .workloads import (
 DEFAULT_SIZES = (1, 5, 15, 64, 256, 1024, 4096)
 QUICK_SIZES = (1, 15)
 #: Ensemble size of the real-model workloads in quick mode (their compiled rows are skipped).
-QUICK_REAL_N = 4
+QUICK_REAL_N = 2
 REAL = tuple(WORKLOAD_REAL)
 #: Everything ``run`` can time; "optimizers" only once ``vmapens/bench/optimizers.py`` exists.
-WORKLOADS = ("A", "B", "optim", *REAL, "result", "compile") + (
-    ("optimizers",) if AVAILABLE else ()
-)
+WORKLOADS = ("A", "B", "optim", *REAL, "result", "compile") + (("optimizers",) if AVAILABLE else ())
 #: What quick mode times (a CI smoke run, under a minute on 2 cores).
 QUICK_WORKLOADS = ("A", "B", "optim", *REAL) + (("optimizers",) if AVAILABLE else ())
 #: Ensemble sizes of the optimizer-step workload (quick mode: the first only).
@@ -52,6 +50,8 @@ _CFG = {
     False: {"warmup": 3, "repeats": 5, "min_time_s": 0.2, "min_steps": 3},
     True: {"warmup": 1, "repeats": 3, "min_time_s": 0.02, "min_steps": 2},
 }
+#: Quick mode's real models: one timed step each, enough to show that every row runs.
+_QUICK_REAL_CFG = {"warmup": 1, "repeats": 1, "min_time_s": 0.0, "min_steps": 1}
 
 
 def _measure_rounds(
@@ -60,7 +60,8 @@ def _measure_rounds(
     """Build each step and call it once (timed: the compile time of a compiled step), then
     time them all interleaved. A step that fails to build or on that first call is n/a."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    steps, out = {}, {}
+    steps: dict[str, Step] = {}
+    out: dict[str, dict[str, Any]] = {}
     for impl, factory in factories.items():
         try:
             step = factory(n, device)
@@ -119,7 +120,7 @@ def _run_real(workload: str, n: int, quick: bool, device: torch.device, cfg: dic
     # Quick mode is a smoke run: compiling a Transformer or a GRU step takes tens of seconds.
     here = {k: f for k, f in factories.items() if not (quick and "compiled" in k)}
     say(f"{workload}: N={n}: {', '.join(here)}, interleaved")
-    timed = _measure_rounds(here, n, device, cfg)
+    timed = _measure_rounds(here, n, device, _QUICK_REAL_CFG if quick else cfg)
     skipped = {"status": "skipped", "reason": "quick mode"}
     return {"n": n, "rows": [{"impl": k, **timed.get(k, skipped)} for k in factories]}
 
@@ -146,7 +147,7 @@ def run(
             result of workload A, fresh processes), ``"compile"`` (first compiled steps, cold
             and warm caches, fresh processes), ``"optimizers"`` (when available). Default: all,
             or :data:`QUICK_WORKLOADS` in quick mode.
-        quick: Smoke-test mode: sizes ``(1, 15)``, real models at N = 4 without their compiled
+        quick: Smoke-test mode: sizes ``(1, 15)``, real models at N = 2 without their compiled
             rows, short timings; under a minute on 2 cores.
         threads: If given, ``torch.set_num_threads(threads)`` for the run, restored afterwards.
         optim_sizes: Ensemble sizes N for the ``"optim"`` workload.
@@ -161,9 +162,13 @@ def run(
     Raises:
         ValueError: If `workloads`, `sizes`, `optim_sizes` or `real_n` is invalid.
     """
-    chosen = tuple(workloads) if workloads is not None else (QUICK_WORKLOADS if quick else WORKLOADS)
+    chosen = (
+        tuple(workloads) if workloads is not None else (QUICK_WORKLOADS if quick else WORKLOADS)
+    )
     if not chosen or not set(chosen) <= set(WORKLOADS):
-        raise ValueError(f"run: `workloads` must be a non-empty subset of {WORKLOADS}, got {chosen}")
+        raise ValueError(
+            f"run: `workloads` must be a non-empty subset of {WORKLOADS}, got {chosen}"
+        )
     sizes = sorted(QUICK_SIZES if quick else sizes)
     optim_sizes = sorted(OPTIM_SIZES[:1] if quick else optim_sizes)
     real_n = QUICK_REAL_N if quick else real_n

@@ -9,6 +9,7 @@ Example:
     >>> step = WORKLOAD_A["torchfunc"](15, torch.device("cpu"))
     >>> step()
 """
+
 from __future__ import annotations
 
 import copy
@@ -312,4 +313,3 @@ WORKLOAD_OPTIM: dict[str, StepFactory] = {
     f.__name__[2:]: f
     for f in (o_stacked_adam, o_stacked_adam_per_member_lr, o_foreach_adam, o_per_member_groups)
 }
-
