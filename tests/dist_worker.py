@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -67,7 +68,13 @@ def train_steps(n: int, shard: bool) -> vmapens.Ensemble:
 
 
 def fit(
-    n: int, shard: bool, checkpoint: Path | None = None, loss_fn=None, callbacks=(), progress=False
+    n: int,
+    shard: bool,
+    checkpoint: Path | None = None,
+    loss_fn=None,
+    callbacks=(),
+    progress=False,
+    epochs: int = EPOCHS,
 ):
     """ens.fit with bagging, per-member learning rates, shuffled mini-batches."""
     ens = vmapens.Ensemble(factory, n, seed=SEED, shard=shard)
@@ -75,7 +82,7 @@ def fit(
         ens,
         data(),
         loss_fn or nn.MSELoss(),
-        epochs=EPOCHS,
+        epochs=epochs,
         batch_size=BATCH,
         bootstrap=True,
         lr=learning_rates(n),
@@ -88,14 +95,19 @@ def fit(
 
 
 class FailOnce:
-    """MSELoss that makes this process die mid-way through epoch 2, on the first attempt only."""
+    """MSELoss that makes this process die mid-way through epoch 2, on the first attempt only.
 
-    def __init__(self) -> None:
-        self.calls = 0
+    ``kill``: die by SIGKILL (no exception handler, no cleanup) instead of raising.
+    """
+
+    def __init__(self, kill: bool = False) -> None:
+        self.calls, self.kill = 0, kill
 
     def __call__(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         self.calls += 1  # one call per step: the loss is traced once under vmap
         if self.calls == ROWS // BATCH + 2:
+            if self.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError("dist_worker: injected failure in epoch 2")
         return nn.functional.mse_loss(out, target)
 
@@ -139,6 +151,18 @@ def main(scenario: str, out: Path) -> None:
         attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
         (out / f"attempt{attempt}.rank{me}.json").write_text(json.dumps(epochs_run))
         write_fit(ens, history, out / "fit.pt")
+    elif scenario == "killed":  # rank 1 is killed in epoch 2; no restart
+        loss_fn = FailOnce(kill=True) if me == 1 else None
+        fit(8, shard=True, checkpoint=out / "ckpt.pt", loss_fn=loss_fn)
+    elif scenario == "partial":  # the first epochs only, then stop
+        fit(8, shard=True, checkpoint=out / "ckpt.pt", epochs=2)
+    elif scenario == "resume":  # each checkpoint named in the environment, to the end
+        for ckpt in os.environ["VMAPENS_TEST_CKPTS"].split(os.pathsep):
+            epochs_run: list[int] = []
+            callbacks = [lambda h, run=epochs_run: run.append(h.epochs)]
+            ens, history = fit(8, shard=True, checkpoint=Path(ckpt), callbacks=callbacks)
+            Path(f"{ckpt}.epochs.rank{me}.json").write_text(json.dumps(epochs_run))
+            write_fit(ens, history, Path(ckpt + ".fit.pt"))
     else:
         raise SystemExit(f"dist_worker: unknown scenario {scenario!r}")
     dist.barrier()

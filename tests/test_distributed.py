@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,14 +16,20 @@ import torch
 from torch import nn
 
 import vmapens
+import vmapens.checkpoint
 from vmapens import distributed
 
 WORKER = Path(dist_worker.__file__)
 TIMEOUT_S = 120
 
 
-def launch(scenario: str, out: Path, *, ranks: int = 2, restarts: int = 0, env=None) -> None:
-    """Run ``dist_worker.py scenario out`` on ``ranks`` local processes under torchrun."""
+def launch(
+    scenario: str, out: Path, *, ranks: int = 2, restarts: int = 0, env=None, fails: bool = False
+) -> None:
+    """Run ``dist_worker.py scenario out`` on ``ranks`` local processes under torchrun.
+
+    ``fails``: the run is meant to fail (a rank is killed): expect a non-zero exit status.
+    """
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", "1", "--nproc-per-node", str(ranks), "--max-restarts", str(restarts),
@@ -43,7 +50,10 @@ def launch(scenario: str, out: Path, *, ranks: int = 2, restarts: int = 0, env=N
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
         pytest.fail(f"torchrun {scenario} timed out after {TIMEOUT_S} s:\n{log.decode()[-4000:]}")
-    assert proc.returncode == 0, f"torchrun {scenario} failed:\n{log.decode()[-4000:]}"
+    if fails:
+        assert proc.returncode != 0, f"torchrun {scenario} should have failed:\n{log.decode()}"
+    else:
+        assert proc.returncode == 0, f"torchrun {scenario} failed:\n{log.decode()[-4000:]}"
 
 
 def assert_same_state(got: dict, expected: dict) -> None:
@@ -111,11 +121,62 @@ def test_rank_dies_mid_training_restart_resumes_from_checkpoints(tmp_path: Path,
     # Rank 0 resumed from wherever it was when the group was stopped (possibly the end).
     rank0 = json.loads((tmp_path / "attempt1.rank0.json").read_text())
     assert rank0 == [1, 2, 3, 4][4 - len(rank0) :]
-    assert sorted(p.name for p in tmp_path.glob("ckpt*")) == [
-        "ckpt.rank0-of-2.pt",
-        "ckpt.rank1-of-2.pt",
+    assert sorted(p.name for p in tmp_path.glob("ckpt*")) == ["ckpt.pt", "ckpt.pt.members"]
+    blocks = sorted(p.name for p in (tmp_path / "ckpt.pt.members").iterdir())
+    assert blocks == [
+        "members-000000-000004.epoch000004.pt",
+        "members-000004-000008.epoch000004.pt",
     ]
     assert_same_fit(tmp_path / "fit.pt", single_fit)
+
+
+def test_killed_rank_resumes_on_one_and_on_three_processes(tmp_path: Path, single_fit):
+    """A 2-rank run loses rank 1 (SIGKILL) in epoch 2; its checkpoint resumes on 1 process and
+    on 3, and a 1-process checkpoint on 3: each ends as the uninterrupted run."""
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    launch("killed", killed, fails=True)
+    manifest = vmapens.checkpoint.read(killed / "ckpt.pt", "test")
+    # Epoch 1 is the last committed one: its steps, and each rank's block of it.
+    assert manifest["fit"]["global_step"] == dist_worker.ROWS // dist_worker.BATCH
+    assert manifest["blocks"] == [
+        ("members-000000-000004.epoch000001.pt", [0, 1, 2, 3]),
+        ("members-000004-000008.epoch000001.pt", [4, 5, 6, 7]),
+    ]
+    alone = shutil.copytree(killed, tmp_path / "alone")
+    epochs: list[int] = []  # 2 -> 1, in this process: resumes after epoch 1
+    ens, history = dist_worker.fit(
+        8, shard=False, checkpoint=alone / "ckpt.pt", callbacks=[lambda h: epochs.append(h.epochs)]
+    )
+    assert epochs == [2, 3, 4]
+    write_local(ens, history, alone / "fit.pt")
+    assert_same_fit(alone / "fit.pt", single_fit)
+    assert not (alone / "ckpt.pt.members").exists()  # a single file again
+    one = tmp_path / "one"
+    one.mkdir()
+    dist_worker.fit(8, shard=False, checkpoint=one / "ckpt.pt", epochs=2)
+    paths = [str(killed / "ckpt.pt"), str(one / "ckpt.pt")]  # 2 -> 3 and 1 -> 3
+    launch("resume", tmp_path, ranks=3, env={"VMAPENS_TEST_CKPTS": os.pathsep.join(paths)})
+    for path, resumed in zip(paths, ([2, 3, 4], [3, 4]), strict=True):
+        assert_same_fit(Path(path + ".fit.pt"), single_fit)
+        for r in range(3):
+            assert json.loads(Path(f"{path}.epochs.rank{r}.json").read_text()) == resumed
+    blocks = sorted(p.name for p in (one / "ckpt.pt.members").iterdir())
+    assert blocks == [
+        f"members-{a:06d}-{b:06d}.epoch000004.pt" for a, b in ((0, 3), (3, 6), (6, 8))
+    ]
+
+
+def test_four_ranks_resume_on_two(tmp_path: Path, single_fit):
+    launch("partial", tmp_path, ranks=4)
+    launch("resume", tmp_path, env={"VMAPENS_TEST_CKPTS": str(tmp_path / "ckpt.pt")})
+    assert_same_fit(tmp_path / "ckpt.pt.fit.pt", single_fit)
+    for r in range(2):
+        assert json.loads((tmp_path / f"ckpt.pt.epochs.rank{r}.json").read_text()) == [3, 4]
+
+
+def write_local(ens, history, path: Path) -> None:
+    torch.save({"state": ens.state_dict(), "history": history.state_dict()}, path)
 
 
 @pytest.mark.parametrize("n", [8, 7], ids=["n8-even", "n7-uneven"])
@@ -195,7 +256,6 @@ def test_single_process_helpers_are_identities(tmp_path: Path):
     ens = vmapens.Ensemble(lambda: nn.Linear(2, 1), 3, seed=0)
     assert vmapens.gather(ens) is ens
     assert (distributed.rank(), distributed.world_size()) == (0, 1)
-    assert distributed.rank_path(tmp_path / "ckpt.pt") == tmp_path / "ckpt.pt"
     assert distributed.all_reduce_stats({"a": 1, "b": 2.5}) == {"a": 1.0, "b": 2.5}
     with pytest.raises(ValueError, match=r"^gather: `dst` must be a rank in \[0, 1\), got 1"):
         vmapens.gather(ens, dst=1)

@@ -7,6 +7,7 @@ they start with the API name, name the argument in backticks and say expected vs
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ __all__ = [
     "check_choice",
     "check_int",
     "check_mask",
+    "check_writable_dir",
     "column",
     "expand_in_dims",
     "index_rows",
@@ -66,6 +68,19 @@ def check_mask(api: str, mask: Any, n: int, name: str = "mask") -> None:
         raise ValueError(
             f"{api}: `{name}` must have shape [{n}] (one per member), got {list(mask.shape)}"
         )
+
+
+def check_writable_dir(api: str, name: str, path: str | os.PathLike) -> None:
+    """The directory that file ``path`` goes in must exist and be writable."""
+    parent = os.path.dirname(os.fspath(path)) or "."
+    if not os.path.exists(parent):
+        raise FileNotFoundError(
+            f"{api}: `{name}` directory {parent} does not exist; create it first"
+        )
+    if not os.path.isdir(parent):
+        raise NotADirectoryError(f"{api}: `{name}` directory {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"{api}: `{name}` directory {parent} is not writable")
 
 
 def column(values: Tensor, like: Tensor) -> Tensor:

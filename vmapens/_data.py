@@ -10,6 +10,7 @@ import optree
 import torch
 from torch import Tensor
 
+from ._checks import check_int
 from ._seeds import derive_seed
 
 __all__ = [
@@ -35,6 +36,9 @@ def bootstrap_indices(n_samples: int, seed: int, member_id: int) -> Tensor:
         >>> idx.shape, bool((idx >= 0).all() and (idx < 10).all())
         (torch.Size([10]), True)
     """
+    check_int("bootstrap_indices", "n_samples", n_samples, minimum=1)
+    check_int("bootstrap_indices", "seed", seed)
+    check_int("bootstrap_indices", "member_id", member_id, minimum=0)
     g = torch.Generator().manual_seed(derive_seed(seed, "bootstrap", member_id))
     return torch.randint(n_samples, (n_samples,), generator=g)
 

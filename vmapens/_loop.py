@@ -17,10 +17,12 @@ from ._data import Stream
 from ._metrics import Metric, metric_pair, score
 from ._precision import LossScale
 from .checkpoint import check_ensemble_state, check_members, members_of, read, write
-from .distributed import all_reduce_stats
+from .distributed import all_reduce_stats, world_size
 from .ensemble import Ensemble
 from .history import History
 from .losses import per_member
+from .optim import MemberValues
+from .sharding import drop_blocks, localise, save_sharded
 
 __all__ = [
     "Loop",
@@ -150,6 +152,26 @@ class Loop:
         h.stopped_epoch = torch.where(stop, epoch, h.stopped_epoch)
         self.active &= ~stop.to(self.active.device)
 
+    def check_val(self, api: str) -> None:
+        """One eval-mode forward and loss on the validation data (nothing changes); a
+        ValueError when they fail. Out-of-bag validation runs on the training data: no check."""
+        if self.val is None or self.oob is not None:
+            return
+        x, y = self.val
+        training = self.ens.training
+        self.ens.eval()
+        try:
+            with torch.no_grad():
+                args = x if isinstance(x, tuple) else (x,)
+                self.val_loss(self.ens(*args, in_dims=self.val_in_dims), y)
+        except (RuntimeError, ValueError, TypeError, IndexError) as err:
+            raise ValueError(
+                f"{api}: `val_data` does not fit the ensemble (one forward and `loss_fn` in eval "
+                f"mode failed): {err}"
+            ) from err
+        finally:
+            self.ens.train(training)
+
     def _validate(self) -> Tensor:
         assert self.val is not None  # called only with validation data
         x, y = self.val
@@ -262,19 +284,21 @@ class Loop:
             torch.cuda.set_rng_state_all(state["cuda_rng"])
 
     def save(self, path: str | os.PathLike) -> None:
-        write(
-            path,
-            {
-                "members": members_of(self.ens),
-                "ensemble": {k: v.detach().cpu() for k, v in self.ens.state_dict().items()},
-                "optimizer": self.optimizer.state_dict(),
-                "optimizer_class": type(self.optimizer).__name__,
-                "history": self.history.state_dict(),
-                "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-                "fit": self.state_dict(),
-            },
-            "fit",
-        )
+        """Write the checkpoint: one file, or under torch.distributed one block per rank."""
+        payload = {
+            "members": members_of(self.ens),
+            "ensemble": {k: v.detach().cpu() for k, v in self.ens.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "optimizer_class": type(self.optimizer).__name__,
+            "history": self.history.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "fit": self.state_dict(),
+        }
+        if world_size() > 1:
+            save_sharded(path, payload, self.ens.member_ids)
+        else:
+            write(path, payload, "fit")
+            drop_blocks(path)  # of an earlier sharded run that this one resumed
 
 
 def read_checkpoint(
@@ -287,6 +311,12 @@ def read_checkpoint(
     """Read a fit checkpoint and check it against this run; changes nothing."""
     where = os.fspath(path)
     payload = read(path, "fit")
+    held = payload.get("members")
+    if isinstance(held, dict) and (held.get("class"), held.get("n_total")) == (
+        members_of(ens)["class"],
+        ens.n_total,
+    ):  # the same run at any world size: this process's members
+        payload = localise(payload, path, list(ens.member_ids))
     check_members(payload, ens, "fit", where)
     check_ensemble_state(payload.get("ensemble"), ens, "fit", where)
     state = payload.get("fit")
@@ -336,14 +366,24 @@ def fingerprint(value: Any) -> str:
     return repr(describe(value))
 
 
-def hyperparameters_of(optimizer: torch.optim.Optimizer) -> dict[str, str]:
-    """The optimizer's hyperparameters as built (not its state), by name, for resume checks."""
-    out = {"class": type(optimizer).__name__}
+def hyperparameters_of(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's hyperparameters as built (not its state), by name, for resume checks.
+
+    Per-member values stay ``MemberValues`` (a sharded checkpoint re-cuts them per rank);
+    the rest is compared as text.
+    """
+    out: dict[str, Any] = {"class": type(optimizer).__name__}
     for k, group in enumerate(optimizer.param_groups):
         for name, v in group.items():
             if name not in ("params", "initial_lr"):  # initial_lr: set by a scheduler
-                out[f"group{k}.{name}"] = repr(v)
+                out[f"group{k}.{name}"] = v if _per_member(v) else repr(v)
     return out
+
+
+def _per_member(v: Any) -> bool:
+    return isinstance(v, MemberValues) or (
+        isinstance(v, tuple) and any(isinstance(x, MemberValues) for x in v)
+    )
 
 
 def scheduler_options(scheduler: Any) -> dict[str, str] | None:

@@ -55,9 +55,13 @@ def build_members(
 def check_member(member: Any, i: int, api: str) -> nn.Module:
     """``member`` if it is an initialised ``nn.Module``; a clear error otherwise."""
     if not isinstance(member, nn.Module):
-        raise TypeError(
-            f"{api}: `factory` must return an nn.Module, but member {i} is {type(member).__name__}"
+        from_modules = api.endswith("from_modules")
+        what = (
+            "`modules` must hold nn.Modules"
+            if from_modules
+            else "`factory` must return an nn.Module"
         )
+        raise TypeError(f"{api}: {what}, but member {i} is {type(member).__name__}")
     for name, t in named_tensors(member):
         if nn.parameter.is_lazy(t):
             raise ValueError(

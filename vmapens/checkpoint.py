@@ -13,7 +13,7 @@ import fcntl
 import os
 import pickle
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ __all__ = [
     "load",
     "members_of",
     "read",
+    "remove_stale_temps",
     "restore",
     "save",
     "save_members",
@@ -89,9 +90,17 @@ def _write_error(api: str, path: Path, err: BaseException) -> OSError:
 
 def _remove_stale(path: Path) -> None:
     """Delete temporary files of earlier, interrupted saves of ``path`` (ours and unlocked)."""
-    if not path.parent.is_dir():
-        return
-    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+    if path.parent.is_dir():
+        _remove_unlocked(path.parent.glob(f".{path.name}.*.tmp"))
+
+
+def remove_stale_temps(directory: Path) -> None:
+    """Delete the temporary files of every interrupted save into ``directory`` (unlocked)."""
+    _remove_unlocked(directory.glob(".*.tmp"))
+
+
+def _remove_unlocked(paths: Iterable[Path]) -> None:
+    for tmp in paths:
         try:
             fd = os.open(tmp, os.O_RDONLY)
         except OSError:
@@ -357,7 +366,10 @@ def save_members(ens: Ensemble, directory: str | os.PathLike, format: str = "pt"
                 "with: pip install 'vmapens[safetensors]'"
             ) from err
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise _write_error("save_members", directory, err) from err
     paths = []
     for gid, sd in zip(ens.member_ids, ens.state_dicts(), strict=True):
         path = directory / f"member_{gid:04d}.{format}"

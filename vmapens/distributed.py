@@ -8,9 +8,7 @@ This module knows no Ensemble: it deals in member ids, tensors and floats.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,8 +18,8 @@ __all__ = [
     "gather_rows",
     "member_block",
     "member_blocks",
+    "barrier",
     "rank",
-    "rank_path",
     "world_size",
 ]
 
@@ -195,25 +193,11 @@ def all_reduce_stats(
     return dict(zip(names, values.tolist(), strict=True))
 
 
-def rank_path(path: str | os.PathLike) -> Path:
-    """This rank's own file for ``path``: ``ckpt.pt`` -> ``ckpt.rank1-of-2.pt`` in a group.
-
-    The world size is part of the name, so resuming with a different number of processes
-    finds no checkpoint instead of loading another block's members. Without a process group
-    the path is returned unchanged.
-
-    Args:
-        path: the checkpoint path the user gave.
-
-    Returns:
-        The path this rank reads and writes.
+def barrier() -> None:
+    """Wait until every rank of the default group gets here; nothing without a group.
 
     Example:
-        >>> rank_path("runs/ckpt.pt").as_posix()
-        'runs/ckpt.pt'
+        >>> barrier()  # no process group: returns at once
     """
-    path = Path(path)
-    if not _initialised():
-        return path
-    tag = f".rank{dist.get_rank()}-of-{dist.get_world_size()}"
-    return path.with_name(path.stem + tag + path.suffix)
+    if world_size() > 1:
+        dist.barrier()

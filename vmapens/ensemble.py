@@ -268,6 +268,8 @@ class Ensemble(StackedModule):
             ValueError: a per-member input whose size along its ``in_dims`` is not ``len(ens)``.
             RuntimeError: ``fn`` cannot be batched by ``vmap``.
         """
+        if not callable(fn):
+            raise TypeError(f"Ensemble.map_members: `fn` must be callable, got {type(fn).__name__}")
         dims = expand_in_dims("Ensemble", in_dims, args, len(self))
         with self.guard():
             return self.member_map(fn, dims)(self.stacked_state(), *args)
@@ -341,6 +343,12 @@ class Ensemble(StackedModule):
                     f"with torch.func.vmap ({err}). Build the ensemble with backend='loop' to "
                     "run the members one after another on the same stacked storage."
                 ) from err
+            if type(err) is RuntimeError and ":" not in str(err).split(" ", 1)[0]:
+                # torch's own message (a shape mismatch...) does not say where it came from
+                raise RuntimeError(
+                    f"{api}: a member's forward or loss failed ({err}); check the inputs "
+                    "against one member run alone, e.g. ens[0](inputs)"
+                ) from err
             raise
 
     # -- members ------------------------------------------------------------------------------
@@ -390,11 +398,21 @@ class Ensemble(StackedModule):
             >>> float(ens.stacked_params()["bias"].detach().abs().sum())
             0.0
         """
-        with torch.no_grad():
-            for i in range(len(self)):
-                member = self[i]
-                member.apply(fn)
-                state = dict(named_tensors(member))
-                for name, t in self.stacked_state().items():
-                    t[i].copy_(state[name])
+        if not callable(fn):
+            raise TypeError(f"Ensemble.apply: `fn` must be callable, got {type(fn).__name__}")
+        stacked = self.stacked_state()
+        saved = {name: t.detach().clone() for name, t in stacked.items()}
+        try:
+            with torch.no_grad():
+                for i in range(len(self)):
+                    member = self[i]
+                    member.apply(fn)
+                    state = dict(named_tensors(member))
+                    for name, t in stacked.items():
+                        t[i].copy_(state[name])
+        except BaseException:  # all members or none: the ones done before get their state back
+            with torch.no_grad():
+                for name, t in stacked.items():
+                    t.copy_(saved[name])
+            raise
         return self

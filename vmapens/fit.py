@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ._autocompile import AutoStep
-from ._checks import check_choice, check_int
+from ._checks import check_choice, check_int, check_writable_dir
 from ._data import (
     IterableSource,
     MemberIterables,
@@ -39,7 +39,7 @@ from ._progress import progress_bar
 from ._schedule import build_scheduler, step_scheduler
 from .callbacks import Callback, Hooks
 from .checkpoint import apply_parts
-from .distributed import rank_path, world_size
+from .distributed import world_size
 from .ensemble import Ensemble
 from .history import History
 from .optim import StackedAdam, StackedOptimizer
@@ -161,7 +161,9 @@ def fit(
             ``state_dict()`` is in it; see ``vmapens.callbacks``).
         checkpoint: a file written atomically after every epoch. When it exists at the start,
             training resumes from it and ends exactly as an uninterrupted run would. Under
-            ``torch.distributed`` each rank uses its own ``vmapens.distributed.rank_path``.
+            ``torch.distributed`` each rank writes its members to a block file keyed by their
+            global ids (in the directory ``<checkpoint>.members``) and rank 0 the rest to
+            ``checkpoint``: a run resumes at any number of processes (docs/distributed.md).
         **hyperparameters: keyword arguments that are not ``fit`` options go to the optimizer
             ``fit`` builds: a float, or one value per member (sequence or 1-D tensor of
             length n), e.g. ``lr=[1e-3, 1e-2]``, ``momentum=0.9``. An error with an optimizer
@@ -226,6 +228,8 @@ def fit(
         )
     check_choice(api, "scheduler_interval", scheduler_interval, ("epoch", "step"))
     check_choice(api, "compile", compile, (False, True, "auto"))
+    if checkpoint is not None:
+        check_writable_dir(api, "checkpoint", checkpoint)
     if isinstance(override, str) or not all(isinstance(o, str) for o in override):
         raise TypeError(f"{api}: `override` must be a sequence of option names, got {override!r}")
     optimizer = _build_optimizer(api, ens, optimizer, hyperparameters)
@@ -264,8 +268,6 @@ def fit(
     if metrics or monitor != "val_loss" or mode != "min":
         loop.track(metrics, monitor, mode)
     saved = None
-    if checkpoint is not None:
-        checkpoint = rank_path(checkpoint)  # under torch.distributed, each rank its own block
     if checkpoint is not None and os.path.exists(checkpoint):
         saved = read_checkpoint(checkpoint, ens, options, seed, tuple(override))
         seed = saved["fit"]["options"]["seed"]
@@ -312,6 +314,7 @@ def fit(
         if fresh is not None:  # this run's hyperparameters replace the stored ones
             for group, new in zip(optimizer.param_groups, fresh, strict=True):
                 group.update({k: v for k, v in new.items() if k != "params"})
+    loop.check_val(api)  # data that does not fit fails now, not after an epoch
     stream = loop.stream
     history = loop.history
 

@@ -52,7 +52,8 @@ def clip_grad_norm_(
         The per-member total gradient norms, shape [n] (before clipping).
 
     Raises:
-        ValueError: No parameters, or mismatched leading sizes.
+        ValueError: No parameters, mismatched leading sizes, or ``max_norm`` < 0.
+        TypeError: ``max_norm`` is not a number.
 
     Example:
         >>> w = torch.zeros(2, 3, requires_grad=True)
@@ -60,6 +61,12 @@ def clip_grad_norm_(
         >>> clip_grad_norm_([w], max_norm=1.0)
         tensor([5.0000, 0.5000])
     """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+        raise TypeError(
+            f"clip_grad_norm_: `max_norm` must be a float, got {type(max_norm).__name__}"
+        )
+    if not max_norm >= 0:
+        raise ValueError(f"clip_grad_norm_: `max_norm` must be >= 0, got {max_norm}")
     grads, n, device = _grads("clip_grad_norm_", ens_or_params)
     if not grads:
         return torch.zeros(n, device=device)
