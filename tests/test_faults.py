@@ -13,8 +13,11 @@ import errno
 import hashlib
 import os
 import random
+import re
 import resource
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -252,16 +255,33 @@ def test_unwritable_path_fails_clearly_and_keeps_old_file(tmp_path: Path):
     assert (tmp_path / "file").read_text() == "not a directory"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
-def test_read_only_directory_fails_clearly_and_keeps_old_file(tmp_path: Path):
-    path = tmp_path / "ckpt.pt"
-    ens = vmapens.Ensemble(lambda: nn.Linear(4, 4), 2, seed=0)
-    vmapens.save(ens, path)
-    before = digest(path)
-    tmp_path.chmod(0o500)
+def test_read_only_directory_fails_clearly_and_keeps_old_file():
+    # Root writes into read-only directories: as root, the save runs in a forked child that
+    # drops to the unprivileged uid/gid 65534 (torch is already imported: nothing to read).
+    directory = Path(tempfile.mkdtemp(dir="/tmp", prefix="vmapens-ro-"))
     try:
-        with pytest.raises(PermissionError, match=r"save: could not write .*previous file"):
-            vmapens.save(ens, path)
+        directory.chmod(0o755)
+        path = directory / "ckpt.pt"
+        ens = vmapens.Ensemble(lambda: nn.Linear(4, 4), 2, seed=0)
+        vmapens.save(ens, path)
+        path.chmod(0o644)
+        before = digest(path)
+        directory.chmod(0o555)
+
+        def save_unprivileged() -> int:
+            if os.geteuid() == 0:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+            try:
+                vmapens.save(ens, path)
+            except PermissionError as err:
+                return 3 if re.search(r"save: could not write .*previous file", str(err)) else 4
+            return 5
+
+        _, status = os.waitpid(in_child(save_unprivileged), 0)
+        assert os.waitstatus_to_exitcode(status) == 3
+        assert digest(path) == before and temps(directory) == []
     finally:
-        tmp_path.chmod(0o700)
-    assert digest(path) == before and temps(tmp_path) == []
+        directory.chmod(0o700)
+        shutil.rmtree(directory)
