@@ -11,9 +11,11 @@ import torch
 from torch import nn
 from torch.func import stack_module_state
 
+import vmapens
 from vmapens.optim import MemberValues, StackedAdam, adam_update, clip_grad_norm_
 
 TOL = dict(rtol=1e-10, atol=1e-12)
+F64 = torch.float64
 N = 5
 
 
@@ -430,3 +432,49 @@ def test_per_member_scheduler_does_not_recompile() -> None:
         train_step()
         sched.step()
     assert opt.param_groups[0]["lr"] == MemberValues(v * 0.5**4 for v in PER["lr"])
+
+
+# -- torch's fused CPU kernels, when every member shares hyperparameters and step count --------
+
+
+@pytest.mark.parametrize(
+    "name,kwargs",
+    [
+        ("adam", dict(lr=0.01, weight_decay=0.01)),
+        ("adam", dict(lr=0.01, amsgrad=True, maximize=True)),
+        ("adamw", dict(lr=0.01, weight_decay=0.1, decoupled_weight_decay=True)),
+        ("sgd", dict(lr=0.1)),
+        ("sgd", dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+        ("sgd", dict(lr=0.1, momentum=0.9, nesterov=True, maximize=True)),
+    ],
+    ids=["adam", "adam-amsgrad-maximize", "adamw", "sgd", "sgd-momentum", "sgd-nesterov"],
+)
+def test_fused_kernels_run_and_equal_torch_alone_then_masks_leave_them(monkeypatch, name, kwargs):
+    kernel = (
+        "_fused_sgd_" if name == "sgd" else ("_fused_adamw_" if name == "adamw" else "_fused_adam_")
+    )
+    calls = []
+    original = getattr(torch, kernel)
+    monkeypatch.setattr(torch, kernel, lambda *a, **k: calls.append(1) or original(*a, **k))
+    stacked_cls = vmapens.StackedSGD if name == "sgd" else vmapens.StackedAdam
+    twin_cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+    twin_kwargs = {k: v for k, v in kwargs.items() if k != "decoupled_weight_decay"}
+    twins = [nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double() for _ in range(N)]
+    ens = vmapens.Ensemble.from_modules([m for m in twins])
+    opt = stacked_cls(ens, **kwargs)
+    step = vmapens.make_step(ens, nn.MSELoss(), opt)
+    plain = [twin_cls(t.parameters(), **twin_kwargs) for t in twins]
+    g = torch.Generator().manual_seed(0)
+    masks = [None, None, torch.tensor([True, False, True, True, True]), None]
+    for mask in masks:
+        x, y = torch.randn(6, 3, generator=g, dtype=F64), torch.randn(6, 2, generator=g, dtype=F64)
+        step(x, y, mask=mask)
+        for i, (t, o) in enumerate(zip(twins, plain, strict=True)):
+            if mask is None or mask[i]:
+                o.zero_grad()
+                nn.functional.mse_loss(t(x), y).backward()
+                o.step()
+    # Fused through the masked step (the mask wraps it); after it, step counts differ: not fused.
+    assert len(calls) == 3
+    for member, twin in zip(ens.unstack(), twins, strict=True):
+        torch.testing.assert_close(member.state_dict(), twin.state_dict(), **TOL)

@@ -13,7 +13,15 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import column
-from .base import NONNEGATIVE, UNIT, Hyper, Scalar, StackedOptimizer, member_column
+from .base import (
+    NONNEGATIVE,
+    UNIT,
+    Hyper,
+    Scalar,
+    StackedOptimizer,
+    fusable,
+    member_column,
+)
 
 __all__ = ["StackedAdam", "adam_update", "adam_update_"]
 
@@ -220,7 +228,7 @@ class StackedAdam(StackedOptimizer):
         self, param: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]
     ) -> None:
         beta1, beta2 = group["betas"]
-        if _fusable(state, group):
+        if fusable(state, [group["lr"], group["eps"], group["weight_decay"], beta1, beta2]):
             # torch's fused CPU kernel: one pass instead of ~12, when every member shares the
             # hyperparameters and the step count. Only on the flat path, whose `grad` is a
             # scratch copy (the kernel may write to its gradients).
@@ -260,12 +268,3 @@ class StackedAdam(StackedOptimizer):
             maximize=group["maximize"],
             workspace=state.get("_workspace"),
         )
-
-
-def _fusable(state: dict[str, Tensor], group: dict[str, Any]) -> bool:
-    """Shared float hyperparameters and step count (``_uniform``, tracked by the base), the
-    flat CPU path, not under compile."""
-    if not state.get("_uniform") or "_workspace" not in state or torch.compiler.is_compiling():
-        return False
-    values = [group["lr"], group["eps"], group["weight_decay"], *group["betas"]]
-    return not any(isinstance(v, Tensor) for v in values)

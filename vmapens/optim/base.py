@@ -31,7 +31,15 @@ from ._hyper import (
     member_column,
 )
 
-__all__ = ["NONNEGATIVE", "UNIT", "Hyper", "Scalar", "StackedOptimizer", "member_column"]
+__all__ = [
+    "NONNEGATIVE",
+    "UNIT",
+    "Hyper",
+    "Scalar",
+    "StackedOptimizer",
+    "fusable",
+    "member_column",
+]
 
 
 def _params_of(params: Any) -> list[Any]:
@@ -405,3 +413,16 @@ class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
         new = type(self).__new__(type(self))
         StackedOptimizer.__init__(new, groups, defaults)
         return new
+
+
+def fusable(state: dict[str, Any], values: Sequence[Any]) -> bool:
+    """Whether torch's fused CPU kernel can run a rule for all members at once.
+
+    It can when every member shares the hyperparameters (floats, not per-member tensors) and
+    the step count (the base tracks that as ``state["_uniform"]``), on the flat CPU path,
+    whose gradient is a scratch copy (the kernels may write to their gradients), and not
+    while tracing for ``torch.compile``.
+    """
+    if not state.get("_uniform") or "_workspace" not in state or torch.compiler.is_compiling():
+        return False
+    return not any(isinstance(v, Tensor) for v in values)

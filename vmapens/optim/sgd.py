@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import column
-from .base import NONNEGATIVE, Hyper, Scalar, StackedOptimizer, member_column
+from .base import NONNEGATIVE, Hyper, Scalar, StackedOptimizer, fusable, member_column
 
 __all__ = ["StackedSGD", "sgd_update_"]
 
@@ -150,6 +150,24 @@ class StackedSGD(StackedOptimizer):
     def update_(
         self, param: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]
     ) -> None:
+        hypers = [group[k] for k in ("lr", "momentum", "dampening", "weight_decay")]
+        if fusable(state, hypers):
+            # torch's fused CPU kernel: members share hyperparameters and step count.
+            step = state["step"]
+            torch._fused_sgd_(
+                [param],
+                [grad],
+                [state["momentum_buffer"]] if "momentum_buffer" in state else [],
+                weight_decay=group["weight_decay"],
+                momentum=group["momentum"],
+                lr=group["lr"],
+                dampening=group["dampening"],
+                nesterov=group["nesterov"],
+                maximize=group["maximize"],
+                is_first_step=bool(step[0] == 0),
+            )
+            step.add_(1)
+            return
         sgd_update_(
             param,
             grad,
