@@ -10,7 +10,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 import vmapens
 from vmapens import bench as benchmarks
@@ -96,23 +96,34 @@ def sharded_demo(n: int = 8, epochs: int = 5) -> None:
         dist.destroy_process_group()
 
 
-def digits(n: int = 32, plot: str = "vmapens-history.png") -> None:
-    """Real data: n small MLPs on scikit-learn's digits, bagging and early stopping."""
+def _digits(skipped: str) -> tuple[tuple[Tensor, Tensor], ...] | None:
+    """scikit-learn's digits (bundled: no download), shuffled, as train/val/test (60/20/20)."""
     try:
         from sklearn.datasets import load_digits
     except ImportError:
-        print("Digits case skipped: it needs scikit-learn: pip install 'vmapens[examples]'")
-        return
-    digits = load_digits()  # bundled with scikit-learn: no download
+        print(f"{skipped}: it needs scikit-learn: pip install 'vmapens[examples]'")
+        return None
+    digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16
     y = torch.tensor(digits.target)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     x, y = x[order], y[order]
     a, b = int(0.6 * len(x)), int(0.8 * len(x))
-    train, val, test = (x[:a], y[:a]), (x[a:b], y[a:b]), (x[b:], y[b:])
+    return (x[:a], y[:a]), (x[a:b], y[a:b]), (x[b:], y[b:])
 
-    def member() -> nn.Module:
-        return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+def member() -> nn.Module:
+    """The digits member: an MLP 64 -> 32 -> 10."""
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def digits(n: int = 32, plot: str = "vmapens-history.png") -> None:
+    """Real data: n small MLPs on scikit-learn's digits, bagging and early stopping."""
+    splits = _digits("Digits case skipped")
+    if splits is None:
+        return
+    train, val, test = splits
+    a = len(train[0])
 
     ens = vmapens.Ensemble(member, n=n, seed=0)
     start = time.perf_counter()
@@ -154,21 +165,10 @@ def digits(n: int = 32, plot: str = "vmapens-history.png") -> None:
 
 def sweep_demo(n: int = 16, epochs: int = 24, k: int = 5) -> None:
     """A learning-rate sweep with population-based training on digits, then the top k."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError:
-        print("The sweep demo needs scikit-learn: pip install 'vmapens[examples]'")
+    splits = _digits("The sweep demo is skipped")
+    if splits is None:
         return
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16
-    y = torch.tensor(digits.target)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    x, y = x[order], y[order]
-    a, b = int(0.6 * len(x)), int(0.8 * len(x))
-    train, val, test = (x[:a], y[:a]), (x[a:b], y[a:b]), (x[b:], y[b:])
-
-    def member() -> nn.Module:
-        return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    train, val, test = splits
 
     def accuracy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return (out.argmax(-1) == target).float().mean()
