@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import vmapens
+from vmapens.step import LossScale
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -75,3 +76,38 @@ def test_matches_plain_cuda_modules(optimizer: str, compile: bool, late_move: bo
         for (name, a), b in zip(got.state_dict().items(), expected.state_dict().values()):
             assert a.device.type == "cuda", name
             torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_fp16_loss_scale_matches_one_grad_scaler_per_member_on_cuda() -> None:
+    # Issue 12's CUDA check: precision="fp16" with one member overflowing equals N separate
+    # torch.amp.GradScaler("cuda") runs, and the other members never notice the overflow.
+    options = {"init_scale": 2.0**10, "growth_interval": 2}
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(N, 16, 3, generator=g), torch.randn(N, 16, 2, generator=g))
+               for _ in range(5)]  # fmt: skip
+    batches[2][1][1, 0, 0] = float("inf")  # member 1's gradients overflow at step 2
+    batches = [(x.cuda(), y.cuda()) for x, y in batches]
+    torch.manual_seed(0)
+    alone = [nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 2)).cuda() for _ in range(N)]
+    ens = vmapens.Ensemble.from_modules(alone)
+    scale = LossScale(N, device=torch.device("cuda"), **options)
+    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedSGD(ens, lr=0.05, momentum=0.9),
+                             in_dims=0, precision="fp16", loss_scale=scale)  # fmt: skip
+    for x, y in batches:
+        step(x, y)
+    scalers = [torch.amp.GradScaler("cuda", **options) for _ in range(N)]
+    for i, (model, scaler) in enumerate(zip(alone, scalers, strict=True)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        for x, y in batches:
+            opt.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x[i]), y[i])
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    for i, model in enumerate(alone):
+        for (name, want), got in zip(model.state_dict().items(), ens[i].state_dict().values()):
+            torch.testing.assert_close(got, want, **TOL, msg=f"member {i} {name}")
+    want = torch.tensor([s.get_scale() for s in scalers])
+    torch.testing.assert_close(scale.scale.cpu(), want, rtol=0, atol=0)
+    assert want[1] < want[0]
