@@ -8,12 +8,13 @@ depth of the model, instead of a handful per parameter.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["FlatState", "layout", "rows"]
+__all__ = ["FlatState", "fusable", "layout", "rows", "run_fused"]
 
 
 def rows(t: Tensor) -> Tensor:
@@ -97,3 +98,47 @@ class FlatState:
             if any(s[key] is not views[k] for key, views in flat["views"].items()):
                 return None
         return flat
+
+
+def fusable(state: dict[str, Any], values: list[Any]) -> bool:
+    """Whether a rule may run torch's fused CPU kernel (see :func:`fused_groups`).
+
+    It may on the flat CPU path, whose gradient is a scratch copy (the kernels may write to
+    their gradients), when every member shares the hyperparameters (floats, not per-member
+    tensors), and not while tracing for ``torch.compile``. The choice depends on this
+    configuration only, never on other members' step counts or masks, so a member's result
+    does not depend on what happens to the others, bit for bit.
+    """
+    if "_workspace" not in state or torch.compiler.is_compiling():
+        return False
+    return not any(isinstance(v, Tensor) for v in values)
+
+
+def run_fused(
+    kernel: Callable[[list[Tensor], float], None],
+    tensors: list[Tensor],
+    step: Tensor,
+    mask: Tensor | None,
+) -> None:
+    """Run a fused kernel ``kernel(tensors, step_count)`` over the whole ``[n, total]`` tensors.
+
+    A fused kernel takes one step count. The stepping members usually share theirs: one call,
+    in place (rows of masked members are computed too, and the base gives them their old
+    values back). When counts differ (a member skipped a step), one call per count runs on
+    copies of the whole tensors and each member takes the rows of its own count. Every member
+    is thus always computed by a call over the whole tensor with its own count, as in a run
+    where no other member skipped: its result does not depend on the others, bit for bit (a
+    call on a subset of rows would move the kernel's vector/tail split).
+    """
+    stepping = torch.ones_like(step, dtype=torch.bool) if mask is None else mask.to(step.device)
+    counts = step[stepping].unique().tolist()
+    if len(counts) == 1:
+        kernel(tensors, counts[0])
+        return
+    before = [t.clone() for t in tensors]
+    for count in counts:
+        work = [t.clone() for t in before]
+        kernel(work, count)
+        rows = stepping & (step == count)
+        for t, new in zip(tensors, work, strict=True):
+            t.copy_(torch.where(rows.view(-1, *[1] * (t.dim() - 1)), new, t))

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_mask, column
-from ._flat import FlatState, layout, rows
+from ._flat import FlatState, fusable, layout, rows, run_fused
 from ._handoff import MemberHandOff
 from ._hyper import (
     NONNEGATIVE,
@@ -39,6 +39,7 @@ __all__ = [
     "StackedOptimizer",
     "fusable",
     "member_column",
+    "run_fused",
 ]
 
 
@@ -324,13 +325,8 @@ class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
             state.update(flat["scalars"])
             if work[2] is not None:
                 state["_workspace"] = work[2]
-            if flat.get("uniform") is None and not torch.compiler.is_compiling():
-                step = flat["step"]
-                flat["uniform"] = bool((step == step[0]).all()) if step.numel() else True
-            state["_uniform"] = flat.get("uniform", False)
+            state["_mask"] = mask
             self._masked(p, flat_grad, state, args, mask)
-            if mask is not None and not torch.compiler.is_compiling() and not bool(mask.all()):
-                flat["uniform"] = False  # the masked members' step counts fell behind
             torch._foreach_copy_(views, list(p.split([r.shape[1] for r in views], dim=1)))
             return
         states = [self.state[p] for p in params]
@@ -346,7 +342,7 @@ class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
         self, param: Tensor, grad: Tensor, state: dict, group: dict, mask: Tensor | None
     ) -> None:
         """``update_``, after which members where ``mask`` is False get their old values back."""
-        tensors = [param, *(v for k, v in state.items() if not k.startswith("_"))]
+        tensors = [param, *(v for k, v in state.items() if not k.startswith("_") and v is not None)]
         before = None if mask is None else [t.clone() for t in tensors]
         self.update_(param, grad, state, group)
         if before is not None and mask is not None:
@@ -413,16 +409,3 @@ class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
         new = type(self).__new__(type(self))
         StackedOptimizer.__init__(new, groups, defaults)
         return new
-
-
-def fusable(state: dict[str, Any], values: Sequence[Any]) -> bool:
-    """Whether torch's fused CPU kernel can run a rule for all members at once.
-
-    It can when every member shares the hyperparameters (floats, not per-member tensors) and
-    the step count (the base tracks that as ``state["_uniform"]``), on the flat CPU path,
-    whose gradient is a scratch copy (the kernels may write to their gradients), and not
-    while tracing for ``torch.compile``.
-    """
-    if not state.get("_uniform") or "_workspace" not in state or torch.compiler.is_compiling():
-        return False
-    return not any(isinstance(v, Tensor) for v in values)

@@ -9,7 +9,15 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import column
-from .base import NONNEGATIVE, Hyper, Scalar, StackedOptimizer, fusable, member_column
+from .base import (
+    NONNEGATIVE,
+    Hyper,
+    Scalar,
+    StackedOptimizer,
+    fusable,
+    member_column,
+    run_fused,
+)
 
 __all__ = ["StackedSGD", "sgd_update_"]
 
@@ -152,21 +160,27 @@ class StackedSGD(StackedOptimizer):
     ) -> None:
         hypers = [group[k] for k in ("lr", "momentum", "dampening", "weight_decay")]
         if fusable(state, hypers):
-            # torch's fused CPU kernel: members share hyperparameters and step count.
-            step = state["step"]
-            torch._fused_sgd_(
-                [param],
-                [grad],
-                [state["momentum_buffer"]] if "momentum_buffer" in state else [],
-                weight_decay=group["weight_decay"],
-                momentum=group["momentum"],
-                lr=group["lr"],
-                dampening=group["dampening"],
-                nesterov=group["nesterov"],
-                maximize=group["maximize"],
-                is_first_step=bool(step[0] == 0),
-            )
-            step.add_(1)
+            # torch's fused CPU kernel when members share the hyperparameters (see run_fused
+            # for members whose step counts differ: the first step starts the buffer).
+            buffer = state.get("momentum_buffer")
+
+            def kernel(t: list[Tensor], count: float) -> None:
+                torch._fused_sgd_(
+                    [t[0]],
+                    [t[1]],
+                    t[2:],
+                    weight_decay=group["weight_decay"],
+                    momentum=group["momentum"],
+                    lr=group["lr"],
+                    dampening=group["dampening"],
+                    nesterov=group["nesterov"],
+                    maximize=group["maximize"],
+                    is_first_step=count == 0,
+                )
+
+            tensors = [param, grad, *([] if buffer is None else [buffer])]
+            run_fused(kernel, tensors, state["step"], state.get("_mask"))
+            state["step"].add_(1)
             return
         sgd_update_(
             param,
