@@ -130,6 +130,11 @@ def run_fused(
     where no other member skipped: its result does not depend on the others, bit for bit (a
     call on a subset of rows would move the kernel's vector/tail split).
     """
+    if mask is None:  # the common case, checked cheaply: every member steps with one count
+        first = float(step[0])
+        if bool((step == first).all()):
+            kernel(tensors, first)
+            return
     stepping = torch.ones_like(step, dtype=torch.bool) if mask is None else mask.to(step.device)
     counts = step[stepping].unique().tolist()
     if len(counts) == 1:
