@@ -7,13 +7,11 @@ import importlib
 import json
 import pkgutil
 import sys
-import types
 
 import pytest
 import torch
 
 from vmapens import bench
-from vmapens.bench import _optional
 
 #: Peak (and held) RSS over the stacked parameters plus one member, as the issue bounds it.
 MEMORY_FACTOR = 1.2
@@ -182,18 +180,6 @@ def test_compile_table_renders_every_mode():
 def test_compile_time_rejects_unknown_names(call, match):
     with pytest.raises(ValueError, match=match):
         call()
-
-
-def test_optional_optimizers_get_only_the_arguments_they_take(monkeypatch):
-    calls = []
-    fake = types.SimpleNamespace(
-        run_optimizers=lambda device, quick=False: calls.append((device, quick)) or {"ok": 1},
-        format_optimizers=lambda results: f"optimizers: {results['ok']}",
-    )
-    monkeypatch.setattr(_optional, "optimizers", fake)
-    assert _optional.run_optimizers(torch.device("cpu"), True, print) == {"ok": 1}
-    assert calls == [(torch.device("cpu"), True)]
-    assert _optional.format_optimizers({"ok": 1}) == ["optimizers: 1"]
 
 
 BENCH_MODULES = sorted(m.name for m in pkgutil.iter_modules(bench.__path__, "vmapens.bench."))

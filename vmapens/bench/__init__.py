@@ -15,7 +15,6 @@ Example:
     (['cnn', 'gru', 'lstm', 'transformer'], ['naive', 'merged'])
 """
 
-from ._optional import AVAILABLE as OPTIMIZERS_AVAILABLE
 from ._tools import NOT_AVAILABLE, Step, time_rounds, time_step
 from .compile_time import FIRST_STEP_WORKLOADS, RESULT_ROWS, first_step_times, time_to_result
 from .memory import build_memory, wide_mlp
@@ -49,7 +48,6 @@ __all__ = [
     "MERGED_MAX_N",
     "NAIVE_MAX_N",
     "NOT_AVAILABLE",
-    "OPTIMIZERS_AVAILABLE",
     "OPTIM_SIZES",
     "QUICK_REAL_N",
     "QUICK_SIZES",

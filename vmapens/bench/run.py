@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from ._optional import AVAILABLE, run_optimizers
 from ._tools import Step, time_rounds
 from .compile_time import first_step_times, time_to_result
 from .memory import build_memory
+from .optimizers import run_optimizers
 from .real import REAL_N, WORKLOAD_REAL
 from .workloads import (
     HEADS,
@@ -40,9 +40,9 @@ QUICK_SIZES = (1, 15)
 QUICK_REAL_N = 2
 REAL = tuple(WORKLOAD_REAL)
 #: Everything ``run`` can time; "optimizers" only once ``vmapens/bench/optimizers.py`` exists.
-WORKLOADS = ("A", "B", "optim", *REAL, "result", "compile") + (("optimizers",) if AVAILABLE else ())
+WORKLOADS = ("A", "B", "optim", *REAL, "result", "compile", "optimizers")
 #: What quick mode times (a CI smoke run, under a minute on 2 cores).
-QUICK_WORKLOADS = ("A", "B", "optim", *REAL) + (("optimizers",) if AVAILABLE else ())
+QUICK_WORKLOADS = ("A", "B", "optim", *REAL, "optimizers")
 #: Ensemble sizes of the optimizer-step workload (quick mode: the first only).
 OPTIM_SIZES = (15, 256, 1024)
 #: time_rounds settings: quick mode's are a smoke test, not a measurement.
@@ -197,7 +197,7 @@ def run(
             if workload in chosen:
                 results[workload] = _run_real(workload, real_n, quick, device, cfg, say)
         if "optimizers" in chosen:
-            results["optimizers"] = run_optimizers(device, quick, say)
+            results["optimizers"] = run_optimizers(quick=quick, device=device, log=say)
         if "result" in chosen:
             results["result"] = {"rows": time_to_result(log=say)}
         if "compile" in chosen:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._optional import format_optimizers
 from ._tools import cell, grid, ratio
+from .optimizers import format_optimizers
 from .real import DESCRIPTIONS
 from .workloads import MERGED_MAX_N, NAIVE_MAX_N
 
@@ -206,7 +206,7 @@ def format_table(results: dict) -> str:
         if workload in results:
             out += ["", *_real_block(workload, results[workload])]
     if "optimizers" in results:
-        out += ["", *format_optimizers(results["optimizers"])]
+        out += ["", *format_optimizers(results["optimizers"]).splitlines()]
     if "result" in results:
         out += ["", *_result_block(results["result"]["rows"])]
     if "compile" in results:
