@@ -446,18 +446,30 @@ def test_per_member_scheduler_does_not_recompile() -> None:
         ("sgd", dict(lr=0.1)),
         ("sgd", dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)),
         ("sgd", dict(lr=0.1, momentum=0.9, nesterov=True, maximize=True)),
+        ("adagrad", dict(lr=0.1, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1)),
+        ("adagrad", dict(lr=0.1, maximize=True)),
     ],
-    ids=["adam", "adam-amsgrad-maximize", "adamw", "sgd", "sgd-momentum", "sgd-nesterov"],
+    ids=[
+        "adam",
+        "adam-amsgrad-maximize",
+        "adamw",
+        "sgd",
+        "sgd-momentum",
+        "sgd-nesterov",
+        "adagrad-decay",
+        "adagrad-maximize",
+    ],  # fmt: skip
 )
 def test_fused_kernels_run_and_equal_torch_alone_also_after_a_mask(monkeypatch, name, kwargs):
-    kernel = (
-        "_fused_sgd_" if name == "sgd" else ("_fused_adamw_" if name == "adamw" else "_fused_adam_")
-    )
+    kernels = {"sgd": "_fused_sgd_", "adam": "_fused_adam_", "adamw": "_fused_adamw_"}
+    kernel = kernels.get(name, "_fused_adagrad_")
     calls = []
     original = getattr(torch, kernel)
     monkeypatch.setattr(torch, kernel, lambda *a, **k: calls.append(1) or original(*a, **k))
-    stacked_cls = vmapens.StackedSGD if name == "sgd" else vmapens.StackedAdam
-    twin_cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+    stacked = {"sgd": vmapens.StackedSGD, "adagrad": vmapens.StackedAdagrad}
+    stacked_cls = stacked.get(name, vmapens.StackedAdam)
+    twins_of = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+    twin_cls = twins_of.get(name, torch.optim.Adagrad)
     twin_kwargs = {k: v for k, v in kwargs.items() if k != "decoupled_weight_decay"}
     twins = [nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double() for _ in range(N)]
     ens = vmapens.Ensemble.from_modules([m for m in twins])
@@ -481,7 +493,11 @@ def test_fused_kernels_run_and_equal_torch_alone_also_after_a_mask(monkeypatch, 
         torch.testing.assert_close(member.state_dict(), twin.state_dict(), **TOL)
 
 
-@pytest.mark.parametrize("opt_cls", [vmapens.StackedAdam, vmapens.StackedSGD], ids=["adam", "sgd"])
+@pytest.mark.parametrize(
+    "opt_cls",
+    [vmapens.StackedAdam, vmapens.StackedSGD, vmapens.StackedAdagrad],
+    ids=["adam", "sgd", "adagrad"],
+)
 def test_a_masked_member_leaves_the_others_bit_identical(opt_cls):
     # The fused kernels take one step count: a member that skipped a step must not change,
     # by a single bit, what the others compute (see optim/_flat.run_fused).

@@ -8,7 +8,15 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .base import NONNEGATIVE, Hyper, Scalar, StackedOptimizer, member_column
+from .base import (
+    NONNEGATIVE,
+    Hyper,
+    Scalar,
+    StackedOptimizer,
+    fusable,
+    member_column,
+    run_fused,
+)
 
 __all__ = ["StackedAdagrad", "adagrad_update_"]
 
@@ -143,6 +151,26 @@ class StackedAdagrad(StackedOptimizer):
     def update_(
         self, param: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]
     ) -> None:
+        if fusable(state, [group[k] for k in ("lr", "lr_decay", "weight_decay", "eps")]):
+            # torch's fused CPU kernel when members share the hyperparameters (run_fused: one
+            # call per step count); like torch, pass the count after this step.
+
+            def kernel(t: list[Tensor], count: float) -> None:
+                torch._fused_adagrad_(
+                    [t[0]],
+                    [t[1]],
+                    [t[2]],
+                    [torch.tensor(count + 1.0)],
+                    lr=group["lr"],
+                    lr_decay=group["lr_decay"],
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    maximize=group["maximize"],
+                )
+
+            run_fused(kernel, [param, grad, state["sum"]], state["step"], state.get("_mask"))
+            state["step"].add_(1)
+            return
         adagrad_update_(
             param,
             grad,
