@@ -14,6 +14,7 @@ This file imports only torch: it sits at the bottom of the package.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -218,7 +219,7 @@ class BatchableRNN(_Recurrent):
         ((7, 2, 5), (1, 2, 5))
     """
 
-    def __init__(self, *args, nonlinearity: str = "tanh", **kwargs) -> None:
+    def __init__(self, *args: Any, nonlinearity: str = "tanh", **kwargs: Any) -> None:
         modes = {"tanh": "RNN_TANH", "relu": "RNN_RELU"}
         if nonlinearity not in modes:
             raise ValueError(
@@ -241,7 +242,7 @@ class BatchableGRU(_Recurrent):
         ((2, 7, 5), (2, 2, 5))
     """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__("GRU", *args, **kwargs)
 
 
@@ -258,7 +259,7 @@ class BatchableLSTM(_Recurrent):
         ((7, 4), (1, 4), (1, 5))
     """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__("LSTM", *args, **kwargs)
 
 

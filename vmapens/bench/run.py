@@ -115,7 +115,9 @@ def _run_b(device: torch.device, cfg: dict, say: Callable) -> dict:
     return {"heads": HEADS, "rows": rows}
 
 
-def _run_real(workload: str, n: int, quick: bool, device: torch.device, cfg: dict, say: Callable):
+def _run_real(
+    workload: str, n: int, quick: bool, device: torch.device, cfg: dict, say: Callable
+) -> dict[str, Any]:
     factories = WORKLOAD_REAL[workload]
     # Quick mode is a smoke run: compiling a Transformer or a GRU step takes tens of seconds.
     here = {k: f for k, f in factories.items() if not (quick and "compiled" in k)}
