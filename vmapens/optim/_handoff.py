@@ -7,17 +7,9 @@ from typing import Any, ClassVar
 from torch import Tensor, nn
 
 from .._checks import index_rows
-from ._hyper import Hyper, pick_group
+from ._hyper import Hyper, params_of, pick_group
 
 __all__ = ["MemberHandOff"]
-
-
-def _params_of(params: Any) -> list[Any]:
-    if isinstance(params, nn.Module):
-        return list(params.parameters())
-    if isinstance(params, Tensor):
-        return [params]
-    return list(params)
 
 
 class MemberHandOff:
@@ -104,7 +96,7 @@ class MemberHandOff:
             ValueError: ``params`` does not match this optimizer's parameters.
         """
         rows = index_rows(f"{self._api}.select", index, self.num_members)
-        new_params = _params_of(params)
+        new_params = params_of(params)
         old = [p for g in self.param_groups for p in g["params"]]
         shapes = [tuple(p.shape[1:]) for p in new_params]
         if shapes != [tuple(p.shape[1:]) for p in old]:

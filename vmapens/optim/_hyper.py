@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._checks import column
 from ._values import MemberValues
@@ -21,6 +21,8 @@ __all__ = [
     "group_args",
     "local_values",
     "member_column",
+    "member_floats",
+    "params_of",
     "pick_group",
 ]
 
@@ -124,3 +126,18 @@ def pick_group(group: dict[str, Any], hypers: dict[str, Hyper], rows: list[int])
     for name, hyper in hypers.items():
         out[name] = tuple(pick(v) for v in group[name]) if hyper.pair else pick(group[name])
     return out
+
+
+def member_floats(v: Any) -> list[float]:
+    """A hyperparameter's values: one per member (MemberValues), or the shared float alone."""
+    return list(v) if not isinstance(v, (int, float)) else [float(v)]
+
+
+def params_of(params: Any) -> list[Any]:
+    """What an optimizer's ``params`` argument holds: an Ensemble's parameters, a tensor, or
+    an iterable of tensors or param-group dicts."""
+    if isinstance(params, nn.Module):
+        return list(params.parameters())
+    if isinstance(params, Tensor):
+        return [params]
+    return list(params)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, cast
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .._checks import check_mask, column
 from ._flat import FlatState, fusable, layout, rows, run_fused
@@ -29,6 +29,7 @@ from ._hyper import (
     group_args,
     local_values,
     member_column,
+    params_of,
 )
 
 __all__ = [
@@ -41,14 +42,6 @@ __all__ = [
     "member_column",
     "run_fused",
 ]
-
-
-def _params_of(params: Any) -> list[Any]:
-    if isinstance(params, nn.Module):
-        return list(params.parameters())
-    if isinstance(params, Tensor):
-        return [params]
-    return list(params)
 
 
 class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
@@ -71,9 +64,9 @@ class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
     num_members: int
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
-        items = _params_of(params)
+        items = params_of(params)
         tensors = [
-            t for it in items for t in (_params_of(it["params"]) if isinstance(it, dict) else [it])
+            t for it in items for t in (params_of(it["params"]) if isinstance(it, dict) else [it])
         ]
         self.num_members = self._leading_n(tensors)
         # A sharded Ensemble holds one block of its n_total members: per-member values given
@@ -166,7 +159,7 @@ class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
             param_group: A dict with ``params`` and optional hyperparameter overrides.
         """
         group = dict(param_group)
-        group["params"] = _params_of(group["params"])
+        group["params"] = params_of(group["params"])
         n = self._leading_n(group["params"])
         if n != self.num_members:
             raise ValueError(

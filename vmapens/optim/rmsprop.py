@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from ._hyper import member_floats
 from .base import NONNEGATIVE, Hyper, Scalar, StackedOptimizer, member_column
 
 __all__ = ["StackedRMSprop", "rmsprop_update_"]
@@ -164,7 +165,7 @@ class StackedRMSprop(StackedOptimizer):
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         names: tuple[str, ...] = ("square_avg",)
-        names += ("momentum_buffer",) if max(_values(group["momentum"])) > 0 else ()
+        names += ("momentum_buffer",) if max(member_floats(group["momentum"])) > 0 else ()
         return (*names, "grad_avg") if group["centered"] else names
 
     def update_(
@@ -191,11 +192,7 @@ class StackedRMSprop(StackedOptimizer):
     ) -> dict[str, Tensor]:
         # torch's RMSprop keeps a momentum buffer only where momentum > 0.
         out = super().member_state(state, group, i)
-        momentum = _values(group["momentum"])
+        momentum = member_floats(group["momentum"])
         if momentum[i % len(momentum)] == 0:
             out.pop("momentum_buffer", None)
         return out
-
-
-def _values(v: Any) -> list[float]:
-    return list(v) if not isinstance(v, (int, float)) else [float(v)]

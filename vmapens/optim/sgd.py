@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import column
+from ._hyper import member_floats
 from .base import (
     NONNEGATIVE,
     Hyper,
@@ -144,8 +145,8 @@ class StackedSGD(StackedOptimizer):
         super().__init__(params, defaults)
         for group in self.param_groups:
             if group["nesterov"] and not (
-                min(_values(group["momentum"])) > 0
-                and max(map(abs, _values(group["dampening"]))) == 0
+                min(member_floats(group["momentum"])) > 0
+                and max(map(abs, member_floats(group["dampening"]))) == 0
             ):
                 raise ValueError(
                     "StackedSGD: Nesterov momentum requires a momentum and zero dampening "
@@ -153,7 +154,7 @@ class StackedSGD(StackedOptimizer):
                 )
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return ("momentum_buffer",) if max(_values(group["momentum"])) != 0 else ()
+        return ("momentum_buffer",) if max(member_floats(group["momentum"])) != 0 else ()
 
     def update_(
         self, param: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]
@@ -199,13 +200,9 @@ class StackedSGD(StackedOptimizer):
         self, state: dict[str, Tensor], group: dict[str, Any], i: int
     ) -> dict[str, Tensor]:
         # torch's SGD keeps a momentum buffer only once a member with momentum has stepped.
-        momentum = _values(group["momentum"])
+        momentum = member_floats(group["momentum"])
         if "momentum_buffer" not in state or state["step"][i] == 0:
             return {}
         if momentum[i % len(momentum)] == 0:
             return {}
         return {"momentum_buffer": state["momentum_buffer"][i].clone()}
-
-
-def _values(v: Any) -> list[float]:
-    return list(v) if not isinstance(v, (int, float)) else [float(v)]
