@@ -27,16 +27,20 @@ class AutoStep:
     equals the eager one up to round-off (tests: 1e-9 in float64).
 
     Args:
-        build: ``build(compile) -> step``, e.g. ``functools.partial(make_step, ens, ...)``.
+        eager: the eager step it starts with.
+        build_compiled: builds the compiled step, when it pays.
         total_steps: steps this run will take (``None`` if unknown).
     """
 
     def __init__(
-        self, build: Callable[[bool], Callable[..., torch.Tensor]], total_steps: int | None
-    ):
-        self.build = build
+        self,
+        eager: Callable[..., torch.Tensor],
+        build_compiled: Callable[[], Callable[..., torch.Tensor]],
+        total_steps: int | None,
+    ) -> None:
+        self.build_compiled = build_compiled
         self.total_steps = total_steps
-        self.step = build(False)
+        self.step = eager
         self.compiled = False
         self.done = 0
         self.timed_s = 0.0
@@ -51,5 +55,5 @@ class AutoStep:
         if deciding and self.done == TIMED_STEPS + 1 and self.total_steps is not None:
             left = self.total_steps - self.done
             if left * self.timed_s / TIMED_STEPS > COMPILE_PAYS_AFTER_S:
-                self.step, self.compiled = self.build(True), True
+                self.step, self.compiled = self.build_compiled(), True
         return losses

@@ -302,9 +302,8 @@ def fit(
         clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value, precision=precision,
         loss_scale=loss_scale,
     )  # fmt: skip
-    step: Callable[..., Tensor] = (
-        build(compile=compile) if isinstance(compile, bool) else build(compile=False)
-    )
+    # "auto" starts eager; the same checks ran either way before anything changes.
+    step: Callable[..., Tensor] = build(compile=compile is True)
     if saved is not None:
         parts = {"ensemble": ens, "optimizer": optimizer, "history": loop.history, "fit": loop}
         if scheduler is not None and "scheduler" not in override:
@@ -322,7 +321,7 @@ def fit(
     total = epochs * per_epoch if per_epoch else None
     if compile == "auto":
         left = None if total is None else total - history.epochs * (per_epoch or 0)
-        step = AutoStep(lambda c: build(compile=c), left)
+        step = AutoStep(step, functools.partial(build, compile=True), left)
     bar = progress_bar(progress, total, history.epochs * (per_epoch or 0))
     # Under torch.distributed every rank runs the same epochs (the stop test and the progress
     # totals are collectives at epoch ends); per-step bar updates would only show this rank.
