@@ -365,9 +365,10 @@ class Ensemble(StackedModule):
         if not -len(self) <= i < len(self):
             raise IndexError(f"Ensemble: member index {i} out of range for {len(self)} members")
         memo: dict[int, Any] = {}
+        stacked = self.stacked_state()
         with torch.no_grad():
             for name, meta in named_tensors(self._template):
-                value = self.stacked_state()[name][i].clone()
+                value = stacked[name][i].clone()
                 if isinstance(meta, nn.Parameter):
                     value = nn.Parameter(value, requires_grad=meta.requires_grad)
                 memo[id(meta)] = value
