@@ -65,7 +65,7 @@ def rows_of(x: Any, member_dim: bool = False) -> int:
     return optree.tree_leaves(x)[0].shape[1 if member_dim else 0]
 
 
-def check_members(api: str, name: str, tree: Any, n: int) -> None:
+def check_member_dim(api: str, name: str, tree: Any, n: int) -> None:
     """Every tensor of per-member data needs the member dim first, of size ``n``."""
     for leaf in optree.tree_leaves(tree):
         if isinstance(leaf, Tensor) and (leaf.dim() < 2 or leaf.shape[0] != n):

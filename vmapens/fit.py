@@ -21,7 +21,7 @@ from ._data import (
     Stream,
     TensorSource,
     bootstrap_indices,
-    check_members,
+    check_member_dim,
     is_tensor_data,
     oob_mask,
     rows_of,
@@ -213,14 +213,14 @@ def fit(
     if val_data is not None and not oob and not is_tensor_data(val_data):
         raise ValueError(f"{api}: `val_data` must be an (X, Y) tuple of tensors")
     if val_in_dims == 0 and not oob and val_data is not None:
-        check_members(api, "val_data", val_data, len(ens))
+        check_member_dim(api, "val_data", val_data, len(ens))
     if patience is not None and val_data is None:
         raise ValueError(f"{api}: `patience` needs `val_data` to measure improvement")
     tensor_data = is_tensor_data(data)
     if bootstrap and not tensor_data:
         raise ValueError(f"{api}: `bootstrap=True` needs `data` as an (X, Y) tuple of tensors")
     if in_dims == 0 and tensor_data:
-        check_members(api, "data", data, len(ens))
+        check_member_dim(api, "data", data, len(ens))
     elif in_dims == 0 and not isinstance(data, (list, tuple)):
         raise TypeError(
             f"{api}: with `in_dims=0`, `data` must be (X, Y) tensors of shape [n, samples, ...] "

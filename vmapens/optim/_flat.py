@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._checks import column
+
 __all__ = ["FlatState", "fusable", "layout", "rows", "run_fused"]
 
 
@@ -146,4 +148,4 @@ def run_fused(
         kernel(work, count)
         rows = stepping & (step == count)
         for t, new in zip(tensors, work, strict=True):
-            t.copy_(torch.where(rows.view(-1, *[1] * (t.dim() - 1)), new, t))
+            t.copy_(torch.where(column(rows, t), new, t))
