@@ -15,10 +15,13 @@ from ._seeds import derive_seed
 
 __all__ = [
     "IterableSource",
+    "MemberIterables",
     "Stream",
     "TensorSource",
     "bootstrap_indices",
+    "check_member_dim",
     "is_tensor_data",
+    "oob_mask",
     "rows_of",
 ]
 
