@@ -122,7 +122,8 @@ def run_fused(
     step: Tensor,
     mask: Tensor | None,
 ) -> None:
-    """Run a fused kernel ``kernel(tensors, step_count)`` over the whole ``[n, total]`` tensors.
+    """Run a fused kernel ``kernel(tensors, step_count)`` over the whole ``[n, total]`` tensors,
+    then count the step (``step += 1``; masked members get theirs back from the base).
 
     A fused kernel takes one step count. The stepping members usually share theirs: one call,
     in place (rows of masked members are computed too, and the base gives them their old
@@ -132,6 +133,16 @@ def run_fused(
     where no other member skipped: its result does not depend on the others, bit for bit (a
     call on a subset of rows would move the kernel's vector/tail split).
     """
+    _run_fused(kernel, tensors, step, mask)
+    step.add_(1)
+
+
+def _run_fused(
+    kernel: Callable[[list[Tensor], float], None],
+    tensors: list[Tensor],
+    step: Tensor,
+    mask: Tensor | None,
+) -> None:
     if mask is None:  # the common case, checked cheaply: every member steps with one count
         first = float(step[0])
         if bool((step == first).all()):

@@ -169,7 +169,6 @@ class StackedAdagrad(StackedOptimizer):
                 )
 
             run_fused(kernel, [param, grad, state["sum"]], state["step"], state.get("_mask"))
-            state["step"].add_(1)
             return
         adagrad_update_(
             param,

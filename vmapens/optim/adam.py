@@ -255,7 +255,6 @@ class StackedAdam(StackedOptimizer):
             run_fused(
                 kernel, [param, grad, *(state[k] for k in names)], state["step"], state.get("_mask")
             )
-            state["step"].add_(1)  # masked members get theirs back from the base
             return
         adam_update_(
             param,

@@ -181,7 +181,6 @@ class StackedSGD(StackedOptimizer):
 
             tensors = [param, grad, *([] if buffer is None else [buffer])]
             run_fused(kernel, tensors, state["step"], state.get("_mask"))
-            state["step"].add_(1)
             return
         sgd_update_(
             param,
