@@ -49,10 +49,7 @@ def train_alone(
         autocast: run forward and loss under `torch.autocast("cpu", dtype=autocast)`.
         scaler: a `torch.amp.GradScaler` for fp16: scale, unscale, clip, step, update.
     """
-    if isinstance(make_opt, torch.optim.Optimizer):
-        opt = make_opt
-    else:
-        opt = (make_opt or adam())(model)
+    opt = make_opt if isinstance(make_opt, torch.optim.Optimizer) else (make_opt or adam())(model)
     for x, y in batches:
         opt.zero_grad()
         ctx = (
