@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -20,6 +21,47 @@ MakeOpt = Callable[[nn.Module], torch.optim.Optimizer]
 
 # float64 end-to-end: the same kernels on the same numbers, only summation order may differ.
 TOL64 = dict(rtol=1e-9, atol=1e-10)
+
+
+def derived_seed(seed: int, purpose: str, index: int) -> int:
+    """The seed vmapens documents for stream `purpose` number `index` of run `seed`.
+
+    Written again from the recipe (docs/semantics.md: a SHA-256 hash of `(seed, index)`; the
+    byte layout as `vmapens._seeds` states it): the first 8 bytes of
+    `sha256("vmapens:{seed}:{purpose}:{index}")`, little-endian, shifted right by one (63 bits).
+    Purposes: `"member"` (member i's init, `torch.manual_seed(...)` then the factory),
+    `"bootstrap"` (member i's resample), `"shuffle"` (the order of pass p).
+    """
+    digest = hashlib.sha256(f"vmapens:{seed}:{purpose}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def resample(rows: int, seed: int, member: int) -> torch.Tensor:
+    """Member `member`'s bootstrap rows, from docs/fit.md "Bagging": `rows` draws with
+    replacement from a generator keyed by `(seed, global member index)`."""
+    g = torch.Generator().manual_seed(derived_seed(seed, "bootstrap", member))
+    return torch.randint(rows, (rows,), generator=g)
+
+
+def batch_plan(
+    rows: int, batch: int | None, count: int, seed: int = 0, shuffle: bool = True
+) -> list[torch.Tensor]:
+    """The row indices of `fit`'s first `count` steps on `(X, Y)` data, from docs/fit.md "Data,
+    epochs and steps": passes cut into batches of `batch` in order, pass `p` permuted by a
+    generator seeded from `(seed, p)` (one batch of everything is never permuted); a step
+    after the last batch of a pass starts the next pass."""
+    batch = rows if batch is None else min(batch, rows)
+    starts = range(0, rows, batch)
+    out: list[torch.Tensor] = []
+    for p in range(count):  # at most `count` passes are needed
+        order = torch.arange(rows)
+        if shuffle and len(starts) > 1:
+            g = torch.Generator().manual_seed(derived_seed(seed, "shuffle", p))
+            order = torch.randperm(rows, generator=g)
+        out += [order[k : k + batch] for k in starts]
+        if len(out) >= count:
+            return out[:count]
+    return out
 
 
 def adam(lr: float = 1e-2, **kw: Any) -> MakeOpt:
@@ -36,6 +78,7 @@ def train_alone(
     clip: Callable[[Iterable[nn.Parameter]], Any] | None = None,
     autocast: torch.dtype | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    after_step: Callable[[int], Any] | None = None,
 ) -> torch.optim.Optimizer:
     """Train one plain module on `batches` the way a user would; return its optimizer.
 
@@ -48,9 +91,11 @@ def train_alone(
         clip: called on `model.parameters()` after backward (after unscaling with a scaler).
         autocast: run forward and loss under `torch.autocast("cpu", dtype=autocast)`.
         scaler: a `torch.amp.GradScaler` for fp16: scale, unscale, clip, step, update.
+        after_step: called with the step number (0-based) after every optimizer step, e.g. to
+            step an LR scheduler built on the optimizer passed as `make_opt`.
     """
     opt = make_opt if isinstance(make_opt, torch.optim.Optimizer) else (make_opt or adam())(model)
-    for x, y in batches:
+    for k, (x, y) in enumerate(batches):
         opt.zero_grad()
         ctx = (
             torch.autocast("cpu", dtype=autocast)
@@ -64,13 +109,15 @@ def train_alone(
             if clip is not None:
                 clip(model.parameters())
             opt.step()
-            continue
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        if clip is not None:
-            clip(model.parameters())
-        scaler.step(opt)
-        scaler.update()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            if clip is not None:
+                clip(model.parameters())
+            scaler.step(opt)
+            scaler.update()
+        if after_step is not None:
+            after_step(k)
     return opt
 
 

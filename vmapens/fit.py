@@ -121,7 +121,9 @@ def fit(
         scheduler: an LR scheduler over ``optimizer``, or ``scheduler(optimizer)`` building
             one (use that with the default optimizer); stepped after every epoch (or every
             step with ``scheduler_interval="step"``). ``vmapens.ReduceLROnPlateau`` is
-            stepped with each member's validation loss. Its state is in the checkpoint.
+            stepped after every epoch with each member's validation loss: it needs
+            ``val_data`` and ``scheduler_interval="epoch"`` (checked before the first step).
+            Its state is in the checkpoint.
         scheduler_interval: ``"epoch"`` or ``"step"``.
         override: names of options that may differ from the checkpoint's when resuming
             (``"optimizer"``: this run's hyperparameters replace the stored ones; ``"val_data"``,
@@ -241,7 +243,9 @@ def fit(
         )
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise TypeError(f"{api}: `seed` must be an int or None, got {type(seed).__name__}")
-    scheduler = build_scheduler(api, scheduler, optimizer)
+    scheduler = build_scheduler(
+        api, scheduler, optimizer, scheduler_interval, validated=val_data is not None
+    )
 
     options = {
         "steps": steps,
