@@ -14,9 +14,10 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from truth import adam, resample, train_alone
 
 import vmapens
-from vmapens import History, bootstrap_indices
+from vmapens import History
 from vmapens.bench import mlp
 
 # One tolerance for every member-vs-twin comparison (float64 throughout).
@@ -75,22 +76,13 @@ CASES = [
          lambda i: cycle(slices(X, Y, 6), 15), lr=1e-2),
     Case("bootstrap", models.MLP, nn.MSELoss(), lambda: (X, Y),
          dict(epochs=4, bootstrap=True, seed=7),
-         lambda i: [(X[bootstrap_indices(20, 7, i)], Y[bootstrap_indices(20, 7, i)])] * 4,
+         lambda i: [(X[resample(20, 7, i)], Y[resample(20, 7, i)])] * 4,
          own_optimizer=True, lr=[1e-3, 3e-3, 1e-2, 3e-2]),
 ]  # fmt: skip
 
 
 def member_lr(lr, i):
     return lr[i] if isinstance(lr, list) else lr
-
-
-def train_alone(model, batches, loss, lr):
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    for x, y in batches:
-        opt.zero_grad()
-        loss(model(x), y).backward()
-        opt.step()
-    return opt
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -105,7 +97,7 @@ def test_fit_matches_members_trained_alone(case: Case):
     assert history.train_loss.shape == (rows, N) and history.val_loss is None
     assert torch.isfinite(history.train_loss).all()
     for i, (member, twin) in enumerate(zip(ens.unstack(), twins, strict=True)):
-        alone = train_alone(twin, case.plan(i), case.loss, member_lr(case.lr, i))
+        alone = train_alone(twin, case.plan(i), case.loss, adam(member_lr(case.lr, i)))
         torch.testing.assert_close(member.state_dict(), twin.state_dict(), **TOL)
         if opt is not None:
             ours = opt.member_state_dict(i)["state"]

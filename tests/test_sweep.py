@@ -1,4 +1,4 @@
-"""Sweeps against the truth: every trial equals its member trained alone; the sweep demo."""
+"""Sweeps against the truth: each trial equals its model trained alone in plain PyTorch."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 from test_workflows import TOL, XV, YV, X, Y
 from torch import nn
+from truth import batch_plan, derived_seed, train_alone
 
 import vmapens
 
@@ -17,13 +18,28 @@ def space(trial):
     return {"lr": trial.suggest_float("lr", 1e-3, 1e-1, log=True)}
 
 
-SWEEP_FIT = dict(epochs=3, batch_size=8, val_data=(XV, YV), progress=False)
+EPOCHS, BATCH = 3, 8
+SWEEP_FIT = dict(epochs=EPOCHS, batch_size=BATCH, val_data=(XV, YV), progress=False)
 
 
 def alone_values(number: int, lr: float, seed: int = 0) -> list[float]:
-    ens = vmapens.Ensemble(models.MLP, n=1, seeds=[vmapens.member_seed(seed, number)]).double()
-    h = vmapens.fit(ens, (X, Y), nn.CrossEntropyLoss(), lr=[lr], seed=seed, **SWEEP_FIT)
-    return h.val_loss[:, 0].tolist()
+    """Trial `number` in plain PyTorch: its member built from the documented seed recipe
+    (`torch.manual_seed(member_seed(seed, number))`, the seed recomputed), torch.optim.Adam,
+    the batches fit documents for `seed` (reshuffled every pass), and the validation loss in
+    eval mode after every epoch."""
+    torch.manual_seed(derived_seed(seed, "member", number))
+    model = models.MLP().double()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    per_pass = -(-len(X) // BATCH)
+    plan = batch_plan(len(X), BATCH, EPOCHS * per_pass, seed)
+    values = []
+    for epoch in range(EPOCHS):
+        rows = plan[epoch * per_pass : (epoch + 1) * per_pass]
+        train_alone(model, [(X[r], Y[r]) for r in rows], nn.functional.cross_entropy, opt)
+        with torch.no_grad():
+            values.append(float(nn.functional.cross_entropy(model.eval()(XV), YV)))
+        model.train()
+    return values
 
 
 def double_mlp():
