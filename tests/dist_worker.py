@@ -44,6 +44,19 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+def validation() -> tuple[torch.Tensor, torch.Tensor]:
+    """Shared validation rows: History's val_loss and metrics must match to the bit too."""
+    g = torch.Generator().manual_seed(1)
+    return (
+        torch.randn(ROWS, D_IN, generator=g, dtype=torch.float64),
+        torch.randn(ROWS, D_OUT, generator=g, dtype=torch.float64),
+    )
+
+
+def mae(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out - target).abs().mean()
+
+
 def bootstrap(ids: range) -> torch.Tensor:
     """Member i's resample of the rows, keyed by its global id: [len(ids), ROWS]."""
     return torch.stack(
@@ -76,7 +89,7 @@ def fit(
     progress=False,
     epochs: int = EPOCHS,
 ):
-    """ens.fit with bagging, per-member learning rates, shuffled mini-batches."""
+    """ens.fit with bagging, per-member learning rates, shuffled mini-batches, validation."""
     ens = vmapens.Ensemble(factory, n, seed=SEED, shard=shard)
     history = vmapens.fit(
         ens,
@@ -87,6 +100,8 @@ def fit(
         bootstrap=True,
         lr=learning_rates(n),
         seed=SEED,
+        val_data=validation(),
+        metrics={"mae": mae},
         progress=progress,
         checkpoint=checkpoint,
         callbacks=callbacks,
@@ -104,7 +119,8 @@ class FailOnce:
         self.calls, self.kill = 0, kill
 
     def __call__(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        self.calls += 1  # one call per step: the loss is traced once under vmap
+        # One call per step (traced once under vmap); validation calls it without grad.
+        self.calls += torch.is_grad_enabled()
         if self.calls == ROWS // BATCH + 2:
             if self.kill:
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import vmapens
-from vmapens import History, checkpoint
+from vmapens import History, _files, checkpoint
 
 N = 4
 F64 = dict(dtype=torch.float64)
@@ -169,6 +169,11 @@ def wrong_class(path, ens):
     checkpoint.save(vmapens.Ensemble(models.CNN, n=5, seed=0), path)
 
 
+def sealed(path, obj):
+    """``obj`` written as vmapens writes files, digest included: the reader gets past it."""
+    _files.atomic_write(path, _files.seal_torch(obj), "test")
+
+
 def malicious(path, ens):
     with open(path, "wb") as f:
         pickle.dump({"format": "vmapens-checkpoint", "evil": Evil()}, f, protocol=2)
@@ -178,8 +183,16 @@ def malicious_zip(path, ens):
     torch.save({"format": "vmapens-checkpoint", "evil": Evil()}, path)
 
 
+def malicious_sealed(path, ens):
+    sealed(path, {"format": "vmapens-checkpoint", "evil": Evil()})
+
+
 def not_a_checkpoint(path, ens):
-    torch.save({"weight": torch.zeros(3)}, path)
+    sealed(path, {"weight": torch.zeros(3)})
+
+
+def unsealed(path, ens):  # what vmapens 0.2 wrote: no digest
+    torch.save({"format": "vmapens-checkpoint", "version": 2}, path)
 
 
 def wrong_dtype(path, ens):
@@ -187,11 +200,13 @@ def wrong_dtype(path, ens):
 
 
 BAD = [
-    (truncated, r"ck\.pt is not a readable checkpoint \(truncated or corrupt"),
+    (truncated, r"ck\.pt carries no vmapens digest \(300 bytes\): a truncated or corrupt"),
     (wrong_count, r"ck\.pt holds 8 members of models\.MLP .* this ensemble has 5 members of models\.MLP"),
     (wrong_class, r"ck\.pt holds 5 members of models\.CNN .* this ensemble has 5 members of models\.MLP"),
-    (malicious, r"refusing to load .*ck\.pt: it holds objects other than tensors"),
-    (malicious_zip, r"refusing to load .*ck\.pt: it holds objects other than tensors"),
+    (malicious, r"ck\.pt carries no vmapens digest"),
+    (malicious_zip, r"ck\.pt carries no vmapens digest"),
+    (malicious_sealed, r"refusing to load .*ck\.pt: it holds objects other than tensors"),
+    (unsealed, r"ck\.pt carries no vmapens digest .* not written by vmapens >= 0\.3"),
     (not_a_checkpoint, r"ck\.pt is not a vmapens checkpoint"),
     (wrong_dtype, r"ck\.pt: `fc1\.weight` is .*float64.*this ensemble has .*float32"),
 ]  # fmt: skip

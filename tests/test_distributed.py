@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -89,6 +90,9 @@ def assert_same_fit(path: Path, single_fit: tuple) -> None:
         {k: v for k, v in got["history"].items() if isinstance(v, torch.Tensor)},
         {k: v for k, v in history.items() if isinstance(v, torch.Tensor)},
     )
+    assert history["val_loss"] is not None and set(history["metrics"]) == {"mae"}
+    # Validation losses and metrics drive early stopping and restore_best: to the bit as well.
+    assert_same_state(got["history"]["metrics"], history["metrics"])
 
 
 def test_sharded_fit_gathers_to_single_process_run(steps_run: Path, single_fit: tuple):
@@ -130,12 +134,21 @@ def test_rank_dies_mid_training_restart_resumes_from_checkpoints(tmp_path: Path,
     assert_same_fit(tmp_path / "fit.pt", single_fit)
 
 
-def test_killed_rank_resumes_on_one_and_on_three_processes(tmp_path: Path, single_fit):
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory) -> Path:
+    """A 2-rank run whose rank 1 is killed (SIGKILL) in epoch 2: a sharded checkpoint of
+    epoch 1. Tests copy the directory before they change anything in it."""
+    out = tmp_path_factory.mktemp("killed")
+    launch("killed", out, fails=True)
+    return out
+
+
+def test_killed_rank_resumes_on_one_and_on_three_processes(
+    tmp_path: Path, single_fit, killed_run: Path
+):
     """A 2-rank run loses rank 1 (SIGKILL) in epoch 2; its checkpoint resumes on 1 process and
     on 3, and a 1-process checkpoint on 3: each ends as the uninterrupted run."""
-    killed = tmp_path / "killed"
-    killed.mkdir()
-    launch("killed", killed, fails=True)
+    killed = shutil.copytree(killed_run, tmp_path / "killed")
     manifest = vmapens.checkpoint.read(killed / "ckpt.pt", "test")
     # Epoch 1 is the last committed one: its steps, and each rank's block of it.
     assert manifest["fit"]["global_step"] == dist_worker.ROWS // dist_worker.BATCH
@@ -165,6 +178,70 @@ def test_killed_rank_resumes_on_one_and_on_three_processes(tmp_path: Path, singl
     assert blocks == [
         f"members-{a:06d}-{b:06d}.epoch000004.pt" for a, b in ((0, 3), (3, 6), (6, 8))
     ]
+
+
+def resume_alone(ckpt: Path) -> None:
+    dist_worker.fit(8, shard=False, checkpoint=ckpt)
+
+
+def rewrite_block(ckpt: Path, index: int, **changes) -> Path:
+    """Block ``index`` of ``ckpt`` written again (digest and all) with ``changes``."""
+    name = vmapens.checkpoint.read(ckpt, "test")["blocks"][index][0]
+    path = ckpt.with_name(ckpt.name + ".members") / name
+    block = vmapens.checkpoint.read(path, "test")
+    vmapens.checkpoint.write(path, {**block, **changes})
+    return path
+
+
+def older_rows(ckpt: Path) -> list:
+    """Block 1's rows with one epoch fewer of history (what an older epoch's block holds)."""
+    name = vmapens.checkpoint.read(ckpt, "test")["blocks"][1][0]
+    rows = vmapens.checkpoint.read(ckpt.with_name(ckpt.name + ".members") / name, "t")["rows"]
+    return [(p, k, d, v[:0] if p[0] == "history" and d == 1 else v) for p, k, d, v in rows]
+
+
+BLOCK_FAULTS = [
+    ("other-run", lambda c: rewrite_block(c, 1, run="0" * 32), r"of run 0{32} at epoch 1, the "
+     r"checkpoint wants members \[4, 5, 6, 7\] of run [0-9a-f]{32} at epoch 1"),
+    ("older-epoch", lambda c: rewrite_block(c, 1, epoch=0, rows=older_rows(c)),
+     r"at epoch 0, the checkpoint wants .* at epoch 1 \(a block of another run, or left from"),
+    ("same-rows-older-epoch", lambda c: rewrite_block(c, 1, epoch=0), r"at epoch 0, the check"),
+    ("other-members", lambda c: rewrite_block(c, 1, member_ids=[0, 1, 2, 3]),
+     r"holds members \[0, 1, 2, 3\] of run"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fault", "match"), [f[1:] for f in BLOCK_FAULTS],
+                         ids=[f[0] for f in BLOCK_FAULTS])  # fmt: skip
+def test_resume_refuses_a_block_of_another_run_or_epoch(tmp_path, killed_run, fault, match):
+    ckpt = shutil.copytree(killed_run, tmp_path / "run") / "ckpt.pt"
+    path = fault(ckpt)
+    with pytest.raises(ValueError, match=rf"^fit: {re.escape(str(path))} is not the block .*"
+                       + match):  # fmt: skip
+        resume_alone(ckpt)
+
+
+@pytest.mark.parametrize("name", ["../outside/blk.pt", "/tmp/blk.pt", "sub/members-000000-"
+                                  "000004.epoch000001.pt", ""])  # fmt: skip
+def test_block_paths_stay_inside_the_members_directory(tmp_path, killed_run, name):
+    ckpt = shutil.copytree(killed_run, tmp_path / "run") / "ckpt.pt"
+    (tmp_path / "outside").mkdir()
+    shutil.copy(rewrite_block(ckpt, 0), tmp_path / "outside" / "blk.pt")  # a valid block there
+    manifest = vmapens.checkpoint.read(ckpt, "test")
+    manifest["blocks"][0] = (name, manifest["blocks"][0][1])
+    vmapens.checkpoint.write(ckpt, manifest)
+    with pytest.raises(ValueError, match=r"names the block .*, not a block file name in"):
+        resume_alone(ckpt)
+
+
+def test_a_corrupt_block_is_an_error_naming_it(tmp_path, killed_run):
+    ckpt = shutil.copytree(killed_run, tmp_path / "run") / "ckpt.pt"
+    path = rewrite_block(ckpt, 1)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=rf"^fit: {re.escape(str(path))} is corrupt"):
+        resume_alone(ckpt)
 
 
 def test_four_ranks_resume_on_two(tmp_path: Path, single_fit):

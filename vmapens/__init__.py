@@ -3,7 +3,7 @@
 from ._data import bootstrap_indices
 from ._seeds import member_seed
 from .callbacks import Callback, Context
-from .checkpoint import load, restore, save, save_members
+from .checkpoint import load, load_member, restore, save, save_members
 from .ensemble import Ensemble
 from .fit import fit
 from .history import History
@@ -65,6 +65,7 @@ __all__ = [
     "gather",
     "gather_history",
     "load",
+    "load_member",
     "make_step",
     "make_target",
     "member_seed",

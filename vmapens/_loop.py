@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -14,10 +15,18 @@ from torch.func import vmap
 
 from ._checks import column, index_rows
 from ._data import Stream
+from ._files import signature
 from ._metrics import Metric, metric_pair, score
 from ._precision import LossScale
-from .checkpoint import check_ensemble_state, check_members, members_of, read, write
-from .distributed import all_reduce_stats, world_size
+from .checkpoint import (
+    check_ensemble_state,
+    check_members,
+    check_owner,
+    members_of,
+    read,
+    write,
+)
+from .distributed import all_reduce_stats, broadcast_object, rank, world_size
 from .ensemble import Ensemble
 from .history import History
 from .losses import per_member
@@ -54,6 +63,10 @@ class Loop:
         self.hooks: Any = None  # fit's callbacks.Hooks: its stateful callbacks are checkpointed
         self.loss_scale: LossScale | None = None  # precision="fp16": per-member loss scales
         self.global_step = 0
+        # This run's identity in its checkpoints, and which file at the checkpoint path it read
+        # or wrote last: a file there that is neither was written by another run.
+        self.run: str | None = None
+        self.seen: tuple[int, ...] | None = None
         self.metrics: dict[str, Metric] = {}
         self.scores: tuple[dict[str, Tensor], dict[str, Tensor]] = ({}, {})
         self.monitor, self.sign = "val_loss", 1.0
@@ -250,6 +263,7 @@ class Loop:
             "bad": self.bad.clone(),
             "best": None if self.best is None else {k: t.cpu() for k, t in self.best.items()},
             "global_step": self.global_step,
+            "run": self.run,
             "callbacks": [] if self.hooks is None else self.hooks.state_dict(),
             "loss_scale": None if self.loss_scale is None else self.loss_scale.state_dict(),
         }
@@ -274,6 +288,7 @@ class Loop:
         if self.loss_scale is not None:
             self.loss_scale.load_state_dict(state["loss_scale"])
         self.global_step = state.get("global_step", 0)
+        self.run, self.seen = state.get("run"), state.get("seen")
         self.stream.pass_, self.stream.pos = state["pass"], state["pos"]
         self.active.copy_(state["active"])
         self.best_val, self.bad = state["best_val"].clone(), state["bad"].clone()
@@ -284,8 +299,19 @@ class Loop:
             torch.cuda.set_rng_state_all(state["cuda_rng"])
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the checkpoint: one file, or under torch.distributed one block per rank."""
+        """Write the checkpoint: one file, or under torch.distributed one block per rank.
+
+        Raises:
+            FileExistsError: another run wrote ``path`` since this one last read or wrote it.
+        """
+        refused = check_owner(path, self.seen, self.run, "fit") if rank() == 0 else None
+        run, refused = broadcast_object((self.run or uuid.uuid4().hex, refused))
+        if refused is not None:
+            raise FileExistsError(refused)
+        self.run = run
         payload = {
+            "run": run,
+            "epoch": self.history.epochs,
             "members": members_of(self.ens),
             "ensemble": {k: v.detach().cpu() for k, v in self.ens.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
@@ -295,9 +321,9 @@ class Loop:
             "fit": self.state_dict(),
         }
         if world_size() > 1:
-            save_sharded(path, payload, self.ens.member_ids)
+            self.seen = save_sharded(path, payload, self.ens.member_ids)
         else:
-            write(path, payload, "fit")
+            self.seen = write(path, payload, "fit")
             drop_blocks(path)  # of an earlier sharded run that this one resumed
 
 
@@ -310,6 +336,7 @@ def read_checkpoint(
 ) -> dict[str, Any]:
     """Read a fit checkpoint and check it against this run; changes nothing."""
     where = os.fspath(path)
+    seen = signature(path)  # before reading: a later replacement shows as another file
     payload = read(path, "fit")
     held = payload.get("members")
     if isinstance(held, dict) and (held.get("class"), held.get("n_total")) == (
@@ -325,6 +352,7 @@ def read_checkpoint(
             f"fit: {where} was written by save(), not by fit(checkpoint=...): it holds no "
             "training-loop state to resume from; use another path"
         )
+    state["seen"] = seen
     stored = state["options"]
     ours = {**options, "seed": stored["seed"] if seed is None else seed}
     unknown = [k for k in override if k not in ours]

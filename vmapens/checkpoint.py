@@ -8,26 +8,37 @@ format and version; loading applies the parts all or nothing.
 from __future__ import annotations
 
 import copy
-import errno
-import fcntl
 import os
-import pickle
-import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch import nn
 
+from ._files import (
+    atomic_write,
+    open_checked,
+    read_bytes,
+    remove_stale_temps,
+    seal_safetensors,
+    seal_torch,
+    signature,
+    torch_load,
+    unseal_safetensors,
+    write_error,
+)
 from .ensemble import Ensemble
 from .history import History
 
 __all__ = [
     "apply_parts",
     "check_ensemble_state",
+    "check_member_ids",
     "check_members",
+    "check_owner",
     "load",
+    "load_member",
     "members_of",
     "read",
     "remove_stale_temps",
@@ -38,113 +49,59 @@ __all__ = [
 ]
 
 FORMAT = "vmapens-checkpoint"
-VERSION = 2
+VERSION = 3  # 3: every file carries its SHA-256 digest
 
 
-def write(path: str | os.PathLike, parts: Mapping[str, Any], api: str = "save") -> None:
-    """Write ``parts`` (plain containers of tensors) to ``path`` atomically.
+def write(path: str | os.PathLike, parts: Mapping[str, Any], api: str = "save") -> tuple[int, ...]:
+    """Write ``parts`` (plain containers of tensors) to ``path`` atomically, with its digest.
 
-    The file is written to a temporary file in the same directory (held under an exclusive
-    lock while written), synced, moved over ``path`` with ``os.replace`` and the directory
-    synced: a crash at any point leaves the previous file intact. Temporary files that
-    interrupted saves of the same ``path`` left behind (unlocked) are removed first.
+    The file is a ``torch.save`` zip whose comment holds the SHA-256 of its bytes (see
+    ``vmapens._files``), written to a temporary file in the same directory, synced and moved
+    over ``path`` with one ``os.replace``: a crash at any point leaves the previous file whole.
+
+    Returns:
+        Which file is now at ``path`` (``vmapens._files.signature``), for :func:`check_owner`.
 
     Raises:
-        OSError: the directory is missing or read-only, or the disk is full; the message
-            says the previous file is intact, and no temporary file is left.
+        OSError: the directory is missing or read-only, the disk is full or the file too
+            large; the message says which and that the previous file is intact.
     """
     payload = {"format": FORMAT, "version": VERSION, **parts}
-    atomic_write(path, lambda f: torch.save(payload, f), api)
+    return atomic_write(path, seal_torch(payload), api)
 
 
-def atomic_write(path: str | os.PathLike, write_to: Callable[..., Any], api: str) -> None:
-    """Write through a locked temporary file in the same directory, then ``os.replace`` it."""
-    path = Path(path)
-    _remove_stale(path)
+def check_owner(path: str | os.PathLike, seen: Any, run: str | None, api: str) -> str | None:
+    """Why this run must not write ``path``: another writer replaced the file since this run
+    read or wrote it last (``seen``, a ``signature``; None: there was no file). None when free.
+    """
+    if signature(path) in (None, seen):
+        return None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as err:
-        raise _write_error(api, path, err) from err
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # "in use": a later save leaves it alone
-            write_to(f)
-            f.flush()
-            os.fsync(f.fileno())
-            os.replace(tmp, path)
-        _sync_dir(path.parent)
-    except BaseException as err:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(err, (OSError, RuntimeError)) and not isinstance(err, NotImplementedError):
-            raise _write_error(api, path, err) from err
-        raise
-
-
-def _write_error(api: str, path: Path, err: BaseException) -> OSError:
-    code = getattr(err, "errno", None) or errno.EIO
-    return OSError(
-        code,
-        f"{api}: could not write {path}: {err}; any previous file at that path is intact",
+        held = read(path, api)
+        theirs, epoch = held.get("run"), held.get("epoch")
+    except (OSError, ValueError) as err:
+        theirs, epoch = f"unknown ({err})", "?"
+    ours = "a new run" if run is None else f"run {run}"
+    return (
+        f"{api}: {os.fspath(path)} was replaced by another writer (it now holds run {theirs} at "
+        f"epoch {epoch}) since this run ({ours}) last read or wrote it: two runs are writing "
+        "one checkpoint path. This run stops here and leaves that file alone; give it another "
+        "`checkpoint` path (or delete the file to let this run take the path over)"
     )
 
 
-def _remove_stale(path: Path) -> None:
-    """Delete temporary files of earlier, interrupted saves of ``path`` (ours and unlocked)."""
-    if path.parent.is_dir():
-        _remove_unlocked(path.parent.glob(f".{path.name}.*.tmp"))
-
-
-def remove_stale_temps(directory: Path) -> None:
-    """Delete the temporary files of every interrupted save into ``directory`` (unlocked)."""
-    _remove_unlocked(directory.glob(".*.tmp"))
-
-
-def _remove_unlocked(paths: Iterable[Path]) -> None:
-    for tmp in paths:
-        try:
-            fd = os.open(tmp, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # another process is writing it right now
-        finally:
-            os.close(fd)
-        tmp.unlink(missing_ok=True)
-
-
-def _sync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def read(path: str | os.PathLike, api: str) -> dict[str, Any]:
-    """Read a checkpoint written by :func:`write`; check its format and version only.
+    """Read a checkpoint written by :func:`write`: digest, format and version checked.
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: a truncated or corrupt file, objects other than tensors and plain
-            containers (possibly code), another format or version.
+        ValueError: a truncated, corrupt or changed file (its digest does not match),
+            objects other than tensors and plain containers (possibly code), another format
+            or version; the message names the file.
     """
     where = os.fspath(path)
-    if not os.path.isfile(where):
-        raise FileNotFoundError(f"{api}: no checkpoint at {where}")
-    try:
-        payload = torch.load(where, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise ValueError(
-            f"{api}: refusing to load {where}: it holds objects other than tensors and plain "
-            f"containers (possibly code that would run when unpickled); torch.load with "
-            f"weights_only=True stopped at: {str(err).splitlines()[0]}"
-        ) from err
-    except (RuntimeError, EOFError, OSError) as err:
-        raise ValueError(
-            f"{api}: {where} is not a readable checkpoint (truncated or corrupt file?): {err}"
-        ) from err
+    with open_checked(path, api, "checkpoint") as f:
+        payload = torch_load(f, where, api)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"{api}: {where} is not a vmapens checkpoint (no `{FORMAT}` marker)")
     if payload.get("version") != VERSION:
@@ -183,6 +140,31 @@ def members_of(ens: Ensemble) -> dict[str, Any]:
         "n_total": ens.n_total,
         "member_ids": list(ens.member_ids),
     }
+
+
+def check_member_ids(members: Any, api: str, where: str) -> tuple[list[int], int]:
+    """``(member_ids, n_total)`` of a file's ``members`` entry, checked: ints, distinct, in range.
+
+    Raises:
+        ValueError: ``members`` is not ``{"member_ids": [...], "n_total": int}`` of that kind.
+    """
+    if not isinstance(members, dict):
+        raise ValueError(f"{api}: {where} holds no member list (got {type(members).__name__})")
+    ids, n_total = members.get("member_ids"), members.get("n_total")
+    if not isinstance(n_total, int) or isinstance(n_total, bool) or n_total < 1:
+        raise ValueError(f"{api}: {where}: `n_total` must be an int >= 1, got {n_total!r}")
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids):
+        raise ValueError(f"{api}: {where}: `member_ids` must be a list of ints, got {ids!r:.80}")
+    bad = [i for i in ids if not 0 <= i < n_total]
+    if bad:
+        raise ValueError(f"{api}: {where}: member ids must be in [0, {n_total}), got {bad[:8]}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{api}: {where}: `member_ids` repeat ids: {ids!r:.80}")
+    return list(ids), n_total
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_members(payload: Mapping[str, Any], ens: Ensemble, api: str, where: str) -> None:
@@ -278,16 +260,17 @@ def load(
         FileNotFoundError: no file at ``path``.
     """
     payload = read(path, "load")
-    members = payload.get("members") or {}
-    ids = list(members.get("member_ids", []))
+    where = os.fspath(path)
+    members = payload.get("members")
+    ids, n_total = check_member_ids(members, "load", where)
     if not ids:
-        raise ValueError(f"load: {os.fspath(path)} holds no members")
+        raise ValueError(f"load: {where} holds no members")
     # seed=0 leaves the caller's RNG alone; every tensor is overwritten below anyway.
     ens = Ensemble(factory, n=len(ids), seed=0)
     ens.member_ids = (
         range(ids[0], ids[-1] + 1) if ids == list(range(ids[0], ids[-1] + 1)) else tuple(ids)
     )
-    ens.n_total = members["n_total"]
+    ens.n_total = n_total
     opt = optimizer(ens) if optimizer is not None else None
     _restore(payload, path, ens, opt, None, "load")
     return ens if opt is None else (ens, opt)
@@ -369,15 +352,70 @@ def save_members(ens: Ensemble, directory: str | os.PathLike, format: str = "pt"
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise _write_error("save_members", directory, err) from err
+        raise write_error("save_members", directory, err) from err
     paths = []
     for gid, sd in zip(ens.member_ids, ens.state_dicts(), strict=True):
         path = directory / f"member_{gid:04d}.{format}"
         if format == "pt":
-            atomic_write(path, lambda f, sd=sd: torch.save(sd, f), "save_members")
+            atomic_write(path, seal_torch(sd), "save_members")
         else:
             # safetensors refuses tensors that share memory (tied weights): one copy per key.
             tensors = {k: v.detach().cpu().contiguous().clone() for k, v in sd.items()}
-            atomic_write(path, lambda f, t=tensors: f.write(to_bytes(t)), "save_members")
+            atomic_write(path, _bytes_writer(seal_safetensors(to_bytes, tensors)), "save_members")
         paths.append(path)
     return paths
+
+
+def _bytes_writer(data: bytes) -> Callable[[IO[bytes]], Any]:
+    return lambda f: f.write(data)
+
+
+def load_member(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read one file written by :func:`save_members`, checking the digest it carries.
+
+    ``torch.load(path)`` and ``safetensors.torch.load_file(path)`` read the same files but
+    check nothing: a changed byte in tensor data loads as changed values. This reader refuses
+    any file whose bytes do not match its SHA-256 digest.
+
+    Args:
+        path: a ``member_XXXX.pt`` or ``member_XXXX.safetensors`` file.
+
+    Returns:
+        The member's state_dict (on CPU), for ``model.load_state_dict``.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: a truncated, corrupt or changed file, or one that holds something other
+            than a dict of tensors; the message names the file.
+        ImportError: a ``.safetensors`` file without the safetensors package.
+
+    Example:
+        >>> paths = save_members(Ensemble(lambda: nn.Linear(3, 1), n=2), "members")
+        >>> nn.Linear(3, 1).load_state_dict(load_member(paths[1]))
+        <All keys matched successfully>
+    """
+    where = os.fspath(path)
+    if where.endswith(".safetensors"):
+        try:
+            from safetensors.torch import load as from_bytes
+        except ImportError as err:
+            raise ImportError(
+                f"load_member: {where} is a safetensors file; install the safetensors package "
+                "with: pip install 'vmapens[safetensors]'"
+            ) from err
+        data = read_bytes(path, "load_member")
+        unseal_safetensors(data, where, "load_member")
+        try:
+            state = from_bytes(data)
+        except Exception as err:  # noqa: BLE001  # safetensors raises its own kinds
+            raise ValueError(
+                f"load_member: {where} is not a readable safetensors file: {err}"
+            ) from err
+    else:
+        with open_checked(path, "load_member") as f:
+            state = torch_load(f, where, "load_member")
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise ValueError(f"load_member: {where} does not hold a state_dict (names -> tensors)")
+    return state

@@ -9,12 +9,14 @@ This module knows no Ensemble: it deals in member ids, tensors and floats.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
     "all_reduce_stats",
+    "broadcast_object",
     "gather_rows",
     "member_block",
     "member_blocks",
@@ -191,6 +193,22 @@ def all_reduce_stats(
         values = values.to(_comm_device())
         dist.all_reduce(values, op=ops[op])
     return dict(zip(names, values.tolist(), strict=True))
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` (picklable) on every rank; ``obj`` itself without a group.
+
+    A collective: every rank must call it at the same point.
+
+    Example:
+        >>> broadcast_object({"run": "abc"})
+        {'run': 'abc'}
+    """
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, device=_comm_device())
+    return box[0]
 
 
 def barrier() -> None:

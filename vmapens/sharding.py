@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpoint import read, remove_stale_temps, write
+from .checkpoint import check_member_ids, read, remove_stale_temps, write
 from .distributed import barrier, gather_rows, member_blocks, rank, world_size
 from .ensemble import Ensemble
 from .history import History
@@ -157,6 +158,7 @@ def _merge_columns(values: list[Any]) -> Any:
 
 _ROWS = "vmapens:rows"  # stands for a per-member entry in the shared part
 _BLOCK = "members-{start:06d}-{stop:06d}.epoch{epoch:06d}.pt"
+_BLOCK_NAME = re.compile(r"members-\d{6,}-\d{6,}\.epoch\d{6,}\.pt")  # a bare name, no path
 
 
 def parts_dir(path: str | os.PathLike) -> Path:
@@ -247,27 +249,37 @@ def _take(paths: list[tuple], picks: Sequence[tuple[int, torch.Tensor]], held: l
     return out
 
 
-def save_sharded(path: str | os.PathLike, payload: dict, member_ids: Sequence[int]) -> None:
+def save_sharded(
+    path: str | os.PathLike, payload: dict, member_ids: Sequence[int]
+) -> tuple[int, ...] | None:
     """Write this rank's rows of a fit checkpoint, then (rank 0) the shared part at ``path``.
 
     A collective: every rank calls it after the same epoch. ``path`` is replaced only once every
     block is on disk, so a crash anywhere leaves the previous checkpoint whole; block files that
-    no checkpoint names any more are removed afterwards.
+    no checkpoint names any more are removed afterwards. Blocks and checkpoint carry the run's
+    identity and epoch (``payload["run"]``, ``payload["epoch"]``) and the global step.
+
+    Returns:
+        On rank 0 the ``signature`` of the checkpoint written, None elsewhere.
     """
     ids = list(member_ids)
-    epoch = int(payload["history"]["train_loss"].shape[0])
+    epoch = payload["epoch"]
+    # Who wrote a block, and when: resume takes blocks of the checkpoint's run and epoch only.
+    identity = {"run": payload["run"], "epoch": epoch, "step": payload["fit"]["global_step"]}
     shared, rows = _split(payload, len(ids))
     blocks = parts_dir(path)
     blocks.mkdir(parents=True, exist_ok=True)
     name = _BLOCK.format(start=ids[0], stop=ids[-1] + 1, epoch=epoch)
-    write(blocks / name, {"member_ids": ids, "rows": rows}, "fit")
+    write(blocks / name, {"member_ids": ids, "rows": rows, **identity}, "fit")
     listed: list[Any] = [None] * world_size()
     dist.all_gather_object(listed, (name, ids))  # also: every block is written
+    written = None
     if rank() == 0:
         members = {**shared["members"], "member_ids": [i for _, b in listed for i in b]}
-        write(path, {**shared, "members": members, "blocks": listed}, "fit")
+        written = write(path, {**shared, "members": members, "blocks": listed, **identity}, "fit")
         drop_blocks(path, keep={b for b, _ in listed})
     barrier()
+    return written
 
 
 def drop_blocks(path: str | os.PathLike, keep: frozenset[str] | set[str] = frozenset()) -> None:
@@ -303,11 +315,11 @@ def localise(payload: dict, path: str | os.PathLike, member_ids: Sequence[int]) 
         blocks = [(stored, rows)]
     else:
         shared = {k: v for k, v in payload.items() if k != "blocks"}
-        blocks = []
-        for name, ids in payload["blocks"]:
-            if set(ids) & set(wanted):
-                block = read(parts_dir(path) / name, "fit")
-                blocks.append((list(block["member_ids"]), block["rows"]))
+        blocks = [
+            _read_block(path, payload, name, ids)
+            for name, ids in _listed(payload, where)
+            if set(ids) & set(wanted)
+        ]
     where_is = {i: (b, j) for b, (ids, _) in enumerate(blocks) for j, i in enumerate(ids)}
     missing = [i for i in wanted if i not in where_is]
     if missing:
@@ -321,6 +333,52 @@ def localise(payload: dict, path: str | os.PathLike, member_ids: Sequence[int]) 
             picks.append((b, torch.tensor([j])))
     held = [{path: value for path, _, _, value in rows} for _, rows in blocks]
     paths = [(path, kind, dim) for path, kind, dim, _ in blocks[0][1]]
-    local = _join(shared, _take(paths, picks, held))
+    try:
+        local = _join(shared, _take(paths, picks, held))
+    except (RuntimeError, KeyError, IndexError, TypeError, AttributeError) as err:
+        raise ValueError(
+            f"fit: the member blocks of {where} do not fit together ({type(err).__name__}: {err})"
+        ) from err
     local["members"] = {**local["members"], "member_ids": wanted}
     return local
+
+
+def _listed(payload: dict, where: str) -> list[tuple[str, list[int]]]:
+    """The ``(block file name, member ids)`` a sharded checkpoint names, checked."""
+    listed = payload["blocks"]
+    if not isinstance(listed, (list, tuple)):
+        raise ValueError(f"fit: {where}: the block list is {type(listed).__name__}, not a list")
+    out = []
+    for entry in listed:
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], str)):
+            raise ValueError(f"fit: {where}: a block entry is {entry!r:.80}, not (name, ids)")
+        name, ids = entry
+        if not _BLOCK_NAME.fullmatch(name):
+            # A path (../x, /x, a/b) would read outside <checkpoint>.members/.
+            raise ValueError(
+                f"fit: {where} names the block {name!r:.80}, not a block file name in "
+                f"{parts_dir(where)}"
+            )
+        ids, _ = check_member_ids(
+            {"member_ids": ids, "n_total": payload["members"]["n_total"]}, "fit", where
+        )
+        out.append((name, ids))
+    return out
+
+
+def _read_block(path: str | os.PathLike, payload: dict, name: str, ids: list[int]) -> tuple:
+    """``(member ids, rows)`` of block ``name``, which must be of the checkpoint's run and epoch."""
+    file = parts_dir(path) / name
+    block = read(file, "fit")
+    theirs = {k: block.get(k) for k in ("run", "epoch", "member_ids")}
+    ours = {"run": payload.get("run"), "epoch": payload.get("epoch"), "member_ids": ids}
+    if theirs != ours:
+        raise ValueError(
+            f"fit: {file} is not the block {os.fspath(path)} names: it holds members "
+            f"{theirs['member_ids']!r:.60} of run {theirs['run']} at epoch {theirs['epoch']}, "
+            f"the checkpoint wants members {ids!r:.60} of run {ours['run']} at epoch "
+            f"{ours['epoch']} (a block of another run, or left from an older epoch)"
+        )
+    if not isinstance(block.get("rows"), list):
+        raise ValueError(f"fit: {file} holds no member rows")
+    return ids, block["rows"]
