@@ -36,6 +36,7 @@ class ReduceLROnPlateau:
         eps: reductions smaller than this are skipped.
 
     Example:
+        >>> import torch
         >>> from vmapens import StackedSGD
         >>> w = torch.zeros(2, 3, requires_grad=True)
         >>> opt = StackedSGD([w], lr=1.0)
