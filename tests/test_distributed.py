@@ -234,13 +234,16 @@ def test_block_paths_stay_inside_the_members_directory(tmp_path, killed_run, nam
         resume_alone(ckpt)
 
 
-def test_a_corrupt_block_is_an_error_naming_it(tmp_path, killed_run):
+def test_a_corrupt_or_missing_block_is_an_error_naming_it(tmp_path, killed_run):
     ckpt = shutil.copytree(killed_run, tmp_path / "run") / "ckpt.pt"
     path = rewrite_block(ckpt, 1)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(data)
     with pytest.raises(ValueError, match=rf"^fit: {re.escape(str(path))} is corrupt"):
+        resume_alone(ckpt)
+    path.unlink()
+    with pytest.raises(ValueError, match=rf"names the block {re.escape(str(path))}, which is miss"):
         resume_alone(ckpt)
 
 

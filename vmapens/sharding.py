@@ -369,7 +369,12 @@ def _listed(payload: dict, where: str) -> list[tuple[str, list[int]]]:
 def _read_block(path: str | os.PathLike, payload: dict, name: str, ids: list[int]) -> tuple:
     """``(member ids, rows)`` of block ``name``, which must be of the checkpoint's run and epoch."""
     file = parts_dir(path) / name
-    block = read(file, "fit")
+    try:
+        block = read(file, "fit")
+    except FileNotFoundError as err:
+        raise ValueError(
+            f"fit: {os.fspath(path)} names the block {file}, which is missing"
+        ) from err
     theirs = {k: block.get(k) for k in ("run", "epoch", "member_ids")}
     ours = {"run": payload.get("run"), "epoch": payload.get("epoch"), "member_ids": ids}
     if theirs != ours:
