@@ -21,6 +21,7 @@ __all__ = [
     "group_args",
     "local_values",
     "member_column",
+    "member_columns",
     "member_floats",
     "params_of",
     "pick_group",
@@ -56,6 +57,21 @@ def member_column(x: Scalar, like: Tensor) -> Scalar:
         return x
     dtype = torch.float32 if like.dtype in _LOW_PRECISION else like.dtype
     return column(x.to(dtype), like)
+
+
+def member_columns(x: Scalar, like: list[Tensor]) -> float | list[Tensor]:
+    """A hyperparameter as a ``torch._foreach_*`` op takes it: a float, or one ``[n, 1, ...]``
+    column per tensor of ``like`` (see :func:`member_column`; built once per dtype and rank)."""
+    if not isinstance(x, Tensor):
+        return x
+    made: dict[tuple[torch.dtype, int], Tensor] = {}
+    out = []
+    for t in like:
+        key = (t.dtype, t.dim())
+        if key not in made:
+            made[key] = column(x.to(torch.float32 if t.dtype in _LOW_PRECISION else t.dtype), t)
+        out.append(made[key])
+    return out
 
 
 def check_hyper(

@@ -15,12 +15,72 @@ from .base import (
     StackedOptimizer,
     fusable,
     member_column,
+    member_columns,
     run_fused,
+    step_one,
 )
 
-__all__ = ["StackedAdagrad", "adagrad_update_"]
+__all__ = ["StackedAdagrad", "adagrad_rule", "adagrad_update_"]
 
 PerMember = float | Sequence[float] | Tensor
+
+
+def adagrad_rule(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> None:
+    """One Adagrad step in place on stacked tensors, each member with its own hyperparameters.
+
+    Follows ``torch.optim.Adagrad``'s single-tensor update (Duchi et al., 2011) per member
+    with step ``t``:
+
+    .. code-block:: text
+
+        g = -g if maximize;  g += wd * p
+        clr = lr / (1 + (t - 1) * lr_decay)
+        s += g * g;  p -= clr * g / (sqrt(s) + eps)
+
+    With shared hyperparameters on CPU, torch's fused kernel (see ``run_fused``).
+
+    Args:
+        params: Stacked parameters [n, ...] sharing one step count, updated in place.
+        grads: Their gradients (not modified).
+        state: ``sum`` (one per parameter) and ``step`` (float32 [n]), updated in place.
+        group: ``lr``, ``lr_decay``, ``weight_decay``, ``eps`` (floats or float64 [n]
+            tensors), ``maximize``, ``fused``, ``mask``.
+    """
+    lr, lr_decay, wd, eps = (group[k] for k in ("lr", "lr_decay", "weight_decay", "eps"))
+    sums, step = state["sum"], state["step"]
+    if fusable(group, [params, grads, sums], [lr, lr_decay, wd, eps]):
+        # Like torch, the kernel gets the count after this step.
+
+        def kernel(t: list[list[Tensor]], count: float) -> None:
+            torch._fused_adagrad_(
+                t[0],
+                t[1],
+                t[2],
+                [torch.tensor(count + 1.0)] * len(t[0]),
+                lr=lr,
+                lr_decay=lr_decay,
+                weight_decay=wd,
+                eps=eps,
+                maximize=group["maximize"],
+            )
+
+        run_fused(kernel, [params, grads, sums], step, group["mask"])
+        return
+
+    def col(x: Scalar) -> Any:
+        return member_columns(x, params)
+
+    step.add_(1)
+    g = torch._foreach_neg(grads) if group["maximize"] else grads
+    if isinstance(wd, Tensor) or wd != 0:
+        g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
+    clr = lr / (1 + (step.double() - 1) * lr_decay)
+    torch._foreach_addcmul_(sums, g, g)
+    std = torch._foreach_sqrt(sums)
+    torch._foreach_add_(std, col(eps))
+    torch._foreach_addcdiv_(params, torch._foreach_mul(g, col(-clr)), std)
 
 
 def adagrad_update_(
@@ -36,16 +96,7 @@ def adagrad_update_(
     maximize: bool = False,
     workspace: Tensor | None = None,
 ) -> None:
-    """One Adagrad step in place on a stacked tensor, each member with its own hyperparameters.
-
-    Follows ``torch.optim.Adagrad``'s single-tensor update (Duchi et al., 2011) per member
-    with step ``t``:
-
-    .. code-block:: text
-
-        g = -g if maximize;  g += wd * p
-        clr = lr / (1 + (t - 1) * lr_decay)
-        s += g * g;  p -= clr * g / (sqrt(s) + eps)
+    """:func:`adagrad_rule` on one stacked tensor and its state, in place.
 
     Args:
         param: Stacked parameter [n, ...], updated in place.
@@ -57,7 +108,7 @@ def adagrad_update_(
         weight_decay: L2 penalty.
         eps: Denominator term.
         maximize: Ascend instead of descend.
-        workspace: Optional tensor shaped like ``param`` to hold the denominator.
+        workspace: Accepted for compatibility and unused.
 
     Example:
         >>> p, g, s, t = torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2, 3), torch.zeros(2)
@@ -67,17 +118,15 @@ def adagrad_update_(
         tensor([-0.1000, -0.2000])
     """
 
-    def col(x: Scalar) -> Scalar:
-        return member_column(x, param)
-
-    step.add_(1)
-    g = -grad if maximize else grad
-    if isinstance(weight_decay, Tensor) or weight_decay != 0:
-        g = g + col(weight_decay) * param
-    clr = lr / (1 + (step.double() - 1) * lr_decay)
-    state_sum.addcmul_(g, g)
-    std = torch.sqrt(state_sum, out=workspace).add_(col(eps))
-    param.addcdiv_(g * col(-clr), std)
+    hyper = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps)
+    step_one(
+        adagrad_rule,
+        param,
+        grad,
+        {"sum": state_sum},
+        {"step": step},
+        {**hyper, "maximize": maximize},
+    )
 
 
 class StackedAdagrad(StackedOptimizer):
@@ -119,6 +168,7 @@ class StackedAdagrad(StackedOptimizer):
         "eps": Hyper("epsilon value", ">= 0", NONNEGATIVE.ok),
     }
     torch_class = torch.optim.Adagrad
+    rule = staticmethod(adagrad_rule)
 
     def __init__(
         self,
@@ -147,38 +197,3 @@ class StackedAdagrad(StackedOptimizer):
     def initial_state(self, name: str, param: Tensor, group: dict[str, Any]) -> Tensor:
         start = super().initial_state(name, param, group)
         return start.add_(member_column(group["initial_accumulator_value"], param))
-
-    def update_(
-        self, param: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]
-    ) -> None:
-        if fusable(state, [group[k] for k in ("lr", "lr_decay", "weight_decay", "eps")]):
-            # torch's fused CPU kernel when members share the hyperparameters (run_fused: one
-            # call per step count); like torch, pass the count after this step.
-
-            def kernel(t: list[Tensor], count: float) -> None:
-                torch._fused_adagrad_(
-                    [t[0]],
-                    [t[1]],
-                    [t[2]],
-                    [torch.tensor(count + 1.0)],
-                    lr=group["lr"],
-                    lr_decay=group["lr_decay"],
-                    weight_decay=group["weight_decay"],
-                    eps=group["eps"],
-                    maximize=group["maximize"],
-                )
-
-            run_fused(kernel, [param, grad, state["sum"]], state["step"], state.get("_mask"))
-            return
-        adagrad_update_(
-            param,
-            grad,
-            state["sum"],
-            state["step"],
-            lr=group["lr"],
-            lr_decay=group["lr_decay"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=group["maximize"],
-            workspace=state.get("_workspace"),
-        )

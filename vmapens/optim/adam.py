@@ -1,7 +1,7 @@
 """Adam and AdamW for stacked ensembles: the update rule and its optimizer.
 
-The maths lives once, in :func:`adam_update_`; :class:`StackedAdam` is the rule plus its table
-of hyperparameters on :class:`~vmapens.optim.base.StackedOptimizer`.
+The maths lives once, in :func:`adam_rule`; :class:`StackedAdam` is the rule plus its table of
+hyperparameters on :class:`~vmapens.optim.base.StackedOptimizer`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .._checks import column
 from .base import (
     NONNEGATIVE,
     UNIT,
@@ -20,13 +19,100 @@ from .base import (
     Scalar,
     StackedOptimizer,
     fusable,
-    member_column,
+    member_columns,
     run_fused,
+    step_one,
 )
 
-__all__ = ["StackedAdam", "adam_update", "adam_update_"]
+__all__ = ["StackedAdam", "adam_rule", "adam_update", "adam_update_"]
 
 PerMember = float | Sequence[float] | Tensor
+
+
+def adam_rule(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> None:
+    r"""One Adam step in place on stacked tensors, each member with its own hyperparameters.
+
+    Follows ``torch.optim.Adam``'s update (Kingma & Ba, 2015, Algorithm 1; AdamW's decoupled
+    decay from Loshchilov & Hutter, 2019) per member ``i`` with step ``t``:
+
+    .. code-block:: text
+
+        g   = -g if maximize;  g += wd * p   (or p *= 1 - lr * wd if decoupled)
+        m   = lerp(m, g, 1 - beta1)
+        v   = v * beta2 + (1 - beta2) * g * g;  v_max = max(v_max, v) if amsgrad
+        p  += -(lr / (1 - beta1**t)) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+
+    A fixed number of ``torch._foreach_*`` ops over the parameters (one list each). Per-member
+    scalars are computed in float64 (torch computes them in Python floats) and broadcast as
+    ``[n, 1, ...]`` columns. No ``.item()`` and no branching on tensor values, so it traces
+    under ``torch.compile(fullgraph=True)``. When every member shares the hyperparameters, on
+    CPU, torch's fused kernel does the same in one pass (see ``run_fused``).
+
+    Args:
+        params: Stacked parameters [n, ...] sharing one step count, updated in place.
+        grads: Their gradients (not modified).
+        state: ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with ``amsgrad``): one
+            tensor per parameter, updated in place; ``step``: float32 [n], counted here.
+        group: ``lr``, ``betas``, ``eps``, ``weight_decay`` (floats or float64 [n] tensors),
+            the flags ``decoupled_weight_decay``, ``amsgrad``, ``maximize``, ``fused`` and
+            ``mask`` (see :attr:`StackedOptimizer.rule`).
+    """
+    lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    exp_avg, exp_avg_sq, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
+    v_max = state["max_exp_avg_sq"] if group["amsgrad"] else None
+    lists = [params, grads, exp_avg, exp_avg_sq, *([] if v_max is None else [v_max])]
+    if fusable(group, lists, [lr, eps, wd, beta1, beta2]):
+        fused = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
+
+        def kernel(t: list[list[Tensor]], count: float) -> None:
+            fused(
+                t[0],
+                t[1],
+                t[2],
+                t[3],
+                t[4] if len(t) > 4 else [],
+                [torch.tensor(count + 1.0)] * len(t[0]),
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=wd,
+                eps=eps,
+                amsgrad=group["amsgrad"],
+                maximize=group["maximize"],
+            )
+
+        run_fused(kernel, lists, step, group["mask"])
+        return
+
+    def col(x: Scalar) -> Any:
+        return member_columns(x, params)
+
+    g = torch._foreach_neg(grads) if group["maximize"] else grads
+    if isinstance(wd, Tensor) or wd != 0:
+        if group["decoupled_weight_decay"]:
+            torch._foreach_mul_(params, col(1 - lr * wd))
+        else:
+            g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
+    torch._foreach_lerp_(exp_avg, g, col(1 - beta1))
+    torch._foreach_mul_(exp_avg_sq, col(beta2))
+    if isinstance(beta2, Tensor):
+        torch._foreach_addcmul_(exp_avg_sq, g, torch._foreach_mul(g, col(1 - beta2)))
+    else:
+        torch._foreach_addcmul_(exp_avg_sq, g, g, value=1 - beta2)
+    step.add_(1)
+    t = step.double()
+    bias_correction1 = 1 - torch.pow(beta1, t)
+    bias_correction2_sqrt = (1 - torch.pow(beta2, t)).sqrt()
+    if v_max is not None:
+        torch._foreach_maximum_(v_max, exp_avg_sq)
+    denom = torch._foreach_sqrt(exp_avg_sq if v_max is None else v_max)
+    torch._foreach_div_(denom, col(bias_correction2_sqrt))
+    torch._foreach_add_(denom, col(eps))
+    # torch's capturable Adam folds the step size into the denominator the same way.
+    torch._foreach_div_(denom, col(-lr / bias_correction1))
+    torch._foreach_addcdiv_(params, exp_avg, denom)
 
 
 def adam_update_(
@@ -48,22 +134,7 @@ def adam_update_(
     mask: Tensor | None = None,
     workspace: Tensor | None = None,
 ) -> None:
-    r"""One Adam step on a stacked tensor, in place, each member with its own hyperparameters.
-
-    Follows ``torch.optim.Adam``'s single-tensor update (Kingma & Ba, 2015, Algorithm 1;
-    AdamW's decoupled decay from Loshchilov & Hutter, 2019) per member ``i`` with step ``t``:
-
-    .. code-block:: text
-
-        g   = -g if maximize;  g += wd * p   (or p *= 1 - lr * wd if decoupled)
-        m   = lerp(m, g, 1 - beta1)
-        v   = v * beta2 + (1 - beta2) * g * g;  v_max = max(v_max, v) if amsgrad
-        p  += -(lr / (1 - beta1**t)) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
-
-    Per-member scalars are computed in float64 (torch computes them in Python floats) and
-    broadcast as ``[n, 1, ...]`` columns. No ``.item()`` and no branching on tensor values, so
-    it traces under ``torch.compile(fullgraph=True)``. ``StackedAdam`` calls it once per
-    parameter group, on all parameters concatenated into one ``[n, total]`` tensor.
+    """:func:`adam_rule` on one stacked tensor and its state, in place.
 
     Args:
         param: Stacked parameter [n, ...], updated in place.
@@ -81,8 +152,10 @@ def adam_update_(
         amsgrad: Normalise by the running maximum of the second moment.
         maximize: Ascend instead of descend.
         mask: Optional bool [n]; members where it is False come out bit-identical.
-        workspace: Optional tensor shaped like ``param`` to hold the denominator, so that a
-            step allocates no ``param``-sized temporary.
+        workspace: Accepted for compatibility and unused (the rule's temporaries are its own).
+
+    Raises:
+        TypeError: ``amsgrad`` without a ``max_exp_avg_sq`` tensor.
 
     Example:
         >>> p, g = torch.zeros(3, 2), torch.ones(3, 2)
@@ -96,37 +169,12 @@ def adam_update_(
         raise TypeError(
             "adam_update_: `max_exp_avg_sq` must be a tensor when `amsgrad=True`, got None"
         )
-    v_max = max_exp_avg_sq if amsgrad else None
-    state = (param, exp_avg, exp_avg_sq, *([] if v_max is None else [v_max]), step)
-    before = None if mask is None else [t.clone() for t in state]
-
-    def col(x: Scalar) -> Scalar:
-        return member_column(x, param)
-
-    g = -grad if maximize else grad
-    if isinstance(weight_decay, Tensor) or weight_decay != 0:
-        if decoupled_weight_decay:
-            param.mul_(col(1 - lr * weight_decay))
-        else:
-            g = g + col(weight_decay) * param
-    exp_avg.lerp_(g, col(1 - beta1))
-    if isinstance(beta2, Tensor):
-        exp_avg_sq.mul_(col(beta2)).addcmul_(g, g * col(1 - beta2))
-    else:
-        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    step.add_(1)
-    t = step.double()
-    bias_correction1 = 1 - torch.pow(beta1, t)
-    bias_correction2_sqrt = (1 - torch.pow(beta2, t)).sqrt()
-    if v_max is not None:
-        v_max.copy_(torch.maximum(v_max, exp_avg_sq))  # out= on a state view breaks compile
-    denom = torch.sqrt(exp_avg_sq if v_max is None else v_max, out=workspace)
-    denom.div_(col(bias_correction2_sqrt)).add_(col(eps))
-    # torch's capturable Adam folds the step size into the denominator the same way.
-    param.addcdiv_(exp_avg, denom.div_(col(-lr / bias_correction1)))
-    if mask is not None and before is not None:
-        for t, old in zip(state, before, strict=True):
-            t.copy_(torch.where(column(mask, t), t, old))
+    hyper = dict(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+    flags = dict(decoupled_weight_decay=decoupled_weight_decay, amsgrad=amsgrad, maximize=maximize)
+    moments = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": max_exp_avg_sq}
+    if not amsgrad:
+        moments["max_exp_avg_sq"] = None
+    step_one(adam_rule, param, grad, moments, {"step": step}, {**hyper, **flags}, mask)
 
 
 def adam_update(
@@ -197,6 +245,7 @@ class StackedAdam(StackedOptimizer):
         "weight_decay": Hyper("weight_decay value", ">= 0", NONNEGATIVE.ok),
     }
     torch_class = torch.optim.Adam
+    rule = staticmethod(adam_rule)
 
     def __init__(
         self,
@@ -224,52 +273,3 @@ class StackedAdam(StackedOptimizer):
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         moments = ("exp_avg", "exp_avg_sq")
         return (*moments, "max_exp_avg_sq") if group["amsgrad"] else moments
-
-    def update_(
-        self, param: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]
-    ) -> None:
-        beta1, beta2 = group["betas"]
-        if fusable(state, [group["lr"], group["eps"], group["weight_decay"], beta1, beta2]):
-            # torch's fused CPU kernel: one pass instead of ~12 when members share the
-            # hyperparameters (see run_fused for members whose step counts differ).
-            fused = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
-            names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
-
-            def kernel(t: list[Tensor], count: float) -> None:
-                fused(
-                    [t[0]],
-                    [t[1]],
-                    [t[2]],
-                    [t[3]],
-                    t[4:],
-                    [torch.tensor(count + 1.0)],
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    weight_decay=group["weight_decay"],
-                    eps=group["eps"],
-                    amsgrad=group["amsgrad"],
-                    maximize=group["maximize"],
-                )
-
-            run_fused(
-                kernel, [param, grad, *(state[k] for k in names)], state["step"], state.get("_mask")
-            )
-            return
-        adam_update_(
-            param,
-            grad,
-            state["exp_avg"],
-            state["exp_avg_sq"],
-            state.get("max_exp_avg_sq"),
-            state["step"],
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            decoupled_weight_decay=group["decoupled_weight_decay"],
-            amsgrad=group["amsgrad"],
-            maximize=group["maximize"],
-            workspace=state.get("_workspace"),
-        )

@@ -8,11 +8,59 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .base import NONNEGATIVE, UNIT, Hyper, Scalar, StackedOptimizer, member_column
+from .base import (
+    NONNEGATIVE,
+    UNIT,
+    Hyper,
+    Scalar,
+    StackedOptimizer,
+    member_columns,
+    step_one,
+)
 
-__all__ = ["StackedAdamax", "adamax_update_"]
+__all__ = ["StackedAdamax", "adamax_rule", "adamax_update_"]
 
 PerMember = float | Sequence[float] | Tensor
+
+
+def adamax_rule(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> None:
+    """One Adamax step in place on stacked tensors, each member with its own hyperparameters.
+
+    Follows ``torch.optim.Adamax``'s single-tensor update (Kingma & Ba, 2015, Algorithm 2)
+    per member with step ``t``:
+
+    .. code-block:: text
+
+        g = -g if maximize;  g += wd * p
+        m = lerp(m, g, 1 - beta1);  u = max(beta2 * u, |g| + eps)
+        p -= lr / (1 - beta1**t) * m / u
+
+    Args:
+        params: Stacked parameters [n, ...] sharing one step count, updated in place.
+        grads: Their gradients (not modified).
+        state: ``exp_avg``, ``exp_inf`` (one per parameter) and ``step`` (float32 [n]).
+        group: ``lr``, ``betas``, ``eps``, ``weight_decay`` (floats or float64 [n] tensors)
+            and ``maximize``.
+    """
+    lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    exp_avg, exp_inf, step = state["exp_avg"], state["exp_inf"], state["step"]
+
+    def col(x: Scalar) -> Any:
+        return member_columns(x, params)
+
+    g = torch._foreach_neg(grads) if group["maximize"] else grads
+    step.add_(1)
+    if isinstance(wd, Tensor) or wd != 0:
+        g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
+    torch._foreach_lerp_(exp_avg, g, col(1 - beta1))
+    torch._foreach_mul_(exp_inf, col(beta2))
+    norm = torch._foreach_abs(g)
+    torch._foreach_add_(norm, col(eps))
+    torch._foreach_maximum_(exp_inf, norm)
+    clr = lr / (1 - torch.pow(beta1, step.double()))
+    torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avg, col(-clr)), exp_inf)
 
 
 def adamax_update_(
@@ -30,16 +78,7 @@ def adamax_update_(
     maximize: bool = False,
     workspace: Tensor | None = None,
 ) -> None:
-    """One Adamax step in place on a stacked tensor, each member with its own hyperparameters.
-
-    Follows ``torch.optim.Adamax``'s single-tensor update (Kingma & Ba, 2015, Algorithm 2)
-    per member with step ``t``:
-
-    .. code-block:: text
-
-        g = -g if maximize;  g += wd * p
-        m = lerp(m, g, 1 - beta1);  u = max(beta2 * u, |g| + eps)
-        p -= lr / (1 - beta1**t) * m / u
+    """:func:`adamax_rule` on one stacked tensor and its state, in place.
 
     Args:
         param: Stacked parameter [n, ...], updated in place.
@@ -53,7 +92,7 @@ def adamax_update_(
         eps: Term added to ``|g|``.
         weight_decay: L2 penalty.
         maximize: Ascend instead of descend.
-        workspace: Optional tensor shaped like ``param`` for the temporaries.
+        workspace: Accepted for compatibility and unused.
 
     Example:
         >>> p, g, z, s = torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2, 3), torch.zeros(2)
@@ -63,19 +102,9 @@ def adamax_update_(
         tensor([-0.1000, -0.2000])
     """
 
-    def col(x: Scalar) -> Scalar:
-        return member_column(x, param)
-
-    g = -grad if maximize else grad
-    step.add_(1)
-    if isinstance(weight_decay, Tensor) or weight_decay != 0:
-        g = g + col(weight_decay) * param
-    exp_avg.lerp_(g, col(1 - beta1))
-    # clamp_min_ is torch.maximum in place (NaN included); `out=` would break dynamo's graph
-    # on a non-contiguous state view.
-    exp_inf.mul_(col(beta2)).clamp_min_(torch.abs(g, out=workspace).add_(col(eps)))
-    clr = lr / (1 - torch.pow(beta1, step.double()))
-    param.addcdiv_(torch.mul(exp_avg, col(-clr), out=workspace), exp_inf)
+    hyper = dict(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+    moments = {"exp_avg": exp_avg, "exp_inf": exp_inf}
+    step_one(adamax_rule, param, grad, moments, {"step": step}, {**hyper, "maximize": maximize})
 
 
 class StackedAdamax(StackedOptimizer):
@@ -112,6 +141,7 @@ class StackedAdamax(StackedOptimizer):
         "weight_decay": Hyper("weight_decay value", ">= 0", NONNEGATIVE.ok),
     }
     torch_class = torch.optim.Adamax
+    rule = staticmethod(adamax_rule)
 
     def __init__(
         self,
@@ -128,22 +158,3 @@ class StackedAdamax(StackedOptimizer):
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_inf")
-
-    def update_(
-        self, param: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]
-    ) -> None:
-        beta1, beta2 = group["betas"]
-        adamax_update_(
-            param,
-            grad,
-            state["exp_avg"],
-            state["exp_inf"],
-            state["step"],
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            maximize=group["maximize"],
-            workspace=state.get("_workspace"),
-        )

@@ -1,25 +1,26 @@
 """StackedOptimizer: what every stacked optimizer shares, written once.
 
-A concrete optimizer is its update rule (one in-place function over stacked tensors) plus a
-table of its hyperparameters. The base does the rest: per-member hyperparameters (validated,
-cut to a shard's block, kept as :class:`MemberValues` for torch's schedulers), state created
-lazily and following the parameters' dtype and device, one flat ``[n, total]`` buffer per
-param group (a step is then a handful of kernels whatever the depth), masks, gradients given
-explicitly (``apply_gradients``, for compiled steps), the hand-off of one member's state to
-the plain torch optimizer, and sub-ensemble selection.
+A concrete optimizer is its update rule (:attr:`~StackedOptimizer.rule`, a function over lists
+of stacked tensors) plus a table of its hyperparameters. The base does the rest, once:
+per-member hyperparameters (validated, cut to a shard's block, kept as :class:`MemberValues`
+for torch's schedulers), state created lazily and following the parameters' dtype and device,
+the parameters that share a step count handed to the rule together, masks and the rollback of a
+failed update (by its :class:`~vmapens.optim._keep.Snapshot`), gradients given explicitly
+(``apply_gradients``, for compiled steps), the hand-off of one member's state to the plain
+torch optimizer, and sub-ensemble selection.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from .._checks import check_mask, column
-from ._flat import FlatState, fusable, layout, rows, run_fused
-from ._handoff import MemberHandOff
+from .._checks import check_mask
+from ._fused import fusable, run_fused
+from ._handoff import member_state_dict, select_parts
 from ._hyper import (
     NONNEGATIVE,
     UNIT,
@@ -29,27 +30,40 @@ from ._hyper import (
     group_args,
     local_values,
     member_column,
+    member_columns,
     params_of,
 )
+from ._keep import Snapshot, keep_masked_
 
 __all__ = [
     "NONNEGATIVE",
     "UNIT",
     "Hyper",
+    "Rule",
     "Scalar",
     "StackedOptimizer",
     "fusable",
     "member_column",
+    "member_columns",
     "run_fused",
+    "step_one",
 ]
 
+#: ``rule(params, grads, state, group)``: one step in place, see :attr:`StackedOptimizer.rule`.
+Rule = Callable[[list[Tensor], list[Tensor], dict[str, Any], dict[str, Any]], None]
 
-class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
+
+def layout(params: list[Tensor]) -> tuple:
+    """What state must be re-checked against when it changes (``ens.double()``, ``.to()``)."""
+    return tuple((p.dtype, p.device, tuple(p.shape)) for p in params)
+
+
+class StackedOptimizer(torch.optim.Optimizer):
     """Base class of stacked optimizers: member ``i`` of every tensor is ``p[i]``.
 
-    Subclasses set :attr:`hyperparameters` (name -> :class:`Hyper`, in torch's order),
-    :attr:`torch_class` (the plain optimizer a member hands off to, None where torch has
-    none) and implement :meth:`state_names` and :meth:`update_`; :meth:`scalar_state` and
+    Subclasses set :attr:`rule`, :attr:`hyperparameters` (name -> :class:`Hyper`, in torch's
+    order) and :attr:`torch_class` (the plain optimizer a member hands off to, None where
+    torch has none), and implement :meth:`state_names`; :meth:`scalar_state` and
     :meth:`initial_state` add per-member counters and non-zero initial state.
 
     Args:
@@ -57,6 +71,14 @@ class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
         defaults: every hyperparameter and option, as the subclass's constructor got them.
     """
 
+    #: The update rule: ``rule(params, grads, state, group)`` steps the stacked ``params``
+    #: (which share one step count) in place. ``state`` maps each of :meth:`state_names` to
+    #: one tensor per parameter and each :meth:`scalar_state` name to the shared float32 [n]
+    #: tensor; ``group`` holds the flags, per hyperparameter a float or a float64 ``[n]``
+    #: tensor on the parameters' device, ``mask`` (None or bool [n], the members that step:
+    #: the base gives the others their old values back afterwards) and ``fused`` (whether
+    #: the rule may run torch's fused kernel, see ``fusable``).
+    rule: ClassVar[staticmethod[[list[Tensor], list[Tensor], dict[str, Any], dict[str, Any]], None]]
     hyperparameters: ClassVar[dict[str, Hyper]] = {}
     torch_class: ClassVar[type[torch.optim.Optimizer] | None]
     # Not `n`: dynamo's OptimizerVariable intercepts any attribute name that is a substring of
@@ -75,8 +97,13 @@ class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
         self._block = getattr(params, "member_ids", None) if n_total != self.num_members else None
         self._n_total = n_total
         self._normalise(defaults)
-        self._flat: list[dict[str, Any] | None] = []  # per param group, see _pack
+        self._ready: list[tuple | None] = []  # per param group: the layout its state matches
+        self._snapshot = Snapshot()
         super().__init__(items, defaults)
+
+    @property
+    def _api(self) -> str:
+        return type(self).__name__
 
     # -- what a subclass provides ---------------------------------------------------------------
 
@@ -85,14 +112,14 @@ class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
         raise NotImplementedError
 
     def update_(
-        self, param: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        state: dict[str, Any],
+        group: dict[str, Any],
     ) -> None:
-        """One step in place on stacked ``param`` and its ``state`` (incl. ``step`` [n]).
-
-        ``group`` holds the options and, per hyperparameter, a float or a float64 ``[n]``
-        tensor on the parameter's device (see :func:`member_column`).
-        """
-        raise NotImplementedError
+        """One step in place: :attr:`rule` (override to wrap it)."""
+        type(self).rule(params, grads, state, group)
 
     def member_state(
         self, state: dict[str, Tensor], group: dict[str, Any], i: int
@@ -111,7 +138,7 @@ class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
     def initial_state(self, name: str, param: Tensor, group: dict[str, Any]) -> Tensor:
         """State ``name`` of ``param`` before the first step (default: zeros).
 
-        ``group`` is as :meth:`update_` reads it (hyperparameters as floats or ``[n]``).
+        ``group`` is as :attr:`rule` reads it (hyperparameters as floats or ``[n]``).
         """
         return torch.zeros_like(param, memory_format=torch.contiguous_format)
 
@@ -170,7 +197,7 @@ class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
             group.setdefault(key, default)
         self._normalise(group)
         super().add_param_group(group)
-        self._flat.append(None)
+        self._ready.append(None)
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -181,16 +208,13 @@ class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
         parameters afterwards: ``opt = StackedAdam(ens); ens.double()`` steps in float64. Steps
         call this themselves; a compiled step calls it before entering the graph.
         """
+        compiling = torch.compiler.is_compiling()
         for index, group in enumerate(self.param_groups):
-            flat = self._flat[index]
-            # Packed for these parameters as they are: the per-step fast path. Not while
-            # tracing: reading every state entry makes dynamo guard on them.
-            fast = flat is not None and not torch.compiler.is_compiling()
-            if fast and flat is not None and flat["key"] == layout(group["params"]):
+            # Not skipped while tracing: dynamo then guards on the state it reads.
+            if not compiling and self._ready[index] == layout(group["params"]):
                 continue
             names = self.state_names(group)
-            changed = False
-            # New state shares one step count per group (what the flat update needs).
+            # New state shares one step count per group: the rule then runs once for all.
             device, starts = group["params"][0].device, self.scalar_state(group)
             fresh: dict[str, Tensor] = {}
             for p in group["params"]:
@@ -201,26 +225,34 @@ class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
                         full = torch.full((self.num_members,), start, dtype=torch.float32)
                         new = fresh.setdefault(key, full.to(device))
                         state[key] = new if new.device == p.device else new.to(p.device)
-                        changed = True
                     elif t.device != p.device or t.dtype != torch.float32:
                         # torch's load_state_dict casts all but `step` to the param's dtype.
                         state[key] = t.to(dtype=torch.float32, device=p.device)
-                        changed = True
                 for key in names:
                     t = state.get(key)
                     if t is None:
                         args = group_args(group, self.hyperparameters, p.device)
                         state[key] = self.initial_state(key, p, args)
-                        changed = True
                     elif t.dtype != p.dtype or t.device != p.device:
                         state[key] = t.to(dtype=p.dtype, device=p.device)
-                        changed = True
-            flat = self._flat[index]
-            if changed or flat is None or flat["key"] != layout(group["params"]):
-                self._pack(index)
+            if not compiling:
+                self._share_counts(group, tuple(starts))
+                self._ready[index] = layout(group["params"])
+
+    def _share_counts(self, group: dict[str, Any], counters: tuple[str, ...]) -> None:
+        """Parameters whose counters are equal (after ``load_state_dict``) share them again."""
+        kept: list[dict[str, Tensor]] = []
+        for p in group["params"]:
+            state = self.state[p]
+            for other in kept:
+                if all(_same(other[k], state[k]) for k in counters):
+                    state.update({k: other[k] for k in counters})
+                    break
+            else:
+                kept.append(state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict saved by ``state_dict()`` (checked first, then re-flattened).
+        """Load a state dict saved by ``state_dict()`` (checked first).
 
         Raises:
             ValueError: state for unknown parameters, or tensors whose leading dim is not n.
@@ -236,7 +268,7 @@ class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
                         f"{tuple(v.shape)}, expected [n={self.num_members}, ...]"
                     )
         super().load_state_dict(state_dict)
-        self._flat = [None] * len(self.param_groups)
+        self._ready = [None] * len(self.param_groups)
         if self.state:
             self.prepare()
 
@@ -244,103 +276,57 @@ class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
 
     def _update(self, grads: Sequence[Tensor | None], mask: Tensor | None) -> None:
         self.prepare()
-        plan, start = [], 0
-        for index, group in enumerate(self.param_groups):
-            g = list(grads[start : start + len(group["params"])])
-            start += len(g)
-            plan.append((index, group, g, self._flat_state(index, g)))
-        # Everything an update writes in place before its last op, copied so that a failed
-        # step changes nothing (a compiled graph runs whole or not at all: no copy there).
-        saved = [] if torch.compiler.is_compiling() else self._written(plan)
-        backup = self._backup_of(saved)
+        calls, start = [], 0
+        for group in self.param_groups:
+            size = len(group["params"])
+            buckets = self._buckets(group, grads[start : start + size])
+            start += size
+            if buckets:
+                args = group_args(group, self.hyperparameters, group["params"][0].device)
+                args.update(mask=mask, fused=True)
+                calls += [(*bucket, args) for bucket in buckets]
+        written = [t for params, _, state, _ in calls for t in _tensors(params, state)]
+        # Copied first, so that a failed step changes nothing and masked members keep theirs.
+        saved = self._snapshot.take(written, mask)
         try:
             with torch.no_grad():
-                for index, group, g, flat in plan:
-                    self._update_group(index, group, g, flat, mask)
+                for params, g, state, args in calls:
+                    self.update_(params, g, state, args)
         except BaseException:
             with torch.no_grad():
-                for t, b in zip(saved, backup, strict=True):
-                    t.copy_(b)
+                self._snapshot.restore(written, saved)
             raise
+        if mask is not None:
+            with torch.no_grad():
+                keep_masked_(written, saved, mask)
 
-    def _backup_of(self, tensors: list[Tensor]) -> list[Tensor]:
-        """Copies of ``tensors`` in buffers kept between steps (one foreach copy, no allocation).
-
-        Fresh clones every step would make the CPU allocator hand pages back and fault them in
-        again, as for the flat workspace (see ``_pack``).
-        """
-        if not tensors:
-            return []
-        key = tuple((id(t), t.shape, t.dtype, t.device) for t in tensors)
-        cached = self.__dict__.get("_backup")
-        if cached is None or cached[0] != key:
-            cached = (key, [torch.empty_like(t) for t in tensors])
-            self.__dict__["_backup"] = cached
-        torch._foreach_copy_(cached[1], tensors)
-        return cached[1]
-
-    def _written(self, plan: list) -> list[Tensor]:
-        out: dict[int, Tensor] = {}
-        for _, group, _, flat in plan:
-            if flat is not None:
-                tensors = [flat[k] for k in flat["views"]] + list(flat["scalars"].values())
-            else:
-                tensors = list(group["params"])
-                tensors += [v for p in group["params"] for v in self.state[p].values()]
-            out.update((id(t), t) for t in tensors)
+    def _buckets(
+        self, group: dict[str, Any], grads: Sequence[Tensor | None]
+    ) -> list[tuple[list[Tensor], list[Tensor], dict[str, Any]]]:
+        """The group's parameters with a gradient, by the step count they share, with state."""
+        params, names = group["params"], self.state_names(group)
+        counters = tuple(self.scalar_state(group))
+        live = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
+        if len(live) < len(params):
+            # No gradient: skipped, as torch's optimizers do, so it keeps a count of its own.
+            stepping = {id(self.state[p]["step"]) for p, _ in live}
+            for p, g in zip(params, grads, strict=True):
+                state = self.state[p]
+                if g is None and id(state["step"]) in stepping:
+                    state.update({k: state[k].clone() for k in counters})
+        out: dict[tuple[int, ...], tuple[list[Tensor], list[Tensor], dict[str, Any]]] = {}
+        for p, g in live:
+            state = self.state[p]
+            key = tuple(id(state[k]) for k in counters)
+            bucket = out.get(key)
+            if bucket is None:
+                shared = {k: state[k] for k in counters}
+                bucket = out[key] = ([], [], {**{k: [] for k in names}, **shared})
+            bucket[0].append(p)
+            bucket[1].append(g)
+            for k in names:
+                bucket[2][k].append(state[k])
         return list(out.values())
-
-    def _update_group(
-        self,
-        index: int,
-        group: dict,
-        g: list[Tensor | None],
-        flat: dict | None,
-        mask: Tensor | None,
-    ) -> None:
-        params = group["params"]
-        args = group_args(group, self.hyperparameters, params[0].device)
-        if flat is not None:
-            # Row views of the params, kept while the params keep their storage (a
-            # `p.data = ...` elsewhere gives new storage, and new views).
-            if torch.compiler.is_compiling():
-                views = [rows(p) for p in params]
-            else:
-                ptrs = [p.data_ptr() for p in params]
-                if flat.get("ptrs") != ptrs:
-                    flat["ptrs"], flat["rows"] = ptrs, [rows(p) for p in params]
-                views = flat["rows"]
-            work = flat["workspace"]
-            p = torch.cat(views, dim=1, out=work[0])
-            dense = cast("list[Tensor]", g)  # _flat_state found no None gradient
-            flat_grad = torch.cat([rows(x) for x in dense], dim=1, out=work[1])
-            state = {k: flat[k] for k in flat["views"]}
-            state.update(flat["scalars"])
-            if work[2] is not None:
-                state["_workspace"] = work[2]
-            state["_mask"] = mask
-            self._masked(p, flat_grad, state, args, mask)
-            torch._foreach_copy_(views, list(p.split([r.shape[1] for r in views], dim=1)))
-            return
-        states = [self.state[p] for p in params]
-        for name in self.scalar_state(group):
-            if len({id(s[name]) for s in states}) < len(states):
-                for s in states:  # per-parameter counts from here on, as torch keeps them
-                    s[name] = s[name].clone()
-        for p, grad, s in zip(params, g, states, strict=True):
-            if grad is not None:  # no gradient: skipped, as torch's optimizers do
-                self._masked(p, grad, s, args, mask)
-
-    def _masked(
-        self, param: Tensor, grad: Tensor, state: dict, group: dict, mask: Tensor | None
-    ) -> None:
-        """``update_``, after which members where ``mask`` is False get their old values back."""
-        tensors = [param, *(v for k, v in state.items() if not k.startswith("_") and v is not None)]
-        before = None if mask is None else [t.clone() for t in tensors]
-        self.update_(param, grad, state, group)
-        if before is not None and mask is not None:
-            for t, old in zip(tensors, before, strict=True):
-                t.copy_(torch.where(column(mask, t), t, old))
 
     def step(  # type: ignore[override]
         self, mask: Tensor | None = None, closure: Callable[[], Any] | None = None
@@ -397,8 +383,92 @@ class StackedOptimizer(MemberHandOff, FlatState, torch.optim.Optimizer):
 
     # -- members -------------------------------------------------------------------------------
 
-    def _fresh(self, groups: list[dict[str, Any]], defaults: dict[str, Any]) -> StackedOptimizer:
-        """A new optimizer of this class over ``groups``, with no state (for ``select``)."""
+    def member_state_dict(self, i: int, module: nn.Module | None = None) -> dict[str, Any]:
+        """Member ``i``'s optimizer state, loadable by the plain torch optimizer.
+
+        Build ``torch_class`` over the member's parameters with the same param-group layout,
+        then ``opt.load_state_dict(stacked.member_state_dict(i))`` continues member ``i``
+        alone on exactly its ensemble trajectory.
+
+        Args:
+            i: Member index (negative counts from the end).
+            module: Optional member module; its parameters are checked against the stacked
+                ones (count and shapes, in order).
+
+        Returns:
+            A ``torch.optim.Optimizer`` state dict with member ``i``'s float hyperparameters
+            and cloned slices of its state.
+
+        Raises:
+            IndexError: ``i`` out of range.
+            ValueError: ``module``'s parameters do not match.
+        """
+        return member_state_dict(self, i, module)
+
+    def select(self, index: Any, params: Any) -> StackedOptimizer:
+        """A new optimizer of this class for a sub-ensemble, with its members' state.
+
+        Args:
+            index: the members kept, as for ``Ensemble.select``.
+            params: the sub-ensemble (``ens.select(index)``) or its stacked parameters, in the
+                same order as this optimizer's.
+
+        Returns:
+            An optimizer whose member ``k`` has member ``index[k]``'s hyperparameters and state.
+
+        Raises:
+            ValueError: ``params`` does not match this optimizer's parameters.
+        """
+        rows, groups, defaults = select_parts(self, index, params)
         new = type(self).__new__(type(self))
         StackedOptimizer.__init__(new, groups, defaults)
+        old = [p for g in self.param_groups for p in g["params"]]
+        for p_old, p_new in zip(old, [p for g in groups for p in g["params"]], strict=True):
+            if self.state[p_old]:
+                new.state[p_new] = {
+                    k: v[rows.to(v.device)].clone() for k, v in self.state[p_old].items()
+                }
+        if new.state:
+            new.prepare()
         return new
+
+
+def step_one(
+    rule: Rule,
+    param: Tensor,
+    grad: Tensor,
+    tensors: Mapping[str, Tensor | None],
+    counters: Mapping[str, Tensor],
+    group: dict[str, Any],
+    mask: Tensor | None = None,
+) -> None:
+    """``rule`` on one stacked tensor, in place: what the single-tensor ``*_update_`` run.
+
+    Args:
+        rule: The update rule.
+        param: Stacked parameter [n, ...].
+        grad: Its gradient.
+        tensors: Its state tensors by name (None: absent).
+        counters: The float32 [n] counters (``step``, ...).
+        group: Hyperparameters and flags; ``fused`` is off (same bits as the foreach form).
+        mask: Optional bool [n]; members where it is False come out bit-identical.
+    """
+    state: dict[str, Any] = {k: [v] for k, v in tensors.items() if v is not None}
+    state.update(counters)
+    written = _tensors([param], state)
+    before = None if mask is None else [t.clone() for t in written]
+    rule([param], [grad], state, {**group, "fused": False, "mask": None})
+    if mask is not None and before is not None:
+        keep_masked_(written, before, mask)
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    return a is b or (a.device == b.device and torch.equal(a, b))
+
+
+def _tensors(params: list[Tensor], state: dict[str, Any]) -> list[Tensor]:
+    """Everything a rule writes: the parameters, their state lists and the shared counters."""
+    out = list(params)
+    for v in state.values():
+        out += v if isinstance(v, list) else [v]
+    return out

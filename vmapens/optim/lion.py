@@ -8,11 +8,62 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .base import NONNEGATIVE, UNIT, Hyper, Scalar, StackedOptimizer, member_column
+from .base import (
+    NONNEGATIVE,
+    UNIT,
+    Hyper,
+    Scalar,
+    StackedOptimizer,
+    member_columns,
+    step_one,
+)
 
-__all__ = ["StackedLion", "lion_update_"]
+__all__ = ["StackedLion", "lion_rule", "lion_update_"]
 
 PerMember = float | Sequence[float] | Tensor
+
+
+def lion_rule(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> None:
+    """One Lion step in place on stacked tensors, each member with its own hyperparameters.
+
+    Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms", Program 1, with the
+    paper's decoupled weight decay, per member:
+
+    .. code-block:: text
+
+        c = beta1 * m + (1 - beta1) * g
+        p -= lr * (sign(c) + wd * p)
+        m = beta2 * m + (1 - beta2) * g
+
+    Args:
+        params: Stacked parameters [n, ...] sharing one step count, updated in place.
+        grads: Their gradients (not modified).
+        state: ``exp_avg`` (one per parameter) and ``step`` (float32 [n], counted; Lion does
+            not read it).
+        group: ``lr``, ``betas``, ``weight_decay`` (floats or float64 [n] tensors).
+    """
+    lr, (beta1, beta2), wd, exp_avg = (
+        group["lr"],
+        group["betas"],
+        group["weight_decay"],
+        state["exp_avg"],
+    )
+
+    def col(x: Scalar) -> Any:
+        return member_columns(x, params)
+
+    state["step"].add_(1)
+    update = torch._foreach_mul(exp_avg, col(beta1))
+    torch._foreach_add_(update, torch._foreach_mul(grads, col(1 - beta1)))
+    torch._foreach_sign_(update)
+    if isinstance(wd, Tensor) or wd != 0:
+        torch._foreach_add_(update, torch._foreach_mul(params, col(wd)))
+    torch._foreach_mul_(update, col(lr))
+    torch._foreach_sub_(params, update)
+    torch._foreach_mul_(exp_avg, col(beta2))
+    torch._foreach_add_(exp_avg, torch._foreach_mul(grads, col(1 - beta2)))
 
 
 def lion_update_(
@@ -27,16 +78,7 @@ def lion_update_(
     weight_decay: Scalar,
     workspace: Tensor | None = None,
 ) -> None:
-    """One Lion step in place on a stacked tensor, each member with its own hyperparameters.
-
-    Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms", Program 1, with the
-    paper's decoupled weight decay, per member:
-
-    .. code-block:: text
-
-        c = beta1 * m + (1 - beta1) * g
-        p -= lr * (sign(c) + wd * p)
-        m = beta2 * m + (1 - beta2) * g
+    """:func:`lion_rule` on one stacked tensor and its state, in place.
 
     Args:
         param: Stacked parameter [n, ...], updated in place.
@@ -47,7 +89,7 @@ def lion_update_(
         beta1: Interpolation factor of the update direction.
         beta2: Decay of the momentum.
         weight_decay: Decoupled weight decay.
-        workspace: Optional tensor shaped like ``param`` to hold the update direction.
+        workspace: Accepted for compatibility and unused.
 
     Example:
         >>> p, g, m, s = torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2, 3), torch.zeros(2)
@@ -57,15 +99,8 @@ def lion_update_(
         (tensor([-0.1000, -0.2000]), tensor([0.0100, 0.0100]))
     """
 
-    def col(x: Scalar) -> Scalar:
-        return member_column(x, param)
-
-    step.add_(1)
-    update = torch.mul(exp_avg, col(beta1), out=workspace).add_(grad * col(1 - beta1)).sign_()
-    if isinstance(weight_decay, Tensor) or weight_decay != 0:
-        update.add_(col(weight_decay) * param)
-    param.sub_(update.mul_(col(lr)))
-    exp_avg.mul_(col(beta2)).add_(grad * col(1 - beta2))
+    hyper = dict(lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
+    step_one(lion_rule, param, grad, {"exp_avg": exp_avg}, {"step": step}, hyper)
 
 
 class StackedLion(StackedOptimizer):
@@ -101,6 +136,7 @@ class StackedLion(StackedOptimizer):
         "weight_decay": Hyper("weight_decay value", ">= 0", NONNEGATIVE.ok),
     }
     torch_class = None
+    rule = staticmethod(lion_rule)
 
     def __init__(
         self,
@@ -113,22 +149,6 @@ class StackedLion(StackedOptimizer):
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg",)
-
-    def update_(
-        self, param: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]
-    ) -> None:
-        beta1, beta2 = group["betas"]
-        lion_update_(
-            param,
-            grad,
-            state["exp_avg"],
-            state["step"],
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=group["weight_decay"],
-            workspace=state.get("_workspace"),
-        )
 
     def member_state(
         self, state: dict[str, Tensor], group: dict[str, Any], i: int

@@ -8,11 +8,82 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from .base import NONNEGATIVE, UNIT, Hyper, Scalar, StackedOptimizer, member_column
+from .base import (
+    NONNEGATIVE,
+    UNIT,
+    Hyper,
+    Scalar,
+    StackedOptimizer,
+    member_columns,
+    step_one,
+)
 
-__all__ = ["StackedNAdam", "nadam_update_"]
+__all__ = ["StackedNAdam", "nadam_rule", "nadam_update_"]
 
 PerMember = float | Sequence[float] | Tensor
+
+
+def nadam_rule(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> None:
+    """One NAdam step in place on stacked tensors, each member with its own hyperparameters.
+
+    Follows ``torch.optim.NAdam``'s single-tensor update (Dozat, 2016; NAdamW's decoupled
+    decay from Loshchilov & Hutter, 2019) per member with step ``t``:
+
+    .. code-block:: text
+
+        g = -g if maximize;  g += wd * p   (or p *= 1 - lr * wd if decoupled)
+        mu_t = beta1 * (1 - 0.5 * 0.96**(t * momentum_decay));  P_t = P_{t-1} * mu_t
+        m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g
+        d = sqrt(v / (1 - beta2**t)) + eps
+        p -= lr * (1 - mu_t) / (1 - P_t) * g / d + lr * mu_{t+1} / (1 - P_t * mu_{t+1}) * m / d
+
+    The momentum product ``P`` (``mu_product``) is float32 ``[n]`` and rounded like torch's
+    float32 scalar tensor.
+
+    Args:
+        params: Stacked parameters [n, ...] sharing one step count, updated in place.
+        grads: Their gradients (not modified).
+        state: ``exp_avg``, ``exp_avg_sq`` (one per parameter), ``mu_product`` and ``step``
+            (float32 [n]).
+        group: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``momentum_decay`` (floats or
+            float64 [n] tensors), ``decoupled_weight_decay`` and ``maximize``.
+    """
+    lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    exp_avg, exp_avg_sq, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
+
+    def col(x: Scalar) -> Any:
+        return member_columns(x, params)
+
+    g = torch._foreach_neg(grads) if group["maximize"] else grads
+    step.add_(1)
+    t = step.double()
+    bias_correction2 = 1 - torch.pow(beta2, t)
+    if isinstance(wd, Tensor) or wd != 0:
+        if group["decoupled_weight_decay"]:
+            torch._foreach_mul_(params, col(1 - lr * wd))
+        else:
+            g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
+    mu = beta1 * (1.0 - 0.5 * torch.pow(0.96, t * group["momentum_decay"]))
+    mu_next = beta1 * (1.0 - 0.5 * torch.pow(0.96, (t + 1) * group["momentum_decay"]))
+    # torch multiplies its float32 scalar by a Python float: in float32, mu rounded first.
+    state["mu_product"].mul_(mu.float())
+    product = state["mu_product"].double()
+    torch._foreach_lerp_(exp_avg, g, col(1 - beta1))
+    torch._foreach_mul_(exp_avg_sq, col(beta2))
+    if isinstance(beta2, Tensor):
+        torch._foreach_addcmul_(exp_avg_sq, g, torch._foreach_mul(g, col(1 - beta2)))
+    else:
+        torch._foreach_addcmul_(exp_avg_sq, g, g, value=1 - beta2)
+    denom = torch._foreach_div(exp_avg_sq, col(bias_correction2))
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, col(eps))
+    torch._foreach_addcdiv_(
+        params, torch._foreach_mul(g, col(-lr * (1.0 - mu) / (1.0 - product))), denom
+    )
+    step_size = (-lr * mu_next) / (1.0 - product * mu_next)
+    torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avg, col(step_size)), denom)
 
 
 def nadam_update_(
@@ -33,21 +104,7 @@ def nadam_update_(
     maximize: bool = False,
     workspace: Tensor | None = None,
 ) -> None:
-    """One NAdam step in place on a stacked tensor, each member with its own hyperparameters.
-
-    Follows ``torch.optim.NAdam``'s single-tensor update (Dozat, 2016; NAdamW's decoupled
-    decay from Loshchilov & Hutter, 2019) per member with step ``t``:
-
-    .. code-block:: text
-
-        g = -g if maximize;  g += wd * p   (or p *= 1 - lr * wd if decoupled)
-        mu_t = beta1 * (1 - 0.5 * 0.96**(t * momentum_decay));  P_t = P_{t-1} * mu_t
-        m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g
-        d = sqrt(v / (1 - beta2**t)) + eps
-        p -= lr * (1 - mu_t) / (1 - P_t) * g / d + lr * mu_{t+1} / (1 - P_t * mu_{t+1}) * m / d
-
-    The momentum product ``P`` (``mu_product``) is float32 ``[n]`` and rounded like torch's
-    float32 scalar tensor.
+    """:func:`nadam_rule` on one stacked tensor and its state, in place.
 
     Args:
         param: Stacked parameter [n, ...], updated in place.
@@ -64,7 +121,7 @@ def nadam_update_(
         momentum_decay: Decay of the momentum schedule.
         decoupled_weight_decay: NAdamW-style decay.
         maximize: Ascend instead of descend.
-        workspace: Optional tensor shaped like ``param`` to hold the denominator.
+        workspace: Accepted for compatibility and unused.
 
     Example:
         >>> p, g, z, s = torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2, 3), torch.zeros(2)
@@ -75,31 +132,11 @@ def nadam_update_(
         tensor([-0.1056, -0.2113])
     """
 
-    def col(x: Scalar) -> Scalar:
-        return member_column(x, param)
-
-    g = -grad if maximize else grad
-    step.add_(1)
-    t = step.double()
-    bias_correction2 = 1 - torch.pow(beta2, t)
-    if isinstance(weight_decay, Tensor) or weight_decay != 0:
-        if decoupled_weight_decay:
-            param.mul_(col(1 - lr * weight_decay))
-        else:
-            g = g + col(weight_decay) * param
-    mu = beta1 * (1.0 - 0.5 * torch.pow(0.96, t * momentum_decay))
-    mu_next = beta1 * (1.0 - 0.5 * torch.pow(0.96, (t + 1) * momentum_decay))
-    # torch multiplies its float32 scalar by a Python float: in float32, mu rounded first.
-    mu_product.mul_(mu.float())
-    product = mu_product.double()
-    exp_avg.lerp_(g, col(1 - beta1))
-    if isinstance(beta2, Tensor):
-        exp_avg_sq.mul_(col(beta2)).addcmul_(g, g * col(1 - beta2))
-    else:
-        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    denom = torch.div(exp_avg_sq, col(bias_correction2), out=workspace).sqrt_().add_(col(eps))
-    param.addcdiv_(g * col(-lr * (1.0 - mu) / (1.0 - product)), denom)
-    param.addcdiv_(exp_avg * col((-lr * mu_next) / (1.0 - product * mu_next)), denom)
+    hyper = dict(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+    hyper.update(momentum_decay=momentum_decay, decoupled_weight_decay=decoupled_weight_decay)
+    counters = {"step": step, "mu_product": mu_product}
+    moments = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    step_one(nadam_rule, param, grad, moments, counters, {**hyper, "maximize": maximize})
 
 
 class StackedNAdam(StackedOptimizer):
@@ -140,6 +177,7 @@ class StackedNAdam(StackedOptimizer):
         "momentum_decay": Hyper("momentum_decay value", ">= 0", NONNEGATIVE.ok),
     }
     torch_class = torch.optim.NAdam
+    rule = staticmethod(nadam_rule)
 
     def __init__(
         self,
@@ -169,25 +207,3 @@ class StackedNAdam(StackedOptimizer):
 
     def scalar_state(self, group: dict[str, Any]) -> dict[str, float]:
         return {"step": 0.0, "mu_product": 1.0}
-
-    def update_(
-        self, param: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]
-    ) -> None:
-        beta1, beta2 = group["betas"]
-        nadam_update_(
-            param,
-            grad,
-            state["exp_avg"],
-            state["exp_avg_sq"],
-            state["mu_product"],
-            state["step"],
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            momentum_decay=group["momentum_decay"],
-            decoupled_weight_decay=group["decoupled_weight_decay"],
-            maximize=group["maximize"],
-            workspace=state.get("_workspace"),
-        )

@@ -9,11 +9,83 @@ import torch
 from torch import Tensor, nn
 
 from ._hyper import member_floats
-from .base import NONNEGATIVE, Hyper, Scalar, StackedOptimizer, member_column
+from .base import (
+    NONNEGATIVE,
+    Hyper,
+    Scalar,
+    StackedOptimizer,
+    member_columns,
+    step_one,
+)
 
-__all__ = ["StackedRMSprop", "rmsprop_update_"]
+__all__ = ["StackedRMSprop", "rmsprop_rule", "rmsprop_update_"]
 
 PerMember = float | Sequence[float] | Tensor
+
+
+def rmsprop_rule(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> None:
+    """One RMSprop step in place on stacked tensors, each member with its own hyperparameters.
+
+    Follows ``torch.optim.RMSprop``'s single-tensor update (Hinton's lecture 6e; the centered
+    form from Graves, 2013) per member:
+
+    .. code-block:: text
+
+        g = -g if maximize;  g += wd * p
+        v = alpha * v + (1 - alpha) * g * g
+        a = sqrt(v - lerp(g_avg, g, 1 - alpha)**2) if centered else sqrt(v);  a += eps
+        b = momentum * b + g / a;  p -= lr * b        (p -= lr * g / a without momentum)
+
+    Centered when ``grad_avg`` is given. A member whose momentum is 0 gets ``b = g / a``, the
+    plain step, so per-member momenta need no branch.
+
+    Args:
+        params: Stacked parameters [n, ...] sharing one step count, updated in place.
+        grads: Their gradients (not modified).
+        state: ``square_avg``, ``momentum_buffer`` (when a member uses momentum), ``grad_avg``
+            (centered) one per parameter, and ``step`` (float32 [n]).
+        group: ``lr``, ``alpha``, ``eps``, ``weight_decay``, ``momentum`` (floats or float64
+            [n] tensors) and ``maximize``.
+    """
+    lr, alpha, eps, wd = group["lr"], group["alpha"], group["eps"], group["weight_decay"]
+    square_avg, grad_avg, bufs = (
+        state["square_avg"],
+        state.get("grad_avg"),
+        state.get("momentum_buffer"),
+    )
+
+    def col(x: Scalar) -> Any:
+        return member_columns(x, params)
+
+    g = torch._foreach_neg(grads) if group["maximize"] else grads
+    state["step"].add_(1)
+    if isinstance(wd, Tensor) or wd != 0:
+        g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
+    torch._foreach_mul_(square_avg, col(alpha))
+    if isinstance(alpha, Tensor):
+        torch._foreach_addcmul_(square_avg, g, torch._foreach_mul(g, col(1 - alpha)))
+    else:
+        torch._foreach_addcmul_(square_avg, g, g, value=1 - alpha)
+    if grad_avg is not None:
+        torch._foreach_lerp_(grad_avg, g, col(1 - alpha))
+        avg = torch._foreach_addcmul(square_avg, grad_avg, grad_avg, value=-1)
+        torch._foreach_sqrt_(avg)
+    else:
+        avg = torch._foreach_sqrt(square_avg)
+    torch._foreach_add_(avg, col(eps))
+    if bufs is not None:
+        torch._foreach_mul_(bufs, col(group["momentum"]))
+        torch._foreach_addcdiv_(bufs, g, avg)
+        if isinstance(lr, Tensor):
+            torch._foreach_addcmul_(params, bufs, col(-lr))
+        else:
+            torch._foreach_add_(params, bufs, alpha=-lr)
+    elif isinstance(lr, Tensor):
+        torch._foreach_addcdiv_(params, torch._foreach_mul(g, col(-lr)), avg)
+    else:
+        torch._foreach_addcdiv_(params, g, avg, value=-lr)
 
 
 def rmsprop_update_(
@@ -32,20 +104,7 @@ def rmsprop_update_(
     maximize: bool = False,
     workspace: Tensor | None = None,
 ) -> None:
-    """One RMSprop step in place on a stacked tensor, each member with its own hyperparameters.
-
-    Follows ``torch.optim.RMSprop``'s single-tensor update (Hinton's lecture 6e; the centered
-    form from Graves, 2013) per member:
-
-    .. code-block:: text
-
-        g = -g if maximize;  g += wd * p
-        v = alpha * v + (1 - alpha) * g * g
-        a = sqrt(v - lerp(g_avg, g, 1 - alpha)**2) if centered else sqrt(v);  a += eps
-        b = momentum * b + g / a;  p -= lr * b        (p -= lr * g / a without momentum)
-
-    Centered when ``grad_avg`` is given. A member whose momentum is 0 gets ``b = g / a``, the
-    plain step, so per-member momenta need no branch.
+    """:func:`rmsprop_rule` on one stacked tensor and its state, in place.
 
     Args:
         param: Stacked parameter [n, ...], updated in place.
@@ -61,7 +120,7 @@ def rmsprop_update_(
         weight_decay: L2 penalty.
         momentum: Momentum factor (read only with a ``momentum_buffer``).
         maximize: Ascend instead of descend.
-        workspace: Optional tensor shaped like ``param`` to hold the denominator.
+        workspace: Accepted for compatibility and unused.
 
     Example:
         >>> p, g, v, s = torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2, 3), torch.zeros(2)
@@ -71,34 +130,9 @@ def rmsprop_update_(
         tensor([-0.1000, -1.0000])
     """
 
-    def col(x: Scalar) -> Scalar:
-        return member_column(x, param)
-
-    g = -grad if maximize else grad
-    step.add_(1)
-    if isinstance(weight_decay, Tensor) or weight_decay != 0:
-        g = g + col(weight_decay) * param
-    if isinstance(alpha, Tensor):
-        square_avg.mul_(col(alpha)).addcmul_(g, g * col(1 - alpha))
-    else:
-        square_avg.mul_(alpha).addcmul_(g, g, value=1 - alpha)
-    if grad_avg is not None:
-        grad_avg.lerp_(g, col(1 - alpha))
-        avg = torch.addcmul(square_avg, grad_avg, grad_avg, value=-1, out=workspace).sqrt_()
-    else:
-        avg = torch.sqrt(square_avg, out=workspace)
-    avg.add_(col(eps))
-    if momentum_buffer is not None:
-        momentum_buffer.mul_(col(momentum)).addcdiv_(g, avg)
-        step_size = col(-lr)
-        if isinstance(step_size, Tensor):
-            param.addcmul_(momentum_buffer, step_size)
-        else:
-            param.add_(momentum_buffer, alpha=step_size)
-    elif isinstance(lr, Tensor):
-        param.addcdiv_(g * col(-lr), avg)
-    else:
-        param.addcdiv_(g, avg, value=-lr)
+    hyper = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum)
+    tensors = {"square_avg": square_avg, "grad_avg": grad_avg, "momentum_buffer": momentum_buffer}
+    step_one(rmsprop_rule, param, grad, tensors, {"step": step}, {**hyper, "maximize": maximize})
 
 
 class StackedRMSprop(StackedOptimizer):
@@ -139,6 +173,7 @@ class StackedRMSprop(StackedOptimizer):
         "momentum": Hyper("momentum value", ">= 0", NONNEGATIVE.ok),
     }
     torch_class = torch.optim.RMSprop
+    rule = staticmethod(rmsprop_rule)
 
     def __init__(
         self,
@@ -167,25 +202,6 @@ class StackedRMSprop(StackedOptimizer):
         names: tuple[str, ...] = ("square_avg",)
         names += ("momentum_buffer",) if max(member_floats(group["momentum"])) > 0 else ()
         return (*names, "grad_avg") if group["centered"] else names
-
-    def update_(
-        self, param: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]
-    ) -> None:
-        rmsprop_update_(
-            param,
-            grad,
-            state["square_avg"],
-            state.get("grad_avg"),
-            state.get("momentum_buffer"),
-            state["step"],
-            lr=group["lr"],
-            alpha=group["alpha"],
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            momentum=group["momentum"],
-            maximize=group["maximize"],
-            workspace=state.get("_workspace"),
-        )
 
     def member_state(
         self, state: dict[str, Tensor], group: dict[str, Any], i: int

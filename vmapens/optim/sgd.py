@@ -16,13 +16,90 @@ from .base import (
     Scalar,
     StackedOptimizer,
     fusable,
-    member_column,
+    member_columns,
     run_fused,
+    step_one,
 )
 
-__all__ = ["StackedSGD", "sgd_update_"]
+__all__ = ["StackedSGD", "sgd_rule", "sgd_update_"]
 
 PerMember = float | Sequence[float] | Tensor
+
+
+def sgd_rule(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> None:
+    """One SGD step in place on stacked tensors, each member with its own hyperparameters.
+
+    Follows ``torch.optim.SGD`` (Sutskever et al., 2013) per member ``i``; the momentum buffer
+    starts as the first gradient, undampened, and a member whose momentum is 0 has none:
+
+    .. code-block:: text
+
+        g = -g if maximize;  g += wd * p
+        b = g if t == 0 else momentum * b + (1 - dampening) * g
+        g = g + momentum * b if nesterov else b          (members with momentum != 0)
+        p -= lr * g
+
+    With shared hyperparameters on CPU, torch's fused kernel (see ``run_fused``: the first
+    step starts the buffer).
+
+    Args:
+        params: Stacked parameters [n, ...] sharing one step count, updated in place.
+        grads: Their gradients (not modified).
+        state: ``momentum_buffer`` (one per parameter; absent when no member uses momentum)
+            and ``step`` (float32 [n]), updated in place.
+        group: ``lr``, ``momentum``, ``dampening``, ``weight_decay`` (floats or float64 [n]
+            tensors), ``nesterov``, ``maximize``, ``fused``, ``mask``.
+    """
+    lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
+    dampening, bufs, step = group["dampening"], state.get("momentum_buffer"), state["step"]
+    lists = [params, grads, *([] if bufs is None else [bufs])]
+    if fusable(group, lists, [lr, momentum, dampening, wd]):
+
+        def kernel(t: list[list[Tensor]], count: float) -> None:
+            torch._fused_sgd_(
+                t[0],
+                t[1],
+                t[2] if len(t) > 2 else [],
+                weight_decay=wd,
+                momentum=momentum,
+                lr=lr,
+                dampening=dampening,
+                nesterov=group["nesterov"],
+                maximize=group["maximize"],
+                is_first_step=count == 0,
+            )
+
+        run_fused(kernel, lists, step, group["mask"])
+        return
+
+    def col(x: Scalar) -> Any:
+        return member_columns(x, params)
+
+    g = torch._foreach_neg(grads) if group["maximize"] else grads
+    if isinstance(wd, Tensor) or wd != 0:
+        g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
+    if bufs is not None:
+        kept = torch._foreach_add(
+            torch._foreach_mul(bufs, col(momentum)), torch._foreach_mul(g, col(1 - dampening))
+        )
+        first = step == 0
+        for b, new, old in zip(bufs, g, kept, strict=True):
+            b.copy_(torch.where(column(first, b), new, old))
+        d = (
+            torch._foreach_add(g, torch._foreach_mul(bufs, col(momentum)))
+            if group["nesterov"]
+            else bufs
+        )
+        if isinstance(momentum, Tensor):
+            # Members without momentum step on the plain gradient, as torch's SGD does.
+            uses = momentum != 0
+            g = [torch.where(column(uses, x), a, x) for a, x in zip(d, g, strict=True)]
+        else:
+            g = d
+    torch._foreach_sub_(params, torch._foreach_mul(g, col(lr)))
+    step.add_(1)
 
 
 def sgd_update_(
@@ -38,17 +115,7 @@ def sgd_update_(
     nesterov: bool = False,
     maximize: bool = False,
 ) -> None:
-    """One SGD step in place on a stacked tensor, each member with its own hyperparameters.
-
-    Follows ``torch.optim.SGD`` (Sutskever et al., 2013) per member ``i``; the momentum buffer
-    starts as the first gradient, undampened, and a member whose momentum is 0 has none:
-
-    .. code-block:: text
-
-        g = -g if maximize;  g += wd * p
-        b = g if t == 0 else momentum * b + (1 - dampening) * g
-        g = g + momentum * b if nesterov else b          (members with momentum != 0)
-        p -= lr * g
+    """:func:`sgd_rule` on one stacked tensor and its momentum buffer, in place.
 
     Args:
         param: Stacked parameter [n, ...], updated in place.
@@ -71,23 +138,16 @@ def sgd_update_(
         tensor([-0.1000, -0.2000])
     """
 
-    def col(x: Scalar) -> Scalar:
-        return member_column(x, param)
-
-    g = -grad if maximize else grad
-    if isinstance(weight_decay, Tensor) or weight_decay != 0:
-        g = g + col(weight_decay) * param
-    if momentum_buffer is not None:
-        first = column(step == 0, param)
-        momentum_buffer.copy_(
-            torch.where(first, g, momentum_buffer * col(momentum) + g * col(1 - dampening))
-        )
-        d = g + col(momentum) * momentum_buffer if nesterov else momentum_buffer
-        # Members without momentum step on the plain gradient, as torch's SGD does.
-        uses = torch.as_tensor(momentum, device=param.device) != 0
-        g = torch.where(column(uses.expand(param.shape[0]), param), d, g)
-    param.sub_(g * col(lr))
-    step.add_(1)
+    hyper = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay)
+    flags = dict(nesterov=nesterov, maximize=maximize)
+    step_one(
+        sgd_rule,
+        param,
+        grad,
+        {"momentum_buffer": momentum_buffer},
+        {"step": step},
+        {**hyper, **flags},
+    )
 
 
 class StackedSGD(StackedOptimizer):
@@ -122,6 +182,7 @@ class StackedSGD(StackedOptimizer):
         "weight_decay": Hyper("weight_decay value", ">= 0", NONNEGATIVE.ok),
     }
     torch_class = torch.optim.SGD
+    rule = staticmethod(sgd_rule)
 
     def __init__(
         self,
@@ -155,45 +216,6 @@ class StackedSGD(StackedOptimizer):
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if max(member_floats(group["momentum"])) != 0 else ()
-
-    def update_(
-        self, param: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]
-    ) -> None:
-        hypers = [group[k] for k in ("lr", "momentum", "dampening", "weight_decay")]
-        if fusable(state, hypers):
-            # torch's fused CPU kernel when members share the hyperparameters (see run_fused
-            # for members whose step counts differ: the first step starts the buffer).
-            buffer = state.get("momentum_buffer")
-
-            def kernel(t: list[Tensor], count: float) -> None:
-                torch._fused_sgd_(
-                    [t[0]],
-                    [t[1]],
-                    t[2:],
-                    weight_decay=group["weight_decay"],
-                    momentum=group["momentum"],
-                    lr=group["lr"],
-                    dampening=group["dampening"],
-                    nesterov=group["nesterov"],
-                    maximize=group["maximize"],
-                    is_first_step=count == 0,
-                )
-
-            tensors = [param, grad, *([] if buffer is None else [buffer])]
-            run_fused(kernel, tensors, state["step"], state.get("_mask"))
-            return
-        sgd_update_(
-            param,
-            grad,
-            state.get("momentum_buffer"),
-            state["step"],
-            lr=group["lr"],
-            momentum=group["momentum"],
-            dampening=group["dampening"],
-            weight_decay=group["weight_decay"],
-            nesterov=group["nesterov"],
-            maximize=group["maximize"],
-        )
 
     def member_state(
         self, state: dict[str, Tensor], group: dict[str, Any], i: int

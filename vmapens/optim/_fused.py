@@ -1,0 +1,95 @@
+"""torch's fused CPU kernels as an implementation detail of a rule (Adam, AdamW, SGD, Adagrad).
+
+A fused kernel does a whole update in one pass over each tensor, but takes one step count and
+shared float hyperparameters. A rule calls :func:`run_fused` when :func:`fusable` says it may,
+and its ``torch._foreach_*`` form otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._checks import column
+
+__all__ = ["fusable", "run_fused"]
+
+
+def fusable(group: dict[str, Any], lists: list[list[Tensor]], values: list[Any]) -> bool:
+    """Whether a rule may run torch's fused CPU kernel over ``lists`` (as for :func:`run_fused`).
+
+    It may when the caller allows it (``group["fused"]``), every member shares the
+    hyperparameters ``values`` (floats, not per-member tensors), the tensors are CPU tensors
+    of one dtype, the parameters and state contiguous (the kernels ignore strides), and not
+    while tracing for ``torch.compile``. The choice depends on this configuration only, never
+    on other members' step counts or masks, so a member's result does not depend on what
+    happens to the others, bit for bit.
+    """
+    if not group["fused"] or torch.compiler.is_compiling():
+        return False
+    if any(isinstance(v, Tensor) for v in values):
+        return False
+    dtype = lists[0][0].dtype
+    for k, ts in enumerate(lists):
+        for t in ts:
+            if t.device.type != "cpu" or t.dtype != dtype or not (k == 1 or t.is_contiguous()):
+                return False
+    return True
+
+
+def run_fused(
+    kernel: Callable[[list[list[Tensor]], float], None],
+    lists: list[list[Tensor]],
+    step: Tensor,
+    mask: Tensor | None,
+) -> None:
+    """Run ``kernel(lists, step_count)`` over the whole stacked tensors, then count the step.
+
+    A fused kernel takes one step count. The stepping members usually share theirs: one call,
+    in place (rows of masked members are computed too, and the optimizer gives them their old
+    values back). When counts differ (a member skipped a step), one call per count runs on
+    copies of the whole tensors and each member takes the rows of its own count. Every member
+    is thus always computed by a call over the whole tensors with its own count, as in a run
+    where no other member skipped: its result does not depend on the others, bit for bit (a
+    call on a subset of rows would move the kernel's vector/tail split).
+
+    Args:
+        kernel: Calls the fused op on lists shaped like ``lists`` with one step count.
+        lists: The kernel's tensor lists, stacked ``[n, ...]``: params, grads (copied when
+            not contiguous: the kernels ignore strides, and leave gradients as they are),
+            then state.
+        step: Float32 ``[n]`` step counts shared by every tensor, counted here.
+        mask: Optional bool ``[n]``: the members that step.
+    """
+    grads = [g if g.is_contiguous() else g.contiguous() for g in lists[1]]
+    _run_fused(kernel, [lists[0], grads, *lists[2:]], step, mask)
+    step.add_(1)
+
+
+def _run_fused(
+    kernel: Callable[[list[list[Tensor]], float], None],
+    lists: list[list[Tensor]],
+    step: Tensor,
+    mask: Tensor | None,
+) -> None:
+    if mask is None:  # the common case, checked cheaply: every member steps with one count
+        first = float(step[0])
+        if bool((step == first).all()):
+            kernel(lists, first)
+            return
+    stepping = torch.ones_like(step, dtype=torch.bool) if mask is None else mask.to(step.device)
+    counts = step[stepping].unique().tolist()
+    if len(counts) == 1:
+        kernel(lists, counts[0])
+        return
+    before = [[t.clone() for t in ts] for ts in lists]
+    for count in counts:
+        work = [[t.clone() for t in ts] for ts in before]
+        kernel(work, count)
+        rows = stepping & (step == count)
+        for ts, news in zip(lists, work, strict=True):
+            for t, new in zip(ts, news, strict=True):
+                t.copy_(torch.where(column(rows, t), new, t))
