@@ -23,6 +23,7 @@ __all__ = [
     "member_column",
     "member_columns",
     "member_floats",
+    "leading_n",
     "params_of",
     "pick_group",
 ]
@@ -157,3 +158,19 @@ def params_of(params: Any) -> list[Any]:
     if isinstance(params, Tensor):
         return [params]
     return list(params)
+
+
+def leading_n(api: str, tensors: Sequence[Any]) -> int:
+    """The leading member dim n that every parameter shares (checked)."""
+    if not tensors:
+        raise ValueError(f"{api}: `params` is empty; expected at least one stacked tensor")
+    if any(not isinstance(t, Tensor) for t in tensors):
+        raise TypeError(f"{api}: `params` must hold tensors, got {type(tensors[0]).__name__}")
+    if any(t.dim() == 0 for t in tensors):
+        raise ValueError(f"{api}: every parameter needs a leading member dim, got a 0-dim tensor")
+    sizes = sorted({t.shape[0] for t in tensors})
+    if len(sizes) != 1:
+        raise ValueError(
+            f"{api}: all parameters must share the leading member dim n, got sizes {sizes}"
+        )
+    return sizes[0]

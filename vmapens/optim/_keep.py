@@ -8,12 +8,18 @@ old values, bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from .._checks import column
 
-__all__ = ["Snapshot", "keep_masked_"]
+__all__ = ["Rule", "Snapshot", "keep_masked_", "step_one", "tensors_of"]
+
+#: ``rule(params, grads, state, group)``: one step in place (see ``StackedOptimizer.rule``).
+Rule = Callable[[list[Tensor], list[Tensor], dict[str, Any], dict[str, Any]], None]
 
 
 def keep_masked_(tensors: list[Tensor], old: list[Tensor], mask: Tensor) -> None:
@@ -58,3 +64,40 @@ class Snapshot:
         """Put every tensor back as it was when ``old`` was taken (after a failed update)."""
         if old:
             torch._foreach_copy_(tensors, old)
+
+
+def step_one(
+    rule: Rule,
+    param: Tensor,
+    grad: Tensor,
+    tensors: Mapping[str, Tensor | None],
+    counters: Mapping[str, Tensor],
+    group: dict[str, Any],
+    mask: Tensor | None = None,
+) -> None:
+    """``rule`` on one stacked tensor, in place: what the single-tensor ``*_update_`` run.
+
+    Args:
+        rule: The update rule.
+        param: Stacked parameter [n, ...].
+        grad: Its gradient.
+        tensors: Its state tensors by name (None: absent).
+        counters: The float32 [n] counters (``step``, ...).
+        group: Hyperparameters and flags; ``fused`` is off (same bits as the foreach form).
+        mask: Optional bool [n]; members where it is False come out bit-identical.
+    """
+    state: dict[str, Any] = {k: [v] for k, v in tensors.items() if v is not None}
+    state.update(counters)
+    written = tensors_of([param], state)
+    before = None if mask is None else [t.clone() for t in written]
+    rule([param], [grad], state, {**group, "fused": False, "mask": None})
+    if mask is not None and before is not None:
+        keep_masked_(written, before, mask)
+
+
+def tensors_of(params: list[Tensor], state: dict[str, Any]) -> list[Tensor]:
+    """Everything a rule writes: the parameters, their state lists and the shared counters."""
+    out = list(params)
+    for v in state.values():
+        out += v if isinstance(v, list) else [v]
+    return out

@@ -12,7 +12,7 @@ torch optimizer, and sub-ensemble selection.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -28,12 +28,13 @@ from ._hyper import (
     Scalar,
     check_hyper,
     group_args,
+    leading_n,
     local_values,
     member_column,
     member_columns,
     params_of,
 )
-from ._keep import Snapshot, keep_masked_
+from ._keep import Rule, Snapshot, keep_masked_, step_one, tensors_of
 
 __all__ = [
     "NONNEGATIVE",
@@ -48,9 +49,6 @@ __all__ = [
     "run_fused",
     "step_one",
 ]
-
-#: ``rule(params, grads, state, group)``: one step in place, see :attr:`StackedOptimizer.rule`.
-Rule = Callable[[list[Tensor], list[Tensor], dict[str, Any], dict[str, Any]], None]
 
 
 def layout(params: list[Tensor]) -> tuple:
@@ -90,7 +88,7 @@ class StackedOptimizer(torch.optim.Optimizer):
         tensors = [
             t for it in items for t in (params_of(it["params"]) if isinstance(it, dict) else [it])
         ]
-        self.num_members = self._leading_n(tensors)
+        self.num_members = leading_n(self._api, tensors)
         # A sharded Ensemble holds one block of its n_total members: per-member values given
         # for all of them are cut to the block's global ids (docs/distributed.md).
         n_total = getattr(params, "n_total", self.num_members)
@@ -144,23 +142,6 @@ class StackedOptimizer(torch.optim.Optimizer):
 
     # -- hyperparameters ------------------------------------------------------------------------
 
-    def _leading_n(self, tensors: Sequence[Any]) -> int:
-        api = self._api
-        if not tensors:
-            raise ValueError(f"{api}: `params` is empty; expected at least one stacked tensor")
-        if any(not isinstance(t, Tensor) for t in tensors):
-            raise TypeError(f"{api}: `params` must hold tensors, got {type(tensors[0]).__name__}")
-        if any(t.dim() == 0 for t in tensors):
-            raise ValueError(
-                f"{api}: every parameter needs a leading member dim, got a 0-dim tensor"
-            )
-        sizes = sorted({t.shape[0] for t in tensors})
-        if len(sizes) != 1:
-            raise ValueError(
-                f"{api}: all parameters must share the leading member dim n, got sizes {sizes}"
-            )
-        return sizes[0]
-
     def _normalise(self, group: dict[str, Any]) -> None:
         api, n = self._api, self.num_members
 
@@ -187,7 +168,7 @@ class StackedOptimizer(torch.optim.Optimizer):
         """
         group = dict(param_group)
         group["params"] = params_of(group["params"])
-        n = self._leading_n(group["params"])
+        n = leading_n(self._api, group["params"])
         if n != self.num_members:
             raise ValueError(
                 f"{self._api}: all parameters must share the leading member dim n, "
@@ -285,7 +266,7 @@ class StackedOptimizer(torch.optim.Optimizer):
                 args = group_args(group, self.hyperparameters, group["params"][0].device)
                 args.update(mask=mask, fused=True)
                 calls += [(*bucket, args) for bucket in buckets]
-        written = [t for params, _, state, _ in calls for t in _tensors(params, state)]
+        written = [t for params, _, state, _ in calls for t in tensors_of(params, state)]
         # Copied first, so that a failed step changes nothing and masked members keep theirs.
         saved = self._snapshot.take(written, mask)
         try:
@@ -433,42 +414,5 @@ class StackedOptimizer(torch.optim.Optimizer):
         return new
 
 
-def step_one(
-    rule: Rule,
-    param: Tensor,
-    grad: Tensor,
-    tensors: Mapping[str, Tensor | None],
-    counters: Mapping[str, Tensor],
-    group: dict[str, Any],
-    mask: Tensor | None = None,
-) -> None:
-    """``rule`` on one stacked tensor, in place: what the single-tensor ``*_update_`` run.
-
-    Args:
-        rule: The update rule.
-        param: Stacked parameter [n, ...].
-        grad: Its gradient.
-        tensors: Its state tensors by name (None: absent).
-        counters: The float32 [n] counters (``step``, ...).
-        group: Hyperparameters and flags; ``fused`` is off (same bits as the foreach form).
-        mask: Optional bool [n]; members where it is False come out bit-identical.
-    """
-    state: dict[str, Any] = {k: [v] for k, v in tensors.items() if v is not None}
-    state.update(counters)
-    written = _tensors([param], state)
-    before = None if mask is None else [t.clone() for t in written]
-    rule([param], [grad], state, {**group, "fused": False, "mask": None})
-    if mask is not None and before is not None:
-        keep_masked_(written, before, mask)
-
-
 def _same(a: Tensor, b: Tensor) -> bool:
     return a is b or (a.device == b.device and torch.equal(a, b))
-
-
-def _tensors(params: list[Tensor], state: dict[str, Any]) -> list[Tensor]:
-    """Everything a rule writes: the parameters, their state lists and the shared counters."""
-    out = list(params)
-    for v in state.values():
-        out += v if isinstance(v, list) else [v]
-    return out
