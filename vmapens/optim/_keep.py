@@ -35,17 +35,19 @@ def keep_masked_(tensors: list[Tensor], old: list[Tensor], mask: Tensor) -> None
 
 
 class Snapshot:
-    """Copies of the tensors an update writes, in buffers reused from step to step.
+    """Copies of the tensors an update writes, in one buffer per dtype kept from step to step.
 
-    Fresh clones every step would make the CPU allocator hand pages back and fault them in
-    again; the buffers are kept while the tensors (by identity, shape, dtype, device) are.
+    One ``torch.cat`` per buffer costs one kernel, where a copy per tensor costs one each; and
+    fresh clones every step would make the CPU allocator hand pages back and fault them in
+    again. The buffers are kept while the tensors (by identity, dtype, shape, device) are.
     While tracing for ``torch.compile`` it clones instead: a compiled graph runs whole or not
     at all, so only a mask needs the copy there.
     """
 
     def __init__(self) -> None:
         self._key: tuple = ()
-        self._buffers: list[Tensor] = []
+        self._buffers: list[tuple[list[int], Tensor]] = []
+        self._old: list[Tensor] = []
 
     def take(self, tensors: list[Tensor], mask: Tensor | None) -> list[Tensor]:
         """The old values of ``tensors`` (empty when neither a mask nor a rollback needs them)."""
@@ -53,11 +55,27 @@ class Snapshot:
             return [] if mask is None else [t.clone() for t in tensors]
         if not tensors:
             return []
-        key = tuple((id(t), t.shape, t.dtype, t.device) for t in tensors)
+        key = tuple((id(t), t.dtype, t.shape, t.device) for t in tensors)
         if key != self._key:
-            self._key, self._buffers = key, [torch.empty_like(t) for t in tensors]
-        torch._foreach_copy_(self._buffers, tensors)
-        return self._buffers
+            self._plan(key, tensors)
+        with torch.no_grad():
+            for rows, buffer in self._buffers:
+                torch.cat([tensors[i].reshape(-1) for i in rows], out=buffer)
+        return self._old
+
+    def _plan(self, key: tuple, tensors: list[Tensor]) -> None:
+        kinds: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i, t in enumerate(tensors):
+            kinds.setdefault((t.dtype, t.device), []).append(i)
+        old: list[Tensor] = list(tensors)
+        self._buffers = []
+        for (dtype, device), rows in kinds.items():
+            sizes = [tensors[i].numel() for i in rows]
+            buffer = torch.empty(sum(sizes), dtype=dtype, device=device)
+            for i, chunk in zip(rows, buffer.split(sizes), strict=True):
+                old[i] = chunk.view(tensors[i].shape)
+            self._buffers.append((rows, buffer))
+        self._key, self._old = key, old
 
     @staticmethod
     def restore(tensors: list[Tensor], old: list[Tensor]) -> None:
