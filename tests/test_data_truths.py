@@ -89,6 +89,7 @@ PLANS = [
     ("shuffle-epochs", dict(epochs=3, batch_size=6, seed=4), "shared"),
     ("shuffle-steps-cross-passes", dict(epochs=2, steps=5, batch_size=6, seed=4), "shared"),
     ("in-order", dict(epochs=2, batch_size=6, shuffle=False, seed=4), "shared"),
+    ("one-batch-never-permuted", dict(epochs=2, seed=4), "shared"),
     ("bootstrap-one-batch", dict(epochs=3, bootstrap=True, seed=7), "bootstrap"),
     ("bootstrap-shuffled", dict(epochs=2, batch_size=6, bootstrap=True, seed=7), "bootstrap"),
     ("bootstrap-shard", dict(epochs=2, batch_size=6, bootstrap=True, seed=7), "shard"),
@@ -243,6 +244,27 @@ def test_scheduler_matches_torch_scheduler_on_each_member_alone(kind, interval, 
     if optimizer is not None:
         torch.testing.assert_close(lrs_of(optimizer, N), final, **TOL64)
     assert final != LRS, "the schedule never changed the lr: the test would not see it"
+
+
+@pytest.mark.parametrize("kind", list(SCHEDULERS))
+def test_per_step_scheduler_resumes_from_a_checkpoint_as_if_never_stopped(tmp_path, kind):
+    # Interrupted in epoch 2 (step 6 of 12): the checkpoint of epoch 1 holds the scheduler's
+    # state (its step count), which a resumed run must continue from, not restart.
+    make = SCHEDULERS[kind]
+    options = dict(epochs=3, batch_size=6, shuffle=False, progress=False, seed=0, lr=LRS,
+                   scheduler=make, scheduler_interval="step", checkpoint=tmp_path / "ck.pt")  # fmt: skip
+    first, plain = ensemble_and_truth(0)
+    with pytest.raises(KeyboardInterrupt):
+        vmapens.fit(first, (X, Y), nn.MSELoss(), callbacks=[StopAt(6)], **options)
+    resumed, _ = ensemble_and_truth(0)
+    vmapens.fit(resumed, (X, Y), nn.MSELoss(), **options)
+    batches = batch_plan(ROWS, 6, 3 * PER_EPOCH, shuffle=False)
+    for i, model in enumerate(plain):
+        opt = torch.optim.Adam(model.parameters(), lr=LRS[i])
+        sched = make(opt)
+        train_alone(model, [(X[b], Y[b]) for b in batches], make_opt=opt,
+                    after_step=lambda k, sched=sched: sched.step())  # fmt: skip
+    assert_members_equal(resumed, plain)
 
 
 def plateau(opt):
