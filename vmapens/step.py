@@ -13,10 +13,11 @@ from typing import Any
 import torch
 from torch.func import functional_call, grad_and_value
 
-from ._checks import check_choice, check_mask, column, expand_in_dims
+from ._checks import check_choice, check_mask, expand_in_dims
 from ._precision import LossScale
 from .ensemble import Ensemble
 from .optim import StackedOptimizer
+from .optim._keep import keep_masked_
 from .optim.clip import clip_norms_, clip_values_
 
 __all__ = ["PRECISIONS", "LossScale", "Step", "check_optimizer", "make_step"]
@@ -302,8 +303,7 @@ def _frozen_buffers(ens: Ensemble, mask: torch.Tensor | None) -> Iterator[None]:
     yield
     if mask is not None:
         with torch.no_grad():
-            for b, old in zip(buffers, saved, strict=True):
-                b.copy_(torch.where(column(mask, b), b, old))
+            keep_masked_(buffers, saved, mask)
 
 
 def _member_loss(ens: Ensemble, loss_fn: Callable) -> Callable[..., torch.Tensor]:
