@@ -164,3 +164,37 @@ def test_bad_arguments(ens, case, options, exc, match):
     with pytest.raises(exc, match=match):
         predict(options.pop("ens"), options.pop("data"), **options)
     assert ens.training
+
+
+class Fixed(nn.Module):
+    """Returns stored logits for the sample ids it is given: outputs chosen by the test."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.logits = nn.Parameter(logits)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.logits[ids]
+
+
+def all_label_patterns(n: int, classes: int) -> torch.Tensor:
+    """Logits ``[n, classes**n, classes]``: sample s gets every member's argmax from the
+    digits of s in base ``classes``, so every tie between classes occurs."""
+    combos = torch.tensor(list(itertools.product(range(classes), repeat=n)))  # [samples, n]
+    noise = torch.rand(n, len(combos), classes, generator=torch.Generator().manual_seed(3))
+    onehot = nn.functional.one_hot(combos.T, classes).double()
+    return onehot * 2 + noise.double()  # noise < 1: the argmax stays the chosen label
+
+
+@pytest.mark.parametrize("reduce", REDUCTIONS)
+def test_reductions_over_every_pattern_of_member_labels(reduce):
+    n, classes = 4, 3  # 81 samples: every 2-2 tie between two classes among them
+    logits = all_label_patterns(n, classes)
+    e = vmapens.Ensemble.from_modules([Fixed(logits[i]) for i in range(n)])
+    ids = torch.arange(logits.shape[1])
+    got = predict(e, ids, reduce=reduce, softmax=True, batch_size=20)
+    expected = by_hand([logits[i].softmax(-1) for i in range(n)], reduce)
+    if reduce == "vote":
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, **TOL)
