@@ -13,6 +13,7 @@ import models
 import pytest
 import torch
 from torch import nn
+from truth import train_alone, twins
 
 import vmapens
 
@@ -53,19 +54,10 @@ CASES = [
 ]
 
 
-def train_alone(model: nn.Module, batches: list, targets: list) -> nn.Module:
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for x, y in zip(batches, targets):
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    return model
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_trains_exactly_like_separate_models(case: Case):
-    twins = [case.factory().double() for _ in range(N)]
-    ens = vmapens.Ensemble.from_modules([copy.deepcopy(m) for m in twins], backend=case.backend)
+    alone = [case.factory().double() for _ in range(N)]
+    ens = vmapens.Ensemble.from_modules(twins(alone), backend=case.backend)
     g = torch.Generator().manual_seed(1)
     batches = [case.inputs(g) for _ in range(STEPS)]
     lead = (N,) if case.per_member else ()
@@ -83,10 +75,10 @@ def test_trains_exactly_like_separate_models(case: Case):
         loss_fn(ens(x, in_dims=0 if case.per_member else None), y).sum().backward()
         opt.step()
 
-    for i, twin in enumerate(twins):
+    for i, twin in enumerate(alone):
         own = [b[i] for b in batches] if case.per_member else batches
         own_y = [t[i] for t in targets] if case.per_member else targets
-        train_alone(twin, own, own_y)
+        train_alone(twin, list(zip(own, own_y, strict=True)))  # Adam, lr 1e-2, MSE
         torch.testing.assert_close(ens[i].state_dict(), twin.state_dict(), **TOL)
         torch.testing.assert_close(dict(ens[i].named_buffers()), dict(twin.named_buffers()), **TOL)
 

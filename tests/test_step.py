@@ -8,6 +8,7 @@ import models
 import pytest
 import torch
 from torch import nn
+from truth import assert_members_equal, train_alone, twins
 
 import vmapens
 
@@ -73,21 +74,17 @@ def test_compiled_masks_freeze_members_and_do_not_recompile(cnn_per_member):
 def test_compiled_step_trains_like_separate_models():
     """Workload A through the compiled step against N plain modules and torch.optim.Adam."""
     torch.manual_seed(0)
-    twins = [
+    alone = [
         nn.Sequential(nn.Linear(2, 20), nn.Linear(20, 1), nn.Sigmoid()).double() for _ in range(N)
     ]
-    ens = vmapens.Ensemble.from_modules([copy.deepcopy(m) for m in twins])
+    ens = vmapens.Ensemble.from_modules(twins(alone))
     step = vmapens.make_step(ens, nn.BCELoss(), vmapens.StackedAdam(ens, lr=1e-2), compile=True)
     x, y = torch.randn(5, 2, dtype=torch.float64), torch.ones(5, 1, dtype=torch.float64)
     for _ in range(20):
         step(x, y)
-    for i, twin in enumerate(twins):
-        opt = torch.optim.Adam(twin.parameters(), lr=1e-2)
-        for _ in range(20):
-            opt.zero_grad()
-            nn.functional.binary_cross_entropy(twin(x), y).backward()
-            opt.step()
-        torch.testing.assert_close(ens[i].state_dict(), twin.state_dict(), **TOL)
+    for twin in alone:  # torch.optim.Adam, lr 1e-2
+        train_alone(twin, [(x, y)] * 20, nn.functional.binary_cross_entropy)
+    assert_members_equal(ens, alone, **TOL)
 
 
 def test_eager_step_with_plain_torch_optimizer():

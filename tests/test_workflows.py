@@ -13,6 +13,7 @@ import models
 import pytest
 import torch
 from torch import nn
+from truth import assert_members_equal, train_alone
 
 import vmapens
 from vmapens import PBT, Callback, StackedAdam, best_k, exploit_, explore, polyak_
@@ -47,6 +48,16 @@ def alone(seed: int) -> nn.Module:
     return models.MLP().double()
 
 
+#: What fit(batch_size=8, shuffle=False) feeds every member in one epoch.
+BATCHES = [(X[k : k + 8], Y[k : k + 8]) for k in range(0, len(X), 8)]
+
+
+def plain(seeds=SEEDS, lrs=LRS) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+    """The members as plain modules, each with its own torch.optim.Adam."""
+    members = [alone(s) for s in seeds]
+    return members, [torch.optim.Adam(m.parameters(), lr=lr) for m, lr in zip(members, lrs)]
+
+
 def states_equal(a: vmapens.Ensemble, b: vmapens.Ensemble) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
@@ -56,8 +67,7 @@ def states_equal(a: vmapens.Ensemble, b: vmapens.Ensemble) -> bool:
 
 def naive_metric_run(epochs: int, patience: int) -> dict:
     """Plain modules and torch.optim.Adam, early-stopped on validation accuracy by hand."""
-    members = [alone(s) for s in SEEDS]
-    opts = [torch.optim.Adam(m.parameters(), lr=lr) for m, lr in zip(members, LRS)]
+    members, opts = plain()
     best = [-1.0] * len(members)
     best_state = [copy.deepcopy(m.state_dict()) for m in members]
     best_epoch, stopped, bad = [-1] * 4, [-1] * 4, [0] * 4
@@ -65,12 +75,8 @@ def naive_metric_run(epochs: int, patience: int) -> dict:
     for epoch in range(epochs):
         row = []
         for i, (m, opt) in enumerate(zip(members, opts)):
-            if stopped[i] >= 0:
-                continue
-            for k in range(0, len(X), 8):  # batch_size=8, shuffle=False
-                opt.zero_grad()
-                nn.functional.cross_entropy(m(X[k : k + 8]), Y[k : k + 8]).backward()
-                opt.step()
+            if stopped[i] < 0:
+                train_alone(m, BATCHES, nn.functional.cross_entropy, opt)
         with torch.no_grad():
             outs = [m(XV) for m in members]
         for i, out in enumerate(outs):
@@ -208,13 +214,13 @@ def test_context_stop_freezes_members_as_early_stopping_does():
 
     ens = build()
     h = vmapens.fit(ens, (X, Y), nn.CrossEntropyLoss(), epochs=3, batch_size=8, lr=LRS,
-                    seed=0, progress=False, callbacks=[StopOne()])  # fmt: skip
-    after_one = build()
-    vmapens.fit(after_one, (X, Y), nn.CrossEntropyLoss(), epochs=1, batch_size=8, lr=LRS,
-                seed=0, progress=False)  # fmt: skip
+                    shuffle=False, progress=False, callbacks=[StopOne()])  # fmt: skip
+    members, opts = plain()
+    for i, (m, opt) in enumerate(zip(members, opts)):
+        train_alone(m, BATCHES * (1 if i == 1 else 3), nn.functional.cross_entropy, opt)
     assert h.stopped_epoch.tolist() == [-1, 0, -1, -1]
     assert torch.isnan(h.train_loss[1:, 1]).all()
-    torch.testing.assert_close(ens.state_dicts()[1], after_one.state_dicts()[1], rtol=0, atol=0)
+    assert_members_equal(ens, members, **TOL)
 
 
 def test_csv_logger_writes_the_history(tmp_path: Path):
@@ -269,10 +275,10 @@ def test_best_k_then_training_equals_training_only_those_members():
     scores = h.val_loss.nan_to_num(torch.inf).amin(0)
     assert rows == scores.argsort()[:2].tolist()
     vmapens.fit(sub, (X, Y), nn.CrossEntropyLoss(), epochs=2, optimizer=sub_opt, **options)
-    only = build([SEEDS[r] for r in rows])
-    vmapens.fit(only, (X, Y), nn.CrossEntropyLoss(), epochs=5, lr=[LRS[r] for r in rows],
-                **options)  # fmt: skip
-    torch.testing.assert_close(sub.state_dict(), only.state_dict(), **TOL)
+    members, opts = plain([SEEDS[r] for r in rows], [LRS[r] for r in rows])
+    for m, opt in zip(members, opts):  # 3 epochs in the ensemble, 2 in the sub-ensemble
+        train_alone(m, BATCHES * 5, nn.functional.cross_entropy, opt)
+    assert_members_equal(sub, members, **TOL)
 
 
 RANKINGS = [
