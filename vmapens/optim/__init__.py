@@ -1,16 +1,16 @@
-"""Stacked optimizers: one base and one short file per update rule."""
+"""Stacked optimizers: one base and one short file per update rule (a foreach function)."""
 
 from ._values import MemberValues
-from .adagrad import StackedAdagrad, adagrad_update_
-from .adam import StackedAdam, adam_update, adam_update_
-from .adamax import StackedAdamax, adamax_update_
+from .adagrad import StackedAdagrad, adagrad_rule, adagrad_update_
+from .adam import StackedAdam, adam_rule, adam_update, adam_update_
+from .adamax import StackedAdamax, adamax_rule, adamax_update_
 from .base import StackedOptimizer
 from .clip import clip_grad_norm_, clip_grad_value_
-from .lion import StackedLion, lion_update_
-from .nadam import StackedNAdam, nadam_update_
+from .lion import StackedLion, lion_rule, lion_update_
+from .nadam import StackedNAdam, nadam_rule, nadam_update_
 from .plateau import ReduceLROnPlateau
-from .rmsprop import StackedRMSprop, rmsprop_update_
-from .sgd import StackedSGD, sgd_update_
+from .rmsprop import StackedRMSprop, rmsprop_rule, rmsprop_update_
+from .sgd import StackedSGD, sgd_rule, sgd_update_
 
 __all__ = [
     "MemberValues",
@@ -23,14 +23,21 @@ __all__ = [
     "StackedOptimizer",
     "StackedRMSprop",
     "StackedSGD",
+    "adagrad_rule",
     "adagrad_update_",
     "adam_update",
+    "adam_rule",
     "adam_update_",
+    "adamax_rule",
     "adamax_update_",
     "clip_grad_norm_",
     "clip_grad_value_",
+    "lion_rule",
     "lion_update_",
+    "nadam_rule",
     "nadam_update_",
+    "rmsprop_rule",
     "rmsprop_update_",
+    "sgd_rule",
     "sgd_update_",
 ]
