@@ -6,15 +6,17 @@ the user's own class (nn.GRU, nn.LSTM, nn.MultiheadAttention, ...) with torch.op
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import pytest
 import torch
+import truth
 from torch import nn
 
 import vmapens
 
+# float64 throughout: only summation order differs (measured ~1e-16 per step on every CPU
+# setting); a wrong gate, projection or update is off by far more.
 TOL = dict(rtol=1e-9, atol=1e-10)
 N = 3
 
@@ -97,7 +99,7 @@ def _train_and_compare(name: str, compile: bool, seq: int = 7) -> None:
     torch.manual_seed(0)
     make = {**MODELS, **COMPILED_MODELS}[name]
     twins = [make().double() for _ in range(N)]
-    ens = vmapens.Ensemble.from_modules([copy.deepcopy(m) for m in twins])
+    ens = vmapens.Ensemble.from_modules(truth.twins(twins))
     step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedAdam(ens, lr=1e-2), compile=compile)
     g = torch.Generator().manual_seed(1)
     batches = [
@@ -108,12 +110,7 @@ def _train_and_compare(name: str, compile: bool, seq: int = 7) -> None:
     ]  # fmt: skip
     for x, y in batches:
         step(x, y)
-    for twin in twins:
-        opt = torch.optim.Adam(twin.parameters(), lr=1e-2)
-        for x, y in batches:
-            opt.zero_grad()
-            nn.functional.mse_loss(twin(x), y).backward()
-            opt.step()
+    truth.train_each(twins, batches)  # torch.optim.Adam, lr 1e-2, MSE
     for member, twin in zip(ens.unstack(), twins, strict=True):
         assert type(member) is type(twin)  # the user's own classes come back
         assert type(member.state_dict()) is type(twin.state_dict())
