@@ -19,6 +19,7 @@ from .ensemble import Ensemble
 from .optim import StackedOptimizer
 from .optim._keep import keep_masked_
 from .optim.clip import clip_norms_, clip_values_
+from .selfcheck import Probe
 
 __all__ = ["PRECISIONS", "LossScale", "Step", "check_optimizer", "make_step"]
 
@@ -40,6 +41,7 @@ def make_step(
     clip_grad_value: float | None = None,
     precision: str | None = None,
     loss_scale: LossScale | None = None,
+    check: bool = True,
 ) -> Step:
     """Build ``step(inputs, targets, mask=None) -> losses[n]`` for an ensemble.
 
@@ -79,6 +81,9 @@ def make_step(
             member with non-finite gradients skips its update. Needs a StackedOptimizer.
         loss_scale: the ``LossScale`` that ``"fp16"`` uses (default: ``LossScale(n)`` with
             GradScaler's defaults); keep a handle on it to checkpoint or configure it.
+        check: on the first call, run member 0 alone and inside the ensemble on that batch
+            and raise if they differ, before anything changes (``vmapens.check``;
+            docs/semantics.md, "How vmapens checks itself"). ``False`` skips it.
 
     Returns:
         ``step(inputs, targets, mask=None)`` returning the detached per-member losses
@@ -110,6 +115,7 @@ def make_step(
     check_optimizer(api, ens, optimizer)
     update = _update(api, ens, optimizer, clip_grad_norm, clip_grad_value, precision, loss_scale)
     member_loss = _member_loss(ens, loss_fn)
+    probe = Probe(ens, loss_fn, in_dims, update.dtype, enabled=check)
     if compile:
         if not isinstance(optimizer, StackedOptimizer):
             raise TypeError(
@@ -122,7 +128,7 @@ def make_step(
                 "runs members one after another in Python, which torch.compile would unroll n "
                 "times. Use compile=False with backend='loop'."
             )
-        return _compiled_step(ens, member_loss, optimizer, in_dims, update)
+        return _compiled_step(ens, member_loss, optimizer, in_dims, update, probe)
     batched = ens.member_map(member_loss, (in_dims, in_dims))
 
     # The stacked parameters keep their identity through .to() / .double(): list them once.
@@ -130,6 +136,7 @@ def make_step(
 
     def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         args = _check_call(ens, optimizer, inputs, targets, mask, in_dims)
+        probe(args, targets)
         old_grads = [p.grad for p in params]
         undo = _undo_point(ens, optimizer)
         try:
@@ -321,6 +328,7 @@ def _compiled_step(
     optimizer: StackedOptimizer,
     in_dims: int | None,
     update: _Update,
+    probe: Probe,
 ) -> Step:
     names = {id(p): name for name, p in ens.named_parameters()}
     order = [p for group in optimizer.param_groups for p in group["params"]]
@@ -378,6 +386,7 @@ def _compiled_step(
                 "fixed size (e.g. DataLoader(drop_last=True), fit(batch_size=...) with a size "
                 "that divides the data) or use compile=False"
             )
+        probe(args, targets)  # eagerly, before the first compiled call
         optimizer.prepare()  # state is created outside the graph
         # Gradients come from torch.func inside the graph: no autograd graph around it.
         with torch.no_grad(), ens.guard("step"), _frozen_buffers(ens, mask):

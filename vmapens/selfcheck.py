@@ -1,0 +1,369 @@
+"""How vmapens checks itself: one member run alone against the same member in the ensemble.
+
+Inside ``torch.func.vmap`` a member's parameters are batched tensors: they report
+``requires_grad=False``, refuse ``.data`` and cannot be edited in place as the module's own
+tensors. A forward that looks at any of these can compute something else in the ensemble than
+alone, without an error (``nn.LinearCrossEntropyLoss``'s chunked path gave its weight no
+gradient). ``check`` runs one member both ways on the same batch and compares what a training
+step uses: outputs, loss, the state after the forward, which parameters get a gradient and the
+gradients. ``make_step`` runs it on its first call (docs/semantics.md, "How vmapens checks
+itself").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+from torch.func import functional_call
+
+from ._attention import batched_attention
+from ._members import named_tensors
+from .ensemble import Ensemble, explain_failure
+
+__all__ = ["MEMBER", "TRIES", "Probe", "check", "tolerance", "warn_stacked_data"]
+
+#: Calls of a step on which member 0 could not run alone before its probe gives up: the step
+#: reports those batches itself, and the probe costs no more than a member's step per call.
+TRIES = 3
+#: The member the probe runs. Members share their code, so any one exercises the same paths;
+#: member 0 makes a failure reproducible run after run, and ``ens[0]`` is the module to debug.
+MEMBER = 0
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """The largest relative difference the probe accepts for results computed in ``dtype``.
+
+    ``sqrt(eps)``: a batched kernel sums in another order than the member's own, which moves
+    a result by a few ``eps`` times the size of what is summed (1e-16 in float64, 1e-7 in
+    float32, ~1e-2 in bfloat16), while a forward that takes another branch inside the
+    ensemble changes results by their own size. Half the digits sits orders of magnitude from
+    both: 1.5e-8 in float64, 3.5e-4 in float32, 0.09 in bfloat16.
+
+    Example:
+        >>> tolerance(torch.float64) < 1e-7 < tolerance(torch.float32) < 1e-3
+        True
+    """
+    return math.sqrt(torch.finfo(dtype).eps)
+
+
+def check(
+    ens: Ensemble,
+    inputs: Any,
+    targets: Tensor,
+    loss_fn: Callable[[Any, Tensor], Tensor],
+    *,
+    in_dims: int | None = None,
+    autocast: torch.dtype | None = None,
+) -> None:
+    """Check that member 0 computes inside the ensemble what it computes alone, on one batch.
+
+    Member 0 runs twice on the same batch, from the same RNG state: once as a plain module of
+    your class (``ens[0]``, forward, ``loss_fn``, ``backward()``), once through the ensemble's
+    member map as a training step runs it. Compared: every output tensor and the loss, every
+    parameter and buffer after the forward (BatchNorm statistics, in-place edits), which
+    parameters receive a gradient, and the gradients. Nothing of ``ens`` changes, and the
+    global RNG is left as it was. ``make_step`` (hence ``fit``) runs this on its first step.
+
+    Args:
+        ens: the ensemble (``backend="vmap"`` or ``"loop"``).
+        inputs: the member's single positional input, or a tuple of them.
+        targets: the targets ``loss_fn`` takes.
+        loss_fn: ``(output, target) -> scalar`` for one member.
+        in_dims: ``None`` (every member sees ``inputs``) or ``0`` (one slice per member along
+            dim 0; member 0's slice is used).
+        autocast: run both forwards under ``torch.autocast(device, autocast)``, as
+            ``make_step(precision=...)`` does.
+
+    Raises:
+        RuntimeError: member 0 differs inside the ensemble (the message names the module, what
+            differs, by how much, and the way out: ``backend="loop"``), or runs alone but
+            fails inside the ensemble.
+        TypeError: ``ens`` is not an Ensemble, ``loss_fn`` not callable.
+        ValueError: ``in_dims`` is not ``None`` or ``0``; member 0 fails when run alone
+            (that error is chained).
+
+    Example:
+        >>> ens = Ensemble(lambda: torch.nn.Linear(3, 1), n=4, seed=0)
+        >>> check(ens, torch.randn(8, 3), torch.randn(8, 1), torch.nn.MSELoss())
+    """
+    api = "check"
+    if not isinstance(ens, Ensemble):
+        raise TypeError(f"{api}: `ens` must be a vmapens.Ensemble, got {type(ens).__name__}")
+    if in_dims not in (None, 0):
+        raise ValueError(f"{api}: `in_dims` must be None or 0, got {in_dims!r}")
+    if not callable(loss_fn):
+        raise TypeError(f"{api}: `loss_fn` must be callable, got {type(loss_fn).__name__}")
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    try:
+        alone = _alone(ens, loss_fn, args, targets, in_dims, autocast)
+    except Exception as err:
+        raise ValueError(
+            f"{api}: member {MEMBER} of {type(ens.template).__name__} fails when run alone on "
+            f"these `inputs` and `targets` ({type(err).__name__}: {err}); fix that first"
+        ) from err
+    _compare(api, ens, alone, args, targets, loss_fn, in_dims, autocast)
+
+
+class Probe:
+    """``make_step``'s self-check: ``check`` on the first batch a step is called with.
+
+    It runs once per step object, before the step changes anything. The compiled step is
+    probed the same way, eagerly, before its first compiled call: ``torch.compile`` traces a
+    member's parameters as the eager member map sees them (``requires_grad`` False). A batch member 0 cannot
+    run alone (wrong shapes...) is left to the step itself, which then raises its usual error,
+    and the probe waits for the next call (``TRIES`` calls at most).
+
+    Args:
+        ens: the ensemble the step trains.
+        loss_fn: the step's loss.
+        in_dims: the step's ``in_dims``.
+        autocast: the step's autocast dtype (``precision``), or None.
+        enabled: ``make_step(check=...)``; a disabled probe does nothing.
+    """
+
+    def __init__(
+        self,
+        ens: Ensemble,
+        loss_fn: Callable[[Any, Tensor], Tensor],
+        in_dims: int | None,
+        autocast: torch.dtype | None,
+        enabled: bool = True,
+    ) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"make_step: `check` must be a bool, got {type(enabled).__name__}")
+        self.ens, self.loss_fn, self.in_dims = ens, loss_fn, in_dims
+        self.autocast = autocast
+        self.pending, self.tries = enabled, 0
+
+    def __call__(self, args: tuple, targets: Tensor) -> None:
+        """Probe on this batch if no batch has been probed yet (``args``: positional inputs)."""
+        if not self.pending:
+            return
+        try:
+            alone = _alone(self.ens, self.loss_fn, args, targets, self.in_dims, self.autocast)
+        except Exception:
+            self.tries += 1  # the step reports it, as without the probe
+            self.pending = self.tries < TRIES
+            return
+        _compare("step", self.ens, alone, args, targets, self.loss_fn, self.in_dims, self.autocast)
+        self.pending = False
+
+
+def warn_stacked_data(api: str, data: Any, n: int, in_dims: int | None) -> None:
+    """Warn when shared tensor data looks like per-member data passed without ``in_dims=0``.
+
+    Per-member data is stacked ``[n, samples, ...]``, inputs and targets alike. Without
+    ``in_dims=0`` every member trains on all of it with the member dim taken as the samples,
+    which runs without error. The sign: inputs and targets both have ``n`` rows and agree on
+    dim 1 as well (the samples of a stack). Shared data can look like that (``n`` samples,
+    as many features as target columns), so this warns instead of refusing.
+
+    Args:
+        api: the calling function's name, for the message.
+        data: ``(inputs, targets)`` tensors, or anything else (not checked).
+        n: the number of members.
+        in_dims: the caller's ``in_dims``; only ``None`` is checked.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_stacked_data("fit", (torch.randn(4, 32, 3), torch.randn(4, 32, 1)), 4, None)
+        >>> "in_dims=0" in str(caught[0].message)
+        True
+    """
+    if in_dims is not None or not isinstance(data, (tuple, list)) or len(data) != 2:
+        return
+    x, y = data
+    if not (isinstance(x, Tensor) and isinstance(y, Tensor)) or min(x.dim(), y.dim()) < 2:
+        return
+    if x.shape[0] == n and y.shape[0] == n and x.shape[1] == y.shape[1]:
+        warnings.warn(
+            f"{api}: `data` inputs {tuple(x.shape)} and targets {tuple(y.shape)} both have "
+            f"{n} rows, the number of members, and agree on dim 1: if they hold one slice per "
+            "member ([n, samples, ...]), pass in_dims=0; as given, every member trains on all "
+            f"of it with dim 0 as the samples. If they are {n} shared samples, silence this "
+            f"with warnings.filterwarnings('ignore', message='{api}: `data`')",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+# -- the two runs ---------------------------------------------------------------------------
+
+
+def _forked_rng(ens: Ensemble) -> contextlib.AbstractContextManager:
+    """Both runs start from the caller's RNG state (same dropout draws), and leave it as is."""
+    device = next(iter(ens.stacked_state().values()), torch.empty(0)).device
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
+def _autocast(ens: Ensemble, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    if dtype is None:
+        return contextlib.nullcontext()
+    device = next(iter(ens.stacked_state().values()), torch.empty(0)).device
+    return torch.autocast(device.type, dtype)
+
+
+def _member_slice(tree: Any, in_dims: int | None, keep_dim: bool) -> Any:
+    if in_dims is None:
+        return tree
+    index = slice(MEMBER, MEMBER + 1) if keep_dim else MEMBER
+    return optree.tree_map(lambda t: t[index] if isinstance(t, Tensor) else t, tree)
+
+
+def _alone(
+    ens: Ensemble,
+    loss_fn: Callable,
+    args: tuple,
+    targets: Tensor,
+    in_dims: int | None,
+    autocast: torch.dtype | None,
+) -> dict[str, Any]:
+    """Member ``MEMBER`` as a plain module: outputs, loss, state after, ``.grad``s."""
+    module = ens[MEMBER]
+    with _forked_rng(ens):
+        with _autocast(ens, autocast):
+            out = module(*_member_slice(args, in_dims, False))
+            loss = loss_fn(out, _member_slice(targets, in_dims, False))
+        if loss.requires_grad:  # all parameters frozen: nothing to differentiate
+            loss.backward()
+    grads = {name: p.grad for name, p in module.named_parameters() if p.requires_grad}
+    state = {name: t.detach() for name, t in named_tensors(module)}
+    return {"out": out, "loss": loss.detach(), "state": state, "grads": grads}
+
+
+def _together(
+    sub: Ensemble,
+    loss_fn: Callable,
+    args: tuple,
+    targets: Tensor,
+    in_dims: int | None,
+    autocast: torch.dtype | None,
+) -> dict[str, Any]:
+    """The same member through the ensemble's member map (``sub``: that member alone)."""
+    state = sub.stacked_state()
+    trained = [name for name, p in sub.stacked_params().items() if p.requires_grad]
+
+    def member(st: dict, inputs: tuple, target: Tensor) -> tuple[Any, Tensor]:
+        out = functional_call(sub.runner, st, inputs)
+        return out, loss_fn(out, target)
+
+    args = _member_slice(args, in_dims, True)
+    targets = _member_slice(targets, in_dims, True)
+    with _forked_rng(sub), batched_attention():
+        with _autocast(sub, autocast):
+            out, loss = sub.member_map(member, (in_dims, in_dims))(state, args, targets)
+        params = [state[name] for name in trained]
+        found: Any = [None] * len(params)
+        if params and loss.requires_grad:
+            found = torch.autograd.grad(loss.sum(), params, allow_unused=True)
+    grads = {k: None if g is None else g[0] for k, g in zip(trained, found, strict=True)}
+    after = {name: t.detach()[0] for name, t in sub.stacked_state().items()}
+    first = optree.tree_map(lambda t: t[0] if isinstance(t, Tensor) else t, out)
+    return {"out": first, "loss": loss.detach()[0], "state": after, "grads": grads}
+
+
+# -- the comparison -------------------------------------------------------------------------
+
+
+def _compare(
+    api: str,
+    ens: Ensemble,
+    alone: dict[str, Any],
+    args: tuple,
+    targets: Tensor,
+    loss_fn: Callable,
+    in_dims: int | None,
+    autocast: torch.dtype | None,
+) -> None:
+    """Run the member inside the ensemble and raise if it differs from ``alone``."""
+    name = type(ens.template).__name__
+    sub = ens.select([MEMBER])  # a copy: the probe's forward changes nothing of ens
+    try:
+        together = _together(sub, loss_fn, args, targets, in_dims, autocast)
+    except Exception as err:
+        explained = explain_failure(api, sub, err)
+        if explained is not None:
+            raise explained from err
+        raise RuntimeError(
+            f"{api}: member {MEMBER} of {name} runs alone on this batch but fails inside the "
+            f"ensemble ({type(err).__name__}: {err}). Build the ensemble with backend='loop' "
+            "to run the members one after another, each as it runs alone"
+        ) from err
+    found = list(_differences(alone, together, autocast))
+    if found:
+        raise RuntimeError(
+            f"{api}: member {MEMBER} of {name} computes something else inside the ensemble "
+            f"than alone on the same batch: {'; '.join(found[:4])}. Its forward probably "
+            "depends on something vmap changes (a parameter's requires_grad reads False under "
+            "vmap; .data, in-place edits of parameters). Build the ensemble with "
+            "backend='loop' (members one after another, exact), or pass check=False to "
+            "train anyway (docs/semantics.md, 'How vmapens checks itself')"
+        )
+
+
+def _differences(
+    alone: dict[str, Any], together: dict[str, Any], low: torch.dtype | None
+) -> Iterator[str]:
+    """What differs, in words, beyond ``tolerance``."""
+    outs_a, spec_a = optree.tree_flatten(alone["out"])
+    outs_t, spec_t = optree.tree_flatten(together["out"])
+    if spec_a != spec_t:
+        yield f"the output is {spec_t} inside the ensemble and {spec_a} alone"
+    else:
+        for i, (a, t) in enumerate(zip(outs_a, outs_t, strict=True)):
+            yield from _close(f"output {i}" if len(outs_a) > 1 else "the output", a, t, low)
+    yield from _close("the loss", alone["loss"], together["loss"], low)
+    for key, a in alone["state"].items():
+        yield from _close(f"`{key}` after the forward", a, together["state"][key], low)
+    grads = [g for g in alone["grads"].values() if g is not None]
+    scale = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
+    for key, a in alone["grads"].items():
+        t = together["grads"].get(key)
+        if (a is None) != (t is None):
+            yield (
+                f"`{key}` gets {'no' if t is None else 'a'} gradient inside the ensemble and "
+                f"{'no' if a is None else 'a'} gradient alone"
+            )
+        elif a is not None and t is not None:
+            # Relative to the member's largest gradient: a gradient that is 0 in exact
+            # arithmetic (a bias before BatchNorm) is round-off of the terms around it.
+            yield from _close(f"the gradient of `{key}`", a, t, low, floor=scale)
+
+
+def _close(
+    what: str, alone: Any, together: Any, low: torch.dtype | None, floor: float = 0.0
+) -> Iterator[str]:
+    if not (isinstance(alone, Tensor) and isinstance(together, Tensor)):
+        if alone != together:
+            yield f"{what} is {together!r} inside the ensemble and {alone!r} alone"
+        return
+    if alone.shape != together.shape or alone.dtype != together.dtype:
+        yield (
+            f"{what} is {together.dtype} {tuple(together.shape)} inside the ensemble and "
+            f"{alone.dtype} {tuple(alone.shape)} alone"
+        )
+        return
+    a, t = alone.detach(), together.detach().to(alone.device)
+    if not a.is_floating_point() and not a.is_complex():
+        if not torch.equal(a, t):
+            yield f"{what} differs (exact values expected for {a.dtype})"
+        return
+    if not torch.equal(a.isnan(), t.isnan()):
+        yield f"{what} is NaN in other places"
+        return
+    a, t = a.nan_to_num(0.0, 0.0, 0.0), t.nan_to_num(0.0, 0.0, 0.0)
+    dtypes = [a.dtype] if low is None else [a.dtype, low]
+    tol = max(tolerance(d) for d in dtypes)
+    scale = max(float(a.abs().max()) if a.numel() else 0.0, floor)
+    diff = float((a - t).abs().max()) if a.numel() else 0.0
+    if diff > tol * scale:
+        yield f"{what} differs by {diff:.3g} (tolerance {tol:.2g} x scale {scale:.3g})"
