@@ -30,6 +30,7 @@ from .pbt import PBT, exploit_, explore
 from .predict import predict
 from .rl import make_target, polyak_, random_members
 from .selection import best_k
+from .selfcheck import check
 from .sharding import gather, gather_history
 from .step import make_step
 from .sweep import Sweep
@@ -57,6 +58,7 @@ __all__ = [
     "adam_update_",
     "best_k",
     "bootstrap_indices",
+    "check",
     "clip_grad_norm_",
     "clip_grad_value_",
     "exploit_",
