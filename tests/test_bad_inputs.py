@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import vmapens
+from vmapens.callbacks import Checkpoint, EarlyStopping, LRScheduler
 from vmapens.step import make_step
 
 N, D_IN, D_OUT, ROWS = 4, 3, 2, 8
@@ -222,18 +223,26 @@ CASES: list[tuple[str, Callable[[World], Any], type[BaseException], str]] = [
     ("fit-val-wrong-features-issue-14", _val_bad_features, ValueError, r"^fit: `val_data` does not fit the ensemble"),
     ("fit-oob-without-bootstrap", lambda w: _fit(w, val_data="oob"), ValueError, r"^fit: `val_data` must be .*'oob' with bootstrap=True"),
     ("fit-bootstrap-loader", lambda w: _fit(w, data=[(w.x, w.y)], bootstrap=True), ValueError, r"^fit: `bootstrap=True` needs `data`"),
-    ("fit-in-dims", lambda w: _fit(w, in_dims=1), ValueError, r"^fit: `in_dims` must be None or 0"),
-    ("fit-scheduler-interval", lambda w: _fit(w, scheduler_interval="batch"), ValueError, r"^fit: `scheduler_interval`"),
+    ("fit-in-dims", lambda w: _fit(w, in_dims=1), ValueError, r"^fit: `in_dims` must be None, 0 or a pair"),
+    ("fit-moved-scheduler-interval", lambda w: _fit(w, scheduler_interval="step"), TypeError, r"^fit: `scheduler_interval` moved in vmapens 0.3.0: pass callbacks=\[vmapens.callbacks.LRScheduler\(scheduler, interval='step'\)\]"),
+    ("lr-scheduler-interval", lambda w: LRScheduler(None, interval="batch"), ValueError, r"^LRScheduler: `interval` must be one of \('epoch', 'step'\), got 'batch'"),
     ("fit-compile", lambda w: _fit(w, compile="yes"), ValueError, r"^fit: `compile`"),
-    ("fit-override", lambda w: _fit(w, override="optimizer"), TypeError, r"^fit: `override` must be a sequence"),
+    ("fit-moved-override", lambda w: _fit(w, override=("optimizer",)), TypeError, r"^fit: `override` moved in vmapens 0.3.0: pass callbacks=\[vmapens.callbacks.Checkpoint\(path, override=...\)\]"),
+    ("checkpoint-override", lambda w: Checkpoint(w.dir / "c.pt", override="optimizer"), TypeError, r"^Checkpoint: `override` must be a sequence"),
+    ("fit-moved-restore-best", lambda w: _fit(w, val_data=(w.x, w.y), restore_best=False), TypeError, r"^fit: `restore_best` moved in vmapens 0.3.0: pass callbacks=\[vmapens.callbacks.EarlyStopping\(patience=..., restore_best=...\)\]"),
+    ("fit-moved-val-in-dims", lambda w: _fit(w, val_in_dims=0), TypeError, r"^fit: `val_in_dims` moved in vmapens 0.3.0: pass in_dims=\(<data's in_dims>, 0\)"),
+    ("fit-patience-and-early-stopping", lambda w: _fit(w, val_data=(w.x, w.y), patience=2, callbacks=[EarlyStopping()]), ValueError, r"^fit: `patience` builds a callbacks.EarlyStopping, but `callbacks` holds one already"),
+    ("fit-early-stopping-without-val", lambda w: _fit(w, callbacks=[EarlyStopping(patience=2)]), ValueError, r"^fit: `EarlyStopping` .*needs `val_data`"),
     ("fit-seed", lambda w: _fit(w, seed=None, shuffle=True) if False else vmapens.fit(w.ens, (w.x, w.y), nn.MSELoss(), seed=1.5, progress=False), TypeError, r"^fit: `seed` must be an int"),
     ("fit-optimizer-class", lambda w: _fit(w, optimizer=torch.optim.Adam), TypeError, r"^fit: an `optimizer` class must be a vmapens.StackedOptimizer"),
     ("fit-optimizer-foreign", lambda w: _fit(w, optimizer=_foreign()), ValueError, r"^fit: `optimizer` parameter 0"),
     ("fit-hyper-with-instance", lambda w: _fit(w, optimizer=w.opt, lr=0.1), ValueError, r"^fit: `lr` configures the optimizer"),
     ("fit-unknown-hyper", lambda w: _fit(w, learning_rate=0.1), TypeError, r"^fit: StackedAdam does not take these keyword arguments"),
     ("fit-callback", lambda w: _fit(w, callbacks=[3]), TypeError, r"^fit: `callbacks\[0\]`"),
-    ("fit-monitor", lambda w: _fit(w, monitor="val_acc"), ValueError, r"^fit: `monitor`"),
-    ("fit-mode", lambda w: _fit(w, mode="up"), ValueError, r"^fit: `mode`"),
+    ("fit-moved-monitor", lambda w: _fit(w, monitor="val_acc"), TypeError, r"^fit: `monitor` moved in vmapens 0.3.0: pass callbacks=\[vmapens.callbacks.EarlyStopping\(monitor=..., mode=..., patience=...\)\]"),
+    ("fit-moved-mode", lambda w: _fit(w, mode="max"), TypeError, r"^fit: `mode` moved in vmapens 0.3.0"),
+    ("early-stopping-monitor", lambda w: _fit(w, val_data=(w.x, w.y), callbacks=[EarlyStopping(monitor="val_acc")]), ValueError, r"^fit: `EarlyStopping.monitor` must be one of \['val_loss'\], got 'val_acc'"),
+    ("early-stopping-mode", lambda w: EarlyStopping(mode="up"), ValueError, r"^EarlyStopping: `mode` must be one of \('min', 'max'\), got 'up'"),
     ("fit-checkpoint-no-dir", lambda w: _fit(w, epochs=2, checkpoint=w.dir / "missing" / "c.pt"), FileNotFoundError, r"^fit: `checkpoint` directory .*missing.* does not exist"),
     ("fit-checkpoint-parent-is-file", lambda w: _fit(w, epochs=2, checkpoint=w.dir / "ckpt.pt" / "c.pt"), NotADirectoryError, r"^fit: `checkpoint` directory .*ckpt.pt.* is not a directory"),
     ("fit-checkpoint-from-save", lambda w: _fit(w, checkpoint=w.dir / "ckpt.pt"), ValueError, r"^fit: .*ckpt.pt was written by save\(\)"),

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from truth import TOL64, adam, assert_members_equal, batch_plan, derived_seed, resample, train_alone
 
 import vmapens
+from vmapens.callbacks import EarlyStopping, LRScheduler
 
 N = 3
 ROWS = 20
@@ -222,12 +223,12 @@ def test_scheduler_matches_torch_scheduler_on_each_member_alone(kind, interval, 
     options = dict(epochs=3, batch_size=6, shuffle=False, progress=False, seed=0)
     optimizer = None  # the builder case: fit builds StackedAdam, then the scheduler on it
     if given == "builder":
-        vmapens.fit(ens, (X, Y), nn.MSELoss(), scheduler=make, scheduler_interval=interval,
+        vmapens.fit(ens, (X, Y), nn.MSELoss(), callbacks=[LRScheduler(make, interval=interval)],
                     lr=LRS, **options)  # fmt: skip
     else:
         optimizer = vmapens.StackedAdam(ens, lr=LRS)
-        vmapens.fit(ens, (X, Y), nn.MSELoss(), optimizer=optimizer, scheduler=make(optimizer),
-                    scheduler_interval=interval, **options)  # fmt: skip
+        vmapens.fit(ens, (X, Y), nn.MSELoss(), optimizer=optimizer,
+                    callbacks=[LRScheduler(make(optimizer), interval=interval)], **options)  # fmt: skip
     batches = batch_plan(ROWS, 6, 3 * PER_EPOCH, shuffle=False)
     final = []
     for i, model in enumerate(plain):
@@ -252,12 +253,14 @@ def test_per_step_scheduler_resumes_from_a_checkpoint_as_if_never_stopped(tmp_pa
     # state (its step count), which a resumed run must continue from, not restart.
     make = SCHEDULERS[kind]
     options = dict(epochs=3, batch_size=6, shuffle=False, progress=False, seed=0, lr=LRS,
-                   scheduler=make, scheduler_interval="step", checkpoint=tmp_path / "ck.pt")  # fmt: skip
+                   checkpoint=tmp_path / "ck.pt")  # fmt: skip
     first, plain = ensemble_and_truth(0)
     with pytest.raises(KeyboardInterrupt):
-        vmapens.fit(first, (X, Y), nn.MSELoss(), callbacks=[StopAt(6)], **options)
+        vmapens.fit(first, (X, Y), nn.MSELoss(), **options,
+                    callbacks=[LRScheduler(make, interval="step"), StopAt(6)])  # fmt: skip
     resumed, _ = ensemble_and_truth(0)
-    vmapens.fit(resumed, (X, Y), nn.MSELoss(), **options)
+    vmapens.fit(resumed, (X, Y), nn.MSELoss(), callbacks=[LRScheduler(make, interval="step")],
+                **options)  # fmt: skip
     batches = batch_plan(ROWS, 6, 3 * PER_EPOCH, shuffle=False)
     for i, model in enumerate(plain):
         opt = torch.optim.Adam(model.parameters(), lr=LRS[i])
@@ -274,7 +277,7 @@ def plateau(opt):
 @pytest.mark.parametrize(
     "options,match",
     [
-        (dict(scheduler_interval="step", val_data=(XV, YV)), r"`scheduler_interval` must be 'epoch'"),
+        (dict(interval="step", val_data=(XV, YV)), r"`LRScheduler.interval` must be 'epoch'"),
         (dict(), r"needs `val_data`"),
     ],
     ids=["step-interval", "no-val-data"],
@@ -286,8 +289,13 @@ def test_plateau_scheduler_misuse_is_refused_before_anything_changes(options, ma
     before = copy.deepcopy(ens.state_dict())
     opt_before = copy.deepcopy(optimizer.state_dict())
     scheduler = plateau if given == "builder" else plateau(optimizer)
+    options = dict(options)
+    if "interval" in options:
+        options["callbacks"] = [LRScheduler(scheduler, interval=options.pop("interval"))]
+    else:
+        options["scheduler"] = scheduler
     with pytest.raises(ValueError, match=r"^fit: .*" + match):
-        vmapens.fit(ens, (X, Y), nn.MSELoss(), optimizer=optimizer, scheduler=scheduler,
+        vmapens.fit(ens, (X, Y), nn.MSELoss(), optimizer=optimizer,
                     epochs=2, batch_size=6, progress=False, seed=0, **options)  # fmt: skip
     torch.testing.assert_close(ens.state_dict(), before, rtol=0, atol=0)
     assert repr(optimizer.state_dict()) == repr(opt_before)
@@ -299,7 +307,7 @@ def test_plateau_per_epoch_matches_torch_plateau_fed_each_members_val_loss():
     epochs = 6
     optimizer = vmapens.StackedAdam(ens, lr=lrs)
     h = vmapens.fit(ens, (X, Y), nn.MSELoss(), optimizer=optimizer, scheduler=plateau,
-                    val_data=(XV, YV), restore_best=False, epochs=epochs, batch_size=10,
+                    val_data=(XV, YV), callbacks=[EarlyStopping(restore_best=False)], epochs=epochs, batch_size=10,
                     shuffle=False, progress=False, seed=0)  # fmt: skip
     batches = batch_plan(ROWS, 10, 2, shuffle=False)
     final = []

@@ -19,6 +19,7 @@ from truth import adam, resample, train_alone
 import vmapens
 from vmapens import History
 from vmapens.bench import mlp
+from vmapens.callbacks import EarlyStopping
 
 # One tolerance for every member-vs-twin comparison (float64 throughout).
 TOL = dict(rtol=1e-9, atol=1e-10)
@@ -179,8 +180,8 @@ def test_without_restore_best_members_keep_their_last_weights():
     opt = vmapens.StackedAdam(ens, lr=[1e-3, 1e-2, 3e-2, 1e-1])
     taken: list = []
     h = vmapens.fit(ens, (X[:12], Y[:12]), nn.MSELoss(), epochs=16, optimizer=opt, val_data=(XV, YV),
-                patience=3, restore_best=False, progress=False, seed=0,
-                callbacks=[snapshots(ens, opt, taken)])  # fmt: skip
+                progress=False, seed=0,
+                callbacks=[EarlyStopping(patience=3, restore_best=False), snapshots(ens, opt, taken)])  # fmt: skip
     assert (h.best_epoch < h.epochs - 1).any()
     torch.testing.assert_close(ens.state_dict(), taken[-1][0], rtol=0, atol=0)
 

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from truth import assert_members_equal, batch_plan, resample, train_alone
 
 import vmapens
+from vmapens.callbacks import Checkpoint, EarlyStopping
 
 TOL = dict(rtol=1e-9, atol=1e-10)
 N = 3
@@ -34,9 +35,9 @@ def pair():
 
 def test_per_member_tensors_train_each_member_on_its_own_fold():
     ens, twins = pair()
-    h = vmapens.fit(ens, (XS, YS), nn.MSELoss(), in_dims=0, epochs=2, batch_size=4,
-                    shuffle=False, lr=1e-2, val_data=(XV, YV), val_in_dims=0,
-                    restore_best=False, progress=False, seed=0)  # fmt: skip
+    h = vmapens.fit(ens, (XS, YS), nn.MSELoss(), in_dims=(0, 0), epochs=2, batch_size=4,
+                    shuffle=False, lr=1e-2, val_data=(XV, YV), progress=False, seed=0,
+                    callbacks=[EarlyStopping(restore_best=False)])  # fmt: skip
     for i, twin in enumerate(twins):
         batches = [(XS[i, k : k + 4], YS[i, k : k + 4]) for k in range(0, 12, 4)] * 2
         train_alone(twin, batches)
@@ -71,7 +72,7 @@ def test_out_of_bag_validation_is_each_members_loss_on_its_left_out_rows():
     x, y = XS[0], YS[0]
     ens, twins = pair()
     h = vmapens.fit(ens, (x, y), nn.MSELoss(), bootstrap=True, val_data="oob", epochs=2,
-                    lr=1e-2, restore_best=False, progress=False, seed=5)  # fmt: skip
+                    lr=1e-2, progress=False, seed=5, callbacks=[EarlyStopping(restore_best=False)])  # fmt: skip
     for i, twin in enumerate(twins):
         rows = resample(12, 5, i)
         train_alone(twin, [(x[rows], y[rows])] * 2)
@@ -87,18 +88,18 @@ def test_out_of_bag_validation_is_each_members_loss_on_its_left_out_rows():
     "kwargs,error,match",
     [
         (dict(in_dims=0, data=(XS[:2], YS[:2])), ValueError, r"every tensor of `data` needs shape \[n=3, samples"),
-        (dict(in_dims=1), ValueError, r"`in_dims` must be None or 0, got 1"),
+        (dict(in_dims=1), ValueError, r"`in_dims` must be None, 0 or a pair \(data's, val_data's\) of them, got 1"),
         (dict(val_data="oob"), ValueError, r"`val_data` must be .* or 'oob' with bootstrap=True"),
-        (dict(val_data=(XV[:2], YV[:2]), val_in_dims=0), ValueError, r"every tensor of `val_data` needs shape"),
+        (dict(val_data=(XV[:2], YV[:2]), in_dims=(None, 0)), ValueError, r"every tensor of `val_data` needs shape"),
         (dict(in_dims=0, data=[DataLoader(TensorDataset(XS[0], YS[0]))] * 2), ValueError,
          r"one DataLoader per member: expected 3, got 2"),
-        (dict(scheduler_interval="batch"), ValueError, r"`scheduler_interval` must be one of"),
+        (dict(in_dims=(0, 1)), ValueError, r"`in_dims` must be None, 0 or a pair"),
         (dict(scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau), TypeError,
          r"vmapens.ReduceLROnPlateau"),
         (dict(scheduler=3), TypeError, r"`scheduler` must be an LR scheduler"),
     ],
     ids=["short-member-dim", "in-dims-1", "oob-without-bootstrap", "short-val", "loader-count",
-         "interval", "torch-plateau", "not-a-scheduler"],
+         "in-dims-pair", "torch-plateau", "not-a-scheduler"],
 )  # fmt: skip
 def test_bad_data_options_change_nothing(kwargs, error, match):
     ens, _ = pair()
@@ -201,7 +202,8 @@ def test_resume_with_other_arguments_is_refused_unless_overridden(tmp_path, chan
     torch.testing.assert_close(other.state_dict(), before, rtol=0, atol=0)
     assert path.read_bytes() == file_before
     # With override the run resumes and this run's value wins.
-    opt_override = {**options, **change, "epochs": 3, "override": (name,)}
+    opt_override = {**options, **change, "epochs": 3, "checkpoint": None,
+                    "callbacks": [Checkpoint(path, override=(name,))]}  # fmt: skip
     h = vmapens.fit(other, (XS[0], YS[0]), nn.MSELoss(), **opt_override)
     assert h.epochs == 3
 

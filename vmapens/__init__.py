@@ -2,12 +2,12 @@
 
 from ._data import bootstrap_indices
 from ._seeds import member_seed
-from .callbacks import Callback, Context
+from .callbacks import Callback, Context, CSVLogger, TensorBoardLogger
 from .checkpoint import load, load_member, restore, save, save_members
 from .ensemble import Ensemble
+from .export import export
 from .fit import fit
 from .history import History
-from .loggers import CSVLogger, TensorBoardLogger
 from .losses import per_member
 from .optim import (
     MemberValues,
@@ -62,6 +62,7 @@ __all__ = [
     "clip_grad_norm_",
     "clip_grad_value_",
     "exploit_",
+    "export",
     "explore",
     "fit",
     "gather",

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 import vmapens
 from vmapens import bench as benchmarks
 from vmapens.bench import mlp
+from vmapens.callbacks import EarlyStopping
 
 
 def workload_a(n: int = 15, steps: int = 1000) -> None:
@@ -179,9 +180,8 @@ def sweep_demo(n: int = 16, epochs: int = 24, k: int = 5) -> None:
     pbt = vmapens.PBT(interval=4, fraction=0.25, monitor="val_acc", mode="max", seed=0)
     start = time.perf_counter()
     history = vmapens.fit(ens, train, nn.CrossEntropyLoss(), epochs=epochs, batch_size=128,
-                          optimizer=opt, val_data=val, metrics={"acc": accuracy},
-                          monitor="val_acc", mode="max", seed=0, progress=False,
-                          callbacks=[pbt])  # fmt: skip
+                          optimizer=opt, val_data=val, metrics={"acc": accuracy}, seed=0,
+                          progress=False, callbacks=[EarlyStopping("val_acc", "max"), pbt])  # fmt: skip
     seconds = time.perf_counter() - start
     final = opt.param_groups[0]["lr"]
     assert history.metrics is not None  # fit was given metrics

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .losses import per_member
 
-__all__ = ["Metric", "check_monitor", "metric_pair", "score"]
+__all__ = ["Metric", "check_metrics", "metric_pair", "score"]
 
 Metric = tuple[Callable[[Any, Tensor], Tensor], Callable[[Any, Tensor], Tensor]]
 
@@ -52,13 +52,8 @@ def score(
     return per, whole
 
 
-def check_monitor(api: str, monitor: Any, mode: Any, metrics: Mapping[str, Any]) -> None:
-    """``monitor`` is ``"val_loss"`` or ``"val_<metric>"``; ``mode`` is ``"min"`` or ``"max"``."""
-    if mode not in ("min", "max"):
-        raise ValueError(f"{api}: `mode` must be one of ('min', 'max'), got {mode!r}")
-    allowed = ["val_loss", *(f"val_{k}" for k in metrics)]
-    if monitor not in allowed:
-        raise ValueError(f"{api}: `monitor` must be one of {allowed}, got {monitor!r}")
+def check_metrics(api: str, metrics: Mapping[str, Any]) -> None:
+    """``metrics`` maps names to callables ``(output, target) -> scalar`` or metric objects."""
     for k, fn in metrics.items():
         if not isinstance(k, str) or not (callable(fn) or hasattr(fn, "compute")):
             raise TypeError(

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_choice, check_int, index_rows
-from .callbacks import Callback, Context
+from .callbacks.base import Callback, Context
 from .ensemble import Ensemble
 from .optim import MemberValues, StackedOptimizer
 from .selection import metric_table

@@ -17,7 +17,7 @@ from typing import Any
 
 from ._checks import check_choice, check_int
 from ._seeds import derive_seed, member_seed
-from .callbacks import Callback, Context
+from .callbacks import Callback, Context, EarlyStopping
 from .ensemble import Ensemble
 from .fit import fit
 from .history import History
@@ -266,8 +266,13 @@ class Sweep:
         taken = sorted({"optimizer", "lr"} & set(fit_options))
         if taken:
             raise ValueError(f"{api}: the sweep builds the optimizer; do not pass {taken}")
-        if self.monitor.startswith("val_"):
-            fit_options = {"monitor": self.monitor, "mode": self.mode, **fit_options}
+        given = list(fit_options.get("callbacks", ()))
+        watched = self.monitor.startswith("val_") and fit_options.get("val_data") is not None
+        if watched and not any(isinstance(cb, EarlyStopping) for cb in given):
+            # Each member's best epoch (and its restore) follows the sweep's monitor.
+            patience = fit_options.pop("patience", None)
+            stop = EarlyStopping(self.monitor, self.mode, patience=patience)
+            fit_options = {**fit_options, "callbacks": [stop, *given]}
         fit_options.setdefault("seed", self.seed)
         result = SweepResult([], mode=self.mode)
         for start in range(0, n_trials, per):

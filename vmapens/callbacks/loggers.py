@@ -6,8 +6,8 @@ import csv
 import math
 import os
 
-from .callbacks import Callback, Context
-from .optim import MemberValues
+from ..optim import MemberValues
+from .base import Callback, Context
 
 __all__ = ["CSVLogger", "TensorBoardLogger", "epoch_scalars"]
 

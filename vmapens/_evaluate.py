@@ -1,0 +1,116 @@
+"""Each epoch's history row: mean training loss, validation loss and metrics per member."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+from torch.func import vmap
+
+from ._metrics import Metric, metric_pair, score
+from .ensemble import Ensemble
+from .history import History
+from .losses import per_member
+
+__all__ = ["Evaluator", "to_device"]
+
+
+class Evaluator:
+    """Scores the members on validation data in one eval-mode forward and writes the row.
+
+    Args:
+        ens: the ensemble.
+        loss_fn: the loss of one member, as ``fit`` takes it.
+        val_data: shared (or per-member, ``val_dims=0``) ``(X, Y)``, or ``None``.
+        val_dims: ``0`` when ``val_data`` is per member.
+        metrics: name -> metric of one member (see ``vmapens._metrics.metric_pair``).
+    """
+
+    def __init__(
+        self,
+        ens: Ensemble,
+        loss_fn: Callable,
+        val_data: tuple[Any, Tensor] | None,
+        val_dims: int | None,
+        metrics: Mapping[str, Any],
+    ) -> None:
+        self.ens, self.loss_fn, self.dims = ens, loss_fn, val_dims
+        device = next(ens.parameters()).device
+        self.val = None if val_data is None else to_device(val_data, device)
+        self.val_loss = per_member(loss_fn, in_dims=(0, val_dims))
+        self.metrics: dict[str, Metric] = {k: metric_pair(fn) for k, fn in metrics.items()}
+        self.oob: Tensor | None = None
+
+    def use_out_of_bag(self, data: tuple, mask: Tensor, in_dims: int | None) -> None:
+        """Validate each member on the training rows its resample left out (``mask`` [n, S])."""
+        self.val, self.dims = data, in_dims
+        self.oob = mask.to(data[1].device)
+
+    def check(self, api: str) -> None:
+        """One eval-mode forward and loss on the validation data (nothing changes); a
+        ValueError when they fail. Out-of-bag validation runs on the training data: no check."""
+        if self.val is None or self.oob is not None:
+            return
+        try:
+            self._forward(lambda out, y: self.val_loss(out, y))
+        except (RuntimeError, ValueError, TypeError, IndexError) as err:
+            raise ValueError(
+                f"{api}: `val_data` does not fit the ensemble (one forward and `loss_fn` in eval "
+                f"mode failed): {err}"
+            ) from err
+
+    def record(self, h: History, mean_loss: Tensor, running: Tensor, diverged: Tensor) -> None:
+        """Append this epoch's row to ``h``: NaN for members that did not train (``running``
+        False); the ensemble metrics average the members that have not ``diverged``."""
+        nan = torch.tensor(math.nan, dtype=torch.float64)
+        h.train_loss = torch.cat([h.train_loss, torch.where(running, mean_loss.cpu(), nan)[None]])
+        if self.val is None:
+            return
+        val, (per, whole) = self._forward(lambda out, y: self._score(out, y, diverged))
+        assert h.val_loss is not None  # History.empty made it: there is validation data
+        h.val_loss = torch.cat([h.val_loss, torch.where(running, val, nan)[None]])
+        if h.metrics is not None and h.ensemble_metrics is not None:
+            for k, value in per.items():
+                h.metrics[k] = torch.cat([h.metrics[k], torch.where(running, value, nan)[None]])
+                h.ensemble_metrics[k] = torch.cat([h.ensemble_metrics[k], whole[k][None]])
+
+    def _forward(self, then: Callable[[Any, Tensor], Any]) -> Any:
+        assert self.val is not None  # called only with validation data
+        x, y = self.val
+        training = self.ens.training
+        self.ens.eval()
+        try:
+            with torch.no_grad():
+                return then(self.ens(*(x if isinstance(x, tuple) else (x,)), in_dims=self.dims), y)
+        finally:
+            self.ens.train(training)
+
+    def _score(self, out: Any, y: Tensor, diverged: Tensor) -> tuple[Tensor, Any]:
+        scores = score(self.metrics, out, y, diverged)
+        if self.oob is None:
+            return self.val_loss(out, y).double().cpu(), scores
+        return self._out_of_bag(out, y, self.oob).double().cpu(), scores
+
+    def _out_of_bag(self, out: Any, y: Tensor, mask: Tensor) -> Tensor:
+        """Each member's mean loss over its out-of-bag rows (NaN when it has none).
+
+        The loss of one row at a time, averaged over the member's rows: what ``loss_fn`` on
+        the member's out-of-bag subset gives for a loss that averages over samples.
+        """
+        loss_fn = self.loss_fn
+
+        def row(o: Any, t: Tensor) -> Tensor:
+            return loss_fn(optree.tree_map(lambda v: v[None], o), t[None])
+
+        rows = vmap(vmap(row), in_dims=(0, self.dims))(out, y).double()
+        kept = mask.to(rows.dtype)
+        return (rows * kept).sum(1) / kept.sum(1)
+
+
+def to_device(tree: Any, device: torch.device) -> Any:
+    """``tree`` with every tensor moved to ``device``."""
+    return optree.tree_map(lambda t: t.to(device), tree)

@@ -1,0 +1,166 @@
+"""Every argument check of ``fit``, up front, before anything changes; the optimizer it builds."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._checks import check_choice, check_int, check_writable_dir
+from ._data import check_member_dim, is_tensor_data
+from ._metrics import check_metrics
+from .ensemble import Ensemble
+from .optim import StackedAdam, StackedOptimizer
+from .step import check_optimizer, make_step
+
+__all__ = ["MOVED", "STEP_OPTIONS", "Checked", "build_optimizer", "check_arguments"]
+
+#: ``fit`` keywords of 0.2 that moved in 0.3.0, and where to (CHANGELOG.md lists them too).
+MOVED = {
+    "val_in_dims": "in_dims=(<data's in_dims>, 0)",
+    "scheduler_interval": (
+        "callbacks=[vmapens.callbacks.LRScheduler(scheduler, interval='step')] instead of "
+        "scheduler="
+    ),
+    "override": "callbacks=[vmapens.callbacks.Checkpoint(path, override=...)] instead of checkpoint=",
+    "restore_best": "callbacks=[vmapens.callbacks.EarlyStopping(patience=..., restore_best=...)]",
+    "monitor": "callbacks=[vmapens.callbacks.EarlyStopping(monitor=..., mode=..., patience=...)]",
+    "mode": "callbacks=[vmapens.callbacks.EarlyStopping(monitor=..., mode=..., patience=...)]",
+}
+
+#: Keyword arguments of ``fit`` that configure the step: ``make_step``'s own options, read from
+#: its signature (``in_dims`` is ``fit``'s, with another meaning). Every other keyword that is
+#: not ``fit``'s goes to the optimizer.
+STEP_OPTIONS = {
+    name: p.default
+    for name, p in inspect.signature(make_step).parameters.items()
+    if p.kind is p.KEYWORD_ONLY and name != "in_dims"
+}
+
+
+@dataclass
+class Checked:
+    """``fit``'s arguments sorted after the checks."""
+
+    step_options: dict[str, Any]
+    hyperparameters: dict[str, Any]
+    metrics: dict[str, Any]
+    data_dims: int | None
+    val_dims: int | None
+    oob: bool
+    val: tuple[Any, Any] | None = field(default=None)  # shared or per-member (X, Y)
+
+
+def check_arguments(api: str, args: dict[str, Any]) -> Checked:
+    """Check ``fit``'s arguments (by name, as ``fit`` got them); nothing changes on error."""
+    ens, data, loss_fn, options = args["ens"], args["data"], args["loss_fn"], args["options"]
+    for old, new in MOVED.items():
+        if old in options:
+            raise TypeError(f"{api}: `{old}` moved in vmapens 0.3.0: pass {new}")
+    if not isinstance(ens, Ensemble):
+        raise TypeError(f"{api}: `ens` must be a vmapens.Ensemble, got {type(ens).__name__}")
+    check_int(api, "epochs", args["epochs"], minimum=1)
+    for name in ("steps", "batch_size", "patience"):
+        if args[name] is not None:
+            check_int(api, name, args[name], minimum=1)
+    if not callable(loss_fn):
+        raise TypeError(f"{api}: `loss_fn` must be callable, got {type(loss_fn).__name__}")
+    seed = args["seed"]
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise TypeError(f"{api}: `seed` must be an int or None, got {type(seed).__name__}")
+    data_dims, val_dims = _in_dims(api, args["in_dims"])
+    val_data, bootstrap = args["val_data"], args["bootstrap"]
+    metrics = dict(args["metrics"] or {})
+    check_metrics(api, metrics)
+    if metrics and (val_data is None or isinstance(val_data, str) or val_dims is not None):
+        raise ValueError(f"{api}: `metrics` need shared `val_data` as (X, Y) tensors")
+    oob = isinstance(val_data, str)
+    if oob and (val_data != "oob" or not bootstrap):
+        raise ValueError(
+            f"{api}: `val_data` must be an (X, Y) tuple of tensors, or 'oob' with bootstrap=True; "
+            f"got {val_data!r}" + ("" if bootstrap else " without bootstrap")
+        )
+    if val_data is not None and not oob and not is_tensor_data(val_data):
+        raise ValueError(f"{api}: `val_data` must be an (X, Y) tuple of tensors")
+    if val_dims == 0 and not oob and val_data is not None:
+        check_member_dim(api, "val_data", val_data, len(ens))
+    if args["patience"] is not None and val_data is None:
+        raise ValueError(f"{api}: `patience` needs `val_data` to measure improvement")
+    tensor_data = is_tensor_data(data)
+    if bootstrap and not tensor_data:
+        raise ValueError(f"{api}: `bootstrap=True` needs `data` as an (X, Y) tuple of tensors")
+    if data_dims == 0 and tensor_data:
+        check_member_dim(api, "data", data, len(ens))
+    elif data_dims == 0 and not isinstance(data, (list, tuple)):
+        raise TypeError(
+            f"{api}: with `in_dims=0`, `data` must be (X, Y) tensors of shape [n, samples, ...] "
+            f"or a list of n DataLoaders, got {type(data).__name__}"
+        )
+    checkpoint = args["checkpoint"]
+    if checkpoint is not None:
+        check_writable_dir(api, "checkpoint", checkpoint)
+    step_options = {k: options.get(k, default) for k, default in STEP_OPTIONS.items()}
+    check_choice(api, "compile", step_options["compile"], (False, True, "auto"))
+    hyperparameters = {k: v for k, v in options.items() if k not in STEP_OPTIONS}
+    return Checked(
+        step_options, hyperparameters, metrics, data_dims, val_dims, oob,
+        None if oob or val_data is None else val_data,
+    )  # fmt: skip
+
+
+def _in_dims(api: str, in_dims: Any) -> tuple[int | None, int | None]:
+    """(training data's, validation data's) from ``in_dims``: one value for both sides' data
+    dims is the training data's (validation data is shared), or a pair."""
+    pair = in_dims if isinstance(in_dims, tuple) else (in_dims, None)
+    if len(pair) != 2 or any(v not in (None, 0) or isinstance(v, bool) for v in pair):
+        raise ValueError(
+            f"{api}: `in_dims` must be None, 0 or a pair (data's, val_data's) of them, got "
+            f"{in_dims!r}"
+        )
+    return pair[0], pair[1]
+
+
+def build_optimizer(
+    api: str, ens: Ensemble, optimizer: Any, hyperparameters: dict[str, Any]
+) -> torch.optim.Optimizer:
+    """``optimizer`` as ``fit`` takes it: None (StackedAdam), an instance, or a class or
+    factory called as ``optimizer(ens, **hyperparameters)``."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if hyperparameters:
+            names = ", ".join(f"`{k}`" for k in hyperparameters)
+            verb = "configures" if len(hyperparameters) == 1 else "configure"
+            raise ValueError(
+                f"{api}: {names} {verb} the optimizer that {api} builds, but `optimizer` is "
+                f"already built ({type(optimizer).__name__}); give them to its constructor, or "
+                "pass its class"
+            )
+        check_optimizer(api, ens, optimizer)
+        return optimizer
+    build = StackedAdam if optimizer is None else optimizer
+    if isinstance(build, type) and not issubclass(build, StackedOptimizer):
+        raise TypeError(
+            f"{api}: an `optimizer` class must be a vmapens.StackedOptimizer, got "
+            f"{build.__name__}; pass an instance over ens.parameters() or a factory "
+            "`lambda ens: ...` instead"
+        )
+    if not callable(build):
+        raise TypeError(
+            f"{api}: `optimizer` must be an optimizer, a StackedOptimizer class or a factory "
+            f"`(ens) -> optimizer`, got {type(build).__name__}"
+        )
+    name = getattr(build, "__name__", type(build).__name__)
+    try:
+        inspect.signature(build).bind(ens, **hyperparameters)
+    except TypeError as err:
+        raise TypeError(
+            f"{api}: {name} does not take these keyword arguments ({err}); {api}'s keyword "
+            "arguments that are not its own options go to the step (make_step's options: "
+            f"{', '.join(STEP_OPTIONS)}) or to the optimizer"
+        ) from None
+    except ValueError:  # no signature to check (a builtin): the call will say
+        pass
+    built = build(ens, **hyperparameters)
+    check_optimizer(api, ens, built)
+    return built

@@ -1,0 +1,137 @@
+"""The resume check of ``fit``: this run's options, derived from ``fit``'s own arguments, against
+the checkpoint's.
+
+Every argument of ``fit`` is compared unless :data:`NOT_COMPARED` says why not, so an option
+added to ``fit`` is compared without anyone listing it. Values that cannot be compared as they
+are become fingerprints: tensors by shape, dtype and a SHA-256 of their bytes, callables by
+qualified name, the optimizer and schedulers by the settings they were built with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._files import signature
+from .checkpoint import check_ensemble_state, check_members, members_of, read
+from .ensemble import Ensemble
+from .optim import MemberValues
+from .sharding import localise
+
+__all__ = ["NOT_COMPARED", "fingerprint", "hyperparameters_of", "read_checkpoint"]
+
+#: ``fit`` arguments a resumed run may change, and why.
+NOT_COMPARED = {
+    "ens": "checked member by member (class, ids, state shapes)",
+    "epochs": "a resumed run may train for more epochs",
+    "checkpoint": "the path itself",
+    "progress": "display only",
+    "callbacks": "each stateful callback's state is matched by class, and checks its settings",
+    "hyperparameters": "compared as the optimizer's (`optimizer`)",
+    "seed": "None takes the checkpoint's; compared apart",
+}
+
+
+def fingerprint(value: Any) -> Any:
+    """A comparable, printable stand-in for ``value`` (tensors and callables included)."""
+    if isinstance(value, Tensor):
+        t = value.detach().cpu().contiguous()
+        digest = hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return f"tensor{tuple(t.shape)} {t.dtype} sha256={digest.hexdigest()[:16]}"
+    if isinstance(value, (list, tuple)):
+        return [fingerprint(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): fingerprint(v) for k, v in value.items()}
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    if isinstance(value, torch.nn.Module):
+        return repr(value)  # e.g. "CrossEntropyLoss()": settings, no address
+    text = repr(value)
+    if " at 0x" not in text and "object at" not in text:
+        return text
+    kind = value if callable(value) and hasattr(value, "__qualname__") else type(value)
+    name = f"{getattr(kind, '__module__', '')}.{getattr(kind, '__qualname__', kind)}"
+    size = len(value) if hasattr(value, "__len__") and not callable(value) else None
+    return name if size is None else f"{name} of length {size}"
+
+
+def hyperparameters_of(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's hyperparameters as built (not its state), by name, for resume checks.
+
+    Per-member values stay ``MemberValues`` (a sharded checkpoint re-cuts them per rank);
+    the rest is compared as text.
+    """
+    out: dict[str, Any] = {"class": type(optimizer).__name__}
+    for k, group in enumerate(optimizer.param_groups):
+        for name, v in group.items():
+            if name not in ("params", "initial_lr"):  # initial_lr: set by a scheduler
+                out[f"group{k}.{name}"] = v if _per_member(v) else repr(v)
+    return out
+
+
+def _per_member(v: Any) -> bool:
+    return isinstance(v, MemberValues) or (
+        isinstance(v, tuple) and any(isinstance(x, MemberValues) for x in v)
+    )
+
+
+def read_checkpoint(
+    path: str | os.PathLike,
+    ens: Ensemble,
+    options: dict[str, Any],
+    seed: int | None,
+    override: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """Read a fit checkpoint and check it against this run's ``options``; changes nothing.
+
+    Raises:
+        ValueError: another ensemble, a file ``save()`` wrote, or options that differ and
+            are not in ``override`` (each named, with both values).
+    """
+    where = os.fspath(path)
+    seen = signature(path)  # before reading: a later replacement shows as another file
+    payload = read(path, "fit")
+    held = payload.get("members")
+    if isinstance(held, dict) and (held.get("class"), held.get("n_total")) == (
+        members_of(ens)["class"],
+        ens.n_total,
+    ):  # the same run at any world size: this process's members
+        payload = localise(payload, path, list(ens.member_ids))
+    check_members(payload, ens, "fit", where)
+    check_ensemble_state(payload.get("ensemble"), ens, "fit", where)
+    state = payload.get("fit")
+    if state is None:
+        raise ValueError(
+            f"fit: {where} was written by save(), not by fit(checkpoint=...): it holds no "
+            "training-loop state to resume from; use another path"
+        )
+    state["seen"] = seen
+    stored = state["options"]
+    ours = {**options, "seed": stored.get("seed") if seed is None else seed}
+    unknown = [k for k in override if k not in ours]
+    if unknown:
+        raise ValueError(
+            f"fit: `Checkpoint.override` names unknown options {unknown}; known: {sorted(ours)}"
+        )
+    differ = [k for k in {**stored, **ours} if stored.get(k) != ours.get(k) and k not in override]
+    if differ:
+        got = ", ".join(_difference(k, ours.get(k), stored.get(k)) for k in differ)
+        raise ValueError(
+            f"fit: cannot resume from {where}: it was written by a run with other options: "
+            f"{got}; resume with the same arguments, or pass "
+            f"vmapens.callbacks.Checkpoint(path, override={tuple(differ)!r}) to use this run's"
+        )
+    payload["fit"]["options"] = {**stored, **{k: ours[k] for k in override}}
+    return payload
+
+
+def _difference(name: str, ours: Any, stored: Any) -> str:
+    """``name=ours (checkpoint: stored)``, naming only the entries that differ in a dict."""
+    if isinstance(ours, dict) and isinstance(stored, dict):
+        keys = [k for k in {**stored, **ours} if ours.get(k) != stored.get(k)]
+        return ", ".join(f"{name}.{k}={ours.get(k)} (checkpoint: {stored.get(k)})" for k in keys)
+    return f"{name}={ours!r} (checkpoint: {stored!r})"

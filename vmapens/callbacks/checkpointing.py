@@ -1,0 +1,203 @@
+"""Checkpointing: the whole run written after every epoch; a run that finds it resumes from it."""
+
+from __future__ import annotations
+
+import copy
+import os
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .._checks import check_writable_dir
+from .._resume import NOT_COMPARED, fingerprint, hyperparameters_of, read_checkpoint
+from ..checkpoint import apply_parts, check_owner, members_of, write
+from ..distributed import broadcast_object, rank, world_size
+from ..sharding import drop_blocks, save_sharded
+from .base import Callback, Context
+from .scheduler import LRScheduler, attached_scheduler
+
+__all__ = ["Checkpoint"]
+
+
+class Checkpoint(Callback):
+    """Write the run to ``path`` after every epoch; resume from it when it exists at the start.
+
+    ``fit(checkpoint=path)`` is ``callbacks=[Checkpoint(path)]``. The file is written
+    atomically, after every other callback's ``on_epoch_end`` (``fit`` runs checkpoints last),
+    and holds the ensemble, the optimizer, the history, where training stands in the data, the
+    RNG and every callback's state: a run that finds it resumes and ends exactly as an
+    uninterrupted run would. Under ``torch.distributed`` each rank writes its members to a block
+    file keyed by their global ids (in ``<path>.members``) and rank 0 the rest to ``path``: a run
+    resumes at any number of processes (docs/distributed.md).
+
+    The resumed run must be the same run: every ``fit`` argument is compared with the
+    checkpoint's (``vmapens._resume``) and a difference is an error naming each option and both
+    values, unless ``override`` names it.
+
+    Args:
+        path: the checkpoint file.
+        override: options that may differ from the checkpoint's (``"optimizer"``: this run's
+            hyperparameters replace the stored ones; ``"scheduler"``: the stored scheduler state
+            is dropped; ``"val_data"``, ``"batch_size"``, ``"data"``, ...: this run's is used).
+
+    Raises:
+        ValueError: at fit start, a directory that cannot be written, a torch scheduler built on
+            the optimizer that ``fit`` does not step (its state would be lost), a checkpoint of
+            another run; ``FileExistsError`` when another run replaced the file.
+    """
+
+    def __init__(self, path: str | os.PathLike, override: Sequence[str] = ()) -> None:
+        check_writable_dir("Checkpoint", "path", path)
+        if isinstance(override, str) or not all(isinstance(o, str) for o in override):
+            raise TypeError(
+                f"Checkpoint: `override` must be a sequence of option names, got {override!r}"
+            )
+        self.path, self.override = path, tuple(override)
+        self.options: dict[str, Any] = {}
+        # This run's identity in its checkpoints, and which file at the path it read or wrote
+        # last: a file there that is neither was written by another run.
+        self.run: str | None = None
+        self.seen: tuple[int, ...] | None = None
+        self.rng: tuple[Any, list[Any]] | None = None  # read, set just before the first step
+
+    def on_fit_start(self, ctx: Context) -> None:
+        schedulers = [cb for cb in ctx.callbacks if isinstance(cb, LRScheduler)]
+        if attached_scheduler(ctx.optimizer) and not schedulers:
+            raise ValueError(
+                "fit: a torch LR scheduler is attached to `optimizer` (built on it) but not given "
+                "as `scheduler`: with `checkpoint` its state would not be saved and a resumed run "
+                "would restart its schedule; pass it as fit(scheduler=...)"
+            )
+        self.options = run_options(ctx)
+        if not os.path.exists(self.path):
+            return
+        saved = read_checkpoint(self.path, ctx.ensemble, self.options, ctx.seed, self.override)
+        parts: dict[str, Any] = {
+            "ensemble": ctx.ensemble,
+            "optimizer": ctx.optimizer,
+            "history": ctx.history,
+            "fit": _FitState(ctx, self),
+        }
+        keyed = _keyed(ctx)
+        if "scheduler" in keyed and "scheduler" not in self.override:
+            parts["scheduler"] = keyed["scheduler"]
+        optimizer = ctx.optimizer
+        fresh = copy.deepcopy(optimizer.param_groups) if "optimizer" in self.override else None
+        apply_parts(saved, parts, "fit", os.fspath(self.path))
+        if fresh is not None:  # this run's hyperparameters replace the stored ones
+            for group, new in zip(optimizer.param_groups, fresh, strict=True):
+                group.update({k: v for k, v in new.items() if k != "params"})
+        ctx.seed = saved["fit"]["options"]["seed"]
+
+    def on_train_start(self, ctx: Context) -> None:
+        # Restored last thing before the first step (fit runs checkpoints last): building the
+        # data source, e.g. a DataLoader's first iterator, draws from the global RNG, and the
+        # run must go on from the state the checkpoint held, as the uninterrupted run did.
+        if self.rng is not None:
+            torch.set_rng_state(self.rng[0])
+            if self.rng[1]:
+                torch.cuda.set_rng_state_all(self.rng[1])
+            self.rng = None
+
+    def on_epoch_end(self, ctx: Context) -> None:
+        self.save(ctx)
+
+    def save(self, ctx: Context) -> None:
+        """Write the checkpoint: one file, or under torch.distributed one block per rank.
+
+        Raises:
+            FileExistsError: another run wrote the path since this one last read or wrote it.
+        """
+        refused = check_owner(self.path, self.seen, self.run, "fit") if rank() == 0 else None
+        run, refused = broadcast_object((self.run or uuid.uuid4().hex, refused))
+        if refused is not None:
+            raise FileExistsError(refused)
+        self.run = run
+        keyed = _keyed(ctx)
+        payload = {
+            "run": run,
+            "epoch": ctx.history.epochs,
+            "members": members_of(ctx.ensemble),
+            "ensemble": {k: v.detach().cpu() for k, v in ctx.ensemble.state_dict().items()},
+            "optimizer": ctx.optimizer.state_dict(),
+            "optimizer_class": type(ctx.optimizer).__name__,
+            "history": ctx.history.state_dict(),
+            "scheduler": keyed["scheduler"].state_dict() if "scheduler" in keyed else None,
+            "fit": _FitState(ctx, self).state_dict(),
+        }
+        if world_size() > 1:
+            self.seen = save_sharded(self.path, payload, ctx.ensemble.member_ids)
+        else:
+            self.seen = write(self.path, payload, "fit")
+            drop_blocks(self.path)  # of an earlier sharded run that this one resumed
+
+
+def run_options(ctx: Context) -> dict[str, Any]:
+    """This run's options for the resume check: every ``fit`` argument in ``ctx.arguments``
+    except :data:`~vmapens._resume.NOT_COMPARED`, the built parts by their settings."""
+    out: dict[str, Any] = {}
+    for name, value in ctx.arguments.items():
+        if name in NOT_COMPARED:
+            continue
+        if name == "optimizer":
+            out[name] = hyperparameters_of(ctx.optimizer)
+        elif name == "scheduler":
+            lr = [cb.settings() for cb in ctx.callbacks if isinstance(cb, LRScheduler)]
+            out[name] = lr or None
+        else:
+            out[name] = fingerprint(value)
+    return out
+
+
+def _keyed(ctx: Context) -> dict[str, Callback]:
+    """The first callback of each ``state_key`` (the others' states go in the list)."""
+    keyed: dict[str, Callback] = {}
+    for cb in ctx.callbacks:
+        if cb.state_key is not None and cb.state_key not in keyed:
+            keyed[cb.state_key] = cb
+    return keyed
+
+
+def _listed(ctx: Context) -> list[Callback]:
+    keyed = set(map(id, _keyed(ctx).values()))
+    return [cb for cb in ctx.callbacks if id(cb) not in keyed and cb.state_dict()]
+
+
+class _FitState:
+    """The checkpoint's ``fit`` part: the loop's state, the run's options and identity, and
+    the callbacks' states (merged for ``state_key="fit"``, else listed by class name)."""
+
+    def __init__(self, ctx: Context, owner: Checkpoint) -> None:
+        self.ctx, self.owner = ctx, owner
+
+    def state_dict(self) -> dict[str, Any]:
+        ctx, merged = self.ctx, _keyed(self.ctx).get("fit")
+        return {
+            **ctx.state_dict(),
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+            **({} if merged is None else merged.state_dict()),
+            "options": {**self.owner.options, "seed": ctx.seed},
+            "run": self.owner.run,
+            "callbacks": [(type(cb).__name__, cb.state_dict()) for cb in _listed(ctx)],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        stateful = _listed(self.ctx)
+        names = [type(cb).__name__ for cb in stateful]
+        stored = [name for name, _ in state.get("callbacks", [])]
+        if names != stored:
+            raise ValueError(
+                f"the checkpoint holds the state of callbacks {stored}, this run has stateful "
+                f"callbacks {names}; pass the same callbacks to resume"
+            )
+        merged = _keyed(self.ctx).get("fit")
+        if merged is not None:
+            merged.load_state_dict(state)
+        for cb, (_, s) in zip(stateful, state["callbacks"], strict=True):
+            cb.load_state_dict(s)
+        self.ctx.load_state_dict(state)
+        self.owner.run, self.owner.seen = state.get("run"), state.get("seen")
+        self.owner.rng = (state["rng"], state["cuda_rng"])

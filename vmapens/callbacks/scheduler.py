@@ -1,0 +1,144 @@
+"""Learning-rate schedulers in ``fit``: built on the optimizer, stepped per epoch or per step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._checks import check_choice
+from ..optim import ReduceLROnPlateau
+from .base import Callback, Context
+
+__all__ = ["LRScheduler", "attached_scheduler", "build_scheduler"]
+
+
+class LRScheduler(Callback):
+    """Step a learning-rate scheduler after every epoch, or after every optimizer step.
+
+    ``fit(scheduler=s)`` is ``callbacks=[LRScheduler(s)]``. A torch scheduler
+    (``torch.optim.lr_scheduler.StepLR``, ...) follows each member's own learning rate;
+    ``vmapens.ReduceLROnPlateau`` steps after every epoch on each member's validation loss (it
+    needs ``val_data`` and ``interval="epoch"``, checked before the first step). The scheduler's
+    state is in the checkpoint.
+
+    Args:
+        scheduler: an LR scheduler over the optimizer ``fit`` trains with, or a callable
+            ``scheduler(optimizer)`` building one (use that with ``fit``'s default optimizer).
+        interval: ``"epoch"`` or ``"step"``.
+
+    Raises:
+        ValueError: a bad ``interval``; at fit start, a scheduler on another optimizer, or
+            ``vmapens.ReduceLROnPlateau`` per step or without ``val_data``.
+        TypeError: torch's ``ReduceLROnPlateau``, or something that is no scheduler.
+
+    Example:
+        >>> import torch
+        >>> from vmapens import Ensemble, fit
+        >>> from vmapens.callbacks import LRScheduler
+        >>> ens = Ensemble(lambda: torch.nn.Linear(3, 1), n=2, seed=0)
+        >>> cosine = LRScheduler(lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, 8),
+        ...                      interval="step")
+        >>> _ = fit(ens, (torch.randn(16, 3), torch.randn(16, 1)), torch.nn.MSELoss(),
+        ...         epochs=2, batch_size=4, progress=False, callbacks=[cosine], lr=0.1)
+        >>> cosine.scheduler.last_epoch
+        8
+    """
+
+    state_key = "scheduler"  # vmapens.ReduceLROnPlateau's per-member rows are split by rank
+
+    def __init__(self, scheduler: Any, interval: str = "epoch") -> None:
+        check_choice("LRScheduler", "interval", interval, ("epoch", "step"))
+        self.given, self.interval = scheduler, interval
+        self.scheduler: Any = None
+
+    def on_fit_start(self, ctx: Context) -> None:
+        validated = ctx.history.val_loss is not None
+        self.scheduler = build_scheduler("fit", self.given, ctx.optimizer, self.interval, validated)
+
+    def on_step_end(self, ctx: Context) -> None:
+        if self.interval == "step":
+            self.scheduler.step()
+
+    def on_epoch_end(self, ctx: Context) -> None:
+        if isinstance(self.scheduler, ReduceLROnPlateau):
+            assert ctx.history.val_loss is not None  # build_scheduler checked there is val_data
+            self.scheduler.step(ctx.history.val_loss[-1])
+        elif self.interval == "epoch":
+            self.scheduler.step()
+
+    def settings(self) -> dict[str, Any] | None:
+        """The scheduler's own settings (not what it derived from the optimizer) and the
+        interval, for the resume check; ``None`` before ``fit`` built it."""
+        if self.scheduler is None:
+            return None
+        state = self.scheduler.state_dict()
+        own = {k: repr(v) for k, v in state.items() if not k.startswith("_")}
+        for derived in ("base_lrs", "last_epoch", "optimizer"):
+            own.pop(derived, None)
+        return {"class": type(self.scheduler).__name__, "interval": self.interval, **own}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.scheduler is None else self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+
+def build_scheduler(
+    api: str,
+    scheduler: Any,
+    optimizer: torch.optim.Optimizer,
+    interval: str = "epoch",
+    validated: bool = True,
+) -> Any:
+    """``scheduler`` itself, or ``scheduler(optimizer)`` when it is a builder; checked.
+
+    ``vmapens.ReduceLROnPlateau`` steps on each member's validation loss, which exists once per
+    epoch: it needs validation data and ``interval="epoch"``. Both are checked here, before the
+    first step, so a wrong combination changes nothing.
+    """
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise TypeError(
+            f"{api}: `scheduler` is torch's ReduceLROnPlateau, which lowers every member's "
+            "learning rate on one number; use vmapens.ReduceLROnPlateau, which follows each "
+            "member's own validation loss"
+        )
+    if isinstance(scheduler, type) or not (
+        hasattr(scheduler, "step") and hasattr(scheduler, "state_dict")
+    ):
+        if not callable(scheduler):
+            raise TypeError(
+                f"{api}: `scheduler` must be an LR scheduler or a callable building one from the "
+                f"optimizer, got {type(scheduler).__name__}"
+            )
+        scheduler = scheduler(optimizer)
+        return build_scheduler(api, scheduler, optimizer, interval, validated)
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError(
+            f"{api}: `scheduler` was built on another optimizer; build it on the one fit "
+            "trains with (pass a builder, lambda opt: StepLR(opt, ...), for the default one)"
+        )
+    if isinstance(scheduler, ReduceLROnPlateau):
+        if interval != "epoch":
+            raise ValueError(
+                f"{api}: `LRScheduler.interval` must be 'epoch' with vmapens.ReduceLROnPlateau, "
+                f"which steps on each member's validation loss (measured once per epoch), got "
+                f"{interval!r}"
+            )
+        if not validated:
+            raise ValueError(
+                f"{api}: `scheduler` vmapens.ReduceLROnPlateau steps on each member's "
+                "validation loss and needs `val_data`, got None"
+            )
+    return scheduler
+
+
+def attached_scheduler(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a torch LR scheduler was built on ``optimizer``.
+
+    ``torch.optim.lr_scheduler.LRScheduler.__init__`` wraps ``optimizer.step`` once, in a
+    function it marks ``_wrapped_by_lr_sched`` (torch >= 2.0; also what it tests itself to warn
+    about a wrong call order), so the mark stays however many schedulers share the optimizer.
+    """
+    return bool(getattr(optimizer.step, "_wrapped_by_lr_sched", False))
