@@ -9,6 +9,7 @@ from .clip import clip_grad_norm_, clip_grad_value_
 from .lion import StackedLion, lion_rule, lion_update_
 from .nadam import StackedNAdam, nadam_rule, nadam_update_
 from .plateau import ReduceLROnPlateau
+from .radam import StackedRAdam, radam_rule
 from .rmsprop import StackedRMSprop, rmsprop_rule, rmsprop_update_
 from .sgd import StackedSGD, sgd_rule, sgd_update_
 
@@ -20,6 +21,7 @@ __all__ = [
     "StackedAdamax",
     "StackedLion",
     "StackedNAdam",
+    "StackedRAdam",
     "StackedOptimizer",
     "StackedRMSprop",
     "StackedSGD",
@@ -36,6 +38,7 @@ __all__ = [
     "lion_update_",
     "nadam_rule",
     "nadam_update_",
+    "radam_rule",
     "rmsprop_rule",
     "rmsprop_update_",
     "sgd_rule",

@@ -1,0 +1,143 @@
+"""RAdam for stacked ensembles: the update rule and its optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from .base import NONNEGATIVE, UNIT, Hyper, Scalar, StackedOptimizer, member_columns
+
+__all__ = ["StackedRAdam", "radam_rule"]
+
+PerMember = float | Sequence[float] | Tensor
+
+
+def radam_rule(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> None:
+    """One RAdam step in place on stacked tensors, each member with its own hyperparameters.
+
+    Follows ``torch.optim.RAdam``'s single-tensor update (Liu et al., 2020, "On the Variance
+    of the Adaptive Learning Rate and Beyond", Algorithm 2; decoupled decay as in AdamW) per
+    member with step ``t``:
+
+    .. code-block:: text
+
+        g = -g if maximize;  g += wd * p   (or p *= 1 - lr * wd if decoupled)
+        m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g
+        rho_inf = 2 / (1 - beta2) - 1;  rho_t = rho_inf - 2 t beta2**t / (1 - beta2**t)
+        r = sqrt((rho_t - 4)(rho_t - 2) rho_inf / ((rho_inf - 4)(rho_inf - 2) rho_t))
+        p -= m / (1 - beta1**t) * lr * sqrt(1 - beta2**t) / (sqrt(v) + eps) * r   if rho_t > 5
+        p -= m / (1 - beta1**t) * lr                                              otherwise
+
+    Each member takes its own branch (``torch.where`` on its ``rho_t``).
+
+    Args:
+        params: Stacked parameters [n, ...] sharing one step count, updated in place.
+        grads: Their gradients (not modified).
+        state: ``exp_avg``, ``exp_avg_sq`` (one per parameter) and ``step`` (float32 [n]).
+        group: ``lr``, ``betas``, ``eps``, ``weight_decay`` (floats or float64 [n] tensors),
+            ``decoupled_weight_decay`` and ``maximize``.
+    """
+    lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    exp_avg, exp_avg_sq, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
+
+    def col(x: Scalar) -> Any:
+        return member_columns(x, params)
+
+    g = torch._foreach_neg(grads) if group["maximize"] else grads
+    step.add_(1)
+    t = step.double()
+    if isinstance(wd, Tensor) or wd != 0:
+        if group["decoupled_weight_decay"]:
+            torch._foreach_mul_(params, col(1 - lr * wd))
+        else:
+            g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
+    torch._foreach_lerp_(exp_avg, g, col(1 - beta1))
+    torch._foreach_mul_(exp_avg_sq, col(beta2))
+    if isinstance(beta2, Tensor):
+        torch._foreach_addcmul_(exp_avg_sq, g, torch._foreach_mul(g, col(1 - beta2)))
+    else:
+        torch._foreach_addcmul_(exp_avg_sq, g, g, value=1 - beta2)
+    bias_correction1 = 1 - torch.pow(beta1, t)
+    bias_correction2 = 1 - torch.pow(beta2, t)
+    rho_inf = 2 / (1 - beta2) - 1
+    rho_t = rho_inf - 2 * t * torch.pow(beta2, t) / bias_correction2
+    rect = ((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)).sqrt()
+    update = torch._foreach_div(exp_avg, col(bias_correction1))
+    torch._foreach_mul_(update, col(lr))
+    denom = torch._foreach_sqrt(exp_avg_sq)
+    torch._foreach_add_(denom, col(eps))
+    adaptive = torch._foreach_div(col(bias_correction2.sqrt()), denom)
+    rectified = torch._foreach_mul(update, adaptive)
+    torch._foreach_mul_(rectified, col(rect))
+    for p, plain, rect_update, take in zip(
+        params, update, rectified, col((rho_t > 5.0).double()), strict=True
+    ):
+        p.sub_(torch.where(take.bool(), rect_update, plain))
+
+
+class StackedRAdam(StackedOptimizer):
+    """RAdam over stacked parameters, with per-member hyperparameters.
+
+    Member ``i`` is updated exactly as ``torch.optim.RAdam`` would update it alone with member
+    ``i``'s hyperparameters (each member takes the rectified or the plain step by its own
+    ``rho_t``); ``member_state_dict(i)`` hands it off to it.
+
+    Args:
+        params: Stacked tensors [n, ...], param-group dicts, or an Ensemble.
+        lr: Learning rate, a float or one per member.
+        betas: ``(beta1, beta2)``, each a float or one per member.
+        eps: Denominator term, a float or one per member.
+        weight_decay: Weight decay, a float or one per member.
+        decoupled_weight_decay: AdamW-style decay.
+        maximize: Maximise the objective.
+
+    Raises:
+        ValueError: Empty params, mismatched leading sizes, out-of-range or wrong-length
+            hyperparameters.
+
+    Example:
+        >>> w = torch.zeros(2, 3, requires_grad=True)
+        >>> opt = StackedRAdam([w], lr=[1e-3, 1e-2])
+        >>> w.grad = torch.ones(2, 3)
+        >>> opt.step()  # rho_1 <= 5: the plain step, lr * m / (1 - beta1)
+        >>> w[:, 0]
+        tensor([-0.0010, -0.0100], grad_fn=<SelectBackward0>)
+    """
+
+    hyperparameters: ClassVar[dict[str, Hyper]] = {
+        "lr": Hyper("learning rate", ">= 0", NONNEGATIVE.ok),
+        "betas": Hyper("beta parameter", "in [0, 1)", UNIT.ok, pair=True),
+        "eps": Hyper("epsilon value", ">= 0", NONNEGATIVE.ok),
+        "weight_decay": Hyper("weight_decay value", ">= 0", NONNEGATIVE.ok),
+    }
+    torch_class = torch.optim.RAdam
+    rule = staticmethod(radam_rule)
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]] | nn.Module,
+        lr: PerMember = 1e-3,
+        betas: tuple[PerMember, PerMember] = (0.9, 0.999),
+        eps: PerMember = 1e-8,
+        weight_decay: PerMember = 0.0,
+        decoupled_weight_decay: bool = False,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled_weight_decay=decoupled_weight_decay,
+            maximize=maximize,
+        )
+        super().__init__(params, defaults)
+
+    def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq")
