@@ -17,6 +17,7 @@ from truth import assert_members_equal, train_alone
 
 import vmapens
 from vmapens import PBT, Callback, StackedAdam, best_k, exploit_, explore, polyak_
+from vmapens.callbacks import EarlyStopping
 
 TOL = dict(rtol=1e-9, atol=1e-10)  # float64 throughout
 F64 = dict(dtype=torch.float64)
@@ -104,7 +105,8 @@ def test_metric_early_stopping_matches_a_hand_written_loop():
     ens = build()
     h = vmapens.fit(ens, (X, Y), nn.CrossEntropyLoss(), epochs=epochs, batch_size=8,
                     shuffle=False, lr=LRS, val_data=(XV, YV), metrics={"acc": accuracy},
-                    monitor="val_acc", mode="max", patience=patience, progress=False)  # fmt: skip
+                    callbacks=[EarlyStopping("val_acc", "max", patience=patience)],
+                    progress=False)  # fmt: skip
     assert (h.stopped_epoch >= 0).any(), "the case must stop some member early"
     assert h.stopped_epoch.tolist() == naive["stopped"]
     assert h.best_epoch.tolist() == naive["best"]
@@ -119,7 +121,10 @@ def test_metric_early_stopping_matches_a_hand_written_loop():
 
 def test_metrics_are_checkpointed_and_resume(tmp_path: Path):
     options = dict(epochs=4, batch_size=8, lr=LRS, val_data=(XV, YV), seed=0, progress=False,
-                   metrics={"acc": accuracy}, monitor="val_acc", mode="max")  # fmt: skip
+                   metrics={"acc": accuracy})  # fmt: skip
+
+    def watch(monitor="val_acc"):
+        return EarlyStopping(monitor, "max")
 
     def stop_after_two(history):
         if history.epochs == 2:
@@ -128,17 +133,18 @@ def test_metrics_are_checkpointed_and_resume(tmp_path: Path):
     first = build()
     with pytest.raises(KeyboardInterrupt):
         vmapens.fit(first, (X, Y), nn.CrossEntropyLoss(), checkpoint=tmp_path / "a.pt",
-                    callbacks=[stop_after_two], **options)  # fmt: skip
+                    callbacks=[watch(), stop_after_two], **options)  # fmt: skip
     resumed = build()
-    h = vmapens.fit(resumed, (X, Y), nn.CrossEntropyLoss(), checkpoint=tmp_path / "a.pt", **options)
+    h = vmapens.fit(resumed, (X, Y), nn.CrossEntropyLoss(), checkpoint=tmp_path / "a.pt",
+                    callbacks=[watch()], **options)  # fmt: skip
     straight = build()
-    h2 = vmapens.fit(straight, (X, Y), nn.CrossEntropyLoss(), **options)
+    h2 = vmapens.fit(straight, (X, Y), nn.CrossEntropyLoss(), callbacks=[watch()], **options)
     assert states_equal(resumed, straight)
     assert torch.equal(h.metrics["acc"], h2.metrics["acc"])
     assert torch.equal(h.ensemble_metrics["acc"], h2.ensemble_metrics["acc"])
     with pytest.raises(ValueError, match="other options: metrics"):
         vmapens.fit(build(), (X, Y), nn.CrossEntropyLoss(), checkpoint=tmp_path / "a.pt",
-                    **{**options, "metrics": {"a2": accuracy}, "monitor": "val_a2"})  # fmt: skip
+                    callbacks=[watch("val_a2")], **{**options, "metrics": {"a2": accuracy}})  # fmt: skip
 
 
 class StatefulAccuracy:
@@ -165,8 +171,9 @@ def test_stateful_metric_objects_run_member_by_member():
 
 
 METRIC_ERRORS = [
-    ("monitor-unknown", dict(monitor="val_f1"), ValueError, r"fit: `monitor` must be one of"),
-    ("mode", dict(mode="up"), ValueError, r"fit: `mode` must be one of"),
+    ("monitor-unknown", dict(callbacks=[EarlyStopping(monitor="val_f1")]), ValueError,
+     r"fit: `EarlyStopping.monitor` must be one of"),
+    ("mode-moved", dict(mode="max"), TypeError, r"fit: `mode` moved in vmapens 0.3.0"),
     ("no-val", dict(val_data=None), ValueError, r"fit: `metrics` need shared `val_data`"),
     ("not-callable", dict(metrics={"acc": 3}), TypeError, r"fit: `metrics` must map names"),
 ]
@@ -269,7 +276,8 @@ def test_best_k_then_training_equals_training_only_those_members():
     ens = build()
     opt = StackedAdam(ens, lr=LRS)
     h = vmapens.fit(ens, (X, Y), nn.CrossEntropyLoss(), epochs=3, optimizer=opt,
-                    val_data=(XV, YV), restore_best=False, **options)  # fmt: skip
+                    val_data=(XV, YV), callbacks=[EarlyStopping(restore_best=False)],
+                    **options)  # fmt: skip
     sub, sub_opt = best_k(ens, h, 2, optimizer=opt)
     rows = list(sub.member_ids)
     scores = h.val_loss.nan_to_num(torch.inf).amin(0)
