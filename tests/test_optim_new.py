@@ -84,6 +84,23 @@ SPECS = {
             "weight_decay": [0.0, 1e-3, 1e-2, 0.1],
         },
     ),
+    "Adadelta": Spec(
+        vo.StackedAdadelta,
+        {
+            "default": {},
+            "non-default lr": {"lr": 0.01},
+            "nonzero weight_decay": {"weight_decay": 0.1},
+            "maximize": {"maximize": True},
+            "maximize, weight_decay": {"weight_decay": 0.1, "maximize": True},
+            "rho": {"rho": 0.95, "weight_decay": 0.9},
+        },
+        {
+            "lr": [0.01, 0.1, 0.5, 1.0],
+            "rho": [1.0, 0.9, 0.5, 0.0],
+            "eps": [1e-8, 1e-6, 1e-4, 1e-2],
+            "weight_decay": [0.0, 1e-3, 0.1, 0.9],
+        },
+    ),
 }
 
 
@@ -152,6 +169,7 @@ class Rig:
     def assert_member(self, i: int, module: nn.Module, twin: torch.optim.Optimizer) -> None:
         """Member i's parameters and optimizer state equal ``module``'s and ``twin``'s."""
         for name, p in module.named_parameters():
+            assert p.isfinite().all(), f"member {i}'s twin diverged: pick gentler values"
             torch.testing.assert_close(self.ens[i].get_parameter(name), p, **TOL, msg=name)
         ours, theirs = self.opt.member_state_dict(i)["state"], twin.state_dict()["state"]
         assert set(theirs) <= set(ours), (i, set(ours), set(theirs))

@@ -1,6 +1,7 @@
 """Stacked optimizers: one base and one short file per update rule (a foreach function)."""
 
 from ._values import MemberValues
+from .adadelta import StackedAdadelta, adadelta_rule
 from .adagrad import StackedAdagrad, adagrad_rule, adagrad_update_
 from .adam import StackedAdam, adam_rule, adam_update, adam_update_
 from .adamax import StackedAdamax, adamax_rule, adamax_update_
@@ -16,6 +17,7 @@ from .sgd import StackedSGD, sgd_rule, sgd_update_
 __all__ = [
     "MemberValues",
     "ReduceLROnPlateau",
+    "StackedAdadelta",
     "StackedAdagrad",
     "StackedAdam",
     "StackedAdamax",
@@ -25,6 +27,7 @@ __all__ = [
     "StackedOptimizer",
     "StackedRMSprop",
     "StackedSGD",
+    "adadelta_rule",
     "adagrad_rule",
     "adagrad_update_",
     "adam_update",

@@ -1,0 +1,123 @@
+"""Adadelta for stacked ensembles: the update rule and its optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from .base import NONNEGATIVE, Hyper, Scalar, StackedOptimizer, member_columns
+
+__all__ = ["StackedAdadelta", "adadelta_rule"]
+
+PerMember = float | Sequence[float] | Tensor
+
+
+def adadelta_rule(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> None:
+    """One Adadelta step in place on stacked tensors, each member with its own hyperparameters.
+
+    Follows ``torch.optim.Adadelta``'s single-tensor update (Zeiler, 2012, "ADADELTA: An
+    Adaptive Learning Rate Method", Algorithm 1, times ``lr``) per member:
+
+    .. code-block:: text
+
+        g = -g if maximize;  g += wd * p
+        v = rho * v + (1 - rho) * g * g
+        d = sqrt(u + eps) / sqrt(v + eps) * g
+        u = rho * u + (1 - rho) * d * d
+        p -= lr * d
+
+    Args:
+        params: Stacked parameters [n, ...] sharing one step count, updated in place.
+        grads: Their gradients (not modified).
+        state: ``square_avg`` (``v``), ``acc_delta`` (``u``), one per parameter, and ``step``
+            (float32 [n], counted; Adadelta does not read it).
+        group: ``lr``, ``rho``, ``eps``, ``weight_decay`` (floats or float64 [n] tensors) and
+            ``maximize``.
+    """
+    lr, rho, eps, wd = group["lr"], group["rho"], group["eps"], group["weight_decay"]
+    square_avg, acc_delta = state["square_avg"], state["acc_delta"]
+
+    def col(x: Scalar) -> Any:
+        return member_columns(x, params)
+
+    def decay_(avg: list[Tensor], x: list[Tensor]) -> None:
+        torch._foreach_mul_(avg, col(rho))
+        if isinstance(rho, Tensor):
+            torch._foreach_addcmul_(avg, x, torch._foreach_mul(x, col(1 - rho)))
+        else:
+            torch._foreach_addcmul_(avg, x, x, value=1 - rho)
+
+    state["step"].add_(1)
+    g = torch._foreach_neg(grads) if group["maximize"] else grads
+    if isinstance(wd, Tensor) or wd != 0:
+        g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
+    decay_(square_avg, g)
+    std = torch._foreach_add(square_avg, col(eps))
+    torch._foreach_sqrt_(std)
+    delta = torch._foreach_add(acc_delta, col(eps))
+    torch._foreach_sqrt_(delta)
+    torch._foreach_div_(delta, std)
+    torch._foreach_mul_(delta, g)
+    decay_(acc_delta, delta)
+    if isinstance(lr, Tensor):
+        torch._foreach_addcmul_(params, delta, col(-lr))
+    else:
+        torch._foreach_add_(params, delta, alpha=-lr)
+
+
+class StackedAdadelta(StackedOptimizer):
+    """Adadelta over stacked parameters, with per-member hyperparameters.
+
+    Member ``i`` is updated exactly as ``torch.optim.Adadelta`` would update it alone with
+    member ``i``'s hyperparameters; ``member_state_dict(i)`` hands it off to it.
+
+    Args:
+        params: Stacked tensors [n, ...], param-group dicts, or an Ensemble.
+        lr: Coefficient of the delta, a float or one per member.
+        rho: Decay of the running averages, a float or one per member.
+        eps: Term inside both square roots, a float or one per member.
+        weight_decay: L2 penalty, a float or one per member.
+        maximize: Maximise the objective.
+
+    Raises:
+        ValueError: Empty params, mismatched leading sizes, out-of-range or wrong-length
+            hyperparameters.
+
+    Example:
+        >>> w = torch.zeros(2, 3, requires_grad=True)
+        >>> opt = StackedAdadelta([w], lr=[1.0, 10.0], rho=0.9, eps=1e-6)
+        >>> w.grad = torch.ones(2, 3)
+        >>> opt.step()  # sqrt(eps) / sqrt(0.1 + eps) * lr
+        >>> w[:, 0]
+        tensor([-0.0032, -0.0316], grad_fn=<SelectBackward0>)
+    """
+
+    hyperparameters: ClassVar[dict[str, Hyper]] = {
+        "lr": Hyper("learning rate", ">= 0", NONNEGATIVE.ok),
+        "rho": Hyper("rho value", "in [0, 1]", lambda v: 0 <= v <= 1),
+        "eps": Hyper("epsilon value", ">= 0", NONNEGATIVE.ok),
+        "weight_decay": Hyper("weight_decay value", ">= 0", NONNEGATIVE.ok),
+    }
+    torch_class = torch.optim.Adadelta
+    rule = staticmethod(adadelta_rule)
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]] | nn.Module,
+        lr: PerMember = 1.0,
+        rho: PerMember = 0.9,
+        eps: PerMember = 1e-6,
+        weight_decay: PerMember = 0.0,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        defaults = dict(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults)
+
+    def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("square_avg", "acc_delta")
