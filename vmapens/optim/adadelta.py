@@ -45,7 +45,7 @@ def adadelta_rule(
     def col(x: Scalar) -> Any:
         return member_columns(x, params)
 
-    def decay_(avg: list[Tensor], x: Sequence[Tensor]) -> None:
+    def decay_(avg: list[Tensor], x: list[Tensor] | tuple[Tensor, ...]) -> None:
         torch._foreach_mul_(avg, col(rho))
         if isinstance(rho, Tensor):
             torch._foreach_addcmul_(avg, x, torch._foreach_mul(x, col(1 - rho)))
