@@ -101,6 +101,25 @@ SPECS = {
             "weight_decay": [0.0, 1e-3, 0.1, 0.9],
         },
     ),
+    "ASGD": Spec(
+        vo.StackedASGD,
+        {
+            "default": {},
+            "non-default lambd": {"lambd": 0.1},
+            "non-default lr": {"lr": 0.02},
+            "t0": {"t0": 100},
+            "maximize": {"maximize": True},
+            "nonzero weight_decay": {"weight_decay": 0.1},
+            "maximize, nonzero weight_decay": {"weight_decay": 0.1, "maximize": True},
+        },
+        {
+            "lr": [0.005, 0.01, 0.02, 0.05],
+            "lambd": [0.0, 1e-4, 0.1, 1.0],
+            "alpha": [0.5, 0.75, 1.0, 0.6],
+            "t0": [0.0, 5.0, 12.0, 1e6],  # averaging from steps 1, 6 and 13, and never
+            "weight_decay": [0.0, 1e-3, 0.1, 0.5],
+        },
+    ),
 }
 
 
@@ -143,6 +162,11 @@ class Rig:
         self.members = [Net().double() for _ in range(N)]
         self.ens = vmapens.Ensemble.from_modules(copy.deepcopy(self.members))
         self.opt = spec.cls(self.stacked(), **kwargs)
+        # maximize ascends the negated loss: the same descent, without diverging in 20 steps.
+        self.sign = -1.0 if kwargs.get("maximize") else 1.0
+
+    def loss_fn(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.sign * nn.functional.mse_loss(out, y)
 
     def stacked(self) -> list[torch.Tensor]:
         template = self.members[0]
@@ -158,7 +182,7 @@ class Rig:
     def step(self, x: torch.Tensor, y: torch.Tensor, mask: list[int] | None = None) -> None:
         self.opt.zero_grad()
         out = self.ens(x)
-        ((out - y) ** 2).mean(dim=(1, 2)).sum().backward()
+        (self.sign * ((out - y) ** 2).mean(dim=(1, 2))).sum().backward()
         m = None if mask is None else torch.tensor(mask, dtype=torch.bool)
         if m is not None:
             for p in self.ens.parameters():
@@ -190,5 +214,5 @@ def test_each_member_equals_torch_alone_over_20_steps(spec: Spec, kwargs: dict) 
         rig.step(x, y)
     for i, member in enumerate(rig.members):
         twin = rig.twin(i, member)
-        train_alone(member, data, make_opt=twin)
+        train_alone(member, data, rig.loss_fn, twin)
         rig.assert_member(i, member, twin)

@@ -5,6 +5,7 @@ from .adadelta import StackedAdadelta, adadelta_rule
 from .adagrad import StackedAdagrad, adagrad_rule, adagrad_update_
 from .adam import StackedAdam, adam_rule, adam_update, adam_update_
 from .adamax import StackedAdamax, adamax_rule, adamax_update_
+from .asgd import StackedASGD, asgd_rule
 from .base import StackedOptimizer
 from .clip import clip_grad_norm_, clip_grad_value_
 from .lion import StackedLion, lion_rule, lion_update_
@@ -15,6 +16,7 @@ from .rmsprop import StackedRMSprop, rmsprop_rule, rmsprop_update_
 from .sgd import StackedSGD, sgd_rule, sgd_update_
 
 __all__ = [
+    "StackedASGD",
     "MemberValues",
     "ReduceLROnPlateau",
     "StackedAdadelta",
@@ -29,6 +31,7 @@ __all__ = [
     "StackedSGD",
     "adadelta_rule",
     "adagrad_rule",
+    "asgd_rule",
     "adagrad_update_",
     "adam_update",
     "adam_rule",

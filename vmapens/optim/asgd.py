@@ -1,0 +1,140 @@
+"""ASGD (averaged SGD) for stacked ensembles: the update rule and its optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from .base import NONNEGATIVE, Hyper, Scalar, StackedOptimizer, member_columns
+
+__all__ = ["StackedASGD", "asgd_rule"]
+
+PerMember = float | Sequence[float] | Tensor
+
+#: torch checks neither ``lambd``, ``alpha`` nor ``t0``: any float is taken.
+_ANY = Hyper("value", "a float", lambda v: True)
+
+
+def asgd_rule(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> None:
+    """One ASGD step in place on stacked tensors, each member with its own hyperparameters.
+
+    Follows ``torch.optim.ASGD``'s single-tensor update (Polyak & Juditsky, 1992,
+    "Acceleration of Stochastic Approximation by Averaging"; the step-size schedule of Bottou,
+    2012) per member with step ``t``:
+
+    .. code-block:: text
+
+        eta = lr (at the member's first step)
+        g = -g if maximize;  g += wd * p
+        p *= 1 - lambd * eta;  p -= eta * g
+        ax = p if mu == 1 else ax + mu * (p - ax)
+        eta = lr / (1 + lambd * lr * t)**alpha;  mu = 1 / max(1, t - t0)
+
+    ``eta`` and ``mu`` are float32 ``[n]``, rounded as torch's float32 scalar tensors.
+
+    Args:
+        params: Stacked parameters [n, ...] sharing one step count, updated in place.
+        grads: Their gradients (not modified).
+        state: ``ax`` (one per parameter), ``step``, ``eta`` and ``mu`` (float32 [n]).
+        group: ``lr``, ``lambd``, ``alpha``, ``t0``, ``weight_decay`` (floats or float64 [n]
+            tensors) and ``maximize``.
+    """
+    lr, lambd, wd = group["lr"], group["lambd"], group["weight_decay"]
+    ax, step, eta, mu = state["ax"], state["step"], state["eta"], state["mu"]
+
+    def col(x: Scalar) -> Any:
+        return member_columns(x, params)
+
+    # torch creates eta from the group's lr at a member's first step (its state is lazy).
+    eta.copy_(torch.where(step == 0, lr, eta))
+    step.add_(1)
+    g = torch._foreach_neg(grads) if group["maximize"] else grads
+    if isinstance(wd, Tensor) or wd != 0:
+        g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
+    eta_now = eta.double()
+    torch._foreach_mul_(params, col(1 - lambd * eta_now))
+    torch._foreach_addcmul_(params, g, col(-eta_now))
+    averaged = torch._foreach_sub(params, ax)
+    torch._foreach_mul_(averaged, col(mu.double()))
+    torch._foreach_add_(averaged, ax)
+    for a, p, new, copy in zip(ax, params, averaged, col((mu == 1).double()), strict=True):
+        a.copy_(torch.where(copy.bool(), p, new))
+    t = step.double()
+    eta.copy_(lr / torch.pow(1 + lambd * lr * t, group["alpha"]))
+    mu.copy_(1 / torch.clamp(t - group["t0"], min=1))
+
+
+class StackedASGD(StackedOptimizer):
+    """Averaged SGD over stacked parameters, with per-member hyperparameters.
+
+    Member ``i`` is updated exactly as ``torch.optim.ASGD`` would update it alone with member
+    ``i``'s hyperparameters, its own ``eta`` and ``mu`` included; ``member_state_dict(i)``
+    hands it off to it. The average ``ax`` is in ``opt.state[p]["ax"]``.
+
+    Args:
+        params: Stacked tensors [n, ...], param-group dicts, or an Ensemble.
+        lr: Learning rate, a float or one per member.
+        lambd: Decay term, a float or one per member.
+        alpha: Power of the ``eta`` schedule, a float or one per member.
+        t0: Step at which averaging starts, a float or one per member.
+        weight_decay: L2 penalty, a float or one per member.
+        maximize: Maximise the objective.
+
+    Raises:
+        ValueError: Empty params, mismatched leading sizes, out-of-range or wrong-length
+            hyperparameters.
+
+    Example:
+        >>> w = torch.zeros(2, 3, requires_grad=True)
+        >>> opt = StackedASGD([w], lr=[0.01, 0.1], t0=[0.0, 1e6])
+        >>> w.grad = torch.ones(2, 3)
+        >>> opt.step()
+        >>> w[:, 0], opt.state[w]["ax"][:, 0]
+        (tensor([-0.0100, -0.1000], grad_fn=<SelectBackward0>), tensor([-0.0100, -0.1000]))
+    """
+
+    hyperparameters: ClassVar[dict[str, Hyper]] = {
+        "lr": Hyper("learning rate", ">= 0", NONNEGATIVE.ok),
+        "lambd": _ANY,
+        "alpha": _ANY,
+        "t0": _ANY,
+        "weight_decay": Hyper("weight_decay value", ">= 0", NONNEGATIVE.ok),
+    }
+    torch_class = torch.optim.ASGD
+    rule = staticmethod(asgd_rule)
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]] | nn.Module,
+        lr: PerMember = 1e-2,
+        lambd: PerMember = 1e-4,
+        alpha: PerMember = 0.75,
+        t0: PerMember = 1e6,
+        weight_decay: PerMember = 0.0,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr, lambd=lambd, alpha=alpha, t0=t0, weight_decay=weight_decay, maximize=maximize
+        )
+        super().__init__(params, defaults)
+
+    def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("ax",)
+
+    def scalar_state(self, group: dict[str, Any]) -> dict[str, float]:
+        # eta's start is a placeholder: the rule sets it from lr at a member's first step.
+        return {"step": 0.0, "eta": 0.0, "mu": 1.0}
+
+    def member_state(
+        self, state: dict[str, Tensor], group: dict[str, Any], i: int
+    ) -> dict[str, Tensor]:
+        # Before its first step a torch ASGD has no state (eta comes from lr then): none here.
+        if state["step"][i] == 0:
+            return {}
+        return super().member_state(state, group, i)
