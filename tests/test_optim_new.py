@@ -120,6 +120,21 @@ SPECS = {
             "weight_decay": [0.0, 1e-3, 0.1, 0.5],
         },
     ),
+    "Rprop": Spec(
+        vo.StackedRprop,
+        {
+            "default": {},
+            "non-default lr": {"lr": 2e-4},
+            "non-default etas": {"etas": (0.5, 1.5)},
+            "non-default step_sizes": {"step_sizes": (2e-6, 100)},
+            "maximize": {"maximize": True},
+        },
+        {
+            "lr": [1e-4, 1e-3, 1e-2, 3e-2],
+            "etas": ([0.1, 0.5, 0.6, 0.9], [1.1, 1.2, 1.5, 2.0]),
+            "step_sizes": ([0.0, 1e-6, 1e-4, 1e-3], [0.005, 0.02, 1.0, 50.0]),
+        },
+    ),
 }
 
 

@@ -13,6 +13,7 @@ from .nadam import StackedNAdam, nadam_rule, nadam_update_
 from .plateau import ReduceLROnPlateau
 from .radam import StackedRAdam, radam_rule
 from .rmsprop import StackedRMSprop, rmsprop_rule, rmsprop_update_
+from .rprop import StackedRprop, rprop_rule
 from .sgd import StackedSGD, sgd_rule, sgd_update_
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "StackedRAdam",
     "StackedOptimizer",
     "StackedRMSprop",
+    "StackedRprop",
     "StackedSGD",
     "adadelta_rule",
     "adagrad_rule",
@@ -47,6 +49,7 @@ __all__ = [
     "radam_rule",
     "rmsprop_rule",
     "rmsprop_update_",
+    "rprop_rule",
     "sgd_rule",
     "sgd_update_",
 ]
