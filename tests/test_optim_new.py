@@ -135,6 +135,23 @@ SPECS = {
             "step_sizes": ([0.0, 1e-6, 1e-4, 1e-3], [0.005, 0.02, 1.0, 50.0]),
         },
     ),
+    "Adafactor": Spec(
+        vo.StackedAdafactor,
+        {
+            "default": {},
+            "nonzero weight_decay": {"weight_decay": 0.1, "lr": 0.01},
+            "maximize": {"weight_decay": 0.1, "maximize": True},
+            "non-default beta2_decay": {"beta2_decay": -1.0},
+            "non-default clipping threshold d": {"d": 1.5},
+        },
+        {
+            "lr": [1e-3, 3e-3, 1e-2, 3e-2],
+            "beta2_decay": [-0.5, -0.8, -1.0, 0.0],
+            "eps": ([1e-30, 1e-10, 1e-3, 0.1], [1e-3, 1e-2, 1e-1, 1.0]),
+            "d": [1.0, 1.5, 3.0, 1e-3 + 1],
+            "weight_decay": [0.0, 1e-3, 0.1, 0.5],
+        },
+    ),
 }
 
 

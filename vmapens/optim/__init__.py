@@ -2,6 +2,7 @@
 
 from ._values import MemberValues
 from .adadelta import StackedAdadelta, adadelta_rule
+from .adafactor import StackedAdafactor, adafactor_rule
 from .adagrad import StackedAdagrad, adagrad_rule, adagrad_update_
 from .adam import StackedAdam, adam_rule, adam_update, adam_update_
 from .adamax import StackedAdamax, adamax_rule, adamax_update_
@@ -21,6 +22,7 @@ __all__ = [
     "MemberValues",
     "ReduceLROnPlateau",
     "StackedAdadelta",
+    "StackedAdafactor",
     "StackedAdagrad",
     "StackedAdam",
     "StackedAdamax",
@@ -32,6 +34,7 @@ __all__ = [
     "StackedRprop",
     "StackedSGD",
     "adadelta_rule",
+    "adafactor_rule",
     "adagrad_rule",
     "asgd_rule",
     "adagrad_update_",
