@@ -4,7 +4,8 @@ the checkpoint's.
 Every argument of ``fit`` is compared unless :data:`NOT_COMPARED` says why not, so an option
 added to ``fit`` is compared without anyone listing it. Values that cannot be compared as they
 are become fingerprints: tensors by shape, dtype and a SHA-256 of their bytes, callables by
-qualified name, the optimizer and schedulers by the settings they were built with.
+qualified name, the optimizer (its hyperparameters included) and schedulers by the settings
+they were built with.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ NOT_COMPARED = {
     "checkpoint": "the path itself",
     "progress": "display only",
     "callbacks": "each stateful callback's state is matched by class, and checks its settings",
-    "hyperparameters": "compared as the optimizer's (`optimizer`)",
     "seed": "None takes the checkpoint's; compared apart",
 }
 
