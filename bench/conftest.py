@@ -12,7 +12,7 @@ import torch
 # `pytest bench/` puts only bench/ on sys.path; the package must import from a plain checkout too.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vmapens.bench import Step, StepFactory  # noqa: E402
+from bench import Step, StepFactory  # noqa: E402
 
 WARMUP = 3
 

@@ -25,9 +25,9 @@ status=0
 timeout 150 python -m pytest tests/test_cuda.py -q -p no:cacheprovider -rs \
     --junitxml="$out/test_cuda.xml" 2>&1 | tee "$out/test_cuda.txt" || status=1
 # Quick sizes on CUDA: A, B, the optimizer step and the real models' eager rows.
-timeout 120 python -m vmapens bench --device cuda --quick --json "$out/bench_quick.json" \
+timeout 120 python -m bench --device cuda --quick --json "$out/bench_quick.json" \
     2>&1 | tee "$out/bench_quick.txt" || status=1
 # A bounded full table: workload A at a few sizes with its compiled (CUDA graph) rows.
-timeout 90 python -m vmapens bench --device cuda --workloads A optim --sizes 15 256 1024 \
+timeout 90 python -m bench --device cuda --workloads A optim --sizes 15 256 1024 \
     --json "$out/bench_a.json" 2>&1 | tee "$out/bench_a.txt" || status=1
 exit $status

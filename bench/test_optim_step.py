@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vmapens.bench import OPTIM_SIZES, WORKLOAD_OPTIM
+from bench import OPTIM_SIZES, WORKLOAD_OPTIM
 
 
 @pytest.mark.parametrize("n", OPTIM_SIZES)

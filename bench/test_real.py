@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from vmapens.bench import REAL_N, WORKLOAD_REAL
+from bench import REAL_N, WORKLOAD_REAL
 
 CASES = [
     pytest.param(workload, impl, id=f"{workload}-{impl}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vmapens.bench import WORKLOAD_A
+from bench import WORKLOAD_A
 
 
 @pytest.mark.parametrize("n", [15, 256])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vmapens.bench import HEADS, WORKLOAD_B
+from bench import HEADS, WORKLOAD_B
 
 
 @pytest.mark.parametrize("impl", list(WORKLOAD_B["mean"]))

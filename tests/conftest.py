@@ -7,6 +7,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+# The benchmark suite is the top-level package bench/, next to tests/ (not in the wheel).
+sys.path.insert(1, str(Path(__file__).parent.parent))
 
 
 @pytest.fixture(autouse=True)

@@ -1,17 +1,15 @@
-"""The benchmark library: memory of the build path, and a smoke run (no timing asserted)."""
+"""The benchmark suite (top-level bench/): memory of the build path, and a smoke run (no timing
+asserted). Its docstring examples run in tests/test_docs.py with every other module's."""
 
 from __future__ import annotations
 
-import doctest
-import importlib
 import json
-import pkgutil
 import sys
 
 import pytest
 import torch
 
-from vmapens import bench
+import bench
 
 #: Peak (and held) RSS over the stacked parameters plus one member, as the issue bounds it.
 MEMORY_FACTOR = 1.2
@@ -180,14 +178,3 @@ def test_compile_table_renders_every_mode():
 def test_compile_time_rejects_unknown_names(call, match):
     with pytest.raises(ValueError, match=match):
         call()
-
-
-BENCH_MODULES = sorted(m.name for m in pkgutil.iter_modules(bench.__path__, "vmapens.bench."))
-
-
-@pytest.mark.parametrize("name", BENCH_MODULES)
-def test_bench_docstring_examples(name, monkeypatch, tmp_path):
-    # tests/test_docs.py runs the package's top-level modules only.
-    monkeypatch.chdir(tmp_path)
-    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"

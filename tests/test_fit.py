@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from truth import adam, resample, train_alone
 
 import vmapens
+from bench import mlp
 from vmapens import History
-from vmapens.bench import mlp
 from vmapens.callbacks import EarlyStopping
 
 # One tolerance for every member-vs-twin comparison (float64 throughout).

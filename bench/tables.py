@@ -1,4 +1,4 @@
-"""Plain-text tables of :func:`vmapens.bench.run` results, with ratios and the issue's targets.
+"""Plain-text tables of :func:`bench.run` results, with ratios and the issue's targets.
 
 Example:
     >>> print(format_table({"meta": {"torch": "2", "device": "cpu", "threads": 1, "quick": True}}))

@@ -34,11 +34,12 @@ import torch
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
-from .._attention import batched_attention
-from .._recurrent import batchable
-from ..ensemble import Ensemble
-from ..optim import StackedAdam
-from ..step import make_step
+from vmapens._attention import batched_attention
+from vmapens._recurrent import batchable
+from vmapens.ensemble import Ensemble
+from vmapens.optim import StackedAdam
+from vmapens.step import make_step
+
 from ._tools import Step
 from .workloads import StepFactory
 

@@ -145,7 +145,7 @@ def time_to_result(
             if log:
                 log(f"time to result: {name}, {steps} steps, fresh process")
             code = (
-                "import json; from vmapens.bench.compile_time import _result_here; "
+                "import json; from bench.compile_time import _result_here; "
                 f"print(json.dumps(_result_here({impl!r}, {n}, {steps})))"
             )
             # `warm` follows `cold` in RESULT_ROWS: it finds the directory cold just filled.
@@ -192,7 +192,7 @@ def first_step_times(
                 if log:
                     log(f"first compiled step: {workload}, {mode} cache, fresh process")
                 code = (
-                    "import json; from vmapens.bench.compile_time import _first_step_here; "
+                    "import json; from bench.compile_time import _first_step_here; "
                     f"print(json.dumps(_first_step_here({workload!r}, {save!r}, {load!r})))"
                 )
                 row = _child(code, "first_step_times", directory)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..optim import (
+from vmapens.optim import (
     StackedAdagrad,
     StackedAdam,
     StackedAdamax,
@@ -32,6 +32,7 @@ from ..optim import (
     StackedRMSprop,
     StackedSGD,
 )
+
 from ._tools import Step, grid, ratio, time_rounds
 from .workloads import StepFactory, _graded_ensemble
 
@@ -94,7 +95,7 @@ def run_optimizers(
 
     Returns:
         JSON-serialisable rows: ``optimizer``, ``n``, ``impl`` (``stacked``/``foreach``) and
-        :func:`~vmapens.bench._tools.time_rounds`'s fields (``ms``, ``min_ms``, ...).
+        :func:`~bench._tools.time_rounds`'s fields (``ms``, ``min_ms``, ...).
 
     Raises:
         ValueError: ``sizes`` is empty or holds a non-positive size.

@@ -1,11 +1,11 @@
-"""Benchmarks shared by ``python -m vmapens bench`` and the pytest-benchmark suite in ``bench/``.
+"""Benchmarks shared by ``python -m bench`` and the pytest-benchmark suite in ``bench/``.
 
-* :mod:`~vmapens.bench.workloads`: workloads A (tiny MLPs) and B (heads), the optimizer step.
-* :mod:`~vmapens.bench.real`: a CNN, a Transformer encoder, a GRU and an LSTM.
-* :mod:`~vmapens.bench.compile_time`: time to result and to the first compiled step.
-* :mod:`~vmapens.bench.memory`: peak memory of building an Ensemble.
-* :mod:`~vmapens.bench.run` and :mod:`~vmapens.bench.tables`: ``run`` and ``format_table``.
-* :mod:`~vmapens.bench._tools`: timing, grids, RSS, child processes.
+* :mod:`~bench.workloads`: workloads A (tiny MLPs) and B (heads), the optimizer step.
+* :mod:`~bench.real`: a CNN, a Transformer encoder, a GRU and an LSTM.
+* :mod:`~bench.compile_time`: time to result and to the first compiled step.
+* :mod:`~bench.memory`: peak memory of building an Ensemble.
+* :mod:`~bench.run` and :mod:`~bench.tables`: ``run`` and ``format_table``.
+* :mod:`~bench._tools`: timing, grids, RSS, child processes.
 
 Every implementation is a *step factory* ``factory(n, device) -> step``; all rows of a table
 are timed in one process, interleaved, so every ratio compares numbers taken under one load.

@@ -11,7 +11,8 @@ import functools
 
 from torch import nn
 
-from ..ensemble import Ensemble
+from vmapens.ensemble import Ensemble
+
 from ._tools import NOT_AVAILABLE, child_json, reset_peak_rss, rss_bytes
 
 
@@ -65,7 +66,7 @@ def build_memory(n: int = 64, hidden: int = 1024) -> dict:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"build_memory: `{name}` must be a positive int, got {value!r}")
     code = (
-        "import json; from vmapens.bench.memory import _build_memory_here; "
+        "import json; from bench.memory import _build_memory_here; "
         f"print(json.dumps(_build_memory_here({n}, {hidden})))"
     )
     return child_json(code, "build_memory")

@@ -39,7 +39,7 @@ QUICK_SIZES = (1, 15)
 #: Ensemble size of the real-model workloads in quick mode (their compiled rows are skipped).
 QUICK_REAL_N = 2
 REAL = tuple(WORKLOAD_REAL)
-#: Everything ``run`` can time; "optimizers" only once ``vmapens/bench/optimizers.py`` exists.
+#: Everything ``run`` can time; "optimizers" only once ``bench/optimizers.py`` exists.
 WORKLOADS = ("A", "B", "optim", *REAL, "result", "compile", "optimizers")
 #: What quick mode times (a CI smoke run, under a minute on 2 cores).
 QUICK_WORKLOADS = ("A", "B", "optim", *REAL, "optimizers")

@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
-from ..ensemble import Ensemble
-from ..optim import StackedAdam
-from ..step import make_step
+from vmapens.ensemble import Ensemble
+from vmapens.optim import StackedAdam
+from vmapens.step import make_step
+
 from ._tools import Step
 
 StepFactory = Callable[[int, torch.device], Step]

@@ -1,6 +1,6 @@
-"""How :mod:`vmapens.bench` measures and prints: timing, plain-text grids, peak RSS.
+"""How :mod:`bench` measures and prints: timing, plain-text grids, peak RSS.
 
-Nothing here knows a workload; :mod:`vmapens.bench` says what is measured and imports this.
+Nothing here knows a workload; :mod:`bench` says what is measured and imports this.
 """
 
 from __future__ import annotations
