@@ -1,0 +1,254 @@
+"""One exported program for a trained ensemble: every member, or their reduction, in aten ops.
+
+``export`` traces the ensemble's own forward (``functional_call`` under ``vmap`` over the
+stacked state, with the batchable recurrent twins and the folded attention rule) with
+``torch.export``, and decomposes the result so that no ``vmap`` is left in the graph: the
+``ExportedProgram`` is plain aten ops over the stacked ``[n, ...]`` tensors. It runs, is saved
+with ``torch.export.save`` and loaded with ``torch.export.load`` without vmapens installed,
+and ``torch.onnx.export(program, ..., dynamo=True)`` turns it into an ONNX file.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor, nn
+from torch.export import ExportedProgram
+from torch.func import functional_call
+
+from ._members import named_tensors
+from .ensemble import Ensemble
+from .predict import REDUCTIONS, reduce_members
+from .selfcheck import MEMBER, tolerance
+
+__all__ = ["export"]
+
+# torch's run_decompositions deep-copies its module call graph, whose pytree specs warn
+# about their own deprecated ``LeafSpec`` alias (torch 2.13): nothing the caller can act on.
+#: Reductions whose data-dependent input check (vmapens.predict) torch.export cannot trace.
+_CHECKED = ("entropy", "mutual_information")
+_TORCH_NOISE = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+
+
+def export(
+    ens: Ensemble,
+    example_inputs: Tensor | tuple[Tensor, ...],
+    *,
+    reduce: str | None = None,
+    softmax: bool = False,
+    check: bool = True,
+) -> ExportedProgram:
+    """Export the ensemble's eval-mode forward as one ``torch.export.ExportedProgram``.
+
+    The program takes the member's positional inputs, shared by every member (shapes and
+    dtypes of ``example_inputs``), and returns what ``vmapens.predict(ens, inputs,
+    reduce=reduce, softmax=softmax)`` returns: the members' outputs with a leading member dim
+    ``[n, batch, ...]``, or their reduction. It holds a copy of the stacked parameters and
+    buffers under the member's own names (``program.state_dict["fc1.weight"]`` is
+    ``[n, ...]``); later training of ``ens`` does not change it, and
+    ``program.module().load_state_dict(ens.state_dict())`` refreshes its copy.
+
+    The member count is fixed when exporting (export ``ens[idx]`` for a subset): loading the
+    state of an ensemble of another size is torch's size-mismatch error naming every
+    tensor. So is every size of every input: a call with another size fails torch's input
+    guard, ``AssertionError: Guard failed: x.size()[0] == 32``; export one program per batch
+    size, or pad the last batch. (A symbolic batch size is not offered: torch's vmap batching
+    rules for convolution, embedding, GRU and attention fix it while tracing.)
+
+    The graph has no ``vmap`` and no vmapens code: the members' maths is batched over the
+    member dim into aten ops (``matmul``, ``convolution``, BatchNorm with running statistics,
+    the GRU unrolled over time steps, attention as one call with the members folded into the
+    batch). Before returning, the program's output for member ``vmapens.selfcheck.MEMBER`` on
+    ``example_inputs`` is compared with that member run alone as a plain module (the parity
+    probe of ``vmapens.check``, same tolerance).
+
+    Args:
+        ens: the ensemble; it is exported in eval mode and its mode is restored afterwards.
+        example_inputs: the member's input tensor, or a tuple of its positional inputs.
+        reduce: ``None`` (every member's output) or one of ``vmapens.predict``'s reductions,
+            same meaning: ``"mean"``, ``"min"``, ``"max"``, ``"variance"``, ``"vote"``,
+            ``"disagreement"``. Not ``"entropy"`` or ``"mutual_information"``: they check
+            that the outputs are probabilities first, which a traced program cannot.
+        softmax: apply ``softmax`` over the last dim of each member's output first, as in
+            ``vmapens.predict``.
+        check: run the parity probe (about one forward of one member).
+
+    Returns:
+        The ``ExportedProgram``; call it with ``program.module()(*inputs)``.
+
+    Raises:
+        TypeError: ``ens`` is not an Ensemble, ``example_inputs`` not tensors, a flag not a
+            bool, a reduction of a non-tensor output.
+        ValueError: an unknown or untraceable ``reduce``; a sharded ensemble (``vmapens.gather`` it first).
+        RuntimeError: ``torch.export`` cannot trace the forward (the message says why), or
+            the probe finds that member differs in the program from the member alone.
+
+    Example:
+        >>> ens = Ensemble(lambda: nn.Linear(4, 3), n=5, seed=0)
+        >>> x = torch.randn(8, 4)
+        >>> program = export(ens, x, reduce="mean")
+        >>> torch.allclose(program.module()(x), ens(x).mean(0), atol=1e-6)
+        True
+    """
+    api = "export"
+    args = _check_args(api, ens, example_inputs, reduce, softmax, check)
+    reduce = "none" if reduce is None else reduce
+    training = ens.training
+    ens.eval()
+    try:
+        members = _Program(ens, "none", False)
+        program = _trace(api, ens, members, args)
+        if check:
+            _probe(api, ens, program, args)
+        if reduce != "none" or softmax:
+            program = _trace(api, ens, _Program(ens, reduce, softmax), args)
+    finally:
+        ens.train(training)
+    return program
+
+
+class _Program(nn.Module):
+    """The traced module: the member's module tree holding stacked copies of its tensors.
+
+    Its parameters and buffers are the member's, by the member's names (tied aliases and
+    non-persistent buffers as the member has them), each ``[n, ...]``; its forward is the
+    ensemble's forward over them, then the reduction.
+    """
+
+    def __init__(self, ens: Ensemble, reduce: str, softmax: bool) -> None:
+        super().__init__()
+        stacked = ens.stacked_state()
+        memo: dict[int, Any] = {}
+        with torch.no_grad():
+            for name, meta in named_tensors(ens.template):
+                value = stacked[name].detach().clone()
+                if isinstance(meta, nn.Parameter):
+                    value = nn.Parameter(value, requires_grad=False)
+                memo[id(meta)] = value
+        tree = copy.deepcopy(ens.template, memo)
+        # The member's own containers, so that state_dict() has exactly the member's keys.
+        self._parameters, self._buffers = tree._parameters, tree._buffers
+        self._modules = tree._modules
+        self._non_persistent_buffers_set = tree._non_persistent_buffers_set
+        self.__dict__["_ens"] = ens  # not a submodule: its tensors are not the program's
+        self.reduce, self.softmax = reduce, softmax
+
+    def forward(self, *args: Tensor) -> Any:
+        ens = self.__dict__["_ens"]
+        state = dict(named_tensors(self))
+
+        def member(member_state: dict[str, Tensor], *member_args: Tensor) -> Any:
+            return functional_call(ens.runner, member_state, member_args)
+
+        out = ens.member_map(member, (None,) * len(args))(state, *args)
+        if self.softmax:
+            out = optree.tree_map(lambda t: t.softmax(-1), out)
+        return out if self.reduce == "none" else reduce_members(out, self.reduce)
+
+
+def _check_args(
+    api: str,
+    ens: Any,
+    example_inputs: Any,
+    reduce: Any,
+    softmax: Any,
+    check: Any,
+) -> tuple[Tensor, ...]:
+    if not isinstance(ens, Ensemble):
+        raise TypeError(f"{api}: `ens` must be a vmapens.Ensemble, got {type(ens).__name__}")
+    if len(ens) != ens.n_total:
+        raise ValueError(
+            f"{api}: `ens` holds {len(ens)} of {ens.n_total} members (a sharded ensemble); "
+            "export vmapens.gather(ens) to serve all of them, or ens.select(...) of a "
+            "gathered ensemble for a subset"
+        )
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    if not args or not all(isinstance(a, Tensor) for a in args):
+        got = [type(a).__name__ for a in args] if isinstance(example_inputs, tuple) else None
+        raise TypeError(
+            f"{api}: `example_inputs` must be a tensor or a non-empty tuple of tensors (the "
+            f"member's positional inputs), got {got or type(example_inputs).__name__}"
+        )
+    if reduce is not None and reduce not in REDUCTIONS:
+        raise ValueError(f"{api}: `reduce` must be None or one of {REDUCTIONS}, got {reduce!r}")
+    if reduce in _CHECKED:
+        raise ValueError(
+            f"{api}: `reduce={reduce!r}` first checks the values of the members' outputs "
+            "(probabilities, not logits), which a traced program cannot do; export with "
+            "reduce=None (softmax=True for logits) and compute it from the [n, ...] "
+            "probabilities the program returns, e.g. with vmapens.predict.reduce_members"
+        )
+    for name, flag in (("softmax", softmax), ("check", check)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{api}: `{name}` must be a bool, got {type(flag).__name__}")
+    return args
+
+
+def _trace(
+    api: str,
+    ens: Ensemble,
+    module: _Program,
+    args: tuple[Tensor, ...],
+) -> ExportedProgram:
+    """``torch.export`` of ``module``, decomposed so that no ``vmap`` is left in the graph."""
+    name = type(ens.template).__name__
+    # guard(): the attention batching rule and the fast path off, buffers given back on error.
+    with ens.guard(api), torch.no_grad():
+        try:
+            program = torch.export.export(module, args, strict=False)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", _TORCH_NOISE, FutureWarning)
+                return program.run_decompositions({})
+        except torch._dynamo.exc.UserError as err:
+            raise RuntimeError(f"{api}: torch.export cannot trace {name}: {err}") from err
+
+
+def _probe(api: str, ens: Ensemble, program: ExportedProgram, args: tuple[Tensor, ...]) -> None:
+    """Member ``MEMBER`` in the program against that member run alone, as ``vmapens.check``."""
+    name = type(ens.template).__name__
+    alone_module = ens[MEMBER]
+    with torch.no_grad():
+        alone = alone_module(*args)
+        inside = program.module()(*args)
+    alone_leaves, alone_spec = optree.tree_flatten(alone)
+    inside_leaves, inside_spec = optree.tree_flatten(inside)
+    found: list[str] = []
+    if alone_spec != inside_spec:
+        found.append(f"the output is {inside_spec} in the program and {alone_spec} alone")
+    else:
+        for i, (a, t) in enumerate(zip(alone_leaves, inside_leaves, strict=True)):
+            what = f"output {i}" if len(alone_leaves) > 1 else "the output"
+            found.extend(_differs(what, a, t[MEMBER]))
+    if found:
+        raise RuntimeError(
+            f"{api}: member {MEMBER} of {name} computes something else in the exported "
+            f"program than alone on `example_inputs`: {'; '.join(found[:4])}. Its forward "
+            "probably depends on something vmap changes (vmapens.check says what); build the "
+            "ensemble with backend='loop' to export the members one after another, "
+            "each as it runs alone"
+        )
+
+
+def _differs(what: str, alone: Any, inside: Any) -> list[str]:
+    if not (isinstance(alone, Tensor) and isinstance(inside, Tensor)):
+        return [] if alone == inside else [f"{what} is {inside!r} and {alone!r} alone"]
+    if alone.shape != inside.shape or alone.dtype != inside.dtype:
+        return [
+            f"{what} is {inside.dtype} {tuple(inside.shape)} in the program and "
+            f"{alone.dtype} {tuple(alone.shape)} alone"
+        ]
+    if not alone.is_floating_point():
+        return [] if torch.equal(alone, inside) else [f"{what} differs ({alone.dtype})"]
+    if not torch.equal(alone.isnan(), inside.isnan()):
+        return [f"{what} is NaN in other places"]
+    a, t = alone.nan_to_num(0.0, 0.0, 0.0), inside.nan_to_num(0.0, 0.0, 0.0)
+    scale = float(a.abs().max()) if a.numel() else 0.0
+    gap = float((a - t).abs().max()) if a.numel() else 0.0
+    tol = tolerance(a.dtype)
+    if gap <= tol * scale:
+        return []
+    return [f"{what} differs by {gap:.3g} (tolerance {tol:.2g} x scale {scale:.3g})"]
