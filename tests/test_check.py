@@ -519,3 +519,11 @@ def test_stacked_data_without_in_dims_warns(x_shape, y_shape, warns):
         assert str(caught[0].message).startswith("fit: `data`") and "in_dims=0" in str(
             caught[0].message
         )
+
+
+def test_fit_warns_on_stacked_data_without_in_dims():
+    ens = vmapens.Ensemble(lambda: nn.Linear(4, 1), N, seed=0)
+    stacked = (torch.randn(N, ROWS, 4), torch.randn(N, ROWS, 1))
+    with pytest.warns(UserWarning, match=r"^fit: `data` inputs .* pass in_dims=0"):
+        vmapens.fit(ens, stacked, nn.MSELoss(), epochs=1, progress=False, seed=0)
+    vmapens.fit(ens, stacked, nn.MSELoss(), epochs=1, in_dims=0, progress=False, seed=0)

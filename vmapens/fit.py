@@ -36,6 +36,7 @@ from .distributed import world_size
 from .ensemble import Ensemble
 from .history import History
 from .optim import StackedOptimizer
+from .selfcheck import warn_stacked_data
 from .step import make_step
 
 __all__ = ["Callback", "fit"]
@@ -159,6 +160,7 @@ def fit(
     """
     api, args = "fit", dict(locals())
     c = check_arguments(api, args)
+    warn_stacked_data(api, data, len(ens), c.data_dims)  # [n, samples, ...] without in_dims
     opt = build_optimizer(api, ens, optimizer, c.hyperparameters)
     device, n = next(ens.parameters()).device, len(ens)
     history = History.empty(list(ens.member_ids), val_data is not None, list(c.metrics))
