@@ -10,6 +10,7 @@ from .asgd import StackedASGD, asgd_rule
 from .base import StackedOptimizer
 from .clip import clip_grad_norm_, clip_grad_value_
 from .lion import StackedLion, lion_rule, lion_update_
+from .muon import StackedMuon, muon_rule, newton_schulz
 from .nadam import StackedNAdam, nadam_rule, nadam_update_
 from .plateau import ReduceLROnPlateau
 from .radam import StackedRAdam, radam_rule
@@ -27,6 +28,7 @@ __all__ = [
     "StackedAdam",
     "StackedAdamax",
     "StackedLion",
+    "StackedMuon",
     "StackedNAdam",
     "StackedRAdam",
     "StackedOptimizer",
@@ -47,8 +49,10 @@ __all__ = [
     "clip_grad_value_",
     "lion_rule",
     "lion_update_",
+    "muon_rule",
     "nadam_rule",
     "nadam_update_",
+    "newton_schulz",
     "radam_rule",
     "rmsprop_rule",
     "rmsprop_update_",
