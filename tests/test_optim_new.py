@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.optim._muon import _zeropower_via_newtonschulz
 from truth import train_alone
 
 import vmapens
@@ -342,3 +343,65 @@ def test_hand_off_to_torch_continues_as_the_member_would(spec: Spec, kwargs: dic
     train_alone(alone, data[4:], rig.loss_fn, twin)
     for name, p in alone.named_parameters():
         torch.testing.assert_close(rig.ens[i].get_parameter(name), p, **rig.tolerance(), msg=name)
+
+
+@pytest.mark.parametrize("torch_class", list(vo.twins.TWINS), ids=lambda c: c.__name__)
+def test_stacked_names_the_twin_whose_torch_class_it_hands_off_to(torch_class: type) -> None:
+    twin = vo.stacked(torch_class)
+    cls = getattr(twin, "func", twin)
+    assert cls.torch_class in (torch_class, torch.optim.Adam), cls  # AdamW: Adam's flag
+
+
+@pytest.mark.parametrize(
+    ("torch_class", "reason"),
+    [(torch.optim.LBFGS, "closure"), (torch.optim.SparseAdam, "sparse gradients")],
+    ids=["LBFGS", "SparseAdam"],
+)
+def test_closure_and_sparse_optimizers_are_refused_with_the_reason(
+    torch_class: type, reason: str
+) -> None:
+    with pytest.raises(
+        ValueError, match=f"stacked: `torch_class` {torch_class.__name__} .*{reason}"
+    ):
+        vo.stacked(torch_class)
+
+
+def test_muon_refuses_non_matrix_members_as_torch_does() -> None:
+    with pytest.raises(ValueError, match="Muon only supports 2D parameters"):
+        torch.optim.Muon([torch.zeros(3, requires_grad=True)])
+    with pytest.raises(ValueError, match=r"StackedMuon: Muon only supports 2D parameters.*\[3\]"):
+        vo.StackedMuon([torch.zeros(N, 3, requires_grad=True)])
+
+
+BAD = {
+    "Rprop-etas": (vo.StackedRprop, {"etas": ([0.5, 0.5, 1.0, 0.5], 1.2)}, "Invalid eta values"),
+    "Adadelta-rho": (vo.StackedAdadelta, {"rho": [0.9, 1.1, 0.9, 0.9]}, "Invalid rho value"),
+    "Adafactor-d": (vo.StackedAdafactor, {"d": 0.5}, "Invalid clipping threshold d"),
+    "Adafactor-beta2_decay": (
+        vo.StackedAdafactor,
+        {"beta2_decay": 0.8},
+        "Invalid beta2_decay value",
+    ),
+    "RAdam-beta": (vo.StackedRAdam, {"betas": (1.0, 0.999)}, "Invalid beta parameter"),
+    "ASGD-lr": (vo.StackedASGD, {"lr": [0.1, -1.0, 0.1, 0.1]}, "Invalid learning rate"),
+}
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "match"), list(BAD.values()), ids=list(BAD))
+def test_bad_hyperparameters_are_refused(cls: type, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=f"{cls.__name__}: {match}"):
+        cls([torch.zeros(N, 2, 2, requires_grad=True)], **kwargs)
+
+
+@pytest.mark.parametrize("shape", [(4, 5, 3), (4, 3, 5), (4, 16, 8), (3, 100, 6)])
+def test_newton_schulz_is_torchs_per_member_to_one_bf16_ulp(shape: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        update = torch.randn(shape, generator=g, dtype=torch.float64)
+        ours = vo.newton_schulz(update, vo.muon.NS_COEFFICIENTS, 5, 1e-7)
+        for i in range(shape[0]):
+            theirs = _zeropower_via_newtonschulz(update[i], vo.muon.NS_COEFFICIENTS, 5, 1e-7)
+            # One bf16 ulp of the largest element: the sums' rounding order differs, the
+            # iteration amplifies it a little; a wrong coefficient moves elements by ~0.1.
+            ulp = theirs.abs().max().float() * 2.0**-7
+            torch.testing.assert_close(ours[i].float(), theirs.float(), rtol=0, atol=float(ulp))

@@ -17,6 +17,7 @@ from .radam import StackedRAdam, radam_rule
 from .rmsprop import StackedRMSprop, rmsprop_rule, rmsprop_update_
 from .rprop import StackedRprop, rprop_rule
 from .sgd import StackedSGD, sgd_rule, sgd_update_
+from .twins import stacked
 
 __all__ = [
     "StackedASGD",
@@ -59,4 +60,5 @@ __all__ = [
     "rprop_rule",
     "sgd_rule",
     "sgd_update_",
+    "stacked",
 ]

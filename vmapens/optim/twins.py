@@ -1,0 +1,83 @@
+"""The stacked twin of a torch optimizer class, and why some have none."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from .adadelta import StackedAdadelta
+from .adafactor import StackedAdafactor
+from .adagrad import StackedAdagrad
+from .adam import StackedAdam
+from .adamax import StackedAdamax
+from .asgd import StackedASGD
+from .base import StackedOptimizer
+from .muon import StackedMuon
+from .nadam import StackedNAdam
+from .radam import StackedRAdam
+from .rmsprop import StackedRMSprop
+from .rprop import StackedRprop
+from .sgd import StackedSGD
+
+__all__ = ["REFUSED", "TWINS", "stacked"]
+
+#: torch.optim class -> its stacked twin (AdamW: StackedAdam with decoupled weight decay).
+TWINS: dict[type[torch.optim.Optimizer], Callable[..., StackedOptimizer]] = {
+    torch.optim.SGD: StackedSGD,
+    torch.optim.Adam: StackedAdam,
+    torch.optim.AdamW: functools.partial(StackedAdam, decoupled_weight_decay=True),
+    torch.optim.RMSprop: StackedRMSprop,
+    torch.optim.Adagrad: StackedAdagrad,
+    torch.optim.Adamax: StackedAdamax,
+    torch.optim.NAdam: StackedNAdam,
+    torch.optim.RAdam: StackedRAdam,
+    torch.optim.Adadelta: StackedAdadelta,
+    torch.optim.Rprop: StackedRprop,
+    torch.optim.ASGD: StackedASGD,
+    torch.optim.Adafactor: StackedAdafactor,
+    torch.optim.Muon: StackedMuon,
+}
+
+#: torch.optim classes with no stacked twin, and why.
+REFUSED: dict[type[torch.optim.Optimizer], str] = {
+    torch.optim.LBFGS: (
+        "it needs a closure that re-evaluates the loss several times per step (its line "
+        "search and inner iterations stop on conditions of its own), so members would have to "
+        "share one sequence of evaluations; train one LBFGS per member instead"
+    ),
+    torch.optim.SparseAdam: (
+        "it takes sparse gradients only, and stacked parameters get dense gradients; use "
+        "StackedAdam (its dense twin)"
+    ),
+}
+
+
+def stacked(torch_class: type[torch.optim.Optimizer]) -> Callable[..., StackedOptimizer]:
+    """The stacked optimizer that updates each member as ``torch_class`` would update it alone.
+
+    Args:
+        torch_class: A ``torch.optim`` optimizer class.
+
+    Returns:
+        The stacked class (for ``AdamW``, ``StackedAdam`` with ``decoupled_weight_decay=True``),
+        to be called as the torch class is, with stacked parameters.
+
+    Raises:
+        ValueError: ``torch_class`` has no stacked twin (LBFGS, SparseAdam: the reason says
+            why) or is not a torch optimizer class vmapens knows.
+
+    Example:
+        >>> stacked(torch.optim.RAdam).__name__
+        'StackedRAdam'
+    """
+    if torch_class in TWINS:
+        return TWINS[torch_class]
+    name = getattr(torch_class, "__name__", repr(torch_class))
+    if torch_class in REFUSED:
+        raise ValueError(
+            f"stacked: `torch_class` {name} has no stacked twin: {REFUSED[torch_class]}"
+        )
+    known = ", ".join(sorted(c.__name__ for c in TWINS))
+    raise ValueError(f"stacked: `torch_class` must be one of {known}, got {name}")
