@@ -65,31 +65,28 @@ def run_fused(
         mask: Optional bool ``[n]``: the members that step.
     """
     grads = [g if g.is_contiguous() else g.contiguous() for g in lists[1]]
-    _run_fused(kernel, [lists[0], grads, *lists[2:]], step, mask)
+    lists = [lists[0], grads, *lists[2:]]
+    counts = _counts(step, mask)
+    if len(counts) == 1:
+        kernel(lists, counts[0])
+    else:
+        before = [[t.clone() for t in ts] for ts in lists]
+        stepping = torch.ones_like(step, dtype=torch.bool) if mask is None else mask.to(step.device)
+        for count in counts:
+            work = [[t.clone() for t in ts] for ts in before]
+            kernel(work, count)
+            rows = stepping & (step == count)
+            for ts, news in zip(lists, work, strict=True):
+                for t, new in zip(ts, news, strict=True):
+                    t.copy_(torch.where(column(rows, t), new, t))
     step.add_(1)
 
 
-def _run_fused(
-    kernel: Callable[[list[list[Tensor]], float], None],
-    lists: list[list[Tensor]],
-    step: Tensor,
-    mask: Tensor | None,
-) -> None:
+def _counts(step: Tensor, mask: Tensor | None) -> list[float]:
+    """The step counts of the stepping members, one each."""
     if mask is None:  # the common case, checked cheaply: every member steps with one count
         first = float(step[0])
         if bool((step == first).all()):
-            kernel(lists, first)
-            return
+            return [first]
     stepping = torch.ones_like(step, dtype=torch.bool) if mask is None else mask.to(step.device)
-    counts = step[stepping].unique().tolist()
-    if len(counts) == 1:
-        kernel(lists, counts[0])
-        return
-    before = [[t.clone() for t in ts] for ts in lists]
-    for count in counts:
-        work = [[t.clone() for t in ts] for ts in before]
-        kernel(work, count)
-        rows = stepping & (step == count)
-        for ts, news in zip(lists, work, strict=True):
-            for t, new in zip(ts, news, strict=True):
-                t.copy_(torch.where(column(rows, t), new, t))
+    return step[stepping].unique().tolist()

@@ -18,25 +18,7 @@ __all__ = ["member_state_dict", "select_parts"]
 
 
 def member_state_dict(opt: Any, i: int, module: nn.Module | None = None) -> dict[str, Any]:
-    """Member ``i``'s optimizer state, loadable by the plain torch optimizer.
-
-    Build ``torch_class`` over the member's parameters with the same param-group layout,
-    then ``opt.load_state_dict(stacked.member_state_dict(i))`` continues member ``i``
-    alone on exactly its ensemble trajectory.
-
-    Args:
-        i: Member index (negative counts from the end).
-        module: Optional member module; its parameters are checked against the stacked
-            ones (count and shapes, in order).
-
-    Returns:
-        A ``torch.optim.Optimizer`` state dict with member ``i``'s float hyperparameters
-        and cloned slices of its state.
-
-    Raises:
-        IndexError: ``i`` out of range.
-        ValueError: ``module``'s parameters do not match.
-    """
+    """``opt.member_state_dict(i, module)``: see :meth:`StackedOptimizer.member_state_dict`."""
     api = f"{opt._api}.member_state_dict"
     n = opt.num_members
     if not -n <= i < n:

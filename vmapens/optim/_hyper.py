@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -13,22 +14,40 @@ from .._checks import column
 from ._values import MemberValues
 
 __all__ = [
+    "BETAS",
+    "EPS",
+    "LR",
+    "MOMENTUM",
     "NONNEGATIVE",
     "UNIT",
+    "WEIGHT_DECAY",
     "Hyper",
+    "Params",
+    "PerMember",
     "Scalar",
+    "IMPLEMENTATION",
     "check_hyper",
+    "check_implementation",
+    "implementation_flags",
     "group_args",
+    "like",
     "local_values",
     "member_column",
     "member_columns",
     "member_floats",
     "leading_n",
+    "nonnegative",
     "params_of",
     "pick_group",
 ]
 
+#: A hyperparameter as a rule reads it: a float, a float64 ``[n]`` tensor (per member) or a
+#: 0-d tensor (a tensor ``lr``, kept in its dtype as torch keeps it).
 Scalar = float | Tensor
+#: A hyperparameter as a constructor takes it: shared, or one value per member.
+PerMember = float | Sequence[float] | Tensor
+#: What a constructor's ``params`` takes.
+Params = Iterable[Tensor] | Iterable[dict[str, Any]] | nn.Module
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -36,28 +55,44 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 class Hyper:
     """A per-member hyperparameter: its torch error wording, rule and check.
 
-    ``pair=True`` for a tuple of two values such as Adam's ``betas``.
+    ``pair=True`` for a tuple of two values such as Adam's ``betas``; ``tensor=True`` where
+    torch keeps a 0-d tensor as it is and computes with it in its dtype (``lr``).
     """
 
     what: str
     rule: str
     ok: Callable[[float], bool]
     pair: bool = False
+    tensor: bool = False
 
 
-NONNEGATIVE = Hyper("value", ">= 0", lambda v: v >= 0)
+def nonnegative(what: str, tensor: bool = False) -> Hyper:
+    """A hyperparameter that must be >= 0; ``what`` is torch's word for it in errors."""
+    return Hyper(what, ">= 0", lambda v: v >= 0, tensor=tensor)
+
+
+NONNEGATIVE = nonnegative("value")
 UNIT = Hyper("value", "in [0, 1)", lambda v: 0 <= v < 1)
+# The entries most optimizers share, worded as torch words its errors.
+LR = nonnegative("learning rate", tensor=True)
+BETAS = Hyper("beta parameter", "in [0, 1)", UNIT.ok, pair=True)
+EPS = nonnegative("epsilon value")
+WEIGHT_DECAY = nonnegative("weight_decay value")
+MOMENTUM = nonnegative("momentum value")
 
 
 def member_column(x: Scalar, like: Tensor) -> Scalar:
     """A hyperparameter as the update rule uses it: a float, or ``[n, 1, ...]`` for ``like``.
 
     Low-precision parameters take float32 columns: in-place ops compute in the promoted dtype.
+    A 0-d tensor becomes ``[1, 1, ...]`` (shared by every member).
     """
-    if not isinstance(x, Tensor):
-        return x
-    dtype = torch.float32 if like.dtype in _LOW_PRECISION else like.dtype
-    return column(x.to(dtype), like)
+    return _column(x, like) if isinstance(x, Tensor) else x
+
+
+def _column(x: Tensor, like: Tensor) -> Tensor:
+    x = x.to(torch.float32 if like.dtype in _LOW_PRECISION else like.dtype)
+    return x.view([1] * like.dim()) if x.dim() == 0 else column(x, like)
 
 
 def member_columns(x: Scalar, like: list[Tensor]) -> float | list[Tensor]:
@@ -70,16 +105,41 @@ def member_columns(x: Scalar, like: list[Tensor]) -> float | list[Tensor]:
     for t in like:
         key = (t.dtype, t.dim())
         if key not in made:
-            made[key] = column(x.to(torch.float32 if t.dtype in _LOW_PRECISION else t.dtype), t)
+            made[key] = _column(x, t)
         out.append(made[key])
     return out
+
+
+def add_scaled(x: Sequence[Tensor], y: Sequence[Tensor], s: Scalar) -> list[Tensor]:
+    """``x + s * y`` rounded once, as torch's ``x.add(y, alpha=s)``: a float ``s`` as ``alpha``,
+    a tensor one (per member, or a 0-d ``lr``) as ``addcmul`` with its columns."""
+    if isinstance(s, Tensor):
+        columns = [_column(s, t) for t in x]
+        return list(torch._foreach_addcmul(list(x), list(y), columns))
+    return list(torch._foreach_add(list(x), list(y), alpha=s))
+
+
+def like(hyper: Scalar, value: Tensor) -> Tensor:
+    """A float64 per-member scalar (from the step counts) as torch's Python float meets
+    ``hyper``: in a tensor hyperparameter's dtype, where torch computes ``lr / bias_correction``
+    (a 0-d float32 ``lr``: in float32, the float rounded first), else float64 as it is."""
+    return value.to(hyper.dtype) if isinstance(hyper, Tensor) else value
 
 
 def check_hyper(
     api: str, name: str, value: Any, hyper: Hyper, n: int, where: str = ""
 ) -> float | MemberValues:
-    """A float (shared) or n values (per member), checked against ``hyper``'s rule."""
-    out: float | MemberValues
+    """A float (shared) or n values (per member), checked against ``hyper``'s rule.
+
+    A 0-d tensor stays as it is where ``hyper.tensor`` (torch computes with it in its dtype);
+    elsewhere it, and every 1-D tensor, is read as its float values.
+    """
+    if isinstance(value, Tensor) and value.dim() == 0 and hyper.tensor:
+        if not value.is_floating_point():
+            raise TypeError(
+                f"{api}: `{name}` as a tensor must be floating point, got {value.dtype}"
+            )
+        return _checked(api, name, [float(value.item())], hyper, where, value)
     if isinstance(value, Tensor):
         if value.dim() > 1:
             raise ValueError(
@@ -87,19 +147,21 @@ def check_hyper(
             )
         value = value.item() if value.dim() == 0 else value.tolist()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        vals, out = [float(value)], float(value)
-    elif isinstance(value, (Sequence, MemberValues)) and not isinstance(value, str):
+        return _checked(api, name, [float(value)], hyper, where, float(value))
+    if isinstance(value, (Sequence, MemberValues)) and not isinstance(value, str):
         if len(value) != n:
             raise ValueError(
                 f"{api}: `{name}` has {len(value)} values, expected n={n}, one per member"
             )
         vals = [float(v) for v in value]
-        out = MemberValues(vals)
-    else:
-        raise TypeError(
-            f"{api}: `{name}` must be a float or a sequence/1-D tensor of n={n} floats, "
-            f"got {type(value).__name__}"
-        )
+        return _checked(api, name, vals, hyper, where, MemberValues(vals))
+    raise TypeError(
+        f"{api}: `{name}` must be a float or a sequence/1-D tensor of n={n} floats, "
+        f"got {type(value).__name__}"
+    )
+
+
+def _checked(api: str, name: str, vals: list[float], hyper: Hyper, where: str, out: Any) -> Any:
     for v in vals:
         if not hyper.ok(v):
             raise ValueError(
@@ -123,7 +185,9 @@ def group_args(
     """The group with MemberValues as float64 tensors on ``device``: what update_ reads."""
 
     def arg(v: Any) -> Any:
-        return v.tensor.to(device) if isinstance(v, MemberValues) else v
+        if isinstance(v, MemberValues):
+            return v.tensor.to(device)
+        return v.to(device) if isinstance(v, Tensor) else v
 
     out = dict(group)
     for name, hyper in hypers.items():
@@ -135,6 +199,8 @@ def pick_group(group: dict[str, Any], hypers: dict[str, Hyper], rows: list[int])
     """``group``'s options with each per-member value cut to ``rows`` (a float for one row)."""
 
     def pick(v: Any) -> Any:
+        if isinstance(v, Tensor):  # a tensor lr: each optimizer gets its own, as torch's has
+            return v.detach().clone()
         if not isinstance(v, MemberValues):
             return v
         return v[rows[0]] if len(rows) == 1 else MemberValues(v[r] for r in rows)
@@ -143,6 +209,50 @@ def pick_group(group: dict[str, Any], hypers: dict[str, Hyper], rows: list[int])
     for name, hyper in hypers.items():
         out[name] = tuple(pick(v) for v in group[name]) if hyper.pair else pick(group[name])
     return out
+
+
+#: torch's implementation flags: the values that change nothing here, and why the others would.
+IMPLEMENTATION: dict[str, tuple[tuple[bool | None, ...], str]] = {
+    "foreach": ((None, True, False), ""),
+    "fused": ((None, True, False), ""),
+    "capturable": (
+        (False,),
+        "the update reads step counts on the host for torch's fused kernels and rolls back "
+        "a failed step, which CUDA-graph capture cannot replay",
+    ),
+    "differentiable": (
+        (False,),
+        "the update runs in place under torch.no_grad (masks and rollback copy rows back), "
+        "so no autograd graph flows through a step",
+    ),
+}
+
+
+def implementation_flags(torch_class: type | None) -> tuple[str, ...]:
+    """The implementation flags ``torch_class``'s constructor takes (none without a twin)."""
+    if torch_class is None:
+        return ()
+    accepted = inspect.signature(torch_class).parameters
+    return tuple(flag for flag in IMPLEMENTATION if flag in accepted)
+
+
+def check_implementation(api: str, flags: tuple[str, ...], given: dict[str, Any]) -> None:
+    """Check torch's implementation flags in ``given`` (a group) against what ``flags`` allows.
+
+    Raises:
+        TypeError: a flag torch's twin does not take, or a value that is not a bool/None.
+        ValueError: a value that would change results (``differentiable=True``, ...).
+    """
+    for flag, value in given.items():
+        if flag not in flags:
+            raise TypeError(f"{api}: unexpected keyword argument `{flag}`")
+        allowed, why = IMPLEMENTATION[flag]
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{api}: `{flag}` must be a bool or None, got {value!r}")
+        if value not in allowed:
+            raise ValueError(f"{api}: `{flag}={value}` is not supported: {why}")
+    if given.get("foreach") is True and given.get("fused") is True:
+        raise ValueError(f"{api}: `fused` and `foreach` cannot both be True (torch refuses it too)")
 
 
 def member_floats(v: Any) -> list[float]:

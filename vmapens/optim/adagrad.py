@@ -2,27 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .base import (
-    NONNEGATIVE,
-    Hyper,
+    EPS,
+    LR,
+    WEIGHT_DECAY,
+    Params,
+    PerMember,
     Scalar,
     StackedOptimizer,
+    add_scaled,
     fusable,
+    like,
     member_column,
     member_columns,
+    nonnegative,
     run_fused,
     step_one,
 )
 
 __all__ = ["StackedAdagrad", "adagrad_rule", "adagrad_update_"]
-
-PerMember = float | Sequence[float] | Tensor
 
 
 def adagrad_rule(
@@ -75,8 +78,8 @@ def adagrad_rule(
     step.add_(1)
     g = torch._foreach_neg(grads) if group["maximize"] else grads
     if isinstance(wd, Tensor) or wd != 0:
-        g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
-    clr = lr / (1 + (step.double() - 1) * lr_decay)
+        g = add_scaled(g, params, wd)
+    clr = lr / like(lr, 1 + (step.double() - 1) * lr_decay)
     torch._foreach_addcmul_(sums, g, g)
     std = torch._foreach_sqrt(sums)
     torch._foreach_add_(std, col(eps))
@@ -144,6 +147,8 @@ class StackedAdagrad(StackedOptimizer):
         initial_accumulator_value: Starting sum of squares, a float or one per member.
         eps: Denominator term, a float or one per member.
         maximize: Maximise the objective.
+        **implementation: torch's implementation flags that ``torch.optim.Adagrad`` takes
+            (see :class:`~vmapens.optim.StackedOptimizer`).
 
     Raises:
         ValueError: Empty params, mismatched leading sizes, out-of-range or wrong-length
@@ -158,21 +163,19 @@ class StackedAdagrad(StackedOptimizer):
         tensor([-0.1000, -0.0500], grad_fn=<SelectBackward0>)
     """
 
-    hyperparameters: ClassVar[dict[str, Hyper]] = {
-        "lr": Hyper("learning rate", ">= 0", NONNEGATIVE.ok),
-        "lr_decay": Hyper("lr_decay value", ">= 0", NONNEGATIVE.ok),
-        "weight_decay": Hyper("weight_decay value", ">= 0", NONNEGATIVE.ok),
-        "initial_accumulator_value": Hyper(
-            "initial_accumulator_value value", ">= 0", NONNEGATIVE.ok
-        ),
-        "eps": Hyper("epsilon value", ">= 0", NONNEGATIVE.ok),
+    hyperparameters = {
+        "lr": LR,
+        "lr_decay": nonnegative("lr_decay value"),
+        "weight_decay": WEIGHT_DECAY,
+        "initial_accumulator_value": nonnegative("initial_accumulator_value value"),
+        "eps": EPS,
     }
     torch_class = torch.optim.Adagrad
     rule = staticmethod(adagrad_rule)
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]] | nn.Module,
+        params: Params,
         lr: PerMember = 1e-2,
         lr_decay: PerMember = 0.0,
         weight_decay: PerMember = 0.0,
@@ -180,16 +183,9 @@ class StackedAdagrad(StackedOptimizer):
         eps: PerMember = 1e-10,
         *,
         maximize: bool = False,
+        **implementation: Any,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            lr_decay=lr_decay,
-            weight_decay=weight_decay,
-            initial_accumulator_value=initial_accumulator_value,
-            eps=eps,
-            maximize=maximize,
-        )
-        super().__init__(params, defaults)
+        super().__init__(params, locals())
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("sum",)

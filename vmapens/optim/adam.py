@@ -6,27 +6,29 @@ hyperparameters on :class:`~vmapens.optim.base.StackedOptimizer`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .base import (
-    NONNEGATIVE,
-    UNIT,
-    Hyper,
+    BETAS,
+    EPS,
+    LR,
+    WEIGHT_DECAY,
+    Params,
+    PerMember,
     Scalar,
     StackedOptimizer,
+    add_scaled,
     fusable,
+    like,
     member_columns,
     run_fused,
     step_one,
 )
 
 __all__ = ["StackedAdam", "adam_rule", "adam_update", "adam_update_"]
-
-PerMember = float | Sequence[float] | Tensor
 
 
 def adam_rule(
@@ -46,7 +48,8 @@ def adam_rule(
 
     A fixed number of ``torch._foreach_*`` ops over the parameters (one list each). Per-member
     scalars are computed in float64 (torch computes them in Python floats) and broadcast as
-    ``[n, 1, ...]`` columns. No ``.item()`` and no branching on tensor values, so it traces
+    ``[n, 1, ...]`` columns; with a 0-d tensor ``lr`` they are in its dtype and the ops in
+    torch's single-tensor order, as torch computes them (bit for bit in float32). No ``.item()`` and no branching on tensor values, so it traces
     under ``torch.compile(fullgraph=True)``. When every member shares the hyperparameters, on
     CPU, torch's fused kernel does the same in one pass (see ``run_fused``).
 
@@ -94,7 +97,7 @@ def adam_rule(
         if group["decoupled_weight_decay"]:
             torch._foreach_mul_(params, col(1 - lr * wd))
         else:
-            g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
+            g = add_scaled(g, params, wd)
     torch._foreach_lerp_(exp_avg, g, col(1 - beta1))
     torch._foreach_mul_(exp_avg_sq, col(beta2))
     if isinstance(beta2, Tensor):
@@ -103,15 +106,19 @@ def adam_rule(
         torch._foreach_addcmul_(exp_avg_sq, g, g, value=1 - beta2)
     step.add_(1)
     t = step.double()
-    bias_correction1 = 1 - torch.pow(beta1, t)
+    step_size = lr / like(lr, 1 - torch.pow(beta1, t))
     bias_correction2_sqrt = (1 - torch.pow(beta2, t)).sqrt()
     if v_max is not None:
         torch._foreach_maximum_(v_max, exp_avg_sq)
     denom = torch._foreach_sqrt(exp_avg_sq if v_max is None else v_max)
     torch._foreach_div_(denom, col(bias_correction2_sqrt))
     torch._foreach_add_(denom, col(eps))
+    if isinstance(lr, Tensor) and lr.dim() == 0:
+        # torch's `p.addcdiv_(m, denom, value=-step_size)`: (-step_size * m) / denom.
+        torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avg, col(-step_size)), denom)
+        return
     # torch's capturable Adam folds the step size into the denominator the same way.
-    torch._foreach_div_(denom, col(-lr / bias_correction1))
+    torch._foreach_div_(denom, col(-step_size))
     torch._foreach_addcdiv_(params, exp_avg, denom)
 
 
@@ -178,14 +185,8 @@ def adam_update_(
 
 
 def adam_update(
-    param: Tensor,
-    grad: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    max_exp_avg_sq: Tensor | None,
-    step: Tensor,
-    **hyperparameters: Any,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+    param: Tensor, grad: Tensor, *state: Tensor | None, **hyperparameters: Any
+) -> tuple[Tensor | None, ...]:
     """The pure form of :func:`adam_update_`: returns new tensors, mutates nothing.
 
     Takes the same arguments and returns ``(param, exp_avg, exp_avg_sq, max_exp_avg_sq,
@@ -198,11 +199,9 @@ def adam_update(
         >>> new_p[0], p[0]
         (tensor([-0.1000, -0.1000, -0.1000]), tensor([0., 0., 0.]))
     """
-    new_param, new_exp_avg, new_exp_avg_sq = param.clone(), exp_avg.clone(), exp_avg_sq.clone()
-    new_max = None if max_exp_avg_sq is None else max_exp_avg_sq.clone()
-    new_step = step.clone()
-    adam_update_(new_param, grad, new_exp_avg, new_exp_avg_sq, new_max, new_step, **hyperparameters)
-    return new_param, new_exp_avg, new_exp_avg_sq, new_max, new_step
+    new = [None if t is None else t.clone() for t in (param, *state)]
+    adam_update_(new[0], grad, *new[1:], **hyperparameters)  # type: ignore[arg-type]
+    return tuple(new)
 
 
 class StackedAdam(StackedOptimizer):
@@ -216,18 +215,21 @@ class StackedAdam(StackedOptimizer):
 
     Args:
         params: Stacked tensors [n, ...], param-group dicts, or an ``nn.Module`` (an Ensemble).
-        lr: Learning rate: a float, or a sequence / 1-D tensor with one per member.
+        lr: Learning rate: a float, a 0-d tensor (computed with in its dtype, as torch does),
+            or a sequence / 1-D tensor with one per member.
         betas: ``(beta1, beta2)``, each a float or one per member.
         eps: Denominator term, a float or one per member.
         weight_decay: Weight decay, a float or one per member.
         decoupled_weight_decay: AdamW-style decay.
         amsgrad: Use the AMSGrad variant.
         maximize: Maximise the objective.
+        **implementation: torch's ``foreach``, ``fused``, ``capturable``, ``differentiable``
+            (see :class:`~vmapens.optim.StackedOptimizer`).
 
     Raises:
         ValueError: Empty params, mismatched leading sizes, out-of-range or wrong-length
-            hyperparameters.
-        TypeError: A hyperparameter of an unsupported type.
+            hyperparameters, or an implementation flag that would change the results.
+        TypeError: A hyperparameter of an unsupported type, or an unknown keyword.
 
     Example:
         >>> w = torch.zeros(4, 3, requires_grad=True)
@@ -238,18 +240,13 @@ class StackedAdam(StackedOptimizer):
         [-0.001, -0.01, 0.0, -1.0]
     """
 
-    hyperparameters: ClassVar[dict[str, Hyper]] = {
-        "lr": Hyper("learning rate", ">= 0", NONNEGATIVE.ok),
-        "betas": Hyper("beta parameter", "in [0, 1)", UNIT.ok, pair=True),
-        "eps": Hyper("epsilon value", ">= 0", NONNEGATIVE.ok),
-        "weight_decay": Hyper("weight_decay value", ">= 0", NONNEGATIVE.ok),
-    }
+    hyperparameters = {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY}
     torch_class = torch.optim.Adam
     rule = staticmethod(adam_rule)
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]] | nn.Module,
+        params: Params,
         lr: PerMember = 1e-3,
         betas: tuple[PerMember, PerMember] = (0.9, 0.999),
         eps: PerMember = 1e-8,
@@ -258,17 +255,9 @@ class StackedAdam(StackedOptimizer):
         decoupled_weight_decay: bool = False,
         amsgrad: bool = False,
         maximize: bool = False,
+        **implementation: Any,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            decoupled_weight_decay=decoupled_weight_decay,
-            amsgrad=amsgrad,
-            maximize=maximize,
-        )
-        super().__init__(params, defaults)
+        super().__init__(params, locals())
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         moments = ("exp_avg", "exp_avg_sq")

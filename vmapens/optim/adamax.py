@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .base import (
-    NONNEGATIVE,
-    UNIT,
-    Hyper,
+    BETAS,
+    EPS,
+    LR,
+    WEIGHT_DECAY,
+    Params,
+    PerMember,
     Scalar,
     StackedOptimizer,
+    add_scaled,
+    like,
     member_columns,
     step_one,
 )
 
 __all__ = ["StackedAdamax", "adamax_rule", "adamax_update_"]
-
-PerMember = float | Sequence[float] | Tensor
 
 
 def adamax_rule(
@@ -53,13 +55,13 @@ def adamax_rule(
     g = torch._foreach_neg(grads) if group["maximize"] else grads
     step.add_(1)
     if isinstance(wd, Tensor) or wd != 0:
-        g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
+        g = add_scaled(g, params, wd)
     torch._foreach_lerp_(exp_avg, g, col(1 - beta1))
     torch._foreach_mul_(exp_inf, col(beta2))
     norm = torch._foreach_abs(g)
     torch._foreach_add_(norm, col(eps))
     torch._foreach_maximum_(exp_inf, norm)
-    clr = lr / (1 - torch.pow(beta1, step.double()))
+    clr = lr / like(lr, 1 - torch.pow(beta1, step.double()))
     torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avg, col(-clr)), exp_inf)
 
 
@@ -120,6 +122,8 @@ class StackedAdamax(StackedOptimizer):
         eps: Term added to ``|g|``, a float or one per member.
         weight_decay: L2 penalty, a float or one per member.
         maximize: Maximise the objective.
+        **implementation: torch's implementation flags that ``torch.optim.Adamax`` takes
+            (see :class:`~vmapens.optim.StackedOptimizer`).
 
     Raises:
         ValueError: Empty params, mismatched leading sizes, out-of-range or wrong-length
@@ -134,27 +138,22 @@ class StackedAdamax(StackedOptimizer):
         tensor([-0.0020, -0.0200], grad_fn=<SelectBackward0>)
     """
 
-    hyperparameters: ClassVar[dict[str, Hyper]] = {
-        "lr": Hyper("learning rate", ">= 0", NONNEGATIVE.ok),
-        "betas": Hyper("beta parameter", "in [0, 1)", UNIT.ok, pair=True),
-        "eps": Hyper("epsilon value", ">= 0", NONNEGATIVE.ok),
-        "weight_decay": Hyper("weight_decay value", ">= 0", NONNEGATIVE.ok),
-    }
+    hyperparameters = {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY}
     torch_class = torch.optim.Adamax
     rule = staticmethod(adamax_rule)
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]] | nn.Module,
+        params: Params,
         lr: PerMember = 2e-3,
         betas: tuple[PerMember, PerMember] = (0.9, 0.999),
         eps: PerMember = 1e-8,
         weight_decay: PerMember = 0.0,
         *,
         maximize: bool = False,
+        **implementation: Any,
     ) -> None:
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
-        super().__init__(params, defaults)
+        super().__init__(params, locals())
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_inf")

@@ -22,33 +22,59 @@ from .._checks import check_mask
 from ._fused import fusable, run_fused
 from ._handoff import member_state_dict, select_parts
 from ._hyper import (
+    BETAS,
+    EPS,
+    IMPLEMENTATION,
+    LR,
+    MOMENTUM,
     NONNEGATIVE,
     UNIT,
+    WEIGHT_DECAY,
     Hyper,
+    Params,
+    PerMember,
     Scalar,
+    add_scaled,
     check_hyper,
+    check_implementation,
     group_args,
+    implementation_flags,
     leading_n,
+    like,
     local_values,
     member_column,
     member_columns,
+    nonnegative,
     params_of,
 )
 from ._keep import Rule, Snapshot, keep_masked_, step_one, tensors_of
 
 __all__ = [
+    "BETAS",
+    "EPS",
+    "LR",
+    "MOMENTUM",
     "NONNEGATIVE",
     "UNIT",
+    "WEIGHT_DECAY",
     "Hyper",
+    "Params",
+    "PerMember",
     "Rule",
     "Scalar",
     "StackedOptimizer",
+    "add_scaled",
     "fusable",
+    "like",
     "member_column",
     "member_columns",
+    "nonnegative",
     "run_fused",
     "step_one",
 ]
+
+# What a subclass constructor's locals() holds besides its options.
+_NOT_OPTIONS = ("self", "params", "__class__", "implementation")
 
 
 def layout(params: list[Tensor]) -> tuple:
@@ -62,11 +88,24 @@ class StackedOptimizer(torch.optim.Optimizer):
     Subclasses set :attr:`rule`, :attr:`hyperparameters` (name -> :class:`Hyper`, in torch's
     order) and :attr:`torch_class` (the plain optimizer a member hands off to, None where
     torch has none), and implement :meth:`state_names`; :meth:`scalar_state` and
-    :meth:`initial_state` add per-member counters and non-zero initial state.
+    :meth:`initial_state` add per-member counters and non-zero initial state. A subclass
+    constructor names its options with torch's defaults, takes ``**implementation`` and
+    calls ``super().__init__(params, locals())``.
+
+    torch's implementation flags (``foreach``, ``fused``, ``capturable``, ``differentiable``)
+    are accepted where :attr:`torch_class` takes them, at the values that change nothing, and
+    kept in ``param_groups`` as torch keeps them; ``fused=False`` keeps the update off torch's
+    fused kernels.
 
     Args:
         params: stacked tensors ``[n, ...]``, param-group dicts, or an ``Ensemble``.
-        defaults: every hyperparameter and option, as the subclass's constructor got them.
+        options: every hyperparameter and flag by name: the subclass constructor's
+            ``locals()`` (``self``, ``params`` and ``__class__`` are dropped; its
+            ``implementation`` holds torch's implementation flags), or a ``defaults`` dict.
+
+    Raises:
+        TypeError: an implementation flag that :attr:`torch_class` does not take.
+        ValueError: an implementation flag at a value that would change the results.
     """
 
     #: The update rule: ``rule(params, grads, state, group)`` steps the stacked ``params``
@@ -83,7 +122,13 @@ class StackedOptimizer(torch.optim.Optimizer):
     # "_init_group" (torch 2.13), which breaks the graph.
     num_members: int
 
-    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+    def __init__(self, params: Any, options: dict[str, Any]) -> None:
+        defaults = {k: v for k, v in options.items() if k not in _NOT_OPTIONS}
+        flags = implementation_flags(type(self).torch_class)
+        for flag in flags:  # torch's default: every group holds each flag its twin's groups hold
+            defaults.setdefault(flag, IMPLEMENTATION[flag][0][0])
+        check_implementation(self._api, flags, options.get("implementation", {}))
+        defaults.update(options.get("implementation", {}))
         items = params_of(params)
         tensors = [
             t for it in items for t in (params_of(it["params"]) if isinstance(it, dict) else [it])
@@ -144,6 +189,7 @@ class StackedOptimizer(torch.optim.Optimizer):
 
     def _normalise(self, group: dict[str, Any]) -> None:
         api, n = self._api, self.num_members
+        check_implementation(api, implementation_flags(type(self).torch_class), _flags_of(group))
 
         def local(value: Any) -> Any:
             return local_values(value, self._block, self._n_total)
@@ -264,7 +310,7 @@ class StackedOptimizer(torch.optim.Optimizer):
             start += size
             if buckets:
                 args = group_args(group, self.hyperparameters, group["params"][0].device)
-                args.update(mask=mask, fused=True)
+                args.update(mask=mask, fused=group.get("fused") is not False)
                 calls += [(*bucket, args) for bucket in buckets]
         written = [t for params, _, state, _ in calls for t in tensors_of(params, state)]
         # Copied first, so that a failed step changes nothing and masked members keep theirs.
@@ -412,6 +458,10 @@ class StackedOptimizer(torch.optim.Optimizer):
         if new.state:
             new.prepare()
         return new
+
+
+def _flags_of(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k in IMPLEMENTATION}
 
 
 def _same(a: Tensor, b: Tensor) -> bool:

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .base import (
-    NONNEGATIVE,
-    UNIT,
-    Hyper,
+    BETAS,
+    LR,
+    WEIGHT_DECAY,
+    Params,
+    PerMember,
     Scalar,
     StackedOptimizer,
     member_columns,
@@ -19,8 +20,6 @@ from .base import (
 )
 
 __all__ = ["StackedLion", "lion_rule", "lion_update_"]
-
-PerMember = float | Sequence[float] | Tensor
 
 
 def lion_rule(
@@ -116,6 +115,7 @@ class StackedLion(StackedOptimizer):
         lr: Learning rate, a float or one per member.
         betas: ``(beta1, beta2)``, each a float or one per member.
         weight_decay: Decoupled weight decay, a float or one per member.
+        **implementation: none is taken (torch has no Lion); any raises TypeError.
 
     Raises:
         ValueError: Empty params, mismatched leading sizes, out-of-range or wrong-length
@@ -130,22 +130,19 @@ class StackedLion(StackedOptimizer):
         [[-1.0, 1.0, 0.0], [-10.0, 10.0, 0.0]]
     """
 
-    hyperparameters: ClassVar[dict[str, Hyper]] = {
-        "lr": Hyper("learning rate", ">= 0", NONNEGATIVE.ok),
-        "betas": Hyper("beta parameter", "in [0, 1)", UNIT.ok, pair=True),
-        "weight_decay": Hyper("weight_decay value", ">= 0", NONNEGATIVE.ok),
-    }
+    hyperparameters = {"lr": LR, "betas": BETAS, "weight_decay": WEIGHT_DECAY}
     torch_class = None
     rule = staticmethod(lion_rule)
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]] | nn.Module,
+        params: Params,
         lr: PerMember = 1e-4,
         betas: tuple[PerMember, PerMember] = (0.9, 0.99),
         weight_decay: PerMember = 0.0,
+        **implementation: Any,
     ) -> None:
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+        super().__init__(params, locals())
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg",)

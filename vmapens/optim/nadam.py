@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .base import (
-    NONNEGATIVE,
-    UNIT,
-    Hyper,
+    BETAS,
+    EPS,
+    LR,
+    WEIGHT_DECAY,
+    Params,
+    PerMember,
     Scalar,
     StackedOptimizer,
+    add_scaled,
+    like,
     member_columns,
+    nonnegative,
     step_one,
 )
 
 __all__ = ["StackedNAdam", "nadam_rule", "nadam_update_"]
-
-PerMember = float | Sequence[float] | Tensor
 
 
 def nadam_rule(
@@ -64,7 +67,7 @@ def nadam_rule(
         if group["decoupled_weight_decay"]:
             torch._foreach_mul_(params, col(1 - lr * wd))
         else:
-            g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
+            g = add_scaled(g, params, wd)
     mu = beta1 * (1.0 - 0.5 * torch.pow(0.96, t * group["momentum_decay"]))
     mu_next = beta1 * (1.0 - 0.5 * torch.pow(0.96, (t + 1) * group["momentum_decay"]))
     # torch multiplies its float32 scalar by a Python float: in float32, mu rounded first.
@@ -80,9 +83,11 @@ def nadam_rule(
     torch._foreach_sqrt_(denom)
     torch._foreach_add_(denom, col(eps))
     torch._foreach_addcdiv_(
-        params, torch._foreach_mul(g, col(-lr * (1.0 - mu) / (1.0 - product))), denom
+        params,
+        torch._foreach_mul(g, col(-lr * like(lr, 1.0 - mu) / like(lr, 1.0 - product))),
+        denom,
     )
-    step_size = (-lr * mu_next) / (1.0 - product * mu_next)
+    step_size = (-lr * like(lr, mu_next)) / like(lr, 1.0 - product * mu_next)
     torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avg, col(step_size)), denom)
 
 
@@ -155,6 +160,8 @@ class StackedNAdam(StackedOptimizer):
         momentum_decay: Decay of the momentum schedule, a float or one per member.
         decoupled_weight_decay: NAdamW-style decay.
         maximize: Maximise the objective.
+        **implementation: torch's implementation flags that ``torch.optim.NAdam`` takes
+            (see :class:`~vmapens.optim.StackedOptimizer`).
 
     Raises:
         ValueError: Empty params, mismatched leading sizes, out-of-range or wrong-length
@@ -169,19 +176,19 @@ class StackedNAdam(StackedOptimizer):
         (tensor([-0.0021, -0.0211], grad_fn=<SelectBackward0>), tensor([0.4501, 0.4501]))
     """
 
-    hyperparameters: ClassVar[dict[str, Hyper]] = {
-        "lr": Hyper("learning rate", ">= 0", NONNEGATIVE.ok),
-        "betas": Hyper("beta parameter", "in [0, 1)", UNIT.ok, pair=True),
-        "eps": Hyper("epsilon value", ">= 0", NONNEGATIVE.ok),
-        "weight_decay": Hyper("weight_decay value", ">= 0", NONNEGATIVE.ok),
-        "momentum_decay": Hyper("momentum_decay value", ">= 0", NONNEGATIVE.ok),
+    hyperparameters = {
+        "lr": LR,
+        "betas": BETAS,
+        "eps": EPS,
+        "weight_decay": WEIGHT_DECAY,
+        "momentum_decay": nonnegative("momentum_decay value"),
     }
     torch_class = torch.optim.NAdam
     rule = staticmethod(nadam_rule)
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]] | nn.Module,
+        params: Params,
         lr: PerMember = 2e-3,
         betas: tuple[PerMember, PerMember] = (0.9, 0.999),
         eps: PerMember = 1e-8,
@@ -190,17 +197,9 @@ class StackedNAdam(StackedOptimizer):
         decoupled_weight_decay: bool = False,
         *,
         maximize: bool = False,
+        **implementation: Any,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            momentum_decay=momentum_decay,
-            decoupled_weight_decay=decoupled_weight_decay,
-            maximize=maximize,
-        )
-        super().__init__(params, defaults)
+        super().__init__(params, locals())
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq")

@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ._hyper import member_floats
 from .base import (
-    NONNEGATIVE,
-    Hyper,
+    EPS,
+    LR,
+    MOMENTUM,
+    WEIGHT_DECAY,
+    Params,
+    PerMember,
     Scalar,
     StackedOptimizer,
+    add_scaled,
     member_columns,
+    nonnegative,
     step_one,
 )
 
 __all__ = ["StackedRMSprop", "rmsprop_rule", "rmsprop_update_"]
-
-PerMember = float | Sequence[float] | Tensor
 
 
 def rmsprop_rule(
@@ -62,7 +65,7 @@ def rmsprop_rule(
     g = torch._foreach_neg(grads) if group["maximize"] else grads
     state["step"].add_(1)
     if isinstance(wd, Tensor) or wd != 0:
-        g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
+        g = add_scaled(g, params, wd)
     torch._foreach_mul_(square_avg, col(alpha))
     if isinstance(alpha, Tensor):
         torch._foreach_addcmul_(square_avg, g, torch._foreach_mul(g, col(1 - alpha)))
@@ -150,6 +153,8 @@ class StackedRMSprop(StackedOptimizer):
         momentum: Momentum factor, a float or one per member.
         centered: Normalise by the estimated variance of the gradient.
         maximize: Maximise the objective.
+        **implementation: torch's implementation flags that ``torch.optim.RMSprop`` takes
+            (see :class:`~vmapens.optim.StackedOptimizer`).
 
     Raises:
         ValueError: Empty params, mismatched leading sizes, out-of-range or wrong-length
@@ -165,19 +170,19 @@ class StackedRMSprop(StackedOptimizer):
         tensor([-0.1709, -0.2609], grad_fn=<SelectBackward0>)
     """
 
-    hyperparameters: ClassVar[dict[str, Hyper]] = {
-        "lr": Hyper("learning rate", ">= 0", NONNEGATIVE.ok),
-        "alpha": Hyper("alpha value", ">= 0", NONNEGATIVE.ok),
-        "eps": Hyper("epsilon value", ">= 0", NONNEGATIVE.ok),
-        "weight_decay": Hyper("weight_decay value", ">= 0", NONNEGATIVE.ok),
-        "momentum": Hyper("momentum value", ">= 0", NONNEGATIVE.ok),
+    hyperparameters = {
+        "lr": LR,
+        "alpha": nonnegative("alpha value"),
+        "eps": EPS,
+        "weight_decay": WEIGHT_DECAY,
+        "momentum": MOMENTUM,
     }
     torch_class = torch.optim.RMSprop
     rule = staticmethod(rmsprop_rule)
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]] | nn.Module,
+        params: Params,
         lr: PerMember = 1e-2,
         alpha: PerMember = 0.99,
         eps: PerMember = 1e-8,
@@ -186,17 +191,9 @@ class StackedRMSprop(StackedOptimizer):
         centered: bool = False,
         *,
         maximize: bool = False,
+        **implementation: Any,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            alpha=alpha,
-            eps=eps,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            centered=centered,
-            maximize=maximize,
-        )
-        super().__init__(params, defaults)
+        super().__init__(params, locals())
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         names: tuple[str, ...] = ("square_avg",)

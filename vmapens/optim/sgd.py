@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .._checks import column
 from ._hyper import member_floats
 from .base import (
-    NONNEGATIVE,
+    LR,
+    MOMENTUM,
+    WEIGHT_DECAY,
     Hyper,
+    Params,
+    PerMember,
     Scalar,
     StackedOptimizer,
+    add_scaled,
     fusable,
     member_columns,
     run_fused,
@@ -22,8 +26,6 @@ from .base import (
 )
 
 __all__ = ["StackedSGD", "sgd_rule", "sgd_update_"]
-
-PerMember = float | Sequence[float] | Tensor
 
 
 def sgd_rule(
@@ -79,26 +81,23 @@ def sgd_rule(
 
     g = torch._foreach_neg(grads) if group["maximize"] else grads
     if isinstance(wd, Tensor) or wd != 0:
-        g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
+        g = add_scaled(g, params, wd)
     if bufs is not None:
-        kept = torch._foreach_add(
-            torch._foreach_mul(bufs, col(momentum)), torch._foreach_mul(g, col(1 - dampening))
-        )
+        kept = add_scaled(torch._foreach_mul(bufs, col(momentum)), g, 1 - dampening)
         first = step == 0
         for b, new, old in zip(bufs, g, kept, strict=True):
             b.copy_(torch.where(column(first, b), new, old))
-        d = (
-            torch._foreach_add(g, torch._foreach_mul(bufs, col(momentum)))
-            if group["nesterov"]
-            else bufs
-        )
+        d = add_scaled(g, bufs, momentum) if group["nesterov"] else bufs
         if isinstance(momentum, Tensor):
             # Members without momentum step on the plain gradient, as torch's SGD does.
             uses = momentum != 0
             g = [torch.where(column(uses, x), a, x) for a, x in zip(d, g, strict=True)]
         else:
             g = d
-    torch._foreach_sub_(params, torch._foreach_mul(g, col(lr)))
+    if isinstance(lr, Tensor):  # torch's `p.add_(g, alpha=-lr)`, one rounding: as addcmul
+        torch._foreach_addcmul_(params, g, col(-lr))
+    else:
+        torch._foreach_add_(params, g, alpha=-lr)
     step.add_(1)
 
 
@@ -164,6 +163,8 @@ class StackedSGD(StackedOptimizer):
         weight_decay: L2 penalty, a float or one per member.
         nesterov: Nesterov momentum (needs momentum > 0 and dampening 0 for every member).
         maximize: Maximise the objective.
+        **implementation: torch's implementation flags that ``torch.optim.SGD`` takes
+            (see :class:`~vmapens.optim.StackedOptimizer`).
 
     Example:
         >>> w = torch.zeros(2, 3, requires_grad=True)
@@ -175,18 +176,18 @@ class StackedSGD(StackedOptimizer):
         tensor([-0.2000, -0.2900], grad_fn=<SelectBackward0>)
     """
 
-    hyperparameters: ClassVar[dict[str, Hyper]] = {
-        "lr": Hyper("learning rate", ">= 0", NONNEGATIVE.ok),
-        "momentum": Hyper("momentum value", ">= 0", NONNEGATIVE.ok),
+    hyperparameters = {
+        "lr": LR,
+        "momentum": MOMENTUM,
         "dampening": Hyper("dampening value", "a float", lambda v: True),
-        "weight_decay": Hyper("weight_decay value", ">= 0", NONNEGATIVE.ok),
+        "weight_decay": WEIGHT_DECAY,
     }
     torch_class = torch.optim.SGD
     rule = staticmethod(sgd_rule)
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]] | nn.Module,
+        params: Params,
         lr: PerMember = 1e-3,
         momentum: PerMember = 0.0,
         dampening: PerMember = 0.0,
@@ -194,16 +195,9 @@ class StackedSGD(StackedOptimizer):
         nesterov: bool = False,
         *,
         maximize: bool = False,
+        **implementation: Any,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            dampening=dampening,
-            weight_decay=weight_decay,
-            nesterov=nesterov,
-            maximize=maximize,
-        )
-        super().__init__(params, defaults)
+        super().__init__(params, locals())
         for group in self.param_groups:
             if group["nesterov"] and not (
                 min(member_floats(group["momentum"])) > 0
