@@ -85,6 +85,9 @@ class TensorSource:
     slice); batches then cut dim 1, in the same order for every member.
     """
 
+    #: Its order comes from ``seed`` and the pass number, not from torch's RNG.
+    pass_rng: Any = None
+
     def __init__(
         self,
         data: tuple,
@@ -151,13 +154,24 @@ class IterableSource:
         self.length = len(data) if isinstance(data, Sized) else None
         self._it: Any = None
         self._at = (-1, 0)
+        # torch's RNG state when this pass's iterator was made: a shuffling DataLoader draws
+        # its order (and its workers' seeds) from it then, so a resumed pass needs it back.
+        self.pass_rng: Tensor | None = None
 
     def get(self, pass_: int, pos: int) -> tuple[Any, Tensor] | None:
         if self._at != (pass_, pos):
-            # A fresh pass, or resuming mid-pass: start over and skip what was already used.
+            # A fresh pass, or resuming mid-pass: start over and skip what was already used,
+            # from the RNG state the pass began with; then the RNG is where it was (resumed).
+            now = torch.get_rng_state()
+            if pos > 0 and self.pass_rng is not None:
+                torch.set_rng_state(self.pass_rng)
+            else:
+                self.pass_rng = now
             self._it = iter(self.data)
             for _ in range(pos):
                 next(self._it, None)
+            if pos > 0:
+                torch.set_rng_state(now)
         self._at = (pass_, pos + 1)
         batch = next(self._it, None)
         if batch is None:
@@ -188,6 +202,15 @@ class MemberIterables:
             )
         self.length = self.sources[0].length
 
+    @property
+    def pass_rng(self) -> list[Tensor | None]:
+        return [src.pass_rng for src in self.sources]
+
+    @pass_rng.setter
+    def pass_rng(self, states: list[Tensor | None]) -> None:
+        for src, state in zip(self.sources, states, strict=True):
+            src.pass_rng = state
+
     def get(self, pass_: int, pos: int) -> tuple[Any, Tensor] | None:
         got = [src.get(pass_, pos) for src in self.sources]
         batches = [b for b in got if b is not None]
@@ -212,8 +235,17 @@ class Stream:
 
     def __init__(self, source: Any, pass_: int = 0, pos: int = 0):
         self.source, self.pass_, self.pos = source, pass_, pos
+        # A checkpoint's ``pass_rng``, given to the source (made later) at the first batch.
+        self.resumed_rng: Any = None
+
+    @property
+    def pass_rng(self) -> Any:
+        """The RNG state(s) the current pass of a DataLoader began with (None for tensors)."""
+        return None if self.source is None else self.source.pass_rng
 
     def in_pass(self) -> tuple[Any, Tensor] | None:
+        if self.resumed_rng is not None:
+            self.source.pass_rng, self.resumed_rng = self.resumed_rng, None
         batch = self.source.get(self.pass_, self.pos)
         if batch is None:
             self.pass_, self.pos = self.pass_ + 1, 0

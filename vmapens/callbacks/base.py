@@ -127,6 +127,8 @@ class Context:
         return {
             "pass": self.stream.pass_,
             "pos": self.stream.pos,
+            # DataLoaders only (tensor data reshuffles from `seed`): the RNG their pass began with.
+            "pass_rng": self.stream.pass_rng,
             "active": self._active.cpu(),
             "global_step": self.step,
             "loss_scale": None if self.loss_scale is None else self.loss_scale.state_dict(),
@@ -144,6 +146,7 @@ class Context:
             self.loss_scale.load_state_dict(state["loss_scale"])
         self.step = state.get("global_step", 0)
         self.stream.pass_, self.stream.pos = state["pass"], state["pos"]
+        self.stream.resumed_rng = state.get("pass_rng")
         self._active.copy_(active)
 
 
