@@ -1,17 +1,22 @@
-"""Peak memory of building an Ensemble, measured in a fresh process.
+"""Peak memory of building an Ensemble and of training it, each measured in a fresh process.
 
 Example:
     >>> wide_mlp(8)[0].out_features
     8
+    >>> mnist_cnn()(torch.zeros(2, 1, 28, 28)).shape
+    torch.Size([2, 10])
 """
 
 from __future__ import annotations
 
 import functools
 
+import torch
 from torch import nn
 
 from vmapens.ensemble import Ensemble
+from vmapens.optim import StackedAdam
+from vmapens.step import make_step
 
 from ._tools import NOT_AVAILABLE, child_json, reset_peak_rss, rss_bytes
 
@@ -19,6 +24,87 @@ from ._tools import NOT_AVAILABLE, child_json, reset_peak_rss, rss_bytes
 def wide_mlp(hidden: int = 1024) -> nn.Sequential:
     """Memory-test member: ``Linear(512, hidden) -> ReLU -> Linear(hidden, 512)``, ~1M params."""
     return nn.Sequential(nn.Linear(512, hidden), nn.ReLU(), nn.Linear(hidden, 512))
+
+
+#: The training-memory workload (issue 21): members, batch, steps, and the chunk size compared.
+TRAIN_N, TRAIN_BATCH, TRAIN_STEPS, TRAIN_CHUNK = 32, 64, 3, 8
+
+
+def mnist_cnn() -> nn.Sequential:
+    """Training-memory member: ``Conv2d(1, 16, 3) -> ReLU -> Flatten -> Linear(16*26*26, 10)``
+    on 1x28x28 images (MNIST-sized)."""
+    return nn.Sequential(nn.Conv2d(1, 16, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 26 * 26, 10))
+
+
+def _train_memory_here(n: int, chunk_size: int | None, batch: int, steps: int) -> dict:
+    """Child side of :func:`train_memory`: peak RSS over eager training steps, after the build."""
+    ens = Ensemble(mnist_cnn, n, seed=0, chunk_size=chunk_size)
+    step = make_step(ens, nn.CrossEntropyLoss(), StackedAdam(ens))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    before = reset_peak_rss()  # the peak counts the steps, not the imports or the build
+    losses = step(x, y)  # creates the gradients and the optimizer state, which stay
+    first = rss_bytes("VmHWM") - before
+    held = reset_peak_rss()
+    for _ in range(steps - 1):
+        losses = step(x, y)
+    later = rss_bytes("VmHWM") - held
+    peak = max(first, held - before + later)
+    with torch.no_grad():
+        digest = float(sum(p.double().sum() for p in ens.parameters()))
+    return {"n": n, "chunk_size": chunk_size, "peak_mb": peak / 2**20,
+            "step_mb": later / 2**20, "total_mb": rss_bytes("VmHWM") / 2**20,
+            "losses": losses.tolist(), "digest": digest}  # fmt: skip
+
+
+def train_memory(
+    n: int = TRAIN_N,
+    chunk_size: int = TRAIN_CHUNK,
+    batch: int = TRAIN_BATCH,
+    steps: int = TRAIN_STEPS,
+) -> dict:
+    """Peak RSS increase of eager training steps, unchunked vs ``chunk_size``, fresh processes.
+
+    ``n`` :func:`mnist_cnn` members, one batch of ``batch`` 1x28x28 images, ``steps`` steps of
+    ``make_step(ens, CrossEntropyLoss(), StackedAdam(ens))``; each variant in its own
+    ``sys.executable`` so that neither sees the other's freed memory. The peak counts from
+    after the build (parameters, gradients and Adam moments are the same in both).
+
+    Args:
+        n: Number of members.
+        chunk_size: The chunked variant's ``Ensemble(chunk_size=...)``.
+        batch: Images per batch.
+        steps: Training steps measured.
+
+    Returns:
+        ``unchunked`` and ``chunked``, each with ``peak_mb`` (peak RSS over the steps minus
+        the RSS after the build: the first step's gradients and optimizer state included),
+        ``step_mb`` (peak of the later steps over the RSS held before them: what one step
+        needs on top), ``total_mb`` (the process's peak RSS, ``import torch`` included),
+        ``losses`` of the last step and ``digest`` (the sum of all parameters after training);
+        ``ratio`` (chunked / unchunked ``peak_mb``), ``step_ratio`` (of ``step_mb``) and
+        ``same`` (losses and digests agree to 1e-6: float32 round-off).
+
+    Raises:
+        RuntimeError: If a subprocess fails.
+
+    Example:
+        >>> train_memory(4, 2, batch=2, steps=2)["same"]
+        True
+    """
+    runs = {}
+    for name, size in (("unchunked", None), ("chunked", chunk_size)):
+        code = (
+            "import json; from bench.memory import _train_memory_here; "
+            f"print(json.dumps(_train_memory_here({n}, {size}, {batch}, {steps})))"
+        )
+        runs[name] = child_json(code, "train_memory")
+    a, b = runs["unchunked"], runs["chunked"]
+    same = abs(a["digest"] - b["digest"]) <= 1e-6 * max(1.0, abs(a["digest"])) and all(
+        abs(u - v) <= 1e-6 for u, v in zip(a["losses"], b["losses"], strict=True)
+    )
+    ratios = {"ratio": b["peak_mb"] / a["peak_mb"], "step_ratio": b["step_mb"] / a["step_mb"]}
+    return {**runs, **ratios, "same": same}
 
 
 def _build_memory_here(n: int, hidden: int) -> dict:

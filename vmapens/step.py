@@ -7,13 +7,14 @@ import copy
 import dataclasses
 import itertools
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.func import functional_call, grad_and_value
 
 from ._checks import check_choice, check_mask, expand_in_dims
+from ._chunks import chunk_bounds, chunked_losses_and_grads
 from ._precision import LossScale
 from .ensemble import Ensemble
 from .optim import StackedOptimizer
@@ -49,7 +50,10 @@ def make_step(
     back-propagates the *sum* of the member losses (so each member gets exactly its own
     gradient) and steps ``optimizer``. ``inputs`` is the member's single positional input,
     or a tuple of them. Both variants run the members through ``ens.member_map``, so
-    ``backend``, ``chunk_size`` and ``randomness`` mean the same in both.
+    ``backend``, ``chunk_size`` and ``randomness`` mean the same in both. With ``chunk_size``
+    the eager step runs the forward and the backward of one chunk of members before the next
+    (members are independent, so the result is the same), which bounds its activation memory
+    to one chunk's; the compiled step passes ``chunk_size`` to ``vmap`` inside its graph.
 
     Eager (``compile=False``), this is the naive loop's code run once for all members. With
     ``compile=True`` the whole step goes through ``torch.compile(fullgraph=True)`` as one
@@ -81,9 +85,8 @@ def make_step(
             member with non-finite gradients skips its update. Needs a StackedOptimizer.
         loss_scale: the ``LossScale`` that ``"fp16"`` uses (default: ``LossScale(n)`` with
             GradScaler's defaults); keep a handle on it to checkpoint or configure it.
-        check: on the first call, run member 0 alone and inside the ensemble on that batch
-            and raise if they differ, before anything changes (``vmapens.check``;
-            docs/semantics.md, "How vmapens checks itself"). ``False`` skips it.
+        check: run member 0 alone and in the ensemble on the first batch and raise if they
+            differ, before anything changes (``vmapens.check``). ``False`` skips it.
 
     Returns:
         ``step(inputs, targets, mask=None)`` returning the detached per-member losses
@@ -128,7 +131,7 @@ def make_step(
                 "runs members one after another in Python, which torch.compile would unroll n "
                 "times. Use compile=False with backend='loop'."
             )
-        return _compiled_step(ens, member_loss, optimizer, in_dims, update, probe)
+        return probe.wrap(_compiled_step(ens, member_loss, optimizer, in_dims, update))
     batched = ens.member_map(member_loss, (in_dims, in_dims))
 
     # The stacked parameters keep their identity through .to() / .double(): list them once.
@@ -136,16 +139,26 @@ def make_step(
 
     def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         args = _check_call(ens, optimizer, inputs, targets, mask, in_dims)
-        probe(args, targets)
         old_grads = [p.grad for p in params]
         undo = _undo_point(ens, optimizer)
         try:
             with ens.guard("step"), _frozen_buffers(ens, mask):
-                # Forward and loss in one vmap: half the batching overhead of ens(...) + loss.
-                with update.autocast():
-                    losses = batched(ens.stacked_state(), args, targets)
-                scaled = losses if update.scale is None else losses * update.scale.scale
-                grads = torch.autograd.grad(scaled.sum(), params, allow_unused=True)
+                scale = None if update.scale is None else update.scale.scale
+                # chunk_size: forward and backward one chunk of members at a time (one chunk's
+                # activations alive), where vmap's chunking keeps all until the backward.
+                chunks = chunk_bounds(len(ens), ens.chunk_size) if ens.backend == "vmap" else None
+                if chunks is None or not params:
+                    # Forward and loss in one vmap: half the batching overhead of ens(...) + loss.
+                    with update.autocast():
+                        losses = batched(ens.stacked_state(), args, targets)
+                    scaled = losses if scale is None else losses * scale
+                    grads: Sequence[torch.Tensor | None] = torch.autograd.grad(
+                        scaled.sum(), params, allow_unused=True
+                    )
+                else:
+                    losses, grads = chunked_losses_and_grads(batched, ens.stacked_state(),
+                        params, args, targets, in_dims, scale, chunks,
+                        ens.randomness == "same", update.autocast)  # fmt: skip
                 for p, new in zip(params, grads, strict=True):
                     p.grad = new
                 live = [p.grad for p in params if p.grad is not None]
@@ -328,7 +341,6 @@ def _compiled_step(
     optimizer: StackedOptimizer,
     in_dims: int | None,
     update: _Update,
-    probe: Probe,
 ) -> Step:
     names = {id(p): name for name, p in ens.named_parameters()}
     order = [p for group in optimizer.param_groups for p in group["params"]]
@@ -386,7 +398,6 @@ def _compiled_step(
                 "fixed size (e.g. DataLoader(drop_last=True), fit(batch_size=...) with a size "
                 "that divides the data) or use compile=False"
             )
-        probe(args, targets)  # eagerly, before the first compiled call
         optimizer.prepare()  # state is created outside the graph
         # Gradients come from torch.func inside the graph: no autograd graph around it.
         with torch.no_grad(), ens.guard("step"), _frozen_buffers(ens, mask):

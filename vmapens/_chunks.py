@@ -1,0 +1,91 @@
+"""The eager step's forward and backward one chunk of members at a time (``chunk_size``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+__all__ = ["chunk_bounds", "chunked_losses_and_grads"]
+
+
+def chunk_bounds(n: int, chunk_size: int | None) -> list[tuple[int, int]] | None:
+    """``[(start, stop), ...]`` covering ``range(n)`` in ``chunk_size`` steps, as
+    ``torch.func.vmap(chunk_size=...)`` splits it; ``None`` when one chunk holds every member."""
+    if chunk_size is None or chunk_size >= n:
+        return None
+    return [(a, min(a + chunk_size, n)) for a in range(0, n, chunk_size)]
+
+
+def _rows(tree: Any, a: int, b: int) -> Any:
+    return optree.tree_map(lambda t: t[a:b] if isinstance(t, torch.Tensor) else t, tree)
+
+
+def chunked_losses_and_grads(
+    batched: Callable[..., torch.Tensor],
+    state: dict[str, torch.Tensor],
+    params: Sequence[torch.Tensor],
+    args: tuple,
+    targets: torch.Tensor,
+    in_dims: int | None,
+    scale: torch.Tensor | None,
+    chunks: list[tuple[int, int]],
+    same_randomness: bool,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Per-member losses ``[n]`` and the gradients of their sum, one chunk of members at a time.
+
+    Members are independent: member ``i``'s gradient depends on member ``i``'s rows alone. So
+    each chunk runs its forward and its backward before the next one starts, on fresh leaves
+    that are views of its rows of the stacked parameters, and its gradients are written into
+    the rows of full-size gradients: only one chunk's activations are alive at a time, where
+    ``vmap(chunk_size=...)`` under autograd keeps every chunk's until the backward. The random
+    draws are vmap's own: chunk after chunk in member order, the RNG state restored before
+    each chunk for ``randomness="same"`` (as ``vmap`` does), so the result equals the one
+    ``vmap(chunk_size=...)`` gives.
+
+    Args:
+        batched: ``(state, args, targets) -> losses[chunk]``, the ensemble's member map of the
+            member loss.
+        state: the stacked parameters and buffers by name.
+        params: the trained stacked parameters (tensors of ``state``), in the order of the
+            returned gradients.
+        args: the step's positional inputs; ``targets``: its targets.
+        in_dims: ``0`` when ``args`` and ``targets`` hold one slice per member, else ``None``.
+        scale: a per-member loss scale ``[n]`` multiplied into the differentiated loss, or
+            ``None``.
+        chunks: the member ranges, from :func:`chunk_bounds`.
+        same_randomness: restore the RNG state before every chunk (``randomness="same"``).
+        autocast: the forward's autocast context (the backward runs outside it).
+
+    Returns:
+        The detached losses ``[n]`` (unscaled) and one gradient per ``params`` entry (``None``
+        where no member's loss depends on it).
+    """
+    names = {id(t): name for name, t in state.items()}
+    trained = [names[id(p)] for p in params]
+    grads: list[torch.Tensor | None] = [None] * len(params)
+    losses = []
+    rng = torch.get_rng_state() if same_randomness else None
+    for a, b in chunks:
+        if rng is not None:
+            torch.set_rng_state(rng)
+        leaves = {k: state[k][a:b].detach().requires_grad_() for k in trained}
+        rows = {k: leaves.get(k, v[a:b]) for k, v in state.items()}
+        member_args = (args, targets) if in_dims is None else _rows((args, targets), a, b)
+        with autocast():
+            loss = batched(rows, *member_args)
+        scaled = loss if scale is None else loss * scale[a:b]
+        found = torch.autograd.grad(scaled.sum(), [leaves[k] for k in trained], allow_unused=True)
+        for j, g in enumerate(found):
+            if g is None:
+                continue
+            full = grads[j]
+            if full is None:
+                full = grads[j] = torch.zeros_like(params[j])
+            full[a:b] = g
+        losses.append(loss.detach())
+    return torch.cat(losses), grads
