@@ -405,3 +405,19 @@ def test_newton_schulz_is_torchs_per_member_to_one_bf16_ulp(shape: tuple[int, ..
             # iteration amplifies it a little; a wrong coefficient moves elements by ~0.1.
             ulp = theirs.abs().max().float() * 2.0**-7
             torch.testing.assert_close(ours[i].float(), theirs.float(), rtol=0, atol=float(ulp))
+
+
+@pytest.mark.parametrize("name", [k for k in SPECS if k != "Muon-ns0"])
+def test_torch_implementation_flags_are_taken_as_torch_takes_them(name: str) -> None:
+    spec = SPECS[name]
+    twin = spec.cls.torch_class
+    assert twin is not None
+    w = torch.zeros(N, 2, 2, requires_grad=True)
+    if name == "Muon":  # torch's Muon takes no implementation flag: neither does its twin
+        with pytest.raises(TypeError):
+            twin([w[0].detach().requires_grad_()], foreach=False)
+        with pytest.raises(TypeError, match="StackedMuon: unexpected keyword argument"):
+            spec.cls([w], foreach=False)
+        return
+    opt = spec.cls([w], foreach=False)
+    assert opt.param_groups[0]["foreach"] is False

@@ -83,6 +83,9 @@ class StackedAdadelta(StackedOptimizer):
         eps: Term inside both square roots, a float or one per member.
         weight_decay: L2 penalty, a float or one per member.
         maximize: Maximise the objective.
+        **implementation: torch's implementation flags that its twin takes (``foreach``,
+            ``capturable=False``, ``differentiable=False``): accepted, kept in
+            ``param_groups``; they change nothing here.
 
     Raises:
         ValueError: Empty params, mismatched leading sizes, out-of-range or wrong-length
@@ -115,9 +118,9 @@ class StackedAdadelta(StackedOptimizer):
         weight_decay: PerMember = 0.0,
         *,
         maximize: bool = False,
+        **implementation: Any,
     ) -> None:
-        defaults = dict(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize)
-        super().__init__(params, defaults)
+        super().__init__(params, locals())
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("square_avg", "acc_delta")

@@ -111,6 +111,9 @@ class StackedAdafactor(StackedOptimizer):
         d: Clipping threshold (``>= 1``), a float or one per member.
         weight_decay: Decoupled weight decay, a float or one per member.
         maximize: Maximise the objective.
+        **implementation: torch's implementation flags that its twin takes (``foreach``,
+            ``capturable=False``, ``differentiable=False``): accepted, kept in
+            ``param_groups``; they change nothing here.
 
     Raises:
         ValueError: Empty params, mismatched leading sizes, out-of-range or wrong-length
@@ -145,9 +148,9 @@ class StackedAdafactor(StackedOptimizer):
         weight_decay: PerMember = 0.0,
         *,
         maximize: bool = False,
+        **implementation: Any,
     ) -> None:
-        defaults = dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay)
-        super().__init__(params, {**defaults, "maximize": maximize})
+        super().__init__(params, locals())
 
     def _normalise(self, group: dict[str, Any]) -> None:
         eps = group["eps"]

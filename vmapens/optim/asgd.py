@@ -84,6 +84,9 @@ class StackedASGD(StackedOptimizer):
         t0: Step at which averaging starts, a float or one per member.
         weight_decay: L2 penalty, a float or one per member.
         maximize: Maximise the objective.
+        **implementation: torch's implementation flags that its twin takes (``foreach``,
+            ``capturable=False``, ``differentiable=False``): accepted, kept in
+            ``param_groups``; they change nothing here.
 
     Raises:
         ValueError: Empty params, mismatched leading sizes, out-of-range or wrong-length
@@ -118,11 +121,9 @@ class StackedASGD(StackedOptimizer):
         weight_decay: PerMember = 0.0,
         *,
         maximize: bool = False,
+        **implementation: Any,
     ) -> None:
-        defaults = dict(
-            lr=lr, lambd=lambd, alpha=alpha, t0=t0, weight_decay=weight_decay, maximize=maximize
-        )
-        super().__init__(params, defaults)
+        super().__init__(params, locals())
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("ax",)

@@ -134,6 +134,7 @@ class StackedMuon(StackedOptimizer):
         ns_steps: Newton-Schulz iterations (< 100), shared.
         adjust_lr_fn: ``None``/``"original"`` (``sqrt(max(1, rows / cols))``) or
             ``"match_rms_adamw"`` (``0.2 * sqrt(max(rows, cols))``).
+        **implementation: none: torch's Muon takes no implementation flags.
 
     Raises:
         ValueError: A member parameter that is not 2-D, an unknown ``adjust_lr_fn``,
@@ -168,8 +169,9 @@ class StackedMuon(StackedOptimizer):
         eps: PerMember = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
+        **implementation: Any,
     ) -> None:
-        api = type(self).__name__
+        api = type(self).__name__  # not an option: dropped before locals() is taken
         if adjust_lr_fn not in _ADJUST:
             raise ValueError(
                 f"{api}: `adjust_lr_fn` must be one of {_ADJUST}, got {adjust_lr_fn!r}"
@@ -180,17 +182,9 @@ class StackedMuon(StackedOptimizer):
             raise ValueError(
                 f"{api}: `ns_coefficients` must be 3 floats (a, b, c), got {ns_coefficients!r}"
             )
-        defaults = dict(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_coefficients=tuple(float(v) for v in ns_coefficients),
-            eps=eps,
-            ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn,
-        )
-        super().__init__(params, defaults)
+        ns_coefficients = tuple(map(float, ns_coefficients))  # type: ignore[assignment]
+        del api
+        super().__init__(params, locals())
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group of stacked matrices (checked as the constructor's).

@@ -95,6 +95,9 @@ class StackedRAdam(StackedOptimizer):
         weight_decay: Weight decay, a float or one per member.
         decoupled_weight_decay: AdamW-style decay.
         maximize: Maximise the objective.
+        **implementation: torch's implementation flags that its twin takes (``foreach``,
+            ``capturable=False``, ``differentiable=False``): accepted, kept in
+            ``param_groups``; they change nothing here.
 
     Raises:
         ValueError: Empty params, mismatched leading sizes, out-of-range or wrong-length
@@ -128,16 +131,9 @@ class StackedRAdam(StackedOptimizer):
         decoupled_weight_decay: bool = False,
         *,
         maximize: bool = False,
+        **implementation: Any,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            decoupled_weight_decay=decoupled_weight_decay,
-            maximize=maximize,
-        )
-        super().__init__(params, defaults)
+        super().__init__(params, locals())
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq")

@@ -88,6 +88,9 @@ class StackedRprop(StackedOptimizer):
             ``0 < etaminus < 1 < etaplus``.
         step_sizes: ``(min, max)`` step sizes, each a float or one per member.
         maximize: Maximise the objective.
+        **implementation: torch's implementation flags that its twin takes (``foreach``,
+            ``capturable=False``, ``differentiable=False``): accepted, kept in
+            ``param_groups``; they change nothing here.
 
     Raises:
         ValueError: Empty params, mismatched leading sizes, out-of-range or wrong-length
@@ -119,9 +122,9 @@ class StackedRprop(StackedOptimizer):
         step_sizes: tuple[PerMember, PerMember] = (1e-6, 50.0),
         *,
         maximize: bool = False,
+        **implementation: Any,
     ) -> None:
-        defaults = dict(lr=lr, etas=etas, step_sizes=step_sizes, maximize=maximize)
-        super().__init__(params, defaults)
+        super().__init__(params, locals())
 
     def _normalise(self, group: dict[str, Any]) -> None:
         super()._normalise(group)
