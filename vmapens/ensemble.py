@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
-import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -31,21 +29,12 @@ from ._members import (
 from ._precision import autocast_members
 from ._recurrent import batchable
 from ._storage import StackedModule
+from ._unbatchable import explain_failure, refuse_template_hooks, unchunked
 
 __all__ = ["Ensemble"]
 
 RANDOMNESS = ("different", "same", "error")
 BACKENDS = ("vmap", "loop")
-# Substrings of torch.func errors that mean "this forward cannot be batched", as opposed to
-# an ordinary bug in the user's forward that would fail for a single model too.
-_UNBATCHABLE = (
-    "Batching rule not implemented",
-    "vmap: ",
-    "We could not generate a fallback",
-    "under vmap transform",  # `.data` of a batched tensor
-)
-#: The hooks ``nn.Module`` runs around a forward or backward, by attribute name.
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 class Ensemble(StackedModule):
@@ -299,7 +288,7 @@ class Ensemble(StackedModule):
         """
         if self.backend == "loop":
             return looped(len(self), self.randomness, fn, in_dims)
-        self._refuse_template_hooks()
+        refuse_template_hooks(self._template, self._runner)
         n = len(self)
 
         def batched(state: dict[str, torch.Tensor], *args: Any) -> Any:
@@ -347,7 +336,7 @@ class Ensemble(StackedModule):
                     b.copy_(s)
             if not isinstance(err, Exception):
                 raise
-            explained = explain_failure(api, self, err)
+            explained = explain_failure(api, type(self._template).__name__, self.backend, err)
             if explained is not None:
                 raise explained from err
             if type(err) is RuntimeError and ":" not in str(err).split(" ", 1)[0]:
@@ -357,25 +346,6 @@ class Ensemble(StackedModule):
                     "against one member run alone, e.g. ens[0](inputs)"
                 ) from err
             raise
-
-    def _refuse_template_hooks(self) -> None:
-        """Hooks put on the meta template after stacking would never run under vmap: refuse."""
-        runner = dict(self._runner.named_modules(remove_duplicate=False))
-        for name, module in self._template.named_modules(remove_duplicate=False):
-            twin = runner.get(name)
-            for kind in _HOOKS:
-                if twin is not None and set(getattr(module, kind)) <= set(getattr(twin, kind)):
-                    continue
-                where = f"ens.template.{name}" if name else "ens.template"
-                raise RuntimeError(
-                    f"Ensemble: `{where}` has a {kind[1:-1].replace('_', ' ')} registered "
-                    "after the ensemble was built; with backend='vmap' the members run as one "
-                    "batched copy of the template, so it would never fire. Build the ensemble "
-                    "with backend='loop' (hooks on the template then fire once per member, in "
-                    "member order), register the hook on a member run alone "
-                    "(m = ens[0]; m.<layer>.register_forward_hook(...)), or return the "
-                    "activation from forward"
-                )
 
     # -- members ------------------------------------------------------------------------------
 
@@ -443,63 +413,3 @@ class Ensemble(StackedModule):
                     t.copy_(saved[name])
             raise
         return self
-
-
-def unchunked(runner: nn.Module) -> nn.Module:
-    """``runner`` with every ``nn.LinearCrossEntropyLoss`` on its reference path (in place).
-
-    Its chunked path (``options`` set) computes gradients in the forward only for inputs that
-    report ``requires_grad``, which a member's batched tensors never do under vmap: the
-    weight and bias would get no gradient. The reference path (``options=None``) is the same
-    maths, logits materialised, and vmap batches it. Only the runner changes: ``ens[i]`` and
-    ``ens.template`` keep the user's options.
-    """
-    for module in runner.modules():
-        if type(module) is getattr(nn, "LinearCrossEntropyLoss", None):
-            setattr(module, "options", None)  # noqa: B010 (nn.Module.__setattr__ typing)
-    return runner
-
-
-def explain_failure(api: str, ens: Ensemble, err: BaseException) -> Exception | None:
-    """What went wrong in a member's forward or backward, and the way out; None if unknown.
-
-    Activation checkpointing and ``torch.autograd.grad`` inside the forward both fail with a
-    message about something else (the meta device, a tensor that does not require grad):
-    they are recognised by where in torch the error was raised.
-    """
-    name = type(ens.template).__name__
-    frames = [
-        (os.path.normcase(f.filename), f.name) for f in traceback.extract_tb(err.__traceback__)
-    ]
-    checkpoint = os.path.normcase(os.path.join("torch", "utils", "checkpoint.py"))
-    if any(path.endswith(checkpoint) for path, _ in frames):
-        return RuntimeError(
-            f"{api}: the forward of {name} uses torch.utils.checkpoint, which recomputes the "
-            "checkpointed part during backward, after the member's own tensors have been "
-            "swapped out of the module (they are on the meta device there); this fails with "
-            "either backend. Call the checkpointed function directly inside an ensemble: the "
-            f"results are the same, only memory differs (train fewer members at once). ({err})"
-        )
-    grad_fn = os.path.normcase(os.path.join("torch", "autograd", "__init__.py"))
-    in_forward = False
-    for path, fn in frames:
-        in_forward = in_forward or fn == "_call_impl"
-        if in_forward and path.endswith(grad_fn) and fn in ("grad", "backward"):
-            break
-    else:
-        in_forward = "requires_grad_()" in str(err) and "functorch transform" in str(err)
-    if in_forward and ens.backend == "vmap":
-        return RuntimeError(
-            f"{api}: the forward of {name} calls torch.autograd.grad (or backward, or "
-            "requires_grad_): inside torch.func.vmap a member's tensors carry no autograd "
-            "history of their own, so it cannot differentiate there. Build the ensemble with "
-            "backend='loop': members run one after another, each as it would alone, exactly. "
-            f"({err})"
-        )
-    if ens.backend == "vmap" and any(m in str(err) for m in _UNBATCHABLE):
-        return RuntimeError(
-            f"{api}: the forward of {name} cannot be batched with torch.func.vmap ({err}). "
-            "Build the ensemble with backend='loop' to run the members one after another on "
-            "the same stacked storage."
-        )
-    return None

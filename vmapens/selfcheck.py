@@ -25,7 +25,8 @@ from torch.func import functional_call
 
 from ._attention import batched_attention
 from ._members import named_tensors
-from .ensemble import Ensemble, explain_failure
+from ._unbatchable import explain_failure
+from .ensemble import Ensemble
 
 __all__ = ["MEMBER", "TRIES", "Probe", "check", "tolerance", "warn_stacked_data"]
 
@@ -141,6 +142,17 @@ class Probe:
         self.ens, self.loss_fn, self.in_dims = ens, loss_fn, in_dims
         self.autocast = autocast
         self.pending, self.tries = enabled, 0
+
+    def wrap(self, step: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        """``step`` probed on its first call (``step`` itself when the probe is disabled)."""
+        if not self.pending:
+            return step
+
+        def checked(inputs: Any, targets: Tensor, mask: Tensor | None = None) -> Tensor:
+            self(inputs if isinstance(inputs, tuple) else (inputs,), targets)
+            return step(inputs, targets, mask)
+
+        return checked
 
     def __call__(self, args: tuple, targets: Tensor) -> None:
         """Probe on this batch if no batch has been probed yet (``args``: positional inputs)."""
@@ -290,7 +302,7 @@ def _compare(
     try:
         together = _together(sub, loss_fn, args, targets, in_dims, autocast)
     except Exception as err:
-        explained = explain_failure(api, sub, err)
+        explained = explain_failure(api, name, sub.backend, err)
         if explained is not None:
             raise explained from err
         raise RuntimeError(

@@ -85,8 +85,7 @@ def make_step(
             member with non-finite gradients skips its update. Needs a StackedOptimizer.
         loss_scale: the ``LossScale`` that ``"fp16"`` uses (default: ``LossScale(n)`` with
             GradScaler's defaults); keep a handle on it to checkpoint or configure it.
-        check: run member 0 alone and in the ensemble on the first batch and raise if they
-            differ, before anything changes (``vmapens.check``). ``False`` skips it.
+        check: ``False`` skips the first call's self-check (``vmapens.check``, semantics.md).
 
     Returns:
         ``step(inputs, targets, mask=None)`` returning the detached per-member losses
@@ -177,7 +176,7 @@ def make_step(
             raise
         return losses.detach()
 
-    return step
+    return probe.wrap(step)
 
 
 @dataclasses.dataclass(frozen=True)

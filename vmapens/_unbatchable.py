@@ -1,0 +1,122 @@
+"""What a member's forward does alone but not under vmap: the way out, or a substitute.
+
+``Ensemble`` runs every member through ``torch.func.vmap`` on batched tensors. Some forwards
+fail there with a message about something else (the meta device, a tensor that does not
+require grad), some would silently compute something else; this file recognises them and
+says what to do, and gives the runner a substitute where one is exact.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+from torch import nn
+
+__all__ = ["explain_failure", "refuse_template_hooks", "unchunked"]
+
+# Substrings of torch.func errors that mean "this forward cannot be batched", as opposed to
+# an ordinary bug in the user's forward that would fail for a single model too.
+_UNBATCHABLE = (
+    "Batching rule not implemented",
+    "vmap: ",
+    "We could not generate a fallback",
+    "under vmap transform",  # `.data` of a batched tensor
+)
+#: The hooks ``nn.Module`` runs around a forward or backward, by attribute name.
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_CHECKPOINT = os.path.normcase(os.path.join("torch", "utils", "checkpoint.py"))
+_AUTOGRAD = os.path.normcase(os.path.join("torch", "autograd", "__init__.py"))
+
+
+def explain_failure(api: str, name: str, backend: str, err: BaseException) -> Exception | None:
+    """What went wrong in a member's forward or backward, and the way out; None if unknown.
+
+    Activation checkpointing and ``torch.autograd.grad`` inside the forward are recognised by
+    where in torch the error was raised.
+
+    Args:
+        api: the calling function's name, for the message.
+        name: the member's class name.
+        backend: the ensemble's backend.
+        err: what the member map raised.
+
+    Returns:
+        The error to raise instead (chain ``err`` to it), or None for an ordinary failure.
+    """
+    frames = [
+        (os.path.normcase(f.filename), f.name) for f in traceback.extract_tb(err.__traceback__)
+    ]
+    if any(path.endswith(_CHECKPOINT) for path, _ in frames):
+        return RuntimeError(
+            f"{api}: the forward of {name} uses torch.utils.checkpoint, which recomputes the "
+            "checkpointed part during backward, after the member's own tensors have been "
+            "swapped out of the module (they are on the meta device there); this fails with "
+            "either backend. Call the checkpointed function directly inside an ensemble: the "
+            f"results are the same, only memory differs (train fewer members at once). ({err})"
+        )
+    in_forward = False
+    for path, fn in frames:
+        in_forward = in_forward or fn == "_call_impl"  # below a module's forward
+        if in_forward and path.endswith(_AUTOGRAD) and fn in ("grad", "backward"):
+            break
+    else:
+        in_forward = "requires_grad_()" in str(err) and "functorch transform" in str(err)
+    if in_forward and backend == "vmap":
+        return RuntimeError(
+            f"{api}: the forward of {name} calls torch.autograd.grad (or backward, or "
+            "requires_grad_): inside torch.func.vmap a member's tensors carry no autograd "
+            "history of their own, so it cannot differentiate there. Build the ensemble with "
+            "backend='loop': members run one after another, each as it would alone, exactly. "
+            f"({err})"
+        )
+    if backend == "vmap" and any(m in str(err) for m in _UNBATCHABLE):
+        return RuntimeError(
+            f"{api}: the forward of {name} cannot be batched with torch.func.vmap ({err}). "
+            "Build the ensemble with backend='loop' to run the members one after another on "
+            "the same stacked storage."
+        )
+    return None
+
+
+def refuse_template_hooks(template: nn.Module, runner: nn.Module) -> None:
+    """Hooks put on the meta template after building never run under vmap: refuse them.
+
+    The vmap backend runs ``runner``, a copy of ``template`` made at build time: hooks the
+    module registered itself (in its ``__init__``) are in both and run batched; hooks added to
+    ``ens.template`` later are only on the template.
+
+    Raises:
+        RuntimeError: a hook on ``template`` that ``runner`` lacks, with the ways to do it.
+    """
+    twins = dict(runner.named_modules(remove_duplicate=False))
+    for name, module in template.named_modules(remove_duplicate=False):
+        twin = twins.get(name)
+        for kind in _HOOKS:
+            if twin is not None and set(getattr(module, kind)) <= set(getattr(twin, kind)):
+                continue
+            where = f"ens.template.{name}" if name else "ens.template"
+            raise RuntimeError(
+                f"Ensemble: `{where}` has a {kind[1:-1].replace('_', ' ')} registered "
+                "after the ensemble was built; with backend='vmap' the members run as one "
+                "batched copy of the template, so it would never fire. Build the ensemble "
+                "with backend='loop' (hooks on the template then fire once per member, in "
+                "member order), register the hook on a member run alone "
+                "(m = ens[0]; m.<layer>.register_forward_hook(...)), or return the "
+                "activation from forward"
+            )
+
+
+def unchunked(runner: nn.Module) -> nn.Module:
+    """``runner`` with every ``nn.LinearCrossEntropyLoss`` on its reference path (in place).
+
+    Its chunked path (``options`` set) computes gradients in the forward only for inputs that
+    report ``requires_grad``, which a member's batched tensors never do under vmap: the
+    weight and bias would get no gradient. The reference path (``options=None``) is the same
+    maths, logits materialised, and vmap batches it. Only the runner changes: ``ens[i]`` and
+    ``ens.template`` keep the user's options.
+    """
+    for module in runner.modules():
+        if type(module) is getattr(nn, "LinearCrossEntropyLoss", None):
+            setattr(module, "options", None)  # noqa: B010 (nn.Module.__setattr__ typing)
+    return runner
