@@ -421,3 +421,23 @@ def test_torch_implementation_flags_are_taken_as_torch_takes_them(name: str) -> 
         return
     opt = spec.cls([w], foreach=False)
     assert opt.param_groups[0]["foreach"] is False
+
+
+def test_asgd_member_handed_off_before_its_first_step_starts_as_a_fresh_torch_asgd() -> None:
+    # ASGD's eta comes from lr at a member's first step; a member masked so far has no eta
+    # yet, so it hands off no state, as a torch ASGD that never stepped has none.
+    spec, kwargs = CASES["ASGD-default-per_member"]
+    rig = Rig(spec, kwargs)
+    data = batches(6)
+    for x, y in data[:3]:
+        rig.step(x, y, [1, 0, 1, 1])
+    alone = copy.deepcopy(rig.ens[1])
+    twin = torch.optim.ASGD(alone.parameters(), **member_kwargs(kwargs, 1))
+    handed = rig.opt.member_state_dict(1)
+    assert handed["state"] == {}
+    twin.load_state_dict(handed)
+    for x, y in data[3:]:
+        rig.step(x, y)
+    train_alone(alone, data[3:], rig.loss_fn, twin)
+    for name, p in alone.named_parameters():
+        torch.testing.assert_close(rig.ens[1].get_parameter(name), p, **TOL, msg=name)
