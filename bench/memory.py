@@ -1,4 +1,4 @@
-"""Peak memory of building an Ensemble and of training it, each measured in a fresh process.
+"""Building and training memory, each measured in a fresh process, and building time.
 
 Example:
     >>> wide_mlp(8)[0].out_features
@@ -10,6 +10,8 @@ Example:
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 
 import torch
 from torch import nn
@@ -19,6 +21,7 @@ from vmapens.optim import StackedAdam
 from vmapens.step import make_step
 
 from ._tools import NOT_AVAILABLE, child_json, reset_peak_rss, rss_bytes
+from .workloads import mlp as a_mlp
 
 
 def wide_mlp(hidden: int = 1024) -> nn.Sequential:
@@ -156,3 +159,45 @@ def build_memory(n: int = 64, hidden: int = 1024) -> dict:
         f"print(json.dumps(_build_memory_here({n}, {hidden})))"
     )
     return child_json(code, "build_memory")
+
+
+#: Ensemble size of the build-time comparison (issue 21 item 5).
+BUILD_N = 4096
+
+
+def build_time(n: int = BUILD_N, repeats: int = 3) -> dict:
+    """Seconds to build workload A's MLP ``n`` times: ``Ensemble(mlp, n, seed=0)`` against the
+    recipe ``[mlp() for _ in range(n)]`` + ``torch.func.stack_module_state``, interleaved.
+
+    Args:
+        n: Number of members.
+        repeats: Rounds; each times both once, in alternating order.
+
+    Returns:
+        ``recipe_s`` and ``vmapens_s`` (medians over the rounds) and ``ratio`` (vmapens /
+        recipe, the median of the per-round ratios).
+
+    Example:
+        >>> sorted(build_time(4, repeats=1))
+        ['n', 'ratio', 'recipe_s', 'vmapens_s']
+    """
+
+    def recipe() -> None:
+        torch.func.stack_module_state([a_mlp() for _ in range(n)])
+
+    def ours() -> None:
+        Ensemble(a_mlp, n, seed=0)
+
+    times: dict[str, list[float]] = {"recipe_s": [], "vmapens_s": []}
+    for r in range(repeats):
+        order = [("recipe_s", recipe), ("vmapens_s", ours)]
+        for key, build in order if r % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            build()
+            times[key].append(time.perf_counter() - t0)
+    ratios = [v / r for v, r in zip(times["vmapens_s"], times["recipe_s"], strict=True)]
+    return {
+        "n": n,
+        **{k: statistics.median(v) for k, v in times.items()},
+        "ratio": statistics.median(ratios),
+    }

@@ -20,7 +20,7 @@ import torch
 
 from ._tools import Step, time_rounds
 from .compile_time import first_step_times, time_to_result
-from .memory import build_memory
+from .memory import build_memory, build_time, train_memory
 from .optimizers import run_optimizers
 from .real import REAL_N, WORKLOAD_REAL
 from .workloads import (
@@ -154,7 +154,8 @@ def run(
         threads: If given, ``torch.set_num_threads(threads)`` for the run, restored afterwards.
         optim_sizes: Ensemble sizes N for the ``"optim"`` workload.
         real_n: Ensemble size N of the real-model workloads.
-        memory: Also run :func:`build_memory` (in a subprocess) and report it.
+        memory: Also run :func:`build_memory` and :func:`train_memory` (in subprocesses) and
+            :func:`build_time`, and report them.
         log: Called with a progress line before each measurement (e.g. ``print``).
 
     Returns:
@@ -207,6 +208,10 @@ def run(
         if memory:
             say("memory: building vmapens.Ensemble in a subprocess")
             results["memory"] = build_memory()
+            say("memory: training 32 CNN members, unchunked and chunk_size=8, subprocesses")
+            results["train_memory"] = train_memory()
+            say("build time: Ensemble(mlp, 4096, seed=0) vs the stack_module_state recipe")
+            results["build_time"] = build_time()
     finally:
         torch.set_num_threads(old_threads)
     return results

@@ -222,4 +222,22 @@ def format_table(results: dict) -> str:
             )
         else:
             out[-1] += f"n/a ({m['reason']})"
+    if "train_memory" in results:
+        t = results["train_memory"]
+        a, b = t["unchunked"], t["chunked"]
+        out += ["", f"Memory training {a['n']} CNN members (Conv2d 16ch on 1x28x28, batch 64),"]
+        out[-1] += f" eager, chunk_size={b['chunk_size']} vs none, fresh processes:"
+        out.append(
+            f"  peak over the build: {b['peak_mb']:.0f} / {a['peak_mb']:.0f} MB = "
+            f"{t['ratio']:.2f}x; one later step: {b['step_mb']:.0f} / {a['step_mb']:.0f} MB = "
+            f"{t['step_ratio']:.2f}x; process peak {b['total_mb']:.0f} / {a['total_mb']:.0f} MB"
+        )
+        out.append(
+            f"  same results: {t['same']}; target <= 0.5x: {_verdict(t['ratio'], t['ratio'] <= 0.5)}"
+        )
+    if "build_time" in results:
+        t = results["build_time"]
+        out += ["", f"Building {t['n']} MLPs: Ensemble(mlp, n, seed=0) {t['vmapens_s']:.2f} s, "]
+        out[-1] += f"recipe {t['recipe_s']:.2f} s: {t['ratio']:.2f}x; target <= 1.2x: "
+        out[-1] += _verdict(t["ratio"], t["ratio"] <= 1.2)
     return "\n".join(out)

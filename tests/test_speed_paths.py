@@ -171,6 +171,8 @@ def _auto(monkeypatch, total: int | None, eager_s: float) -> tuple[autocompile.A
     [
         (100, 1e-3, False),  # 0.1 s of eager steps left: never worth a compile
         (1000, 1e-3, False),
+        (20_006, 1e-3, False),  # 20 s left: under the 60 s budget
+        (70_006, 1e-3, True),  # 70 s left: over it
         (100_000, 1e-3, True),  # ~100 s left > 60 s
         (None, 10.0, False),  # unknown length: stays eager
     ],
