@@ -54,7 +54,9 @@ def fingerprint(value: Any) -> Any:
     if " at 0x" not in text and "object at" not in text:
         return text
     kind = value if callable(value) and hasattr(value, "__qualname__") else type(value)
-    name = f"{getattr(kind, '__module__', '')}.{getattr(kind, '__qualname__', kind)}"
+    # The qualified name without the module: a script's functions live in ``__main__`` when it
+    # runs as a script and under its own name when imported, and both are the same run.
+    name = str(getattr(kind, "__qualname__", kind))
     size = len(value) if hasattr(value, "__len__") and not callable(value) else None
     return name if size is None else f"{name} of length {size}"
 
