@@ -196,8 +196,8 @@ CASES: list[tuple[str, Callable[[World], Any], type[BaseException], str]] = [
     ("apply-gradients-mask", lambda w: w.opt.apply_gradients([p.grad for p in w.ens.parameters()], mask=_mask(3)), ValueError, r"^StackedAdam.apply_gradients: `mask` must have shape"),
     ("member-state-dict-range", lambda w: w.opt.member_state_dict(N), IndexError, r"^StackedAdam.member_state_dict: `i`=4 out of range"),
     ("member-state-dict-module", lambda w: w.opt.member_state_dict(0, _linear()), ValueError, r"^StackedAdam.member_state_dict: `module` parameters do not match"),
-    ("clip-grad-norm-negative", lambda w: vmapens.clip_grad_norm_(w.ens, -1.0), ValueError, r"^clip_grad_norm_: `max_norm`"),
-    ("clip-grad-norm-str", lambda w: vmapens.clip_grad_norm_(w.ens, "1"), TypeError, r"^clip_grad_norm_: `max_norm`"),
+    ("clip-grad-norm-negative", lambda w: vmapens.optim.clip_grad_norm_(w.ens, -1.0), ValueError, r"^clip_grad_norm_: `max_norm`"),
+    ("clip-grad-norm-str", lambda w: vmapens.optim.clip_grad_norm_(w.ens, "1"), TypeError, r"^clip_grad_norm_: `max_norm`"),
     # make_step: build and call
     ("make-step-ens", lambda w: make_step(_linear(), nn.MSELoss(), w.opt), TypeError, r"^make_step: `ens` must be a vmapens.Ensemble"),
     ("make-step-loss", lambda w: make_step(w.ens, "mse", w.opt), TypeError, r"^make_step: `loss_fn` must be callable"),
@@ -261,10 +261,10 @@ CASES: list[tuple[str, Callable[[World], Any], type[BaseException], str]] = [
     ("gather-dst", lambda w: vmapens.gather(w.ens, dst=1), ValueError, r"^gather: `dst` must be a rank in \[0, 1\)"),
     ("gather-dst-type", lambda w: vmapens.gather(w.ens, dst="0"), TypeError, r"^gather: `dst` must be an int"),
     ("gather-history-dst", lambda w: vmapens.gather_history(w.history, dst=2), ValueError, r"^gather_history: `dst` must be a rank"),
-    ("member-seed-negative", lambda w: vmapens.member_seed(0, -1), ValueError, r"^member_seed: `i` must be >= 0"),
-    ("member-seed-type", lambda w: vmapens.member_seed("0", 1), TypeError, r"^member_seed: `seed` must be an int"),
-    ("bootstrap-indices-size", lambda w: vmapens.bootstrap_indices(0, 0, 0), ValueError, r"^bootstrap_indices: `n_samples` must be >= 1"),
-    ("bootstrap-indices-member", lambda w: vmapens.bootstrap_indices(10, 0, -1), ValueError, r"^bootstrap_indices: `member_id` must be >= 0"),
+    ("member-seed-negative", lambda w: vmapens.seeds.member_seed(0, -1), ValueError, r"^member_seed: `i` must be >= 0"),
+    ("member-seed-type", lambda w: vmapens.seeds.member_seed("0", 1), TypeError, r"^member_seed: `seed` must be an int"),
+    ("bootstrap-indices-size", lambda w: vmapens.seeds.bootstrap_indices(0, 0, 0), ValueError, r"^bootstrap_indices: `n_samples` must be >= 1"),
+    ("bootstrap-indices-member", lambda w: vmapens.seeds.bootstrap_indices(10, 0, -1), ValueError, r"^bootstrap_indices: `member_id` must be >= 0"),
 ]  # fmt: skip
 
 

@@ -127,12 +127,14 @@ def test_save_load_round_trip(tmp_path):
     vmapens.fit(ens, (torch.randint(0, 10, (6, 5)), torch.randn(6, 3)), nn.MSELoss(), optimizer=opt,
             epochs=2, progress=False, seed=0)  # fmt: skip
     vmapens.save(ens, tmp_path / "ens.pt", optimizer=opt)
-    loaded, loaded_opt = vmapens.load(
-        tmp_path / "ens.pt", models.Tied, optimizer=lambda e: vmapens.StackedAdam(e, lr=0.5)
-    )
+    loaded = vmapens.load(tmp_path / "ens.pt", models.Tied)
+    loaded_opt = vmapens.StackedAdam(loaded, lr=0.5)
+    vmapens.restore(tmp_path / "ens.pt", loaded, loaded_opt)
     torch.testing.assert_close(loaded.state_dict(), ens.state_dict(), **EXACT)
     torch.testing.assert_close(loaded_opt.state_dict(), opt.state_dict(), **EXACT)
     assert loaded.member_ids == range(3) and loaded.n_total == 3
+    with pytest.raises(TypeError, match=r"^load: `optimizer` is not taken since 0.3.0.*restore"):
+        vmapens.load(tmp_path / "ens.pt", models.Tied, optimizer=vmapens.StackedAdam)
 
 
 def test_write_is_atomic(tmp_path, monkeypatch):

@@ -74,7 +74,7 @@ def test_members_are_built_from_the_documented_seed(seed):
 
 @pytest.mark.parametrize("seed", [0, 7])
 def test_bootstrap_indices_are_the_documented_draw(seed):
-    rows = [vmapens.bootstrap_indices(ROWS, seed, i) for i in range(5)]
+    rows = [vmapens.seeds.bootstrap_indices(ROWS, seed, i) for i in range(5)]
     for i, r in enumerate(rows):
         assert torch.equal(r, resample(ROWS, seed, i)), f"member {i}"
         # With replacement: 20 draws from 20 rows repeat one with probability 1 - 20!/20^20.
@@ -273,7 +273,7 @@ def test_per_step_scheduler_resumes_from_a_checkpoint_as_if_never_stopped(tmp_pa
 
 
 def plateau(opt):
-    return vmapens.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    return vmapens.optim.ReduceLROnPlateau(opt, patience=0, factor=0.5)
 
 
 @pytest.mark.parametrize(

@@ -99,7 +99,7 @@ def test_seed_rebuilds_any_member_alone(factory):
     ens = vmapens.Ensemble(factory, 4, seed=123)
     assert torch.equal(torch.get_rng_state(), before), "global RNG must be untouched"
     for i in range(4):
-        torch.manual_seed(vmapens.member_seed(123, i))
+        torch.manual_seed(vmapens.seeds.member_seed(123, i))
         torch.testing.assert_close(ens[i].state_dict(), factory().state_dict(), rtol=0, atol=0)
 
 

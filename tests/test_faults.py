@@ -94,7 +94,7 @@ class Recorder(vmapens.Callback):
     def __init__(self, ens: vmapens.Ensemble, opt: torch.optim.Optimizer, fail_at: int | None):
         self.ens, self.opt, self.fail_at, self.after = ens, opt, fail_at, [state_of(ens, opt)]
 
-    def on_step_end(self, ctx: vmapens.Context) -> None:
+    def on_step_end(self, ctx: vmapens.callbacks.Context) -> None:
         self.after.append(state_of(self.ens, self.opt))
         if ctx.step == self.fail_at:
             raise RuntimeError("injected: callback")

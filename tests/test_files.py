@@ -341,7 +341,7 @@ class RunOther(vmapens.Callback):
     def __init__(self, at: int, other: Callable[[], object]) -> None:
         self.at, self.other = at, other
 
-    def on_epoch_end(self, ctx: vmapens.Context) -> None:
+    def on_epoch_end(self, ctx: vmapens.callbacks.Context) -> None:
         if ctx.epoch + 1 == self.at:
             self.other()
 

@@ -95,7 +95,7 @@ def test_out_of_bag_validation_is_each_members_loss_on_its_left_out_rows():
          r"one DataLoader per member: expected 3, got 2"),
         (dict(in_dims=(0, 1)), ValueError, r"`in_dims` must be None, 0 or a pair"),
         (dict(scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau), TypeError,
-         r"vmapens.ReduceLROnPlateau"),
+         r"vmapens.optim.ReduceLROnPlateau"),
         (dict(scheduler=3), TypeError, r"`scheduler` must be an LR scheduler"),
     ],
     ids=["short-member-dim", "in-dims-1", "oob-without-bootstrap", "short-val", "loader-count",
@@ -135,7 +135,7 @@ def test_scheduler_per_epoch_matches_step_lr_on_each_member():
 def test_per_member_plateau_matches_torch_plateau_on_each_member():
     ens = vmapens.Ensemble(models.MLP, N, seed=0)
     opt = vmapens.StackedSGD(ens, lr=[0.1, 0.2, 0.3])
-    sched = vmapens.ReduceLROnPlateau(opt, patience=1, factor=0.5, cooldown=1)
+    sched = vmapens.optim.ReduceLROnPlateau(opt, patience=1, factor=0.5, cooldown=1)
     plain = [torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr) for lr in (0.1, 0.2, 0.3)]
     scheds = [torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=1, factor=0.5, cooldown=1)
               for o in plain]  # fmt: skip

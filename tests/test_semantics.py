@@ -89,7 +89,7 @@ def test_seeds_reproduce_a_naive_loop_over_manual_seed():
 
 def test_member_seed_rebuilds_member_alone():
     ens = vmapens.Ensemble(models.CNN, 5, seed=42)
-    torch.manual_seed(vmapens.member_seed(42, 3))
+    torch.manual_seed(vmapens.seeds.member_seed(42, 3))
     torch.testing.assert_close(ens[3].state_dict(), models.CNN().state_dict(), rtol=0, atol=0)
 
 

@@ -115,7 +115,7 @@ def _recipe(factory, seed: int, n: int) -> list[nn.Module]:
     """docs: member i is ``torch.manual_seed(member_seed(seed, i)); factory()``."""
     out = []
     for i in range(n):
-        torch.manual_seed(vmapens.member_seed(seed, i))
+        torch.manual_seed(vmapens.seeds.member_seed(seed, i))
         out.append(factory())
     return out
 

@@ -173,7 +173,7 @@ def test_exploit_continues_as_a_twin_that_loaded_the_source(spec, kwargs, tensor
         (copy.deepcopy(pair.twins[s].state_dict()), copy.deepcopy(pair.twin_opts[s].state_dict()))
         for s in src
     ]
-    vmapens.exploit_(pair.ens, pair.opt, src, dst)
+    vmapens.pbt.exploit_(pair.ens, pair.opt, src, dst)
     for d, (module, opt) in zip(dst, saved, strict=True):
         load_twin((pair.twins[d], pair.twin_opts[d]), module, opt)
     pair.assert_matches()
@@ -247,7 +247,7 @@ def test_pbt_and_inherit_match_a_plain_loop_with_copied_modules(patience):
     naive = plain_loop(patience)
     ens = build()
     opt = vmapens.StackedAdam(ens, lr=LRS)
-    pbt = vmapens.PBT(INTERVAL, fraction=0.25, factors=(FACTOR,), seed=0)
+    pbt = vmapens.pbt.PBT(INTERVAL, fraction=0.25, factors=(FACTOR,), seed=0)
     h = vmapens.fit(ens, (X, Y), nn.CrossEntropyLoss(), epochs=EPOCHS, batch_size=8,
                     shuffle=False, optimizer=opt, val_data=(XV, YV), patience=patience,
                     progress=False, callbacks=[pbt])  # fmt: skip

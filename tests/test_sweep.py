@@ -49,7 +49,7 @@ def double_mlp():
 @pytest.mark.parametrize("backend", ["random", "grid"])
 def test_plain_sweep_equals_each_trial_alone(backend):
     grid = {"lr": [1e-3, 1e-2, 1e-1]} if backend == "grid" else None
-    sweep = vmapens.Sweep(double_mlp, space, backend=backend, grid=grid, seed=0)
+    sweep = vmapens.sweep.Sweep(double_mlp, space, backend=backend, grid=grid, seed=0)
     result = sweep.run((X, Y), nn.CrossEntropyLoss(), n_trials=3, per_ensemble=2, **SWEEP_FIT)
     assert [t.number for t in result.trials] == [0, 1, 2]
     assert [t.round for t in result.trials] == [0, 0, 1]
@@ -68,7 +68,7 @@ def test_optuna_sweep_prunes_members_and_equals_each_trial_alone():
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=0),
                                 pruner=optuna.pruners.ThresholdPruner(upper=1.05))  # fmt: skip
-    sweep = vmapens.Sweep(double_mlp, space, study=study, seed=0)
+    sweep = vmapens.sweep.Sweep(double_mlp, space, study=study, seed=0)
     result = sweep.run((X, Y), nn.CrossEntropyLoss(), n_trials=6, per_ensemble=3, **SWEEP_FIT)
     states = [t.state for t in result.trials]
     assert "pruned" in states and "complete" in states, states

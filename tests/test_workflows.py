@@ -16,8 +16,11 @@ from torch import nn
 from truth import assert_members_equal, train_alone
 
 import vmapens
-from vmapens import PBT, Callback, StackedAdam, best_k, exploit_, explore, polyak_
+from vmapens import Callback, StackedAdam
 from vmapens.callbacks import EarlyStopping
+from vmapens.pbt import PBT, exploit_, explore
+from vmapens.rl import polyak_
+from vmapens.selection import best_k
 
 TOL = dict(rtol=1e-9, atol=1e-10)  # float64 throughout
 F64 = dict(dtype=torch.float64)
@@ -171,8 +174,12 @@ def test_stateful_metric_objects_run_member_by_member():
 
 
 METRIC_ERRORS = [
-    ("monitor-unknown", dict(callbacks=[EarlyStopping(monitor="val_f1")]), ValueError,
-     r"fit: `EarlyStopping.monitor` must be one of"),
+    (
+        "monitor-unknown",
+        dict(callbacks=[EarlyStopping(monitor="val_f1")]),
+        ValueError,
+        r"fit: `EarlyStopping.monitor` must be one of",
+    ),
     ("mode-moved", dict(mode="max"), TypeError, r"fit: `mode` moved in vmapens 0.3.0"),
     ("no-val", dict(val_data=None), ValueError, r"fit: `metrics` need shared `val_data`"),
     ("not-callable", dict(metrics={"acc": 3}), TypeError, r"fit: `metrics` must map names"),
@@ -235,7 +242,7 @@ def test_csv_logger_writes_the_history(tmp_path: Path):
     ens = build()
     h = vmapens.fit(ens, (X, Y), nn.CrossEntropyLoss(), epochs=3, batch_size=8, lr=LRS,
                     val_data=(XV, YV), metrics={"acc": accuracy}, progress=False,
-                    callbacks=[vmapens.CSVLogger(path)])  # fmt: skip
+                    callbacks=[vmapens.callbacks.CSVLogger(path)])  # fmt: skip
     rows = list(csv.DictReader(path.read_text().splitlines()))
     assert len(rows) == 3 * 4
     for r in rows:
@@ -251,7 +258,7 @@ def test_tensorboard_logger_writes_per_member_scalars(tmp_path: Path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    logger = vmapens.TensorBoardLogger(tmp_path)
+    logger = vmapens.callbacks.TensorBoardLogger(tmp_path)
     h = vmapens.fit(build(), (X, Y), nn.CrossEntropyLoss(), epochs=2, lr=LRS, progress=False,
                     callbacks=[logger])  # fmt: skip
     logger.close()
@@ -265,7 +272,7 @@ def test_tensorboard_logger_writes_per_member_scalars(tmp_path: Path):
 def test_tensorboard_logger_without_tensorboard_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(ImportError, match=r"pip install 'vmapens\[tensorboard\]'"):
-        vmapens.TensorBoardLogger(tmp_path)
+        vmapens.callbacks.TensorBoardLogger(tmp_path)
 
 
 # -- sub-ensembles ----------------------------------------------------------------------------
@@ -309,7 +316,7 @@ def test_best_k_ranks_scores(case, scores, mode, rows):
 @pytest.mark.parametrize("tau", [0.0, 0.005, 0.3, 1.0])
 def test_polyak_matches_a_per_parameter_loop(tau):
     online = vmapens.Ensemble(models.CNN, n=3, seed=0).double()
-    target = vmapens.make_target(online)
+    target = vmapens.rl.make_target(online)
     twins = [m for m in target.unstack()]
     with torch.no_grad():
         online(torch.randn(4, 1, 6, 6, **F64))  # new running statistics in online's buffers
@@ -329,11 +336,11 @@ def test_polyak_matches_a_per_parameter_loop(tau):
 
 
 def test_random_members():
-    masks = [vmapens.random_members(8, 3, torch.Generator().manual_seed(5)) for _ in range(2)]
+    masks = [vmapens.rl.random_members(8, 3, torch.Generator().manual_seed(5)) for _ in range(2)]
     assert torch.equal(masks[0], masks[1]) and masks[0].dtype == torch.bool
     assert int(masks[0].sum()) == 3
     with pytest.raises(ValueError, match=r"random_members: `k` must be <= `n`"):
-        vmapens.random_members(2, 3)
+        vmapens.rl.random_members(2, 3)
 
 
 # -- population-based training ------------------------------------------------------------------
@@ -376,7 +383,7 @@ def test_explore_is_seeded_and_keeps_member_values():
         return opt.param_groups[0]["lr"]
 
     lr = run()
-    assert isinstance(lr, vmapens.MemberValues) and lr == run()
+    assert isinstance(lr, vmapens.optim.MemberValues) and lr == run()
     assert lr[0] == lr[2] == 1e-2 and {lr[1], lr[3]} <= {5e-3, 2e-2}
     with pytest.raises(ValueError, match=r"explore: `names` must be among"):
         explore(StackedAdam(build()), [0], names=("betas",))

@@ -1,8 +1,25 @@
-"""vmapens: train many same-architecture PyTorch networks at once."""
+"""vmapens: train many same-architecture PyTorch networks at once.
 
-from ._data import bootstrap_indices
-from ._seeds import member_seed
-from .callbacks import Callback, Context, CSVLogger, TensorBoardLogger
+The core is here: the :class:`Ensemble` container, the verbs over it (``fit``, ``make_step``,
+``predict``, ``check``, ``export``, ``save``/``load``/``restore``, ``save_members``/
+``load_member``, ``gather``/``gather_history``), the stacked optimizers, ``History``,
+``Callback``, ``LossScale`` and ``per_member``. The rest lives in namespaces:
+``vmapens.optim`` (update rules, clipping, ``MemberValues``, ``ReduceLROnPlateau``),
+``vmapens.callbacks`` (early stopping, schedulers, checkpoints, progress, loggers),
+``vmapens.seeds``, ``vmapens.rl``, ``vmapens.pbt``, ``vmapens.sweep``, ``vmapens.selection``
+and the optional ``vmapens.lightning``.
+"""
+
+# The namespaces, reachable as vmapens.optim etc. after `import vmapens`.
+from . import callbacks as callbacks
+from . import optim as optim
+from . import pbt as pbt
+from . import rl as rl
+from . import seeds as seeds
+from . import selection as selection
+from . import sweep as sweep
+from ._precision import LossScale
+from .callbacks import Callback
 from .checkpoint import load, load_member, restore, save, save_members
 from .ensemble import Ensemble
 from .export import export
@@ -10,75 +27,87 @@ from .fit import fit
 from .history import History
 from .losses import per_member
 from .optim import (
-    MemberValues,
-    ReduceLROnPlateau,
+    StackedAdadelta,
+    StackedAdafactor,
     StackedAdagrad,
     StackedAdam,
     StackedAdamax,
+    StackedASGD,
     StackedLion,
+    StackedMuon,
     StackedNAdam,
     StackedOptimizer,
+    StackedRAdam,
     StackedRMSprop,
+    StackedRprop,
     StackedSGD,
-    adam_update,
-    adam_update_,
-    clip_grad_norm_,
-    clip_grad_value_,
-    sgd_update_,
 )
-from .pbt import PBT, exploit_, explore
 from .predict import predict
-from .rl import make_target, polyak_, random_members
-from .selection import best_k
 from .selfcheck import check
 from .sharding import gather, gather_history
 from .step import make_step
-from .sweep import Sweep
 
 __all__ = [
-    "CSVLogger",
     "Callback",
-    "Context",
     "Ensemble",
     "History",
-    "MemberValues",
-    "PBT",
-    "ReduceLROnPlateau",
+    "LossScale",
+    "StackedASGD",
+    "StackedAdadelta",
+    "StackedAdafactor",
     "StackedAdagrad",
     "StackedAdam",
     "StackedAdamax",
     "StackedLion",
+    "StackedMuon",
     "StackedNAdam",
     "StackedOptimizer",
+    "StackedRAdam",
     "StackedRMSprop",
+    "StackedRprop",
     "StackedSGD",
-    "Sweep",
-    "TensorBoardLogger",
-    "adam_update",
-    "adam_update_",
-    "best_k",
-    "bootstrap_indices",
     "check",
-    "clip_grad_norm_",
-    "clip_grad_value_",
-    "exploit_",
     "export",
-    "explore",
     "fit",
     "gather",
     "gather_history",
     "load",
     "load_member",
     "make_step",
-    "make_target",
-    "member_seed",
     "per_member",
-    "polyak_",
     "predict",
-    "random_members",
     "restore",
     "save",
     "save_members",
-    "sgd_update_",
 ]
-__version__ = "0.2.0"
+__version__ = "0.3.0"
+
+#: Top-level names of 0.2 that moved to a namespace in 0.3.0 (CHANGELOG), and where to.
+_MOVED = {
+    "CSVLogger": "vmapens.callbacks.CSVLogger",
+    "Context": "vmapens.callbacks.Context",
+    "TensorBoardLogger": "vmapens.callbacks.TensorBoardLogger",
+    "MemberValues": "vmapens.optim.MemberValues",
+    "ReduceLROnPlateau": "vmapens.optim.ReduceLROnPlateau",
+    "adam_update": "vmapens.optim.adam_update",
+    "adam_update_": "vmapens.optim.adam_update_",
+    "sgd_update_": "vmapens.optim.sgd_update_",
+    "clip_grad_norm_": "vmapens.optim.clip_grad_norm_",
+    "clip_grad_value_": "vmapens.optim.clip_grad_value_",
+    "PBT": "vmapens.pbt.PBT",
+    "exploit_": "vmapens.pbt.exploit_",
+    "explore": "vmapens.pbt.explore",
+    "Sweep": "vmapens.sweep.Sweep",
+    "best_k": "vmapens.selection.best_k",
+    "make_target": "vmapens.rl.make_target",
+    "polyak_": "vmapens.rl.polyak_",
+    "random_members": "vmapens.rl.random_members",
+    "member_seed": "vmapens.seeds.member_seed",
+    "bootstrap_indices": "vmapens.seeds.bootstrap_indices",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED:
+        raise AttributeError(f"vmapens.{name} moved to {_MOVED[name]} in 0.3.0")
+    raise AttributeError(f"module 'vmapens' has no attribute {name!r}")

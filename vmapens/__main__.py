@@ -186,7 +186,7 @@ def sweep_demo(n: int = 16, epochs: int = 24, k: int = 5) -> None:
     ens = vmapens.Ensemble(member, n=n, seed=0)
     lrs = torch.logspace(-4, -0.5, n)
     opt = vmapens.StackedAdam(ens, lr=lrs)
-    pbt = vmapens.PBT(interval=4, fraction=0.25, monitor="val_acc", mode="max", seed=0)
+    pbt = vmapens.pbt.PBT(interval=4, fraction=0.25, monitor="val_acc", mode="max", seed=0)
     start = time.perf_counter()
     history = vmapens.fit(ens, train, nn.CrossEntropyLoss(), epochs=epochs, batch_size=128,
                           optimizer=opt, val_data=val, metrics={"acc": accuracy}, seed=0,
@@ -199,7 +199,7 @@ def sweep_demo(n: int = 16, epochs: int = 24, k: int = 5) -> None:
     print(f"\nSweep: {n} MLPs on digits, lr {lrs[0]:.1e}..{lrs[-1]:.1e}, PBT every 4 epochs")
     print(f"  trained {epochs} epochs in {seconds:.1f} s; {len(pbt.log)} exploit/explore rounds")
     print(f"  best member: {best} (lr now {final[best]:.2e}), val accuracy {best_acc[best]:.3f}")
-    top = vmapens.best_k(ens, history, k, metric="acc", mode="max")
+    top = vmapens.selection.best_k(ens, history, k, metric="acc", mode="max")
     probs = vmapens.predict(top, test[0], reduce="mean", softmax=True)
     member_acc = vmapens.predict(top, test[0]).argmax(-1).eq(test[1]).float().mean(1)
     print(f"  test accuracy of the top {k} members: {member_acc.min():.3f}..{member_acc.max():.3f}")

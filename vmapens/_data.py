@@ -10,40 +10,18 @@ import optree
 import torch
 from torch import Tensor
 
-from ._checks import check_int
-from ._seeds import derive_seed
+from .seeds import derive_seed
 
 __all__ = [
     "IterableSource",
     "MemberIterables",
     "Stream",
     "TensorSource",
-    "bootstrap_indices",
     "check_member_dim",
     "is_tensor_data",
     "oob_mask",
     "rows_of",
 ]
-
-
-def bootstrap_indices(n_samples: int, seed: int, member_id: int) -> Tensor:
-    """The rows that member ``member_id`` trains on with ``fit(..., bootstrap=True, seed=seed)``.
-
-    A resample with replacement of ``range(n_samples)``, drawn from a generator keyed by
-    ``(seed, member_id)``: the global member index, so a member gets the same rows whether it
-    is trained alone, in one process or in any shard. Rows that are absent are its out-of-bag
-    samples.
-
-    Example:
-        >>> idx = bootstrap_indices(10, seed=0, member_id=3)
-        >>> idx.shape, bool((idx >= 0).all() and (idx < 10).all())
-        (torch.Size([10]), True)
-    """
-    check_int("bootstrap_indices", "n_samples", n_samples, minimum=1)
-    check_int("bootstrap_indices", "seed", seed)
-    check_int("bootstrap_indices", "member_id", member_id, minimum=0)
-    g = torch.Generator().manual_seed(derive_seed(seed, "bootstrap", member_id))
-    return torch.randint(n_samples, (n_samples,), generator=g)
 
 
 def oob_mask(boot: Tensor, n_samples: int) -> Tensor:

@@ -151,16 +151,25 @@ def build_optimizer(
             f"`(ens) -> optimizer`, got {type(build).__name__}"
         )
     name = getattr(build, "__name__", type(build).__name__)
-    try:
-        inspect.signature(build).bind(ens, **hyperparameters)
-    except TypeError as err:
-        raise TypeError(
+
+    def unknown(err: TypeError) -> TypeError:
+        return TypeError(
             f"{api}: {name} does not take these keyword arguments ({err}); {api}'s keyword "
             "arguments that are not its own options go to the step (make_step's options: "
             f"{', '.join(STEP_OPTIONS)}) or to the optimizer"
-        ) from None
+        )
+
+    try:
+        inspect.signature(build).bind(ens, **hyperparameters)
+    except TypeError as err:
+        raise unknown(err) from None
     except ValueError:  # no signature to check (a builtin): the call will say
         pass
-    built = build(ens, **hyperparameters)
+    try:
+        built = build(ens, **hyperparameters)
+    except TypeError as err:  # a stacked optimizer takes **flags and names unknown ones itself
+        if "unexpected keyword argument" in str(err):
+            raise unknown(err) from None
+        raise
     check_optimizer(api, ens, built)
     return built

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from ._checks import check_int
-from ._seeds import member_seed
 from .distributed import member_block
+from .seeds import member_seed
 
 __all__ = [
     "Factory",

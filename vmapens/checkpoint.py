@@ -238,27 +238,32 @@ def _parts_state(ens: Ensemble, optimizer: Any, history: Any) -> dict[str, Any]:
     }
 
 
-def load(
-    path: str | os.PathLike,
-    factory: Callable[[], nn.Module],
-    optimizer: Callable[[Ensemble], torch.optim.Optimizer] | None = None,
-) -> Ensemble | tuple[Ensemble, torch.optim.Optimizer]:
+def load(path: str | os.PathLike, factory: Callable[[], nn.Module], **moved: Any) -> Ensemble:
     """Build an Ensemble from a checkpoint, with the stored members and member ids.
+
+    To continue training, build the optimizer over the loaded ensemble and give it the stored
+    state with :func:`restore`.
 
     Args:
         path: a file written by ``save`` or ``fit(checkpoint=...)``.
         factory: builds one member, as for ``Ensemble``; its class must be the stored one.
-        optimizer: how to build the optimizer, e.g. ``vmapens.StackedAdam`` or
-            ``lambda e: StackedAdam(e, lr=1e-2)``; it gets the stored optimizer state.
 
     Returns:
-        The ensemble, or ``(ensemble, optimizer)`` when ``optimizer`` is given.
+        The ensemble (always the ensemble alone, since 0.3.0).
 
     Raises:
         ValueError: the file is truncated or corrupt, holds objects other than tensors, or
             does not match ``factory``'s members.
         FileNotFoundError: no file at ``path``.
+        TypeError: ``optimizer=`` (0.2's spelling; the message gives 0.3.0's).
     """
+    if moved:
+        names = ", ".join(f"`{k}`" for k in moved)
+        raise TypeError(
+            f"load: {names} is not taken since 0.3.0 (load returns the Ensemble alone): "
+            "`ens = vmapens.load(path, factory); opt = vmapens.StackedAdam(ens); "
+            "vmapens.restore(path, ens, opt)`"
+        )
     payload = read(path, "load")
     where = os.fspath(path)
     members = payload.get("members")
@@ -271,9 +276,8 @@ def load(
         range(ids[0], ids[-1] + 1) if ids == list(range(ids[0], ids[-1] + 1)) else tuple(ids)
     )
     ens.n_total = n_total
-    opt = optimizer(ens) if optimizer is not None else None
-    _restore(payload, path, ens, opt, None, "load")
-    return ens if opt is None else (ens, opt)
+    _restore(payload, path, ens, None, None, "load")
+    return ens
 
 
 def restore(

@@ -50,7 +50,7 @@ class Ensemble(StackedModule):
 
     * ``seed=None, seeds=None``: members come from the global RNG one after another, exactly
       as ``[factory() for _ in range(n)]`` would draw them.
-    * ``seed=s``: member ``i`` is ``torch.manual_seed(vmapens.member_seed(s, i)); factory()``,
+    * ``seed=s``: member ``i`` is ``torch.manual_seed(vmapens.seeds.member_seed(s, i)); factory()``,
       a stream derived from ``(s, i)``: ensembles with different seeds share no member, any
       member can be rebuilt alone, and the caller's global RNG is left untouched.
     * ``seeds=[k0, k1, ...]``: member ``i`` is ``torch.manual_seed(seeds[i]); factory()``, to

@@ -15,7 +15,6 @@ from ._data import (
     IterableSource,
     MemberIterables,
     TensorSource,
-    bootstrap_indices,
     is_tensor_data,
     oob_mask,
     rows_of,
@@ -36,6 +35,7 @@ from .distributed import world_size
 from .ensemble import Ensemble
 from .history import History
 from .optim import StackedOptimizer
+from .seeds import bootstrap_indices
 from .selfcheck import warn_stacked_data
 from .step import make_step
 
@@ -93,7 +93,7 @@ def fit(
         batch_size: samples per batch for ``(X, Y)`` data (``None``: all of them).
         shuffle: reshuffle ``(X, Y)`` every pass, from ``seed`` and the pass number.
         bootstrap: bagging: each member trains on its own resample of ``(X, Y)`` (see
-            :func:`bootstrap_indices`, keyed by the member's global index).
+            :func:`vmapens.seeds.bootstrap_indices`, keyed by the member's global index).
         in_dims: ``None`` (every member sees the same data) or ``0`` (per-member data, see
             ``data``); a pair ``(data's, val_data's)`` when ``val_data`` is per member too
             (``[n, samples, ...]``), e.g. ``(0, 0)``.

@@ -174,7 +174,7 @@ def _row_kind(path: tuple, value: Any, n: int) -> tuple[str, int] | None:
     top, key = path[0], path[1] if len(path) > 1 else None
     if isinstance(value, list):
         listed = (top == "history" and key == "member_ids") or (
-            # vmapens.ReduceLROnPlateau keeps one entry per member
+            # vmapens.optim.ReduceLROnPlateau keeps one entry per member
             top == "scheduler" and key in ("best", "num_bad_epochs", "cooldown_counter")
         )
         return ("list", 0) if listed and len(value) == n else None

@@ -75,7 +75,7 @@ def make_step(
         compile: compile the whole step into one graph.
         clip_grad_norm: clip each member's gradients to this total 2-norm, as
             ``torch.nn.utils.clip_grad_norm_(member.parameters(), clip_grad_norm)`` would
-            clip that member alone (see ``vmapens.clip_grad_norm_``).
+            clip that member alone (see ``vmapens.optim.clip_grad_norm_``).
         clip_grad_value: clamp every gradient element to ``[-v, v]``, as
             ``torch.nn.utils.clip_grad_value_`` would.
         precision: ``"bf16"`` or ``"fp16"``: each member's forward and loss run as under

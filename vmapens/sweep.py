@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._checks import check_choice, check_int
-from ._seeds import derive_seed, member_seed
 from .callbacks import Callback, Context, EarlyStopping
 from .ensemble import Ensemble
 from .fit import fit
 from .history import History
 from .optim import StackedAdam
+from .seeds import derive_seed, member_seed
 from .selection import member_scores, metric_table
 
 __all__ = ["Sweep", "SweepResult", "TrialResult"]
@@ -154,7 +154,7 @@ class Sweep:
             seeded with ``seed``, and optuna's median pruner).
         grid: with ``backend="grid"``: name -> list of values; trials run their product in
             order.
-        seed: trial ``t``'s member is built with ``vmapens.member_seed(seed, t)``; also the
+        seed: trial ``t``'s member is built with ``vmapens.seeds.member_seed(seed, t)``; also the
             random backend's draws and fit's ``seed`` (shuffling) unless given to ``run``.
         optimizer: ``optimizer(ens, **per_member_hyperparameters)``, e.g. ``StackedAdam``.
         monitor: ``"val_loss"``, ``"train_loss"`` or ``"val_<metric>"`` (a metric given to

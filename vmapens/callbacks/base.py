@@ -98,7 +98,7 @@ class Context:
 
         Every callback's ``on_inherit`` moves its own (early stopping: the best score so far,
         the patience count, the best-epoch snapshot it restores, ``history.best_epoch``): call
-        it after copying the members themselves (``vmapens.exploit_``), as ``vmapens.PBT``
+        it after copying the members themselves (``vmapens.pbt.exploit_``), as ``vmapens.pbt.PBT``
         does.
         """
         n = len(self.ensemble)

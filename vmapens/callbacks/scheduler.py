@@ -18,7 +18,7 @@ class LRScheduler(Callback):
 
     ``fit(scheduler=s)`` is ``callbacks=[LRScheduler(s)]``. A torch scheduler
     (``torch.optim.lr_scheduler.StepLR``, ...) follows each member's own learning rate;
-    ``vmapens.ReduceLROnPlateau`` steps after every epoch on each member's validation loss (it
+    ``vmapens.optim.ReduceLROnPlateau`` steps after every epoch on each member's validation loss (it
     needs ``val_data`` and ``interval="epoch"``, checked before the first step). The scheduler's
     state is in the checkpoint.
 
@@ -29,7 +29,7 @@ class LRScheduler(Callback):
 
     Raises:
         ValueError: a bad ``interval``; at fit start, a scheduler on another optimizer, or
-            ``vmapens.ReduceLROnPlateau`` per step or without ``val_data``.
+            ``vmapens.optim.ReduceLROnPlateau`` per step or without ``val_data``.
         TypeError: torch's ``ReduceLROnPlateau``, or something that is no scheduler.
 
     Example:
@@ -45,7 +45,7 @@ class LRScheduler(Callback):
         8
     """
 
-    state_key = "scheduler"  # vmapens.ReduceLROnPlateau's per-member rows are split by rank
+    state_key = "scheduler"  # vmapens.optim.ReduceLROnPlateau's per-member rows are split by rank
 
     def __init__(self, scheduler: Any, interval: str = "epoch") -> None:
         check_choice("LRScheduler", "interval", interval, ("epoch", "step"))
@@ -94,14 +94,14 @@ def build_scheduler(
 ) -> Any:
     """``scheduler`` itself, or ``scheduler(optimizer)`` when it is a builder; checked.
 
-    ``vmapens.ReduceLROnPlateau`` steps on each member's validation loss, which exists once per
+    ``vmapens.optim.ReduceLROnPlateau`` steps on each member's validation loss, which exists once per
     epoch: it needs validation data and ``interval="epoch"``. Both are checked here, before the
     first step, so a wrong combination changes nothing.
     """
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise TypeError(
             f"{api}: `scheduler` is torch's ReduceLROnPlateau, which lowers every member's "
-            "learning rate on one number; use vmapens.ReduceLROnPlateau, which follows each "
+            "learning rate on one number; use vmapens.optim.ReduceLROnPlateau, which follows each "
             "member's own validation loss"
         )
     if isinstance(scheduler, type) or not (
@@ -122,13 +122,13 @@ def build_scheduler(
     if isinstance(scheduler, ReduceLROnPlateau):
         if interval != "epoch":
             raise ValueError(
-                f"{api}: `LRScheduler.interval` must be 'epoch' with vmapens.ReduceLROnPlateau, "
+                f"{api}: `LRScheduler.interval` must be 'epoch' with vmapens.optim.ReduceLROnPlateau, "
                 f"which steps on each member's validation loss (measured once per epoch), got "
                 f"{interval!r}"
             )
         if not validated:
             raise ValueError(
-                f"{api}: `scheduler` vmapens.ReduceLROnPlateau steps on each member's "
+                f"{api}: `scheduler` vmapens.optim.ReduceLROnPlateau steps on each member's "
                 "validation loss and needs `val_data`, got None"
             )
     return scheduler

@@ -1,0 +1,65 @@
+"""How every random choice of a member is seeded: its initialisation and its bootstrap resample.
+
+Each seed is derived from ``(seed, purpose, index)`` by SHA-256, so streams never overlap and
+a member gets the same ones alone, in one process or in any shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import Tensor
+
+from ._checks import check_int
+
+__all__ = ["bootstrap_indices", "derive_seed", "member_seed"]
+
+
+def derive_seed(seed: int, purpose: str, index: int) -> int:
+    """A 63-bit seed from ``(seed, purpose, index)`` by SHA-256: no two triples share a stream."""
+    digest = hashlib.sha256(f"vmapens:{seed}:{purpose}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def member_seed(seed: int, i: int) -> int:
+    """The torch seed of member ``i`` of ``Ensemble(factory, n, seed=seed)``.
+
+    ``torch.manual_seed(member_seed(seed, i)); factory()`` rebuilds member ``i`` alone. The
+    seed is derived from ``(seed, i)`` by a hash, so ensembles built with different seeds share
+    no member (``seed + i`` would make seeds 0 and 1 share all but one).
+
+    Args:
+        seed: the ensemble's seed.
+        i: the member's global index, ``>= 0``.
+
+    Returns:
+        A non-negative int below ``2**63``.
+
+    Example:
+        >>> member_seed(0, 1) == member_seed(1, 0)
+        False
+    """
+    check_int("member_seed", "seed", seed)
+    check_int("member_seed", "i", i, minimum=0)
+    return derive_seed(seed, "member", i)
+
+
+def bootstrap_indices(n_samples: int, seed: int, member_id: int) -> Tensor:
+    """The rows that member ``member_id`` trains on with ``fit(..., bootstrap=True, seed=seed)``.
+
+    A resample with replacement of ``range(n_samples)``, drawn from a generator keyed by
+    ``(seed, member_id)``: the global member index, so a member gets the same rows whether it
+    is trained alone, in one process or in any shard. Rows that are absent are its out-of-bag
+    samples.
+
+    Example:
+        >>> idx = bootstrap_indices(10, seed=0, member_id=3)
+        >>> idx.shape, bool((idx >= 0).all() and (idx < 10).all())
+        (torch.Size([10]), True)
+    """
+    check_int("bootstrap_indices", "n_samples", n_samples, minimum=1)
+    check_int("bootstrap_indices", "seed", seed)
+    check_int("bootstrap_indices", "member_id", member_id, minimum=0)
+    g = torch.Generator().manual_seed(derive_seed(seed, "bootstrap", member_id))
+    return torch.randint(n_samples, (n_samples,), generator=g)
