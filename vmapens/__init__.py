@@ -20,12 +20,13 @@ from . import selection as selection
 from . import sweep as sweep
 from ._precision import LossScale
 from .callbacks import Callback
-from .checkpoint import load, load_member, restore, save, save_members
+from .checkpoint import load, restore, save
 from .ensemble import Ensemble
 from .export import export
 from .fit import fit
 from .history import History
 from .losses import per_member
+from .member_files import load_member, save_members
 from .optim import (
     StackedAdadelta,
     StackedAdafactor,

@@ -11,9 +11,10 @@ import torch
 from ._checks import check_choice, check_int, check_writable_dir
 from ._data import check_member_dim, is_tensor_data
 from ._metrics import check_metrics
+from ._step_parts import check_optimizer
 from .ensemble import Ensemble
 from .optim import StackedAdam, StackedOptimizer
-from .step import check_optimizer, make_step
+from .step import make_step
 
 __all__ = ["MOVED", "STEP_OPTIONS", "Checked", "build_optimizer", "check_arguments"]
 

@@ -86,7 +86,7 @@ class StackedModule(nn.Module):
         return cast("dict[str, torch.Tensor]", self._buffers)
 
     def stacked_state(self) -> dict[str, torch.Tensor]:
-        """Parameters then buffers: what ``member_map`` functions receive, stacked."""
+        """Parameters then buffers: what ``_member_map`` functions receive, stacked."""
         return {**self.stacked_params(), **self.stacked_buffers()}
 
     def _persistent(self) -> dict[str, torch.Tensor]:

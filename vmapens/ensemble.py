@@ -270,9 +270,9 @@ class Ensemble(StackedModule):
             raise TypeError(f"Ensemble.map_members: `fn` must be callable, got {type(fn).__name__}")
         dims = expand_in_dims("Ensemble", in_dims, args, len(self))
         with self.guard():
-            return self.member_map(fn, dims)(self.stacked_state(), *args)
+            return self._member_map(fn, dims)(self.stacked_state(), *args)
 
-    def member_map(self, fn: Callable[..., Any], in_dims: tuple) -> Callable[..., Any]:
+    def _member_map(self, fn: Callable[..., Any], in_dims: tuple) -> Callable[..., Any]:
         """``fn`` lifted to ``(stacked_state, *args) -> stacked outputs``, the ensemble's way.
 
         The one place that applies ``backend``, ``chunk_size`` and ``randomness``: the eager
@@ -314,7 +314,7 @@ class Ensemble(StackedModule):
 
     @contextlib.contextmanager
     def guard(self, api: str = "Ensemble") -> Iterator[None]:
-        """Around a call of the members: what every call of ``member_map`` runs inside.
+        """Around a call of the members: what every call of ``_member_map`` runs inside.
 
         * vmap can fail after BatchNorm has updated some members' statistics: the buffers
           are copied first and given back on any exception, so a failed call changes nothing.

@@ -144,7 +144,7 @@ class _Program(nn.Module):
         def member(member_state: dict[str, Tensor], *member_args: Tensor) -> Any:
             return functional_call(ens.runner, member_state, member_args)
 
-        out = ens.member_map(member, (None,) * len(args))(state, *args)
+        out = ens._member_map(member, (None,) * len(args))(state, *args)
         if self.softmax:
             out = optree.tree_map(lambda t: t.softmax(-1), out)
         return out if self.reduce == "none" else reduce_members(out, self.reduce)

@@ -28,7 +28,15 @@ from ._members import named_tensors
 from ._unbatchable import explain_failure
 from .ensemble import Ensemble
 
-__all__ = ["MEMBER", "TRIES", "Probe", "check", "tolerance", "warn_stacked_data"]
+__all__ = [
+    "MEMBER",
+    "TRIES",
+    "Probe",
+    "check",
+    "check_step_arguments",
+    "tolerance",
+    "warn_stacked_data",
+]
 
 #: Calls of a step on which member 0 could not run alone before its probe gives up: the step
 #: reports those batches itself, and the probe costs no more than a member's step per call.
@@ -52,6 +60,16 @@ def tolerance(dtype: torch.dtype) -> float:
         True
     """
     return math.sqrt(torch.finfo(dtype).eps)
+
+
+def check_step_arguments(api: str, ens: Any, loss_fn: Any, in_dims: Any) -> None:
+    """What ``check`` and ``make_step`` take first: an Ensemble, a callable loss, ``in_dims``."""
+    if not isinstance(ens, Ensemble):
+        raise TypeError(f"{api}: `ens` must be a vmapens.Ensemble, got {type(ens).__name__}")
+    if in_dims not in (None, 0):
+        raise ValueError(f"{api}: `in_dims` must be None or 0, got {in_dims!r}")
+    if not callable(loss_fn):
+        raise TypeError(f"{api}: `loss_fn` must be callable, got {type(loss_fn).__name__}")
 
 
 def check(
@@ -95,12 +113,7 @@ def check(
         >>> check(ens, torch.randn(8, 3), torch.randn(8, 1), torch.nn.MSELoss())
     """
     api = "check"
-    if not isinstance(ens, Ensemble):
-        raise TypeError(f"{api}: `ens` must be a vmapens.Ensemble, got {type(ens).__name__}")
-    if in_dims not in (None, 0):
-        raise ValueError(f"{api}: `in_dims` must be None or 0, got {in_dims!r}")
-    if not callable(loss_fn):
-        raise TypeError(f"{api}: `loss_fn` must be callable, got {type(loss_fn).__name__}")
+    check_step_arguments(api, ens, loss_fn, in_dims)
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     try:
         alone = _alone(ens, loss_fn, args, targets, in_dims, autocast)
@@ -272,7 +285,7 @@ def _together(
     targets = _member_slice(targets, in_dims, True)
     with _forked_rng(sub), batched_attention():
         with _autocast(sub, autocast):
-            out, loss = sub.member_map(member, (in_dims, in_dims))(state, args, targets)
+            out, loss = sub._member_map(member, (in_dims, in_dims))(state, args, targets)
         params = [state[name] for name in trained]
         found: Any = [None] * len(params)
         if params and loss.requires_grad:

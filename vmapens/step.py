@@ -2,33 +2,33 @@
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import dataclasses
 import itertools
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.func import functional_call, grad_and_value
 
-from ._checks import check_choice, check_mask, expand_in_dims
 from ._chunks import chunk_bounds, chunked_losses_and_grads
 from ._precision import LossScale
+from ._step_parts import (
+    Update,
+    build_update,
+    check_call,
+    check_optimizer,
+    frozen_buffers,
+    undo_point,
+)
 from .ensemble import Ensemble
 from .optim import StackedOptimizer
-from .optim._keep import keep_masked_
-from .optim.clip import clip_norms_, clip_values_
-from .selfcheck import Probe
+from .selfcheck import Probe, check_step_arguments
 
-__all__ = ["PRECISIONS", "LossScale", "Step", "check_optimizer", "make_step"]
+__all__ = ["LossScale", "Step", "make_step"]
 
 Step = Callable[..., torch.Tensor]
 #: Distinct input shapes one compiled step accepts before refusing (dynamo's default limit).
 MAX_SHAPES = 8
-#: ``precision=`` names and the autocast dtype each member's forward and loss run in.
-PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def make_step(
@@ -49,7 +49,7 @@ def make_step(
     ``step`` runs every member's forward on ``inputs``, applies ``loss_fn`` per member,
     back-propagates the *sum* of the member losses (so each member gets exactly its own
     gradient) and steps ``optimizer``. ``inputs`` is the member's single positional input,
-    or a tuple of them. Both variants run the members through ``ens.member_map``, so
+    or a tuple of them. Both variants run the members through ``ens._member_map``, so
     ``backend``, ``chunk_size`` and ``randomness`` mean the same in both. With ``chunk_size``
     the eager step runs the forward and the backward of one chunk of members before the next
     (members are independent, so the result is the same), which bounds its activation memory
@@ -108,14 +108,11 @@ def make_step(
         torch.Size([3])
     """
     api = "make_step"
-    if not isinstance(ens, Ensemble):
-        raise TypeError(f"{api}: `ens` must be a vmapens.Ensemble, got {type(ens).__name__}")
-    if in_dims not in (None, 0):
-        raise ValueError(f"{api}: `in_dims` must be None or 0, got {in_dims!r}")
-    if not callable(loss_fn):
-        raise TypeError(f"{api}: `loss_fn` must be callable, got {type(loss_fn).__name__}")
+    check_step_arguments(api, ens, loss_fn, in_dims)
     check_optimizer(api, ens, optimizer)
-    update = _update(api, ens, optimizer, clip_grad_norm, clip_grad_value, precision, loss_scale)
+    update = build_update(
+        api, ens, optimizer, clip_grad_norm, clip_grad_value, precision, loss_scale
+    )
     member_loss = _member_loss(ens, loss_fn)
     probe = Probe(ens, loss_fn, in_dims, update.dtype, enabled=check)
     if compile:
@@ -131,17 +128,17 @@ def make_step(
                 "times. Use compile=False with backend='loop'."
             )
         return probe.wrap(_compiled_step(ens, member_loss, optimizer, in_dims, update))
-    batched = ens.member_map(member_loss, (in_dims, in_dims))
+    batched = ens._member_map(member_loss, (in_dims, in_dims))
 
     # The stacked parameters keep their identity through .to() / .double(): list them once.
     params = [p for p in ens.parameters() if p.requires_grad]
 
     def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        args = _check_call(ens, optimizer, inputs, targets, mask, in_dims)
+        args = check_call(ens, optimizer, inputs, targets, mask, in_dims)
         old_grads = [p.grad for p in params]
-        undo = _undo_point(ens, optimizer)
+        undo = undo_point(ens, optimizer)
         try:
-            with ens.guard("step"), _frozen_buffers(ens, mask):
+            with ens.guard("step"), frozen_buffers(ens, mask):
                 scale = None if update.scale is None else update.scale.scale
                 # chunk_size: forward and backward one chunk of members at a time (one chunk's
                 # activations alive), where vmap's chunking keeps all until the backward.
@@ -179,152 +176,6 @@ def make_step(
     return probe.wrap(step)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Update:
-    """What a step does around the optimizer: autocast, loss scale, clipping."""
-
-    device_type: str
-    dtype: torch.dtype | None
-    clip_norm: float | None
-    clip_value: float | None
-    scale: LossScale | None
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """The forward's autocast (member-exact: see ``Ensemble.member_map``)."""
-        if self.dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, self.dtype)
-
-    def gradients_(
-        self, grads: list[torch.Tensor], mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Unscale, then clip ``grads`` in place; returns (who steps, who overflowed).
-
-        GradScaler's order: a member's gradients are unscaled before they are clipped.
-        """
-        found_inf = torch.zeros(0, dtype=torch.bool)
-        if self.scale is not None:
-            found_inf = self.scale.unscale_(grads)
-            mask = ~found_inf if mask is None else mask & ~found_inf
-        if grads and self.clip_norm is not None:
-            clip_norms_(grads, self.clip_norm)
-        if grads and self.clip_value is not None:
-            clip_values_(grads, self.clip_value)
-        return mask, found_inf
-
-
-def _update(
-    api: str,
-    ens: Ensemble,
-    optimizer: Any,
-    clip_norm: float | None,
-    clip_value: float | None,
-    precision: str | None,
-    loss_scale: LossScale | None,
-) -> _Update:
-    """make_step's options checked, as the step uses them."""
-    if clip_norm is not None and clip_value is not None:
-        raise ValueError(f"{api}: give one of `clip_grad_norm` and `clip_grad_value`, not both")
-    for name, bound in (("clip_grad_norm", clip_norm), ("clip_grad_value", clip_value)):
-        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))):
-            raise TypeError(f"{api}: `{name}` must be a float, got {type(bound).__name__}")
-        if bound is not None and not bound > 0:
-            raise ValueError(f"{api}: `{name}` must be > 0, got {bound}")
-    if precision is not None:
-        check_choice(api, "precision", precision, tuple(PRECISIONS))
-    device = next(iter(ens.parameters())).device
-    if precision == "fp16":
-        if not isinstance(optimizer, StackedOptimizer):
-            raise TypeError(
-                f"{api}: `precision='fp16'` skips overflowing members through a "
-                f"vmapens.StackedOptimizer's mask, got {type(optimizer).__name__}"
-            )
-        loss_scale = LossScale(len(ens), device=device) if loss_scale is None else loss_scale
-    if loss_scale is not None:
-        if not isinstance(loss_scale, LossScale):
-            raise TypeError(
-                f"{api}: `loss_scale` must be a LossScale, got {type(loss_scale).__name__}"
-            )
-        if precision != "fp16":
-            raise ValueError(f"{api}: `loss_scale` needs `precision='fp16'`, got {precision!r}")
-        if loss_scale.scale.shape != (len(ens),):
-            raise ValueError(
-                f"{api}: `loss_scale` is for {loss_scale.scale.shape[0]} members, the ensemble "
-                f"has {len(ens)}"
-            )
-        loss_scale.scale = loss_scale.scale.to(device)
-        loss_scale.growth_tracker = loss_scale.growth_tracker.to(device)
-    dtype = None if precision is None else PRECISIONS[precision]
-    return _Update(device.type, dtype, clip_norm, clip_value, loss_scale)
-
-
-def check_optimizer(api: str, ens: Ensemble, optimizer: Any) -> None:
-    """``optimizer`` must be a torch optimizer over (some of) this ensemble's parameters."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"{api}: `optimizer` must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
-    ours = {id(p) for p in ens.parameters()}
-    for k, p in enumerate(q for g in optimizer.param_groups for q in g["params"]):
-        if id(p) not in ours:
-            raise ValueError(
-                f"{api}: `optimizer` parameter {k} (shape {list(p.shape)}) is not a parameter of "
-                "this ensemble; build the optimizer from this ensemble, e.g. StackedAdam(ens)"
-            )
-
-
-def _check_call(
-    ens: Ensemble, optimizer: Any, inputs: Any, targets: Any, mask: Any, in_dims: int | None
-) -> tuple:
-    """Everything a step checks before it changes anything; returns the positional inputs."""
-    if mask is not None and not isinstance(optimizer, StackedOptimizer):
-        raise TypeError(
-            f"step: `mask` needs a vmapens.StackedOptimizer, got {type(optimizer).__name__}"
-        )
-    check_mask("step", mask, len(ens))
-    if not isinstance(targets, torch.Tensor):
-        raise TypeError(f"step: `targets` must be a tensor, got {type(targets).__name__}")
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
-    expand_in_dims("step", (in_dims, in_dims), (args, targets), len(ens))
-    return args
-
-
-def _undo_point(ens: Ensemble, optimizer: Any) -> Callable[[], None]:
-    """A function that puts parameters and optimizer state back as they are now.
-
-    A StackedOptimizer rolls itself back (it checks everything first and undoes a failed
-    update); any other optimizer gets a copy of its state and of the parameters it updates.
-    """
-    if isinstance(optimizer, StackedOptimizer):
-        return lambda: None
-    params = list(ens.parameters())
-    saved = [p.detach().clone() for p in params]
-    state = copy.deepcopy(optimizer.state_dict())
-
-    def undo() -> None:
-        with torch.no_grad():
-            for p, s in zip(params, saved, strict=True):
-                p.copy_(s)
-        optimizer.load_state_dict(state)
-
-    return undo
-
-
-@contextlib.contextmanager
-def _frozen_buffers(ens: Ensemble, mask: torch.Tensor | None) -> Iterator[None]:
-    """Give the members where ``mask`` is False their buffers back after the step.
-
-    The forward updates every member's buffers (BatchNorm statistics); the optimizer's mask
-    only covers parameters and optimizer state.
-    """
-    buffers = [] if mask is None else list(ens.stacked_buffers().values())
-    saved = [b.clone() for b in buffers]
-    yield
-    if mask is not None:
-        with torch.no_grad():
-            keep_masked_(buffers, saved, mask)
-
-
 def _member_loss(ens: Ensemble, loss_fn: Callable) -> Callable[..., torch.Tensor]:
     """``(member_state, inputs, target) -> loss`` for one member, as it would run alone."""
 
@@ -339,7 +190,7 @@ def _compiled_step(
     member_loss: Callable,
     optimizer: StackedOptimizer,
     in_dims: int | None,
-    update: _Update,
+    update: Update,
 ) -> Step:
     names = {id(p): name for name, p in ens.named_parameters()}
     order = [p for group in optimizer.param_groups for p in group["params"]]
@@ -360,7 +211,7 @@ def _compiled_step(
         return grads, loss
 
     scaled = update.scale is not None
-    batched = ens.member_map(member_grads, (in_dims, in_dims, 0 if scaled else None))
+    batched = ens._member_map(member_grads, (in_dims, in_dims, 0 if scaled else None))
 
     def body(state: dict, inputs: tuple, targets: torch.Tensor, mask: Any, scale: Any) -> Any:
         with update.autocast():
@@ -388,7 +239,7 @@ def _compiled_step(
     shapes: set[tuple] = set()
 
     def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        args = _check_call(ens, optimizer, inputs, targets, mask, in_dims)
+        args = check_call(ens, optimizer, inputs, targets, mask, in_dims)
         key = _shapes((args, targets, mask))
         if key not in shapes and len(shapes) >= MAX_SHAPES:
             raise ValueError(
@@ -399,7 +250,7 @@ def _compiled_step(
             )
         optimizer.prepare()  # state is created outside the graph
         # Gradients come from torch.func inside the graph: no autograd graph around it.
-        with torch.no_grad(), ens.guard("step"), _frozen_buffers(ens, mask):
+        with torch.no_grad(), ens.guard("step"), frozen_buffers(ens, mask):
             scale = None if update.scale is None else update.scale.scale
             losses = compiled(ens.stacked_state(), args, targets, mask, scale)
         shapes.add(key)

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from .._checks import index_rows
 from ._hyper import params_of, pick_group
 
-__all__ = ["member_state_dict", "select_parts"]
+__all__ = ["check_state_dict", "copy_rows", "member_state_dict", "select_parts"]
 
 
 def member_state_dict(opt: Any, i: int, module: nn.Module | None = None) -> dict[str, Any]:
@@ -70,3 +70,33 @@ def select_parts(
         groups.append({**picks, "params": new_params[start : start + size]})
         start += size
     return rows, groups, pick_group(opt.defaults, opt.hyperparameters, picked)
+
+
+def copy_rows(opt: Any, new: Any, rows: Tensor) -> None:
+    """Give ``new`` (built over a sub-ensemble's parameters) rows ``rows`` of ``opt``'s state."""
+    old = [p for g in opt.param_groups for p in g["params"]]
+    fresh = [p for g in new.param_groups for p in g["params"]]
+    for p_old, p_new in zip(old, fresh, strict=True):
+        if opt.state[p_old]:
+            new.state[p_new] = {
+                k: v[rows.to(v.device)].clone() for k, v in opt.state[p_old].items()
+            }
+
+
+def check_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
+    """What ``opt.load_state_dict`` checks before loading: known parameters, ``[n, ...]`` state.
+
+    Raises:
+        ValueError: state for unknown parameters, or tensors whose leading dim is not n.
+    """
+    api, n = f"{opt._api}.load_state_dict", opt.num_members
+    count = sum(len(g["params"]) for g in opt.param_groups)
+    for k, state in dict(state_dict.get("state", {})).items():
+        if not isinstance(k, int) or not 0 <= k < count:
+            raise ValueError(f"{api}: state for unknown parameter {k!r}")
+        for name, v in state.items():
+            if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] != n:
+                raise ValueError(
+                    f"{api}: `{name}` of parameter {k} has shape {tuple(v.shape)}, expected "
+                    f"[n={n}, ...]"
+                )

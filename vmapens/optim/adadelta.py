@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from .base import NONNEGATIVE, Hyper, Scalar, StackedOptimizer, member_columns
+from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar, member_columns
+from .base import StackedOptimizer
 
 __all__ = ["StackedAdadelta", "adadelta_rule"]
-
-PerMember = float | Sequence[float] | Tensor
 
 
 def adadelta_rule(
@@ -83,9 +82,8 @@ class StackedAdadelta(StackedOptimizer):
         eps: Term inside both square roots, a float or one per member.
         weight_decay: L2 penalty, a float or one per member.
         maximize: Maximise the objective.
-        **implementation: torch's implementation flags that its twin takes (``foreach``,
-            ``capturable=False``, ``differentiable=False``): accepted, kept in
-            ``param_groups``; they change nothing here.
+        **implementation: torch's implementation flags that ``torch.optim.Adadelta`` takes
+            (see :class:`~vmapens.optim.StackedOptimizer`).
 
     Raises:
         ValueError: Empty params, mismatched leading sizes, out-of-range or wrong-length

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from .base import NONNEGATIVE, Hyper, Scalar, StackedOptimizer, member_column
+from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar, member_column
+from .base import StackedOptimizer
 
 __all__ = ["StackedAdafactor", "adafactor_rule"]
-
-PerMember = float | Sequence[float] | Tensor
 
 
 def _per_member_norm(x: Tensor) -> Tensor:
@@ -111,9 +110,8 @@ class StackedAdafactor(StackedOptimizer):
         d: Clipping threshold (``>= 1``), a float or one per member.
         weight_decay: Decoupled weight decay, a float or one per member.
         maximize: Maximise the objective.
-        **implementation: torch's implementation flags that its twin takes (``foreach``,
-            ``capturable=False``, ``differentiable=False``): accepted, kept in
-            ``param_groups``; they change nothing here.
+        **implementation: torch's implementation flags that ``torch.optim.Adafactor`` takes
+            (see :class:`~vmapens.optim.StackedOptimizer`).
 
     Raises:
         ValueError: Empty params, mismatched leading sizes, out-of-range or wrong-length

@@ -7,23 +7,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import (
+from ._fused import fusable, run_fused
+from ._hyper import (
     EPS,
     LR,
     WEIGHT_DECAY,
     Params,
     PerMember,
     Scalar,
-    StackedOptimizer,
     add_scaled,
-    fusable,
     like,
     member_column,
     member_columns,
     nonnegative,
-    run_fused,
-    step_one,
 )
+from ._keep import step_one
+from .base import StackedOptimizer
 
 __all__ = ["StackedAdagrad", "adagrad_rule", "adagrad_update_"]
 

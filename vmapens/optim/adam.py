@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import (
+from ._fused import fusable, run_fused
+from ._hyper import (
     BETAS,
     EPS,
     LR,
@@ -19,14 +20,12 @@ from .base import (
     Params,
     PerMember,
     Scalar,
-    StackedOptimizer,
     add_scaled,
-    fusable,
     like,
     member_columns,
-    run_fused,
-    step_one,
 )
+from ._keep import step_one
+from .base import StackedOptimizer
 
 __all__ = ["StackedAdam", "adam_rule", "adam_update", "adam_update_"]
 

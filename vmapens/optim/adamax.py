@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import (
+from ._hyper import (
     BETAS,
     EPS,
     LR,
@@ -15,12 +15,12 @@ from .base import (
     Params,
     PerMember,
     Scalar,
-    StackedOptimizer,
     add_scaled,
     like,
     member_columns,
-    step_one,
 )
+from ._keep import step_one
+from .base import StackedOptimizer
 
 __all__ = ["StackedAdamax", "adamax_rule", "adamax_update_"]
 

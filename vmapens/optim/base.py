@@ -19,59 +19,21 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_mask
-from ._fused import fusable, run_fused
-from ._handoff import member_state_dict, select_parts
+from ._handoff import check_state_dict, copy_rows, member_state_dict, select_parts
 from ._hyper import (
-    BETAS,
-    EPS,
     IMPLEMENTATION,
-    LR,
-    MOMENTUM,
-    NONNEGATIVE,
-    UNIT,
-    WEIGHT_DECAY,
     Hyper,
-    Params,
-    PerMember,
-    Scalar,
-    add_scaled,
     check_hyper,
     check_implementation,
     group_args,
     implementation_flags,
     leading_n,
-    like,
     local_values,
-    member_column,
-    member_columns,
-    nonnegative,
     params_of,
 )
-from ._keep import Rule, Snapshot, keep_masked_, step_one, tensors_of
+from ._keep import Snapshot, keep_masked_, tensors_of
 
-__all__ = [
-    "BETAS",
-    "EPS",
-    "LR",
-    "MOMENTUM",
-    "NONNEGATIVE",
-    "UNIT",
-    "WEIGHT_DECAY",
-    "Hyper",
-    "Params",
-    "PerMember",
-    "Rule",
-    "Scalar",
-    "StackedOptimizer",
-    "add_scaled",
-    "fusable",
-    "like",
-    "member_column",
-    "member_columns",
-    "nonnegative",
-    "run_fused",
-    "step_one",
-]
+__all__ = ["StackedOptimizer"]
 
 # What a subclass constructor's locals() holds besides its options.
 _NOT_OPTIONS = ("self", "params", "__class__", "implementation")
@@ -284,16 +246,7 @@ class StackedOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: state for unknown parameters, or tensors whose leading dim is not n.
         """
-        params = [p for g in self.param_groups for p in g["params"]]
-        for k, state in dict(state_dict.get("state", {})).items():
-            if not isinstance(k, int) or not 0 <= k < len(params):
-                raise ValueError(f"{self._api}.load_state_dict: state for unknown parameter {k!r}")
-            for name, v in state.items():
-                if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] != self.num_members:
-                    raise ValueError(
-                        f"{self._api}.load_state_dict: `{name}` of parameter {k} has shape "
-                        f"{tuple(v.shape)}, expected [n={self.num_members}, ...]"
-                    )
+        check_state_dict(self, state_dict)
         super().load_state_dict(state_dict)
         self._ready = [None] * len(self.param_groups)
         if self.state:
@@ -449,12 +402,7 @@ class StackedOptimizer(torch.optim.Optimizer):
         rows, groups, defaults = select_parts(self, index, params)
         new = type(self).__new__(type(self))
         StackedOptimizer.__init__(new, groups, defaults)
-        old = [p for g in self.param_groups for p in g["params"]]
-        for p_old, p_new in zip(old, [p for g in groups for p in g["params"]], strict=True):
-            if self.state[p_old]:
-                new.state[p_new] = {
-                    k: v[rows.to(v.device)].clone() for k, v in self.state[p_old].items()
-                }
+        copy_rows(self, new, rows)
         if new.state:
             new.prepare()
         return new

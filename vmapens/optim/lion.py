@@ -7,17 +7,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import (
-    BETAS,
-    LR,
-    WEIGHT_DECAY,
-    Params,
-    PerMember,
-    Scalar,
-    StackedOptimizer,
-    member_columns,
-    step_one,
-)
+from ._hyper import BETAS, LR, WEIGHT_DECAY, Params, PerMember, Scalar, member_columns
+from ._keep import step_one
+from .base import StackedOptimizer
 
 __all__ = ["StackedLion", "lion_rule", "lion_update_"]
 

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from .._checks import column
-from .base import NONNEGATIVE, Hyper, Scalar, StackedOptimizer, member_column
+from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar, member_column
+from .base import StackedOptimizer
 
 __all__ = ["StackedMuon", "muon_rule", "newton_schulz"]
 
-PerMember = float | Sequence[float] | Tensor
 
 #: torch's defaults (``torch.optim._muon``): Keller Jordan's quintic coefficients.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)

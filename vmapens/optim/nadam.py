@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import (
+from ._hyper import (
     BETAS,
     EPS,
     LR,
@@ -15,13 +15,13 @@ from .base import (
     Params,
     PerMember,
     Scalar,
-    StackedOptimizer,
     add_scaled,
     like,
     member_columns,
     nonnegative,
-    step_one,
 )
+from ._keep import step_one
+from .base import StackedOptimizer
 
 __all__ = ["StackedNAdam", "nadam_rule", "nadam_update_"]
 

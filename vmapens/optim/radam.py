@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from .base import NONNEGATIVE, UNIT, Hyper, Scalar, StackedOptimizer, member_columns
+from ._hyper import NONNEGATIVE, UNIT, Hyper, PerMember, Scalar, member_columns
+from .base import StackedOptimizer
 
 __all__ = ["StackedRAdam", "radam_rule"]
-
-PerMember = float | Sequence[float] | Tensor
 
 
 def radam_rule(
@@ -95,9 +94,8 @@ class StackedRAdam(StackedOptimizer):
         weight_decay: Weight decay, a float or one per member.
         decoupled_weight_decay: AdamW-style decay.
         maximize: Maximise the objective.
-        **implementation: torch's implementation flags that its twin takes (``foreach``,
-            ``capturable=False``, ``differentiable=False``): accepted, kept in
-            ``param_groups``; they change nothing here.
+        **implementation: torch's implementation flags that ``torch.optim.RAdam`` takes
+            (see :class:`~vmapens.optim.StackedOptimizer`).
 
     Raises:
         ValueError: Empty params, mismatched leading sizes, out-of-range or wrong-length

@@ -7,8 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._hyper import member_floats
-from .base import (
+from ._hyper import (
     EPS,
     LR,
     MOMENTUM,
@@ -16,12 +15,13 @@ from .base import (
     Params,
     PerMember,
     Scalar,
-    StackedOptimizer,
     add_scaled,
     member_columns,
+    member_floats,
     nonnegative,
-    step_one,
 )
+from ._keep import step_one
+from .base import StackedOptimizer
 
 __all__ = ["StackedRMSprop", "rmsprop_rule", "rmsprop_update_"]
 

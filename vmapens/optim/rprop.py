@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from ._hyper import member_floats
-from .base import NONNEGATIVE, Hyper, Scalar, StackedOptimizer, member_column, member_columns
+from ._hyper import (
+    NONNEGATIVE,
+    Hyper,
+    PerMember,
+    Scalar,
+    member_column,
+    member_columns,
+    member_floats,
+)
+from .base import StackedOptimizer
 
 __all__ = ["StackedRprop", "rprop_rule"]
-
-PerMember = float | Sequence[float] | Tensor
 
 
 def rprop_rule(
@@ -88,9 +94,8 @@ class StackedRprop(StackedOptimizer):
             ``0 < etaminus < 1 < etaplus``.
         step_sizes: ``(min, max)`` step sizes, each a float or one per member.
         maximize: Maximise the objective.
-        **implementation: torch's implementation flags that its twin takes (``foreach``,
-            ``capturable=False``, ``differentiable=False``): accepted, kept in
-            ``param_groups``; they change nothing here.
+        **implementation: torch's implementation flags that ``torch.optim.Rprop`` takes
+            (see :class:`~vmapens.optim.StackedOptimizer`).
 
     Raises:
         ValueError: Empty params, mismatched leading sizes, out-of-range or wrong-length

@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 
 from .._checks import column
-from ._hyper import member_floats
-from .base import (
+from ._fused import fusable, run_fused
+from ._hyper import (
     LR,
     MOMENTUM,
     WEIGHT_DECAY,
@@ -17,13 +17,12 @@ from .base import (
     Params,
     PerMember,
     Scalar,
-    StackedOptimizer,
     add_scaled,
-    fusable,
     member_columns,
-    run_fused,
-    step_one,
+    member_floats,
 )
+from ._keep import step_one
+from .base import StackedOptimizer
 
 __all__ = ["StackedSGD", "sgd_rule", "sgd_update_"]
 

@@ -1,0 +1,181 @@
+"""What a training step does around the optimizer, shared by the eager and compiled steps.
+
+The argument checks before anything changes, the undo point, the masked members' buffers,
+and ``Update``: autocast, the per-member loss scale and gradient clipping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ._checks import check_choice, check_mask, expand_in_dims
+from ._precision import LossScale
+from .ensemble import Ensemble
+from .optim import StackedOptimizer
+from .optim._keep import keep_masked_
+from .optim.clip import clip_norms_, clip_values_
+
+__all__ = [
+    "PRECISIONS",
+    "Update",
+    "build_update",
+    "check_call",
+    "check_optimizer",
+    "frozen_buffers",
+    "undo_point",
+]
+
+#: ``precision=`` names and the autocast dtype each member's forward and loss run in.
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """What a step does around the optimizer: autocast, loss scale, clipping."""
+
+    device_type: str
+    dtype: torch.dtype | None
+    clip_norm: float | None
+    clip_value: float | None
+    scale: LossScale | None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward's autocast (member-exact: see ``Ensemble._member_map``)."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, self.dtype)
+
+    def gradients_(
+        self, grads: list[torch.Tensor], mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Unscale, then clip ``grads`` in place; returns (who steps, who overflowed).
+
+        GradScaler's order: a member's gradients are unscaled before they are clipped.
+        """
+        found_inf = torch.zeros(0, dtype=torch.bool)
+        if self.scale is not None:
+            found_inf = self.scale.unscale_(grads)
+            mask = ~found_inf if mask is None else mask & ~found_inf
+        if grads and self.clip_norm is not None:
+            clip_norms_(grads, self.clip_norm)
+        if grads and self.clip_value is not None:
+            clip_values_(grads, self.clip_value)
+        return mask, found_inf
+
+
+def build_update(
+    api: str,
+    ens: Ensemble,
+    optimizer: Any,
+    clip_norm: float | None,
+    clip_value: float | None,
+    precision: str | None,
+    loss_scale: LossScale | None,
+) -> Update:
+    """make_step's options checked, as the step uses them."""
+    if clip_norm is not None and clip_value is not None:
+        raise ValueError(f"{api}: give one of `clip_grad_norm` and `clip_grad_value`, not both")
+    for name, bound in (("clip_grad_norm", clip_norm), ("clip_grad_value", clip_value)):
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))):
+            raise TypeError(f"{api}: `{name}` must be a float, got {type(bound).__name__}")
+        if bound is not None and not bound > 0:
+            raise ValueError(f"{api}: `{name}` must be > 0, got {bound}")
+    if precision is not None:
+        check_choice(api, "precision", precision, tuple(PRECISIONS))
+    device = next(iter(ens.parameters())).device
+    if precision == "fp16":
+        if not isinstance(optimizer, StackedOptimizer):
+            raise TypeError(
+                f"{api}: `precision='fp16'` skips overflowing members through a "
+                f"vmapens.StackedOptimizer's mask, got {type(optimizer).__name__}"
+            )
+        loss_scale = LossScale(len(ens), device=device) if loss_scale is None else loss_scale
+    if loss_scale is not None:
+        if not isinstance(loss_scale, LossScale):
+            raise TypeError(
+                f"{api}: `loss_scale` must be a LossScale, got {type(loss_scale).__name__}"
+            )
+        if precision != "fp16":
+            raise ValueError(f"{api}: `loss_scale` needs `precision='fp16'`, got {precision!r}")
+        if loss_scale.scale.shape != (len(ens),):
+            raise ValueError(
+                f"{api}: `loss_scale` is for {loss_scale.scale.shape[0]} members, the ensemble "
+                f"has {len(ens)}"
+            )
+        loss_scale.scale = loss_scale.scale.to(device)
+        loss_scale.growth_tracker = loss_scale.growth_tracker.to(device)
+    dtype = None if precision is None else PRECISIONS[precision]
+    return Update(device.type, dtype, clip_norm, clip_value, loss_scale)
+
+
+def check_optimizer(api: str, ens: Ensemble, optimizer: Any) -> None:
+    """``optimizer`` must be a torch optimizer over (some of) this ensemble's parameters."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"{api}: `optimizer` must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    ours = {id(p) for p in ens.parameters()}
+    for k, p in enumerate(q for g in optimizer.param_groups for q in g["params"]):
+        if id(p) not in ours:
+            raise ValueError(
+                f"{api}: `optimizer` parameter {k} (shape {list(p.shape)}) is not a parameter of "
+                "this ensemble; build the optimizer from this ensemble, e.g. StackedAdam(ens)"
+            )
+
+
+def check_call(
+    ens: Ensemble, optimizer: Any, inputs: Any, targets: Any, mask: Any, in_dims: int | None
+) -> tuple:
+    """Everything a step checks before it changes anything; returns the positional inputs."""
+    if mask is not None and not isinstance(optimizer, StackedOptimizer):
+        raise TypeError(
+            f"step: `mask` needs a vmapens.StackedOptimizer, got {type(optimizer).__name__}"
+        )
+    check_mask("step", mask, len(ens))
+    if not isinstance(targets, torch.Tensor):
+        raise TypeError(f"step: `targets` must be a tensor, got {type(targets).__name__}")
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    expand_in_dims("step", (in_dims, in_dims), (args, targets), len(ens))
+    return args
+
+
+def undo_point(ens: Ensemble, optimizer: Any) -> Callable[[], None]:
+    """A function that puts parameters and optimizer state back as they are now.
+
+    A StackedOptimizer rolls itself back (it checks everything first and undoes a failed
+    update); any other optimizer gets a copy of its state and of the parameters it updates.
+    """
+    if isinstance(optimizer, StackedOptimizer):
+        return lambda: None
+    params = list(ens.parameters())
+    saved = [p.detach().clone() for p in params]
+    state = copy.deepcopy(optimizer.state_dict())
+
+    def undo() -> None:
+        with torch.no_grad():
+            for p, s in zip(params, saved, strict=True):
+                p.copy_(s)
+        optimizer.load_state_dict(state)
+
+    return undo
+
+
+@contextlib.contextmanager
+def frozen_buffers(ens: Ensemble, mask: torch.Tensor | None) -> Iterator[None]:
+    """Give the members where ``mask`` is False their buffers back after the step.
+
+    The forward updates every member's buffers (BatchNorm statistics); the optimizer's mask
+    only covers parameters and optimizer state.
+    """
+    buffers = [] if mask is None else list(ens.stacked_buffers().values())
+    saved = [b.clone() for b in buffers]
+    yield
+    if mask is not None:
+        with torch.no_grad():
+            keep_masked_(buffers, saved, mask)

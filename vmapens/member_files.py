@@ -1,0 +1,138 @@
+"""Per-member files: one plain state_dict file per member that any PyTorch code loads.
+
+``save_members`` writes ``member_<id>.pt`` (or ``.safetensors``) with a digest that plain
+``torch.load`` / safetensors ignore; ``load_member`` is the checked reader.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from ._files import (
+    atomic_write,
+    open_checked,
+    read_bytes,
+    seal_safetensors,
+    seal_torch,
+    torch_load,
+    unseal_safetensors,
+    write_error,
+)
+from .ensemble import Ensemble
+
+__all__ = ["load_member", "save_members"]
+
+
+def save_members(ens: Ensemble, directory: str | os.PathLike, format: str = "pt") -> list[Path]:
+    """Write one file per member, named by its global index, that the member's class loads.
+
+    ``member_0003.pt`` loads with ``MyModel().load_state_dict(torch.load(path))``;
+    ``member_0003.safetensors`` with ``safetensors.torch.load_file(path)``.
+
+    Args:
+        ens: the ensemble.
+        directory: created if missing.
+        format: ``"pt"`` or ``"safetensors"`` (needs ``pip install 'vmapens[safetensors]'``).
+
+    Returns:
+        The paths written, in member order.
+
+    Raises:
+        ValueError: unknown ``format``.
+        ImportError: ``format="safetensors"`` without the safetensors package.
+
+    Example:
+        >>> from torch import nn
+        >>> paths = save_members(Ensemble(lambda: nn.Linear(3, 1), n=2), "members")
+        >>> [p.name for p in paths]
+        ['member_0000.pt', 'member_0001.pt']
+        >>> nn.Linear(3, 1).load_state_dict(torch.load(paths[1]))
+        <All keys matched successfully>
+    """
+    if format not in ("pt", "safetensors"):
+        raise ValueError(f"save_members: `format` must be 'pt' or 'safetensors', got {format!r}")
+    if format == "safetensors":
+        try:
+            from safetensors.torch import save as to_bytes
+        except ImportError as err:
+            raise ImportError(
+                "save_members: format='safetensors' needs the safetensors package; install it "
+                "with: pip install 'vmapens[safetensors]'"
+            ) from err
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise write_error("save_members", directory, err) from err
+    paths = []
+    for gid, sd in zip(ens.member_ids, ens.state_dicts(), strict=True):
+        path = directory / f"member_{gid:04d}.{format}"
+        if format == "pt":
+            atomic_write(path, seal_torch(sd), "save_members")
+        else:
+            # safetensors refuses tensors that share memory (tied weights): one copy per key.
+            tensors = {k: v.detach().cpu().contiguous().clone() for k, v in sd.items()}
+            atomic_write(path, _bytes_writer(seal_safetensors(to_bytes, tensors)), "save_members")
+        paths.append(path)
+    return paths
+
+
+def _bytes_writer(data: bytes) -> Callable[[IO[bytes]], Any]:
+    return lambda f: f.write(data)
+
+
+def load_member(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read one file written by :func:`save_members`, checking the digest it carries.
+
+    ``torch.load(path)`` and ``safetensors.torch.load_file(path)`` read the same files but
+    check nothing: a changed byte in tensor data loads as changed values. This reader refuses
+    any file whose bytes do not match its SHA-256 digest.
+
+    Args:
+        path: a ``member_XXXX.pt`` or ``member_XXXX.safetensors`` file.
+
+    Returns:
+        The member's state_dict (on CPU), for ``model.load_state_dict``.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: a truncated, corrupt or changed file, or one that holds something other
+            than a dict of tensors; the message names the file.
+        ImportError: a ``.safetensors`` file without the safetensors package.
+
+    Example:
+        >>> from torch import nn
+        >>> paths = save_members(Ensemble(lambda: nn.Linear(3, 1), n=2), "members")
+        >>> nn.Linear(3, 1).load_state_dict(load_member(paths[1]))
+        <All keys matched successfully>
+    """
+    where = os.fspath(path)
+    if where.endswith(".safetensors"):
+        try:
+            from safetensors.torch import load as from_bytes
+        except ImportError as err:
+            raise ImportError(
+                f"load_member: {where} is a safetensors file; install the safetensors package "
+                "with: pip install 'vmapens[safetensors]'"
+            ) from err
+        data = read_bytes(path, "load_member")
+        unseal_safetensors(data, where, "load_member")
+        try:
+            state = from_bytes(data)
+        except Exception as err:  # noqa: BLE001  # safetensors raises its own kinds
+            raise ValueError(
+                f"load_member: {where} is not a readable safetensors file: {err}"
+            ) from err
+    else:
+        with open_checked(path, "load_member") as f:
+            state = torch_load(f, where, "load_member")
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise ValueError(f"load_member: {where} does not hold a state_dict (names -> tensors)")
+    return state
