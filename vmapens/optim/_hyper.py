@@ -14,6 +14,7 @@ from .._checks import column
 from ._values import MemberValues
 
 __all__ = [
+    "signed",
     "BETAS",
     "EPS",
     "LR",
@@ -284,3 +285,8 @@ def leading_n(api: str, tensors: Sequence[Any]) -> int:
             f"{api}: all parameters must share the leading member dim n, got sizes {sizes}"
         )
     return sizes[0]
+
+
+def signed(grads: list[Tensor], group: dict[str, Any]) -> list[Tensor] | tuple[Tensor, ...]:
+    """The gradients a rule descends along: negated with ``maximize``, as torch's rules do."""
+    return torch._foreach_neg(grads) if group["maximize"] else grads

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar, member_columns
+from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar, member_columns, signed
 from .base import StackedOptimizer
 
 __all__ = ["StackedAdadelta", "adadelta_rule"]
@@ -41,8 +42,7 @@ def adadelta_rule(
     lr, rho, eps, wd = group["lr"], group["rho"], group["eps"], group["weight_decay"]
     square_avg, acc_delta = state["square_avg"], state["acc_delta"]
 
-    def col(x: Scalar) -> Any:
-        return member_columns(x, params)
+    col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
 
     def decay_(avg: list[Tensor], x: list[Tensor] | tuple[Tensor, ...]) -> None:
         torch._foreach_mul_(avg, col(rho))
@@ -52,7 +52,7 @@ def adadelta_rule(
             torch._foreach_addcmul_(avg, x, x, value=1 - rho)
 
     state["step"].add_(1)
-    g = torch._foreach_neg(grads) if group["maximize"] else grads
+    g = signed(grads, group)
     if isinstance(wd, Tensor) or wd != 0:
         g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
     decay_(square_avg, g)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from ._hyper import (
     member_column,
     member_columns,
     nonnegative,
+    signed,
 )
 from ._keep import step_one
 from .base import StackedOptimizer
@@ -71,11 +74,9 @@ def adagrad_rule(
         run_fused(kernel, [params, grads, sums], step, group["mask"])
         return
 
-    def col(x: Scalar) -> Any:
-        return member_columns(x, params)
-
+    col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     step.add_(1)
-    g = torch._foreach_neg(grads) if group["maximize"] else grads
+    g = signed(grads, group)
     if isinstance(wd, Tensor) or wd != 0:
         g = add_scaled(g, params, wd)
     clr = lr / like(lr, 1 + (step.double() - 1) * lr_decay)

@@ -6,6 +6,8 @@ hyperparameters on :class:`~vmapens.optim.base.StackedOptimizer`.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ from ._hyper import (
     add_scaled,
     like,
     member_columns,
+    signed,
 )
 from ._keep import step_one
 from .base import StackedOptimizer
@@ -88,10 +91,8 @@ def adam_rule(
         run_fused(kernel, lists, step, group["mask"])
         return
 
-    def col(x: Scalar) -> Any:
-        return member_columns(x, params)
-
-    g = torch._foreach_neg(grads) if group["maximize"] else grads
+    col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
+    g = signed(grads, group)
     if isinstance(wd, Tensor) or wd != 0:
         if group["decoupled_weight_decay"]:
             torch._foreach_mul_(params, col(1 - lr * wd))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ from ._hyper import (
     add_scaled,
     like,
     member_columns,
+    signed,
 )
 from ._keep import step_one
 from .base import StackedOptimizer
@@ -49,10 +52,8 @@ def adamax_rule(
     lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     exp_avg, exp_inf, step = state["exp_avg"], state["exp_inf"], state["step"]
 
-    def col(x: Scalar) -> Any:
-        return member_columns(x, params)
-
-    g = torch._foreach_neg(grads) if group["maximize"] else grads
+    col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
+    g = signed(grads, group)
     step.add_(1)
     if isinstance(wd, Tensor) or wd != 0:
         g = add_scaled(g, params, wd)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar, member_columns
+from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar, member_columns, signed
 from .base import StackedOptimizer
 
 __all__ = ["StackedASGD", "asgd_rule"]
@@ -47,13 +48,11 @@ def asgd_rule(
     lr, lambd, wd = group["lr"], group["lambd"], group["weight_decay"]
     ax, step, eta, mu = state["ax"], state["step"], state["eta"], state["mu"]
 
-    def col(x: Scalar) -> Any:
-        return member_columns(x, params)
-
+    col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     # torch creates eta from the group's lr at a member's first step (its state is lazy).
     eta.copy_(torch.where(step == 0, lr, eta))
     step.add_(1)
-    g = torch._foreach_neg(grads) if group["maximize"] else grads
+    g = signed(grads, group)
     if isinstance(wd, Tensor) or wd != 0:
         g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
     eta_now = eta.double()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,9 +44,7 @@ def lion_rule(
         state["exp_avg"],
     )
 
-    def col(x: Scalar) -> Any:
-        return member_columns(x, params)
-
+    col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     state["step"].add_(1)
     update = torch._foreach_mul(exp_avg, col(beta1))
     torch._foreach_add_(update, torch._foreach_mul(grads, col(1 - beta1)))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ from ._hyper import (
     like,
     member_columns,
     nonnegative,
+    signed,
 )
 from ._keep import step_one
 from .base import StackedOptimizer
@@ -56,10 +59,8 @@ def nadam_rule(
     lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     exp_avg, exp_avg_sq, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
 
-    def col(x: Scalar) -> Any:
-        return member_columns(x, params)
-
-    g = torch._foreach_neg(grads) if group["maximize"] else grads
+    col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
+    g = signed(grads, group)
     step.add_(1)
     t = step.double()
     bias_correction2 = 1 - torch.pow(beta2, t)

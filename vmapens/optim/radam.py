@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from ._hyper import NONNEGATIVE, UNIT, Hyper, PerMember, Scalar, member_columns
+from ._hyper import NONNEGATIVE, UNIT, Hyper, PerMember, Scalar, member_columns, signed
 from .base import StackedOptimizer
 
 __all__ = ["StackedRAdam", "radam_rule"]
@@ -44,10 +45,8 @@ def radam_rule(
     lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     exp_avg, exp_avg_sq, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
 
-    def col(x: Scalar) -> Any:
-        return member_columns(x, params)
-
-    g = torch._foreach_neg(grads) if group["maximize"] else grads
+    col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
+    g = signed(grads, group)
     step.add_(1)
     t = step.double()
     if isinstance(wd, Tensor) or wd != 0:

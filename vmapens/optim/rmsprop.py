@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ from ._hyper import (
     member_columns,
     member_floats,
     nonnegative,
+    signed,
 )
 from ._keep import step_one
 from .base import StackedOptimizer
@@ -59,10 +62,8 @@ def rmsprop_rule(
         state.get("momentum_buffer"),
     )
 
-    def col(x: Scalar) -> Any:
-        return member_columns(x, params)
-
-    g = torch._foreach_neg(grads) if group["maximize"] else grads
+    col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
+    g = signed(grads, group)
     state["step"].add_(1)
     if isinstance(wd, Tensor) or wd != 0:
         g = add_scaled(g, params, wd)

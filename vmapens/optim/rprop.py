@@ -16,6 +16,7 @@ from ._hyper import (
     member_column,
     member_columns,
     member_floats,
+    signed,
 )
 from .base import StackedOptimizer
 
@@ -57,7 +58,7 @@ def rprop_rule(
         return out if isinstance(out, list) else [out] * len(params)
 
     state["step"].add_(1)
-    g = torch._foreach_neg(grads) if group["maximize"] else grads
+    g = signed(grads, group)
     signs = torch._foreach_mul(g, prevs)
     torch._foreach_sign_(signs)
     kept = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from ._hyper import (
     add_scaled,
     member_columns,
     member_floats,
+    signed,
 )
 from ._keep import step_one
 from .base import StackedOptimizer
@@ -75,10 +78,8 @@ def sgd_rule(
         run_fused(kernel, lists, step, group["mask"])
         return
 
-    def col(x: Scalar) -> Any:
-        return member_columns(x, params)
-
-    g = torch._foreach_neg(grads) if group["maximize"] else grads
+    col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
+    g = signed(grads, group)
     if isinstance(wd, Tensor) or wd != 0:
         g = add_scaled(g, params, wd)
     if bufs is not None:
