@@ -19,6 +19,7 @@ from pathlib import Path
 import models
 import pytest
 import torch
+from test_faults import in_child
 from torch import nn
 
 import vmapens
@@ -201,17 +202,6 @@ def alive(pid: int) -> bool:
 
 def equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def in_child(body: Callable[[], int]) -> int:
-    pid = os.fork()
-    if pid == 0:  # the child: never return into pytest
-        code = 1
-        try:
-            code = body()
-        finally:
-            os._exit(code)
-    return pid
 
 
 def test_cleanup_removes_only_temp_files_whose_writer_is_gone(tmp_path: Path):

@@ -130,9 +130,9 @@ class Probe:
 
     It runs once per step object, before the step changes anything. The compiled step is
     probed the same way, eagerly, before its first compiled call: ``torch.compile`` traces a
-    member's parameters as the eager member map sees them (``requires_grad`` False). A batch member 0 cannot
-    run alone (wrong shapes...) is left to the step itself, which then raises its usual error,
-    and the probe waits for the next call (``TRIES`` calls at most).
+    member's parameters as the eager member map sees them (``requires_grad`` False). A batch
+    member 0 cannot run alone (wrong shapes...) is left to the step itself, which then raises
+    its usual error, and the probe waits for the next call (``TRIES`` calls at most).
 
     Args:
         ens: the ensemble the step trains.
