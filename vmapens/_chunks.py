@@ -48,8 +48,8 @@ def chunked_losses_and_grads(
     ``vmap(chunk_size=...)`` gives.
 
     Args:
-        batched: ``(state, args, targets) -> losses[chunk]``, the ensemble's member map of the
-            member loss.
+        batched: ``(state, args, targets, rows=slice) -> losses[chunk]``, the ensemble's
+            member map of the member loss (``rows``: which members ``state`` holds).
         state: the stacked parameters and buffers by name.
         params: the trained stacked parameters (tensors of ``state``), in the order of the
             returned gradients.
@@ -74,10 +74,10 @@ def chunked_losses_and_grads(
         if rng is not None:
             torch.set_rng_state(rng)
         leaves = {k: state[k][a:b].detach().requires_grad_() for k in trained}
-        rows = {k: leaves.get(k, v[a:b]) for k, v in state.items()}
+        part = {k: leaves.get(k, v[a:b]) for k, v in state.items()}
         member_args = (args, targets) if in_dims is None else _rows((args, targets), a, b)
         with autocast():
-            loss = batched(rows, *member_args)
+            loss = batched(part, *member_args, rows=slice(a, b))
         scaled = loss if scale is None else loss * scale[a:b]
         found = torch.autograd.grad(scaled.sum(), [leaves[k] for k in trained], allow_unused=True)
         for j, g in enumerate(found):

@@ -32,23 +32,31 @@ Factory = Callable[[], nn.Module]
 
 
 def build_members(
-    factory: Factory, seed: int | None, seeds: Sequence[int] | None, member_ids: Sequence[int]
+    factory: Factory | Sequence[Factory],
+    seed: int | None,
+    seeds: Sequence[int] | None,
+    member_ids: Sequence[int],
 ) -> Iterator[nn.Module]:
     """Yield member ``i`` for each id, built as the user would build it alone.
 
     ``seeds`` (one torch seed per member) wins over ``seed`` (hash-derived per member, see
     ``member_seed``); with neither, members come from the global RNG one after another.
+    ``factory`` is one factory for all members or one per member.
     """
+
+    def make(i: int) -> nn.Module:
+        return factory[i]() if isinstance(factory, Sequence) else factory()
+
     if seed is None and seeds is None:
         for i in member_ids:
-            yield check_member(factory(), i, "Ensemble")
+            yield check_member(make(i), i, "Ensemble")
         return
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     seed_all = torch.manual_seed if _accelerators() else torch.default_generator.manual_seed
     for i in member_ids:
         with torch.random.fork_rng(devices=devices):
             seed_all(seeds[i] if seeds is not None else member_seed(seed or 0, i))
-            member = factory()
+            member = make(i)
         yield check_member(member, i, "Ensemble")
         del member
 
@@ -100,9 +108,14 @@ def signature(module: nn.Module) -> tuple[type, dict[str, tuple]]:
 
 
 def check_same(
-    reference: tuple[type, dict[str, tuple]], other: nn.Module, i: int, api: str
+    reference: tuple[type, dict[str, tuple]],
+    other: nn.Module,
+    i: int,
+    api: str,
+    shapes: bool = True,
 ) -> None:
-    """Raise ValueError naming the first tensor where ``other`` differs from member 0."""
+    """Raise ValueError naming the first tensor where ``other`` differs from member 0 (in
+    anything but its shape with ``shapes=False``)."""
     ref_type, ref = reference
     got_type, got = signature(other)
     if got_type is not ref_type:
@@ -115,7 +128,7 @@ def check_same(
             which = "lacks" if key not in got else "has an extra"
             raise ValueError(f"{api}: member {i} {which} tensor `{key}` (compared to member 0)")
         for what, a, b in zip(("shape", "dtype", "device", "requires_grad"), ref[key], got[key]):
-            if a != b:
+            if a != b and (shapes or what != "shape"):
                 raise ValueError(
                     f"{api}: member {i} differs from member 0 at `{key}`: {what} {b} vs {a}"
                 )

@@ -17,6 +17,7 @@ from torch import nn
 
 from ._checks import as_ids, index_rows
 from ._members import named_tensors, non_persistent_buffers
+from ._padding import Padding
 
 __all__ = ["StackedModule"]
 
@@ -33,6 +34,9 @@ class StackedModule(nn.Module):
     _state_keys: dict[str, str]
     _runner: nn.Module
     backend: str
+    #: Where each member sits in storage padded to the largest member, or None when all
+    #: members have one size (``Ensemble.from_factories``).
+    _padding: Padding | None = None
 
     def _adopt(
         self,
@@ -47,7 +51,12 @@ class StackedModule(nn.Module):
             if name in params:
                 # Written straight into _parameters: register_parameter forbids the dots of
                 # the member's own names, and those names are what state_dict must show.
-                self._parameters[name] = nn.Parameter(t, requires_grad=params[name].requires_grad)
+                p = nn.Parameter(t, requires_grad=params[name].requires_grad)
+                if self._padding is not None:
+                    # What optimizers read to hand each member's state off at its own size
+                    # and to refuse rules that are not elementwise (vmapens.optim).
+                    p._member_padding = (self._padding, name)  # type: ignore[attr-defined]
+                self._parameters[name] = p
             else:
                 self._buffers[name] = t
         self._non_persistent_buffers_set = non_persistent_buffers(self._template)
@@ -103,9 +112,18 @@ class StackedModule(nn.Module):
             >>> nn.Linear(3, 2).load_state_dict(sds[0])
             <All keys matched successfully>
         """
-        persistent = self._persistent()
+        persistent, padding = self._persistent(), self._padding
         return [
-            {key: persistent[name][i].detach().clone() for key, name in self._state_keys.items()}
+            {
+                key: (
+                    persistent[name][i]
+                    if padding is None
+                    else padding.take(name, persistent[name][i], i)
+                )
+                .detach()
+                .clone()
+                for key, name in self._state_keys.items()
+            }
             for i in range(len(self))
         ]
 
@@ -136,6 +154,8 @@ class StackedModule(nn.Module):
         nn.Module.__init__(sub)  # fresh registries; options and template are shared
         sub.__dict__["_template"] = self._template
         sub.__dict__["_runner"] = self._runner
+        if self._padding is not None:
+            sub.__dict__["_padding"] = self._padding.select(rows.tolist())
         with torch.no_grad():
             stacked = {k: v[rows].clone() for k, v in self.stacked_state().items()}
         ids = [self.member_ids[r] for r in rows.tolist()]
@@ -164,7 +184,8 @@ class StackedModule(nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return f"n={len(self)}, backend={self.backend!r}, member={self._template!r}"
+        sizes = "" if self._padding is None else f", sizes={len(self._padding.templates)} (padded)"
+        return f"n={len(self)}, backend={self.backend!r}{sizes}, member={self._template!r}"
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         # The member's own keys, in its own order, tied aliases included.

@@ -26,6 +26,7 @@ from ._members import (
     named_tensors,
     signature,
 )
+from ._padding import Padding, check_pair, gates_of, largest
 from ._precision import autocast_members
 from ._recurrent import batchable
 from ._storage import StackedModule
@@ -173,12 +174,131 @@ class Ensemble(StackedModule):
         reference = signature(modules[0])
         for i, module in enumerate(modules[1:], start=1):
             check_same(reference, module, i, api)
+            check_pair(api, modules[0], module, i, padded=False)
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._configure(randomness, chunk_size, backend, api)
         member_ids = member_ids_for(len(modules), shard, True, api)
         self._init_storage((modules[i] for i in member_ids), member_ids, len(modules), api)
         return self
+
+    @classmethod
+    def from_factories(
+        cls,
+        factories: Sequence[Factory],
+        *,
+        seed: int | None = None,
+        seeds: Sequence[int] | None = None,
+        randomness: str = "different",
+        chunk_size: int | None = None,
+        backend: str = "vmap",
+    ) -> Ensemble:
+        """An Ensemble whose member ``i`` is ``factories[i]()``: one member per factory, sizes
+        may differ.
+
+        Members of one class whose layers differ only in size (a width sweep:
+        ``[functools.partial(MLP, hidden=h) for h in (16, 32, 64)]``) are stored padded to the
+        largest member and trained in one vmapped step; each computes what it computes alone
+        at its own size (docs/semantics.md, "Members of different sizes"). ``ens[i]``,
+        ``unstack()``, ``state_dicts()`` and ``save_members`` give every member at its own
+        size. Seeding is as for ``Ensemble`` (``seed``: member ``i`` is
+        ``torch.manual_seed(member_seed(seed, i)); factories[i]()``). All members are built
+        before they are stacked, so building peaks at about twice the stacked size.
+
+        Args:
+            factories: one zero-argument callable per member.
+            seed: see ``Ensemble``.
+            seeds: see ``Ensemble``.
+            randomness: see ``Ensemble``.
+            chunk_size: see ``Ensemble``.
+            backend: see ``Ensemble``.
+
+        Returns:
+            The Ensemble, padded when the members' shapes differ.
+
+        Raises:
+            TypeError: ``factories`` is not a sequence of callables, or one returns something
+                other than an ``nn.Module``.
+            ValueError: ``factories`` is empty; members differ in anything but sizes (class,
+                layers, settings such as a dropout rate); a layer that cannot be padded
+                exactly has different sizes (LayerNorm, attention...: the message names it);
+                no member is the largest in every dimension.
+
+        Example:
+            >>> import functools
+            >>> ens = Ensemble.from_factories(
+            ...     [functools.partial(nn.Linear, 3, h) for h in (2, 4)], seed=0
+            ... )
+            >>> ens(torch.randn(5, 3)).shape, ens[0].weight.shape
+            (torch.Size([2, 5, 4]), torch.Size([2, 3]))
+        """
+        api = "Ensemble.from_factories"
+        if isinstance(factories, nn.Module) or not isinstance(factories, Sequence):
+            raise TypeError(
+                f"{api}: `factories` must be a sequence (list or tuple) of zero-argument "
+                f"callables, got {type(factories).__name__}"
+            )
+        if len(factories) == 0:
+            raise ValueError(f"{api}: `factories` must not be empty")
+        for k, factory in enumerate(factories):
+            if isinstance(factory, nn.Module) or not callable(factory):
+                raise TypeError(
+                    f"{api}: `factories[{k}]` must be a zero-argument callable returning an "
+                    f"nn.Module, got {type(factory).__name__}"
+                )
+        n = len(factories)
+        if seed is not None:
+            check_int(api, "seed", seed)
+        if seeds is not None:
+            seeds = check_seeds(api, seeds, n, seed)
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._configure(randomness, chunk_size, backend, api)
+        rng = torch.get_rng_state()
+        try:
+            members = list(build_members(factories, seed, seeds, range(n)))
+            self._init_sized(members, api)
+        except BaseException:
+            torch.set_rng_state(rng)
+            raise
+        return self
+
+    def _init_sized(self, members: list[nn.Module], api: str) -> None:
+        """Stack ``members`` padded to the largest (plainly when all have one size)."""
+        kinds: dict[tuple, int] = {}
+        kind_of = [kinds.setdefault(_shapes_key(m), len(kinds)) for m in members]
+        firsts = [members[kind_of.index(k)] for k in range(len(kinds))]
+        big = firsts[largest(api, [dict(_shapes_key(m)) for m in firsts])]
+        reference = signature(big)
+        for i, member in enumerate(members):
+            check_pair(api, big, member, i, padded=len(kinds) > 1)
+            check_same(reference, member, i, api, shapes=False)
+        if len(kinds) == 1:
+            self._init_storage(members, range(len(members)), len(members), api)
+            return
+        gates = gates_of(big)
+        for name, count in gates.items():
+            for m in firsts:
+                rows = dict(named_tensors(m))[name].shape[0]
+                if rows % count:
+                    raise ValueError(
+                        f"{api}: `{name}` has {rows} rows, not a multiple of its {count} gates"
+                    )
+        full = {name: tuple(t.shape) for name, t in named_tensors(big)}
+        padding = Padding([meta_copy(m) for m in firsts], kind_of, full, gates)
+        self.__dict__["_padding"] = padding
+        self.__dict__["_template"] = meta_copy(big)
+        self.__dict__["_runner"] = unchunked(batchable(self._template))
+        stacked = {
+            name: torch.zeros((len(members), *t.shape), dtype=t.dtype, device=t.device)
+            for name, t in named_tensors(big)
+        }
+        with torch.no_grad():
+            for row, member in enumerate(members):
+                for name, t in named_tensors(member):
+                    padding.put_(name, stacked[name][row], t, row)
+        members.clear()
+        self._adopt(stacked, range(len(kind_of)), len(kind_of), big.training)
 
     def _configure(self, randomness: str, chunk_size: int | None, backend: str, api: str) -> None:
         check_choice(api, "randomness", randomness, RANDOMNESS)
@@ -284,8 +404,35 @@ class Ensemble(StackedModule):
             in_dims: one entry (int or None) per positional argument of ``fn`` after the state.
 
         Returns:
-            The batched function.
+            The batched function ``(stacked_state, *args, rows=None)``; ``rows`` (a slice)
+            says which members ``stacked_state`` holds when it holds a chunk of them.
         """
+        padding = self._padding
+        if padding is None:
+            plain = self._lifted(fn, in_dims)
+
+            def run_plain(state: dict[str, torch.Tensor], *args: Any, rows: Any = None) -> Any:
+                return plain(state, *args)
+
+            return run_plain
+
+        def masked(state: dict[str, torch.Tensor], masks: dict, *args: Any) -> Any:
+            # x * 1 is x and x * 0 is 0 exactly: padded entries add exact zeros to every sum,
+            # and their gradients are exactly zero (docs/semantics.md).
+            return fn({k: v * masks[k] if k in masks else v for k, v in state.items()}, *args)
+
+        lifted = self._lifted(masked, (0, *in_dims))
+        names = set(self._parameters)
+
+        def run(state: dict[str, torch.Tensor], *args: Any, rows: slice | None = None) -> Any:
+            masks = padding.masks({k: v for k, v in state.items() if k in names})
+            if rows is not None:  # a chunk of members (vmapens._chunks)
+                masks = {k: m[rows] for k, m in masks.items()}
+            return lifted(state, masks, *args)
+
+        return run
+
+    def _lifted(self, fn: Callable[..., Any], in_dims: tuple) -> Callable[..., Any]:
         if self.backend == "loop":
             return looped(len(self), self.randomness, fn, in_dims)
         refuse_template_hooks(self._template, self._runner)
@@ -360,15 +507,19 @@ class Ensemble(StackedModule):
             return self.select(index)
         if not -len(self) <= i < len(self):
             raise IndexError(f"Ensemble: member index {i} out of range for {len(self)} members")
+        i %= len(self)
         memo: dict[int, Any] = {}
         stacked = self.stacked_state()
+        padding = self._padding
+        template = self._template if padding is None else padding.templates[padding.kind_of[i]]
         with torch.no_grad():
-            for name, meta in named_tensors(self._template):
-                value = stacked[name][i].clone()
+            for name, meta in named_tensors(template):
+                row = stacked[name][i]
+                value = (row if padding is None else padding.take(name, row, i)).clone()
                 if isinstance(meta, nn.Parameter):
                     value = nn.Parameter(value, requires_grad=meta.requires_grad)
                 memo[id(meta)] = value
-        return copy.deepcopy(self._template, memo)
+        return copy.deepcopy(template, memo)
 
     def __iter__(self) -> Iterator[nn.Module]:
         return (self[i] for i in range(len(self)))
@@ -406,10 +557,17 @@ class Ensemble(StackedModule):
                     member.apply(fn)
                     state = dict(named_tensors(member))
                     for name, t in stacked.items():
-                        t[i].copy_(state[name])
+                        if self._padding is None:
+                            t[i].copy_(state[name])
+                        else:
+                            self._padding.put_(name, t[i], state[name], i)
         except BaseException:  # all members or none: the ones done before get their state back
             with torch.no_grad():
                 for name, t in stacked.items():
                     t.copy_(saved[name])
             raise
         return self
+
+
+def _shapes_key(module: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((name, tuple(t.shape)) for name, t in named_tensors(module))

@@ -81,7 +81,8 @@ def check(
     in_dims: int | None = None,
     autocast: torch.dtype | None = None,
 ) -> None:
-    """Check that member 0 computes inside the ensemble what it computes alone, on one batch.
+    """Check that member 0 computes inside the ensemble what it computes alone, on one batch
+    (with members of different sizes: the first member of every size).
 
     Member 0 runs twice on the same batch, from the same RNG state: once as a plain module of
     your class (``ens[0]``, forward, ``loss_fn``, ``backward()``), once through the ensemble's
@@ -115,14 +116,22 @@ def check(
     api = "check"
     check_step_arguments(api, ens, loss_fn, in_dims)
     args = inputs if isinstance(inputs, tuple) else (inputs,)
-    try:
-        alone = _alone(ens, loss_fn, args, targets, in_dims, autocast)
-    except Exception as err:
-        raise ValueError(
-            f"{api}: member {MEMBER} of {type(ens.template).__name__} fails when run alone on "
-            f"these `inputs` and `targets` ({type(err).__name__}: {err}); fix that first"
-        ) from err
-    _compare(api, ens, alone, args, targets, loss_fn, in_dims, autocast)
+    for member in probed(ens):
+        try:
+            alone = _alone(ens, member, loss_fn, args, targets, in_dims, autocast)
+        except Exception as err:
+            raise ValueError(
+                f"{api}: member {member} of {type(ens.template).__name__} fails when run alone "
+                f"on these `inputs` and `targets` ({type(err).__name__}: {err}); fix that first"
+            ) from err
+        _compare(api, ens, member, alone, args, targets, loss_fn, in_dims, autocast)
+
+
+def probed(ens: Ensemble) -> list[int]:
+    """The members the probe runs: member ``MEMBER``, and with members of different sizes
+    the first member of every size (a padded forward can differ by size)."""
+    padding = ens._padding
+    return [MEMBER] if padding is None else padding.rows_of_kinds()
 
 
 class Probe:
@@ -171,13 +180,22 @@ class Probe:
         """Probe on this batch if no batch has been probed yet (``args``: positional inputs)."""
         if not self.pending:
             return
-        try:
-            alone = _alone(self.ens, self.loss_fn, args, targets, self.in_dims, self.autocast)
-        except Exception:
-            self.tries += 1  # the step reports it, as without the probe
-            self.pending = self.tries < TRIES
-            return
-        _compare("step", self.ens, alone, args, targets, self.loss_fn, self.in_dims, self.autocast)
+        found = []
+        for member in probed(self.ens):
+            try:
+                alone = _alone(
+                    self.ens, member, self.loss_fn, args, targets, self.in_dims, self.autocast
+                )
+            except Exception:
+                self.tries += 1  # the step reports it, as without the probe
+                self.pending = self.tries < TRIES
+                return
+            found.append((member, alone))
+        for member, alone in found:
+            _compare(
+                "step", self.ens, member, alone, args, targets, self.loss_fn, self.in_dims,
+                self.autocast,
+            )  # fmt: skip
         self.pending = False
 
 
@@ -237,27 +255,28 @@ def _autocast(ens: Ensemble, dtype: torch.dtype | None) -> contextlib.AbstractCo
     return torch.autocast(device.type, dtype)
 
 
-def _member_slice(tree: Any, in_dims: int | None, keep_dim: bool) -> Any:
+def _member_slice(tree: Any, member: int, in_dims: int | None, keep_dim: bool) -> Any:
     if in_dims is None:
         return tree
-    index = slice(MEMBER, MEMBER + 1) if keep_dim else MEMBER
+    index = slice(member, member + 1) if keep_dim else member
     return optree.tree_map(lambda t: t[index] if isinstance(t, Tensor) else t, tree)
 
 
 def _alone(
     ens: Ensemble,
+    member: int,
     loss_fn: Callable,
     args: tuple,
     targets: Tensor,
     in_dims: int | None,
     autocast: torch.dtype | None,
 ) -> dict[str, Any]:
-    """Member ``MEMBER`` as a plain module: outputs, loss, state after, ``.grad``s."""
-    module = ens[MEMBER]
+    """Member ``member`` as a plain module: outputs, loss, state after, ``.grad``s."""
+    module = ens[member]
     with _forked_rng(ens):
         with _autocast(ens, autocast):
-            out = module(*_member_slice(args, in_dims, False))
-            loss = loss_fn(out, _member_slice(targets, in_dims, False))
+            out = module(*_member_slice(args, member, in_dims, False))
+            loss = loss_fn(out, _member_slice(targets, member, in_dims, False))
         if loss.requires_grad:  # all parameters frozen: nothing to differentiate
             loss.backward()
     grads = {name: p.grad for name, p in module.named_parameters() if p.requires_grad}
@@ -267,31 +286,38 @@ def _alone(
 
 def _together(
     sub: Ensemble,
+    member: int,
     loss_fn: Callable,
     args: tuple,
     targets: Tensor,
     in_dims: int | None,
     autocast: torch.dtype | None,
 ) -> dict[str, Any]:
-    """The same member through the ensemble's member map (``sub``: that member alone)."""
+    """The same member through the ensemble's member map (``sub``: that member alone, at
+    its own size: a padded member's tensors are cut to it)."""
     state = sub.stacked_state()
     trained = [name for name, p in sub.stacked_params().items() if p.requires_grad]
 
-    def member(st: dict, inputs: tuple, target: Tensor) -> tuple[Any, Tensor]:
+    def run(st: dict, inputs: tuple, target: Tensor) -> tuple[Any, Tensor]:
         out = functional_call(sub.runner, st, inputs)
         return out, loss_fn(out, target)
 
-    args = _member_slice(args, in_dims, True)
-    targets = _member_slice(targets, in_dims, True)
+    args = _member_slice(args, member, in_dims, True)
+    targets = _member_slice(targets, member, in_dims, True)
     with _forked_rng(sub), batched_attention():
         with _autocast(sub, autocast):
-            out, loss = sub._member_map(member, (in_dims, in_dims))(state, args, targets)
+            out, loss = sub._member_map(run, (in_dims, in_dims))(state, args, targets)
         params = [state[name] for name in trained]
         found: Any = [None] * len(params)
         if params and loss.requires_grad:
             found = torch.autograd.grad(loss.sum(), params, allow_unused=True)
-    grads = {k: None if g is None else g[0] for k, g in zip(trained, found, strict=True)}
-    after = {name: t.detach()[0] for name, t in sub.stacked_state().items()}
+    padding = sub._padding
+
+    def own(name: str, t: Tensor) -> Tensor:
+        return t[0] if padding is None else padding.take(name, t[0], 0)
+
+    grads = {k: None if g is None else own(k, g) for k, g in zip(trained, found, strict=True)}
+    after = {name: own(name, t.detach()) for name, t in sub.stacked_state().items()}
     first = optree.tree_map(lambda t: t[0] if isinstance(t, Tensor) else t, out)
     return {"out": first, "loss": loss.detach()[0], "state": after, "grads": grads}
 
@@ -302,6 +328,7 @@ def _together(
 def _compare(
     api: str,
     ens: Ensemble,
+    member: int,
     alone: dict[str, Any],
     args: tuple,
     targets: Tensor,
@@ -311,22 +338,31 @@ def _compare(
 ) -> None:
     """Run the member inside the ensemble and raise if it differs from ``alone``."""
     name = type(ens.template).__name__
-    sub = ens.select([MEMBER])  # a copy: the probe's forward changes nothing of ens
+    sub = ens.select([member])  # a copy: the probe's forward changes nothing of ens
     try:
-        together = _together(sub, loss_fn, args, targets, in_dims, autocast)
+        together = _together(sub, member, loss_fn, args, targets, in_dims, autocast)
     except Exception as err:
         explained = explain_failure(api, name, sub.backend, err)
         if explained is not None:
             raise explained from err
         raise RuntimeError(
-            f"{api}: member {MEMBER} of {name} runs alone on this batch but fails inside the "
+            f"{api}: member {member} of {name} runs alone on this batch but fails inside the "
             f"ensemble ({type(err).__name__}: {err}). Build the ensemble with backend='loop' "
             "to run the members one after another, each as it runs alone"
         ) from err
     found = list(_differences(alone, together, autocast))
+    if found and ens._padding is not None:
+        raise RuntimeError(
+            f"{api}: member {member} of {name} computes something else inside the padded "
+            f"ensemble than alone at its own size: {'; '.join(found[:4])}. Members of "
+            "different sizes run padded to the largest one, which is exact only when no "
+            "operation mixes a padded dimension (a mean, softmax or norm over it, a reshape "
+            "that moves it; docs/semantics.md, 'Members of different sizes'). Give these "
+            "members one size, or train each size as its own Ensemble"
+        )
     if found:
         raise RuntimeError(
-            f"{api}: member {MEMBER} of {name} computes something else inside the ensemble "
+            f"{api}: member {member} of {name} computes something else inside the ensemble "
             f"than alone on the same batch: {'; '.join(found[:4])}. Its forward probably "
             "depends on something vmap changes (a parameter's requires_grad reads False under "
             "vmap; .data, in-place edits of parameters). Build the ensemble with "

@@ -1,0 +1,321 @@
+"""Members of different sizes: each member's tensors inside storage padded to the largest.
+
+A width sweep (``hidden`` 16, 32, 64) cannot share one ``[n, ...]`` tensor per parameter as
+it is. Padded, it can: every member's tensor sits in the leading corner of a tensor of the
+largest member's shape, the rest zero. The member map multiplies every parameter by its 0/1
+mask before the forward, so padded entries contribute exact zeros to every sum, their
+gradients are exactly zero, and an elementwise optimizer leaves them at zero: each member
+computes what it computes alone at its own size, up to the order of the sums.
+
+Recurrent weights are the one layout that is not a corner: ``weight_ih``/``weight_hh`` and
+their biases stack the gates (GRU: r, z, n; LSTM: i, f, g, o) along dim 0, so each gate's
+block is padded on its own (``gates`` below).
+
+What cannot be padded exactly is refused by layer when the ensemble is built (``check_pair``):
+a normalisation over a padded dimension (LayerNorm, GroupNorm, RMSNorm) would count the
+padded zeros in its statistics, attention splits the padded width into heads, and so on. A
+forward that mixes padded entries by itself (``x.mean(-1)`` over a padded width, a reshape)
+is caught by the self-check that ``make_step`` and ``vmapens.check`` run on every size.
+
+This file imports only torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Padding", "check_pair", "gates_of"]
+
+#: Layer attributes that may differ between members of one padded ensemble: the sizes the
+#: padding covers. Any other attribute of a torch layer must be equal in all members.
+SIZES: dict[type, tuple[str, ...]] = {
+    nn.Linear: ("in_features", "out_features"),
+    nn.Bilinear: ("in1_features", "in2_features", "out_features"),
+    nn.Conv1d: ("in_channels", "out_channels"),
+    nn.Conv2d: ("in_channels", "out_channels"),
+    nn.Conv3d: ("in_channels", "out_channels"),
+    nn.BatchNorm1d: ("num_features",),
+    nn.BatchNorm2d: ("num_features",),
+    nn.BatchNorm3d: ("num_features",),
+    nn.Embedding: ("embedding_dim",),
+    nn.RNNBase: ("input_size", "hidden_size"),
+    nn.RNNCellBase: ("input_size", "hidden_size"),
+}
+
+#: Why a layer cannot have a padded size, by the attribute that differs.
+REFUSED: dict[tuple[type, str], str] = {
+    (nn.LayerNorm, "normalized_shape"): "normalises over the padded dimension: the padded "
+    "zeros would enter its mean and variance",
+    (nn.GroupNorm, "num_channels"): "normalises over groups of channels: the padded channels "
+    "would enter the groups' statistics",
+    (nn.RMSNorm, "normalized_shape"): "normalises over the padded dimension: the padded "
+    "zeros would enter its mean square",
+    (nn.MultiheadAttention, "embed_dim"): "splits the padded width into heads and takes a "
+    "softmax over it",
+    (nn.Embedding, "num_embeddings"): "an index beyond a smaller member's rows would read "
+    "padded zeros where that member alone raises IndexError",
+}
+
+_GATES = {"GRU": 3, "LSTM": 4}
+_CELL_GATES: dict[type, int] = {nn.GRUCell: 3, nn.LSTMCell: 4}
+_GATED = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+
+
+def gates_of(module: nn.Module) -> dict[str, int]:
+    """``{tensor name: gate count}`` for the recurrent tensors that stack gates along dim 0.
+
+    Example:
+        >>> gates_of(nn.Sequential(nn.GRU(3, 8), nn.Linear(8, 1)))["0.weight_hh_l0"]
+        3
+    """
+    found = {}
+    for prefix, sub in module.named_modules():
+        count = _GATES.get(sub.mode, 1) if isinstance(sub, nn.RNNBase) else 1
+        count = _CELL_GATES.get(type(sub), count)
+        if count == 1 and not isinstance(sub, nn.RNNCellBase):
+            continue
+        for name, _ in sub.named_parameters(recurse=False):
+            if name.startswith(_GATED):
+                found[f"{prefix}.{name}" if prefix else name] = count
+    return found
+
+
+def _sizes_of(module: nn.Module) -> tuple[str, ...]:
+    for cls in type(module).__mro__:
+        if cls in SIZES:
+            return SIZES[cls]
+    return ()
+
+
+def _settings(module: nn.Module) -> dict[str, Any]:
+    """A module's own non-tensor attributes: what its forward reads besides its tensors."""
+    skip = {"training", "_flat_weights", "_flat_weight_refs"}
+    return {
+        k: v
+        for k, v in vars(module).items()
+        if k not in skip
+        and not k.endswith("hooks")
+        and k not in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+        and not isinstance(v, Tensor)
+    }
+
+
+def check_pair(
+    api: str, template: nn.Module, member: nn.Module, i: int, padded: bool = True
+) -> None:
+    """Raise ValueError unless ``member`` can run as ``template`` (with padded tensors).
+
+    Both must have the same submodules by name and class, and equal settings (a dropout
+    rate, an activation, ``eps``: one forward runs every member with ``template``'s). With
+    ``padded``, the sizes the padding covers may differ (``SIZES``; an int attribute of your
+    own module classes, such as a ``hidden`` width, too: the self-check confirms it on the
+    first step).
+
+    Example:
+        >>> check_pair("Ensemble", nn.Linear(3, 8), nn.Linear(3, 4), 1)
+        >>> check_pair("Ensemble", nn.LayerNorm(8), nn.LayerNorm(4), 1)
+        Traceback (most recent call last):
+        ...
+        ValueError: Ensemble: member 1 cannot be padded to the largest member's size: `` (LayerNorm) normalises over the padded dimension: the padded zeros would enter its mean and variance (normalized_shape (4,) vs (8,)); give every member the same normalized_shape
+    """
+    ours, theirs = dict(template.named_modules()), dict(member.named_modules())
+    for path in [*ours, *(p for p in theirs if p not in ours)]:
+        if path not in ours or path not in theirs or type(ours[path]) is not type(theirs[path]):
+            raise ValueError(
+                f"{api}: member {i} has another structure than the largest member at "
+                f"`{path}`: members of different sizes must have the same layers, only "
+                "narrower or wider"
+            )
+        big, small = ours[path], theirs[path]
+        mine, yours = _settings(big), _settings(small)
+        allowed = _sizes_of(big)
+        torch_layer = type(big).__module__.startswith("torch.")
+        for key in sorted(set(mine) | set(yours)):
+            a, b = mine.get(key), yours.get(key)
+            if _same(a, b):
+                continue
+            where = f"`{path}` ({type(big).__name__})"
+            for (cls, attr), reason in REFUSED.items():
+                if isinstance(big, cls) and attr == key:
+                    raise ValueError(
+                        f"{api}: member {i} cannot be padded to the largest member's size: "
+                        f"{where} {reason} ({key} {b} vs {a}); give every member the same {key}"
+                    )
+            sized = padded and (key in allowed or (not torch_layer and _is_int(a) and _is_int(b)))
+            if not sized:
+                raise ValueError(
+                    f"{api}: member {i} differs from the largest member at {where}: `{key}` is "
+                    f"{b!r} vs {a!r}; members of one ensemble share everything but their sizes "
+                    "(one forward runs them all)"
+                )
+        if isinstance(big, nn.RNNBase) and _size_differs(big, small, ("hidden_size",)):
+            for key in ("bidirectional", "proj_size"):
+                if getattr(big, key):
+                    raise ValueError(
+                        f"{api}: member {i} cannot be padded: `{path}` ({type(big).__name__}) "
+                        f"with {key}={getattr(big, key)} lays the hidden units out in blocks "
+                        "the padding does not follow; give every member the same hidden_size"
+                    )
+        conv = isinstance(big, nn.modules.conv._ConvNd)
+        if conv and big.groups != 1 and _size_differs(big, small, ("in_channels", "out_channels")):
+            raise ValueError(
+                f"{api}: member {i} cannot be padded: `{path}` ({type(big).__name__}) "
+                f"with groups={big.groups} mixes padded channels into the groups; give "
+                "every member the same channels"
+            )
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (
+        Exception
+    ):  # values without one truth value (arrays, tensors in a list): not ours to judge
+        return True
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _size_differs(a: nn.Module, b: nn.Module, keys: Sequence[str]) -> bool:
+    return any(getattr(a, k) != getattr(b, k) for k in keys)
+
+
+def corner(t: Tensor, shape: Sequence[int], gates: int = 1) -> Tensor:
+    """The view of padded ``t`` (one member, no member dim) that holds a ``shape`` tensor.
+
+    With ``gates > 1`` dim 0 holds that many equal blocks, each padded on its own; the view
+    then has shape ``(gates, shape[0] // gates, *shape[1:])``.
+
+    Example:
+        >>> corner(torch.arange(6).reshape(6, 1), (4, 1), gates=2).flatten().tolist()
+        [0, 1, 3, 4]
+    """
+    if gates == 1:
+        return t[tuple(slice(0, k) for k in shape)]
+    blocks = t.unflatten(0, (gates, t.shape[0] // gates))
+    index = (slice(None), slice(0, shape[0] // gates), *(slice(0, k) for k in shape[1:]))
+    return blocks[index]
+
+
+class Padding:
+    """Where each member's tensors sit in an ensemble's padded storage.
+
+    Members come in kinds (one per distinct set of shapes); ``kind_of[row]`` is the kind of the
+    ensemble's row ``row``, ``templates[k]`` that kind's module on the meta device (the user's
+    class at its own size: what ``ens[i]`` returns and the self-check runs alone).
+
+    Args:
+        templates: one meta module per kind.
+        kind_of: the kind of every row.
+        full: the padded shape of every tensor (the largest member's).
+        gates: from :func:`gates_of`.
+    """
+
+    def __init__(
+        self,
+        templates: Sequence[nn.Module],
+        kind_of: Sequence[int],
+        full: Mapping[str, tuple[int, ...]],
+        gates: Mapping[str, int],
+    ) -> None:
+        self.templates, self.kind_of = list(templates), tuple(kind_of)
+        self.full, self.gates = dict(full), dict(gates)
+        self.shapes = [{name: tuple(t.shape) for name, t in _named(m)} for m in self.templates]
+        self.padded = {
+            name for name, shape in self.full.items() if any(s[name] != shape for s in self.shapes)
+        }
+        self._masks: dict[tuple[str, torch.device, torch.dtype], Tensor] = {}
+
+    def shape(self, name: str, row: int) -> tuple[int, ...]:
+        """Row ``row``'s own shape of tensor ``name``."""
+        return self.shapes[self.kind_of[row]][name]
+
+    def take(self, name: str, padded: Tensor, row: int) -> Tensor:
+        """Row ``row``'s tensor ``name`` at its own shape, from its padded row ``padded``."""
+        shape = self.shape(name, row)
+        return corner(padded, shape, self.gates.get(name, 1)).reshape(shape)
+
+    def put_(self, name: str, padded: Tensor, value: Tensor, row: int) -> None:
+        """Write ``value`` (row ``row``'s own shape) into its padded row ``padded``."""
+        view = corner(padded, value.shape, self.gates.get(name, 1))
+        view.copy_(value.reshape(view.shape))
+
+    def rows_of_kinds(self) -> list[int]:
+        """The first row of every kind present, in row order: the members the probe runs."""
+        first: dict[int, int] = {}
+        for row, kind in enumerate(self.kind_of):
+            first.setdefault(kind, row)
+        return sorted(first.values())
+
+    def masks(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """``{name: [n, *full]}`` 1 where a row's own entries are, 0 where it is padded.
+
+        Only tensors that some row pads get a mask; masks are cached by device and dtype.
+        """
+        found: dict[str, Tensor] = {}
+        for name, p in params.items():
+            if name not in self.padded:
+                continue
+            key = (name, p.device, p.dtype)
+            mask = self._masks.get(key)
+            if mask is None:
+                mask = torch.zeros(
+                    len(self.kind_of), *self.full[name], dtype=p.dtype, device=p.device
+                )
+                for row in range(len(self.kind_of)):
+                    corner(mask[row], self.shape(name, row), self.gates.get(name, 1)).fill_(1)
+                self._masks[key] = mask
+            found[name] = mask
+        return found
+
+    def select(self, rows: Sequence[int]) -> Padding:
+        """The padding of the sub-ensemble of ``rows`` (same kinds, same full shapes)."""
+        return Padding(self.templates, [self.kind_of[r] for r in rows], self.full, self.gates)
+
+    def describe(self) -> dict[str, Any]:
+        """What a checkpoint records: every kind's shapes and every row's kind."""
+        return {
+            "shapes": [{k: list(v) for k, v in s.items()} for s in self.shapes],
+            "kind_of": list(self.kind_of),
+        }
+
+
+def _named(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+def largest(api: str, shapes: Sequence[Mapping[str, tuple[int, ...]]]) -> int:
+    """The kind whose every tensor is at least as large as every other kind's, in every dim.
+
+    Raises:
+        ValueError: no kind is largest everywhere, or a tensor's number of dims differs.
+    """
+    for k, candidate in enumerate(shapes):
+        if all(
+            len(s[name]) == len(candidate[name])
+            and all(a <= b for a, b in zip(s[name], candidate[name], strict=True))
+            for s in shapes
+            for name in candidate
+        ):
+            return k
+    for s in shapes[1:]:
+        for name, shape in s.items():
+            if len(shape) != len(shapes[0][name]):
+                raise ValueError(
+                    f"{api}: members differ in the number of dims of `{name}`: {shape} vs "
+                    f"{shapes[0][name]}"
+                )
+    sizes = [sum(math.prod(v) for v in s.values()) for s in shapes]
+    raise ValueError(
+        f"{api}: no member is the largest in every dimension (e.g. hidden sizes (16, 64) "
+        "and (64, 16)): members are padded to one member's module, which must be at least as "
+        f"wide as every other everywhere; got {len(shapes)} sizes (parameter counts {sizes})"
+    )
