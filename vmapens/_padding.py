@@ -22,12 +22,14 @@ This file imports only torch.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["Padding", "check_pair", "gates_of"]
 
@@ -257,7 +259,9 @@ class Padding:
     def masks(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """``{name: [n, *full]}`` 1 where a row's own entries are, 0 where it is padded.
 
-        Only tensors that some row pads get a mask; masks are cached by device and dtype.
+        Only tensors that some row pads get a mask. Masks are built by :meth:`prepare` for
+        the storage as it is; one for another device or dtype is built here, and kept only
+        when it is a real tensor (not one of ``torch.export``'s fake tensors).
         """
         found: dict[str, Tensor] = {}
         for name, p in params.items():
@@ -266,18 +270,32 @@ class Padding:
             key = (name, p.device, p.dtype)
             mask = self._masks.get(key)
             if mask is None:
-                mask = torch.zeros(
-                    len(self.kind_of), *self.full[name], dtype=p.dtype, device=p.device
-                )
-                for row in range(len(self.kind_of)):
-                    corner(mask[row], self.shape(name, row), self.gates.get(name, 1)).fill_(1)
-                self._masks[key] = mask
+                mask = self._mask(name, p)
+                if not isinstance(mask, FakeTensor):
+                    self._masks[key] = mask
             found[name] = mask
         return found
 
+    def prepare(self, params: Mapping[str, Tensor]) -> None:
+        """Build the masks of ``params`` as they are now (after ``.to()``, ``.double()``)."""
+        self._masks = {
+            (name, p.device, p.dtype): self._mask(name, p)
+            for name, p in params.items()
+            if name in self.padded
+        }
+
+    def _mask(self, name: str, like: Tensor) -> Tensor:
+        rows = len(self.kind_of)
+        mask = torch.zeros(rows, *self.full[name], dtype=like.dtype, device=like.device)
+        for row in range(rows):
+            corner(mask[row], self.shape(name, row), self.gates.get(name, 1)).fill_(1)
+        return mask
+
     def select(self, rows: Sequence[int]) -> Padding:
-        """The padding of the sub-ensemble of ``rows`` (same kinds, same full shapes)."""
-        return Padding(self.templates, [self.kind_of[r] for r in rows], self.full, self.gates)
+        """The padding of the sub-ensemble of ``rows`` (same kinds, same full shapes; its own
+        copies of the meta templates, whose train/eval mode is the sub-ensemble's)."""
+        templates = [copy.deepcopy(t) for t in self.templates]
+        return Padding(templates, [self.kind_of[r] for r in rows], self.full, self.gates)
 
     def describe(self) -> dict[str, Any]:
         """What a checkpoint records: every kind's shapes and every row's kind."""

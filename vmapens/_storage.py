@@ -61,6 +61,8 @@ class StackedModule(nn.Module):
                 self._buffers[name] = t
         self._non_persistent_buffers_set = non_persistent_buffers(self._template)
         self.member_ids, self.n_total = member_ids, n_total
+        if self._padding is not None:
+            self._padding.prepare(self.stacked_params())
         # Member state_dict key -> stacked name (tied weights map several keys to one name).
         meta_names = {id(t): name for name, t in named_tensors(self._template)}
         self._state_keys = {
@@ -151,9 +153,10 @@ class StackedModule(nn.Module):
         """
         rows = index_rows("Ensemble", index, len(self))
         sub = copy.copy(self)
-        nn.Module.__init__(sub)  # fresh registries; options and template are shared
-        sub.__dict__["_template"] = self._template
-        sub.__dict__["_runner"] = self._runner
+        nn.Module.__init__(sub)  # fresh registries; the options are shared
+        # Copies of the meta modules: sub.train()/eval() must not switch this ensemble's mode.
+        sub.__dict__["_template"] = copy.deepcopy(self._template)
+        sub.__dict__["_runner"] = copy.deepcopy(self._runner)
         if self._padding is not None:
             sub.__dict__["_padding"] = self._padding.select(rows.tolist())
         with torch.no_grad():
@@ -177,10 +180,18 @@ class StackedModule(nn.Module):
                 ) from None
             raise
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        out = super()._apply(fn, recurse)
+        if self._padding is not None:  # .to() / .double(): the masks follow the parameters
+            self._padding.prepare(self.stacked_params())
+        return out
+
     def train(self: _M, mode: bool = True) -> _M:
         super().train(mode)
         self._template.train(mode)
         self._runner.train(mode)
+        for template in [] if self._padding is None else self._padding.templates:
+            template.train(mode)
         return self
 
     def extra_repr(self) -> str:

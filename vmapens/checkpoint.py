@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -128,11 +128,14 @@ def apply_parts(payload: Mapping[str, Any], parts: Mapping[str, Any], api: str, 
 
 def members_of(ens: Ensemble) -> dict[str, Any]:
     cls = type(ens.template)
-    return {
+    members = {
         "class": f"{cls.__module__}.{cls.__qualname__}",
         "n_total": ens.n_total,
         "member_ids": list(ens.member_ids),
     }
+    if ens._padding is not None:  # members of different sizes: each one's own shapes
+        members["sizes"] = ens._padding.describe()
+    return members
 
 
 def check_member_ids(members: Any, api: str, where: str) -> tuple[list[int], int]:
@@ -163,6 +166,12 @@ def _is_int(value: Any) -> bool:
 def check_members(payload: Mapping[str, Any], ens: Ensemble, api: str, where: str) -> None:
     """The file must hold this ensemble's members: same class and global ids."""
     held, ours = payload.get("members"), members_of(ens)
+    same_but_sizes = isinstance(held, dict) and {**held, "sizes": None} == {**ours, "sizes": None}
+    if same_but_sizes and held != ours:
+        raise ValueError(
+            f"{api}: {where} holds members of other sizes than this ensemble's (member by "
+            "member): build it from the same factories, in the same order"
+        )
     if held != ours:
         raise ValueError(
             f"{api}: {where} holds {_describe(held)}, this ensemble has {_describe(ours)}"
@@ -231,7 +240,11 @@ def _parts_state(ens: Ensemble, optimizer: Any, history: Any) -> dict[str, Any]:
     }
 
 
-def load(path: str | os.PathLike, factory: Callable[[], nn.Module], **moved: Any) -> Ensemble:
+def load(
+    path: str | os.PathLike,
+    factory: Callable[[], nn.Module] | Sequence[Callable[[], nn.Module]],
+    **moved: Any,
+) -> Ensemble:
     """Build an Ensemble from a checkpoint, with the stored members and member ids.
 
     To continue training, build the optimizer over the loaded ensemble and give it the stored
@@ -240,6 +253,7 @@ def load(path: str | os.PathLike, factory: Callable[[], nn.Module], **moved: Any
     Args:
         path: a file written by ``save`` or ``fit(checkpoint=...)``.
         factory: builds one member, as for ``Ensemble``; its class must be the stored one.
+            For an ensemble built with ``Ensemble.from_factories``: the same factories.
 
     Returns:
         The ensemble (always the ensemble alone, since 0.3.0).
@@ -264,7 +278,15 @@ def load(path: str | os.PathLike, factory: Callable[[], nn.Module], **moved: Any
     if not ids:
         raise ValueError(f"load: {where} holds no members")
     # seed=0 leaves the caller's RNG alone; every tensor is overwritten below anyway.
-    ens = Ensemble(factory, n=len(ids), seed=0)
+    if isinstance(factory, Sequence):
+        if len(factory) != len(ids):
+            raise ValueError(
+                f"load: {where} holds {len(ids)} members, `factory` gives {len(factory)} "
+                "factories; give the factories the ensemble was built from"
+            )
+        ens = Ensemble.from_factories(factory, seed=0)
+    else:
+        ens = Ensemble(factory, n=len(ids), seed=0)
     ens.member_ids = (
         range(ids[0], ids[-1] + 1) if ids == list(range(ids[0], ids[-1] + 1)) else tuple(ids)
     )

@@ -23,7 +23,7 @@ from torch.func import functional_call
 from ._members import named_tensors
 from .ensemble import Ensemble
 from .predict import REDUCTIONS, reduce_members
-from .selfcheck import MEMBER, tolerance
+from .selfcheck import probed, tolerance
 
 __all__ = ["export"]
 
@@ -208,9 +208,17 @@ def _trace(
 
 
 def _probe(api: str, ens: Ensemble, program: ExportedProgram, args: tuple[Tensor, ...]) -> None:
-    """Member ``MEMBER`` in the program against that member run alone, as ``vmapens.check``."""
+    """Member 0 (the first of every size) in the program against that member run alone, as
+    ``vmapens.check``."""
+    for member in probed(ens):
+        _probe_member(api, ens, member, program, args)
+
+
+def _probe_member(
+    api: str, ens: Ensemble, member: int, program: ExportedProgram, args: tuple[Tensor, ...]
+) -> None:
     name = type(ens.template).__name__
-    alone_module = ens[MEMBER]
+    alone_module = ens[member]
     with torch.no_grad():
         alone = alone_module(*args)
         inside = program.module()(*args)
@@ -222,10 +230,10 @@ def _probe(api: str, ens: Ensemble, program: ExportedProgram, args: tuple[Tensor
     else:
         for i, (a, t) in enumerate(zip(alone_leaves, inside_leaves, strict=True)):
             what = f"output {i}" if len(alone_leaves) > 1 else "the output"
-            found.extend(_differs(what, a, t[MEMBER]))
+            found.extend(_differs(what, a, t[member]))
     if found:
         raise RuntimeError(
-            f"{api}: member {MEMBER} of {name} computes something else in the exported "
+            f"{api}: member {member} of {name} computes something else in the exported "
             f"program than alone on `example_inputs`: {'; '.join(found[:4])}. Its forward "
             "probably depends on something vmap changes (vmapens.check says what); build the "
             "ensemble with backend='loop' to export the members one after another, "

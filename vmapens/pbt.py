@@ -60,6 +60,13 @@ def exploit_(ens: Ensemble, optimizer: torch.optim.Optimizer | None, src: Any, d
         )
     if len(set(d.tolist())) != len(d):
         raise ValueError(f"{api}: `dst` must not repeat a row, got {d.tolist()}")
+    padding = ens._padding
+    for a, b in zip(s.tolist(), d.tolist(), strict=True):
+        if padding is not None and padding.kind_of[a] != padding.kind_of[b]:
+            raise ValueError(
+                f"{api}: member {b} cannot become a copy of member {a}: they have different "
+                "sizes (Ensemble.from_factories); exploit within members of one size"
+            )
     tensors: dict[int, Tensor] = {id(t): t for t in ens.stacked_state().values()}
     if optimizer is not None:
         for group in optimizer.param_groups:

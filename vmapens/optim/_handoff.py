@@ -27,7 +27,7 @@ def member_state_dict(opt: Any, i: int, module: nn.Module | None = None) -> dict
     params = [p for g in opt.param_groups for p in g["params"]]
     if module is not None:
         shapes = [tuple(p.shape) for p in module.parameters()]
-        expected = [tuple(p.shape[1:]) for p in params]
+        expected = [tuple(_own(p, p[i], i).shape) for p in params]
         if shapes != expected:
             raise ValueError(
                 f"{api}: `module` parameters do not match the stacked ones; got shapes "
@@ -41,8 +41,18 @@ def member_state_dict(opt: Any, i: int, module: nn.Module | None = None) -> dict
         for k, p in zip(ids, group["params"], strict=True):
             member = opt.member_state(opt.state[p], group, i) if opt.state[p] else {}
             if member:
-                state[k] = member
+                state[k] = {
+                    key: _own(p, v, i) if isinstance(v, Tensor) and v.shape == p.shape[1:] else v
+                    for key, v in member.items()
+                }
     return {"state": state, "param_groups": groups}
+
+
+def _own(p: Tensor, row: Tensor, i: int) -> Tensor:
+    """Member ``i``'s ``row`` of a tensor shaped like ``p``, cut to the member's own size when
+    members of different sizes are padded (``Ensemble.from_factories``)."""
+    found = getattr(p, "_member_padding", None)
+    return row if found is None else found[0].take(found[1], row, i).clone()
 
 
 def select_parts(

@@ -134,6 +134,7 @@ class StackedAdafactor(StackedOptimizer):
         "weight_decay": Hyper("weight_decay value", ">= 0", NONNEGATIVE.ok),
     }
     torch_class = torch.optim.Adafactor
+    elementwise = False  # row and column means of the squared gradient
     rule = staticmethod(adafactor_rule)
 
     def __init__(

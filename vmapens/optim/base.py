@@ -80,6 +80,10 @@ class StackedOptimizer(torch.optim.Optimizer):
     rule: ClassVar[staticmethod[[list[Tensor], list[Tensor], dict[str, Any], dict[str, Any]], None]]
     hyperparameters: ClassVar[dict[str, Hyper]] = {}
     torch_class: ClassVar[type[torch.optim.Optimizer] | None]
+    #: Whether the rule treats every element on its own. Members of different sizes
+    #: (``Ensemble.from_factories``) are stored padded, which only an elementwise rule leaves
+    #: exact: a factored or orthogonalised update (Adafactor, Muon) is refused for them.
+    elementwise: ClassVar[bool] = True
     # Not `n`: dynamo's OptimizerVariable intercepts any attribute name that is a substring of
     # "_init_group" (torch 2.13), which breaks the graph.
     num_members: int
@@ -96,6 +100,13 @@ class StackedOptimizer(torch.optim.Optimizer):
             t for it in items for t in (params_of(it["params"]) if isinstance(it, dict) else [it])
         ]
         self.num_members = leading_n(self._api, tensors)
+        if not type(self).elementwise and any(hasattr(t, "_member_padding") for t in tensors):
+            raise ValueError(
+                f"{self._api}: the ensemble holds members of different sizes, padded to the "
+                "largest, and this rule is not elementwise (its update of an entry depends on "
+                "the parameter's whole shape), so padding would change every member's update; "
+                "use an elementwise optimizer (StackedAdam, StackedSGD...) or one Ensemble per size"
+            )
         # A sharded Ensemble holds one block of its n_total members: per-member values given
         # for all of them are cut to the block's global ids (docs/distributed.md).
         n_total = getattr(params, "n_total", self.num_members)
