@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=WORKLOADS,
         help="what to time (default: all, or a quick subset with --quick); optim: the optimizer "
         "step alone; cnn/transformer/gru/lstm: real models; result: time to result of "
-        "workload A in fresh processes; compile: first compiled step, cold and warm caches",
+        "workload A in fresh processes; compile: first compiled step, cold and warm caches; "
+        "widths: 4 widths x 8 seeds in one padded ensemble vs the loop and 4 ensembles",
     )
     parser.add_argument(
         "--real-n", type=int, default=None, help="N for cnn/transformer/gru/lstm (default 16)"

@@ -23,6 +23,7 @@ from .compile_time import first_step_times, time_to_result
 from .memory import build_memory, build_time, train_memory
 from .optimizers import run_optimizers
 from .real import REAL_N, WORKLOAD_REAL
+from .widths import THREADS, run_widths
 from .workloads import (
     HEADS,
     MERGED_MAX_N,
@@ -40,9 +41,9 @@ QUICK_SIZES = (1, 15)
 QUICK_REAL_N = 2
 REAL = tuple(WORKLOAD_REAL)
 #: Everything ``run`` can time; "optimizers" only once ``bench/optimizers.py`` exists.
-WORKLOADS = ("A", "B", "optim", *REAL, "result", "compile", "optimizers")
+WORKLOADS = ("A", "B", "optim", *REAL, "result", "compile", "optimizers", "widths")
 #: What quick mode times (a CI smoke run, under a minute on 2 cores).
-QUICK_WORKLOADS = ("A", "B", "optim", *REAL, "optimizers")
+QUICK_WORKLOADS = ("A", "B", "optim", *REAL, "optimizers", "widths")
 #: Ensemble sizes of the optimizer-step workload (quick mode: the first only).
 OPTIM_SIZES = (15, 256, 1024)
 #: time_rounds settings: quick mode's are a smoke test, not a measurement.
@@ -147,11 +148,13 @@ def run(
         workloads: Any of :data:`WORKLOADS`: ``"A"``, ``"B"``, ``"optim"`` (the optimizer step
             alone), ``"cnn"``, ``"transformer"``, ``"gru"``, ``"lstm"``, ``"result"`` (time to
             result of workload A, fresh processes), ``"compile"`` (first compiled steps, cold
-            and warm caches, fresh processes), ``"optimizers"`` (when available). Default: all,
+            and warm caches, fresh processes), ``"optimizers"`` (when available), ``"widths"``
+            (4 widths x 8 seeds in one padded ensemble, :mod:`bench.widths`). Default: all,
             or :data:`QUICK_WORKLOADS` in quick mode.
         quick: Smoke-test mode: sizes ``(1, 15)``, real models at N = 2 without their compiled
             rows, short timings; under a minute on 2 cores.
-        threads: If given, ``torch.set_num_threads(threads)`` for the run, restored afterwards.
+        threads: If given, ``torch.set_num_threads(threads)`` for the run, restored afterwards
+            (the width sweep then runs at that count only, else at 1 and 2 threads).
         optim_sizes: Ensemble sizes N for the ``"optim"`` workload.
         real_n: Ensemble size N of the real-model workloads.
         memory: Also run :func:`build_memory` and :func:`train_memory` (in subprocesses) and
@@ -201,6 +204,9 @@ def run(
                 results[workload] = _run_real(workload, real_n, quick, device, cfg, say)
         if "optimizers" in chosen:
             results["optimizers"] = run_optimizers(quick=quick, device=device, log=say)
+        if "widths" in chosen:
+            counts = THREADS if threads is None else (threads,)
+            results["widths"] = run_widths(quick=quick, threads=counts, device=device, log=say)
         if "result" in chosen:
             results["result"] = {"rows": time_to_result(log=say)}
         if "compile" in chosen:

@@ -13,6 +13,7 @@ from typing import Any
 from ._tools import cell, grid, ratio
 from .optimizers import format_optimizers
 from .real import DESCRIPTIONS
+from .widths import format_widths
 from .workloads import MERGED_MAX_N, NAIVE_MAX_N
 
 
@@ -207,6 +208,8 @@ def format_table(results: dict) -> str:
             out += ["", *_real_block(workload, results[workload])]
     if "optimizers" in results:
         out += ["", *format_optimizers(results["optimizers"]).splitlines()]
+    if "widths" in results:
+        out += ["", *format_widths(results["widths"]).splitlines()]
     if "result" in results:
         out += ["", *_result_block(results["result"]["rows"])]
     if "compile" in results:
