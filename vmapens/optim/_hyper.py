@@ -15,6 +15,7 @@ from ._values import MemberValues
 
 __all__ = [
     "signed",
+    "host_scalars",
     "BETAS",
     "EPS",
     "LR",
@@ -285,6 +286,20 @@ def leading_n(api: str, tensors: Sequence[Any]) -> int:
             f"{api}: all parameters must share the leading member dim n, got sizes {sizes}"
         )
     return sizes[0]
+
+
+def host_scalars(params: Sequence[Tensor], values: Sequence[Any]) -> bool:
+    """Whether a rule may take torch's foreach form with Python float scalars.
+
+    That form reads one step count on the host per call (``run_fused``: one call per count
+    over the whole tensors, so a member's bits never depend on another's count). It may when
+    every member shares the hyperparameters ``values`` (floats, not per-member tensors), the
+    parameters are CPU tensors (a host read costs no device sync) and no ``torch.compile``
+    trace is running; the choice depends on this configuration only.
+    """
+    if torch.compiler.is_compiling() or any(isinstance(v, Tensor) for v in values):
+        return False
+    return all(p.device.type == "cpu" for p in params)
 
 
 def signed(grads: list[Tensor], group: dict[str, Any]) -> list[Tensor] | tuple[Tensor, ...]:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._fused import run_fused
 from ._hyper import (
     BETAS,
     EPS,
@@ -18,6 +19,7 @@ from ._hyper import (
     PerMember,
     Scalar,
     add_scaled,
+    host_scalars,
     like,
     member_columns,
     signed,
@@ -42,6 +44,10 @@ def adamax_rule(
         m = lerp(m, g, 1 - beta1);  u = max(beta2 * u, |g| + eps)
         p -= lr / (1 - beta1**t) * m / u
 
+    With shared hyperparameters on CPU, torch's own foreach form with Python float step
+    sizes, one call per step count (see ``run_fused``); per-member values take ``[n, 1, ...]``
+    columns.
+
     Args:
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
         grads: Their gradients (not modified).
@@ -51,6 +57,23 @@ def adamax_rule(
     """
     lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     exp_avg, exp_inf, step = state["exp_avg"], state["exp_inf"], state["step"]
+    if host_scalars(params, [lr, beta1, beta2, eps, wd]):
+
+        def kernel(t: list[list[Tensor]], count: float) -> None:
+            p, m, u = t[0], t[2], t[3]
+            g = signed(t[1], group)
+            if wd != 0:
+                g = torch._foreach_add(g, p, alpha=wd)
+            torch._foreach_lerp_(m, g, 1 - beta1)
+            torch._foreach_mul_(u, beta2)
+            norm = torch._foreach_abs(g)
+            torch._foreach_add_(norm, eps)
+            torch._foreach_maximum_(u, norm)
+            clr = lr / (1 - beta1 ** (count + 1))
+            torch._foreach_addcdiv_(p, m, u, value=-clr)
+
+        run_fused(kernel, [params, grads, exp_avg, exp_inf], step, group["mask"])
+        return
 
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     g = signed(grads, group)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._fused import run_fused
 from ._hyper import (
     BETAS,
     EPS,
@@ -18,6 +19,7 @@ from ._hyper import (
     PerMember,
     Scalar,
     add_scaled,
+    host_scalars,
     like,
     member_columns,
     nonnegative,
@@ -46,7 +48,9 @@ def nadam_rule(
         p -= lr * (1 - mu_t) / (1 - P_t) * g / d + lr * mu_{t+1} / (1 - P_t * mu_{t+1}) * m / d
 
     The momentum product ``P`` (``mu_product``) is float32 ``[n]`` and rounded like torch's
-    float32 scalar tensor.
+    float32 scalar tensor. With shared hyperparameters on CPU, the schedule and bias
+    correction are Python floats, as torch computes them, one call per step count (see
+    ``run_fused``); per-member values take ``[n, 1, ...]`` columns.
 
     Args:
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
@@ -58,19 +62,59 @@ def nadam_rule(
     """
     lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     exp_avg, exp_avg_sq, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
-
+    decay, decoupled = group["momentum_decay"], group["decoupled_weight_decay"]
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
+    if host_scalars(params, [lr, beta1, beta2, eps, wd, decay]):
+
+        def kernel(t: list[list[Tensor]], count: float) -> None:
+            p, m, v, mu_product = t[0], t[2], t[3], t[4][0]
+            g = signed(t[1], group)
+            bias_correction2 = 1 - beta2 ** (count + 1)
+            if wd != 0:
+                if decoupled:
+                    torch._foreach_mul_(p, 1 - lr * wd)
+                else:
+                    g = torch._foreach_add(g, p, alpha=wd)
+            mu = beta1 * (1.0 - 0.5 * (0.96 ** ((count + 1) * decay)))
+            mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((count + 2) * decay)))
+            mu_product.mul_(mu)
+            torch._foreach_lerp_(m, g, 1 - beta1)
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+            denom = torch._foreach_div(v, bias_correction2)
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, eps)
+            low, high = torch.aminmax(mu_product)
+            if low == high:  # the members share one product: torch's float step sizes
+                shared = float(low)
+                grad_size = -lr * (1.0 - mu) / (1.0 - shared)
+                torch._foreach_addcdiv_(p, g, denom, value=grad_size)
+                avg_size = (-lr * mu_next) / (1.0 - shared * mu_next)
+                torch._foreach_addcdiv_(p, m, denom, value=avg_size)
+                return
+            # Each member's own product: the same float64 arithmetic as a column, bit for bit
+            # (a float over a tensor would be a reciprocal and a product: two roundings).
+            product = mu_product.double()
+            grad_size = torch.div(product.new_tensor(-lr * (1.0 - mu)), 1.0 - product)
+            torch._foreach_addcdiv_(p, torch._foreach_mul(g, col(grad_size)), denom)
+            avg_size = torch.div(product.new_tensor(-lr * mu_next), 1.0 - product * mu_next)
+            torch._foreach_addcdiv_(p, torch._foreach_mul(m, col(avg_size)), denom)
+
+        lists = [params, grads, exp_avg, exp_avg_sq, [state["mu_product"]]]
+        run_fused(kernel, lists, step, group["mask"])
+        return
+
     g = signed(grads, group)
     step.add_(1)
     t = step.double()
     bias_correction2 = 1 - torch.pow(beta2, t)
     if isinstance(wd, Tensor) or wd != 0:
-        if group["decoupled_weight_decay"]:
+        if decoupled:
             torch._foreach_mul_(params, col(1 - lr * wd))
         else:
             g = add_scaled(g, params, wd)
-    mu = beta1 * (1.0 - 0.5 * torch.pow(0.96, t * group["momentum_decay"]))
-    mu_next = beta1 * (1.0 - 0.5 * torch.pow(0.96, (t + 1) * group["momentum_decay"]))
+    mu = beta1 * (1.0 - 0.5 * torch.pow(0.96, t * decay))
+    mu_next = beta1 * (1.0 - 0.5 * torch.pow(0.96, (t + 1) * decay))
     # torch multiplies its float32 scalar by a Python float: in float32, mu rounded first.
     state["mu_product"].mul_(mu.float())
     product = state["mu_product"].double()
