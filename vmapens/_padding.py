@@ -123,13 +123,13 @@ def check_pair(
         >>> check_pair("Ensemble", nn.LayerNorm(8), nn.LayerNorm(4), 1)
         Traceback (most recent call last):
         ...
-        ValueError: Ensemble: member 1 cannot be padded to the largest member's size: `` (LayerNorm) normalises over the padded dimension: the padded zeros would enter its mean and variance (normalized_shape (4,) vs (8,)); give every member the same normalized_shape
+        ValueError: Ensemble: members 1 and 0 cannot be padded to one size: LayerNorm normalises over the padded dimension: the padded zeros would enter its mean and variance (normalized_shape (4,) vs (8,)); give every member the same normalized_shape
     """
     ours, theirs = dict(template.named_modules()), dict(member.named_modules())
     for path in [*ours, *(p for p in theirs if p not in ours)]:
         if path not in ours or path not in theirs or type(ours[path]) is not type(theirs[path]):
             raise ValueError(
-                f"{api}: member {i} has another structure than the largest member at "
+                f"{api}: member {i} has another structure than member 0 at "
                 f"`{path}`: members of different sizes must have the same layers, only "
                 "narrower or wider"
             )
@@ -141,17 +141,17 @@ def check_pair(
             a, b = mine.get(key), yours.get(key)
             if _same(a, b):
                 continue
-            where = f"`{path}` ({type(big).__name__})"
+            where = f"`{path}` ({type(big).__name__})" if path else type(big).__name__
             for (cls, attr), reason in REFUSED.items():
                 if isinstance(big, cls) and attr == key:
                     raise ValueError(
-                        f"{api}: member {i} cannot be padded to the largest member's size: "
+                        f"{api}: members {i} and 0 cannot be padded to one size: "
                         f"{where} {reason} ({key} {b} vs {a}); give every member the same {key}"
                     )
             sized = padded and (key in allowed or (not torch_layer and _is_int(a) and _is_int(b)))
             if not sized:
                 raise ValueError(
-                    f"{api}: member {i} differs from the largest member at {where}: `{key}` is "
+                    f"{api}: member {i} differs from member 0 at {where}: `{key}` is "
                     f"{b!r} vs {a!r}; members of one ensemble share everything but their sizes "
                     "(one forward runs them all)"
                 )

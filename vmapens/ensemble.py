@@ -267,12 +267,12 @@ class Ensemble(StackedModule):
         """Stack ``members`` padded to the largest (plainly when all have one size)."""
         kinds: dict[tuple, int] = {}
         kind_of = [kinds.setdefault(_shapes_key(m), len(kinds)) for m in members]
+        reference = signature(members[0])
+        for i, member in enumerate(members[1:], start=1):
+            check_pair(api, members[0], member, i, padded=len(kinds) > 1)
+            check_same(reference, member, i, api, shapes=False)
         firsts = [members[kind_of.index(k)] for k in range(len(kinds))]
         big = firsts[largest(api, [dict(_shapes_key(m)) for m in firsts])]
-        reference = signature(big)
-        for i, member in enumerate(members):
-            check_pair(api, big, member, i, padded=len(kinds) > 1)
-            check_same(reference, member, i, api, shapes=False)
         if len(kinds) == 1:
             self._init_storage(members, range(len(members)), len(members), api)
             return
