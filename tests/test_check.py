@@ -21,7 +21,8 @@ from torch.utils.checkpoint import checkpoint
 from truth import TOL64, adam, assert_members_equal, train_alone
 
 import vmapens
-from vmapens.selfcheck import MEMBER, TRIES, warn_stacked_data
+from vmapens._data import warn_stacked_data
+from vmapens.selfcheck import MEMBER, TRIES
 
 N = 3
 ROWS = 8

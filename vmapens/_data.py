@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Sequence, Sized
 from typing import Any
 
@@ -13,6 +14,7 @@ from torch import Tensor
 from .seeds import derive_seed
 
 __all__ = [
+    "warn_stacked_data",
     "IterableSource",
     "MemberIterables",
     "Stream",
@@ -238,3 +240,43 @@ class Stream:
         if batch is None:
             raise ValueError("fit: `data` yielded no batches")
         return batch
+
+
+def warn_stacked_data(api: str, data: Any, n: int, in_dims: int | None) -> None:
+    """Warn when shared tensor data looks like per-member data passed without ``in_dims=0``.
+
+    Per-member data is stacked ``[n, samples, ...]``, inputs and targets alike. Without
+    ``in_dims=0`` every member trains on all of it with the member dim taken as the samples,
+    which runs without error. The sign: inputs and targets both have ``n`` rows and agree on
+    dim 1 as well (the samples of a stack). Shared data can look like that (``n`` samples,
+    as many features as target columns), so this warns instead of refusing.
+
+    Args:
+        api: the calling function's name, for the message.
+        data: ``(inputs, targets)`` tensors, or anything else (not checked).
+        n: the number of members.
+        in_dims: the caller's ``in_dims``; only ``None`` is checked.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_stacked_data("fit", (torch.randn(4, 32, 3), torch.randn(4, 32, 1)), 4, None)
+        >>> "in_dims=0" in str(caught[0].message)
+        True
+    """
+    if in_dims is not None or not isinstance(data, (tuple, list)) or len(data) != 2:
+        return
+    x, y = data
+    if not (isinstance(x, Tensor) and isinstance(y, Tensor)) or min(x.dim(), y.dim()) < 2:
+        return
+    if x.shape[0] == n and y.shape[0] == n and x.shape[1] == y.shape[1]:
+        warnings.warn(
+            f"{api}: `data` inputs {tuple(x.shape)} and targets {tuple(y.shape)} both have "
+            f"{n} rows, the number of members, and agree on dim 1: if they hold one slice per "
+            "member ([n, samples, ...]), pass in_dims=0; as given, every member trains on all "
+            f"of it with dim 0 as the samples. If they are {n} shared samples, silence this "
+            f"with warnings.filterwarnings('ignore', message='{api}: `data`')",
+            UserWarning,
+            stacklevel=3,
+        )

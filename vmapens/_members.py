@@ -9,8 +9,10 @@ from typing import Any
 import optree
 import torch
 from torch import nn
+from torch.func import vmap
 
 from ._checks import check_int
+from ._precision import autocast_members
 from .distributed import member_block
 from .seeds import member_seed
 
@@ -26,6 +28,7 @@ __all__ = [
     "named_tensors",
     "non_persistent_buffers",
     "signature",
+    "vmapped",
 ]
 
 Factory = Callable[[], nn.Module]
@@ -185,6 +188,28 @@ def looped(n: int, randomness: str, fn: Callable[..., Any], in_dims: tuple) -> C
         return optree.tree_map(lambda *xs: torch.stack(xs), *outputs)
 
     return looped
+
+
+def vmapped(
+    n: int, randomness: str, chunk_size: int | None, fn: Callable, in_dims: tuple
+) -> Callable:
+    """The vmap backend: ``fn`` batched over the members' stacked state, outputs stacked."""
+
+    def batched(state: dict[str, torch.Tensor], *args: Any) -> Any:
+        # torch.autocast would cast vmap's decompositions, not the member's own ops.
+        device = next(iter(state.values()), torch.empty(0)).device.type
+        member = autocast_members(fn, device)
+
+        def stateless(_: Any, *a: Any) -> Any:
+            return member({}, *a)
+
+        mapped = member if state else stateless
+        if not state:  # a member without tensors (nn.Dropout): give vmap a dim to map
+            state = {"": torch.empty(n, 0)}
+        lifted = vmap(mapped, in_dims=(0, *in_dims), randomness=randomness, chunk_size=chunk_size)
+        return lifted(state, *args)
+
+    return batched
 
 
 def member_ids_for(n: int, shard: bool, seeded: bool, api: str) -> range:

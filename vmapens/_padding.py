@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -290,6 +290,34 @@ class Padding:
         for row in range(rows):
             corner(mask[row], self.shape(name, row), self.gates.get(name, 1)).fill_(1)
         return mask
+
+    def member_map(
+        self,
+        lift: Callable[[Callable[..., Any], tuple], Callable[..., Any]],
+        fn: Callable[..., Any],
+        in_dims: tuple,
+        params: set[str],
+    ) -> Callable[..., Any]:
+        """``Ensemble._member_map`` of ``fn`` for padded members: each parameter in
+        ``params`` enters ``fn`` multiplied by its mask.
+
+        ``x * 1`` is ``x`` and ``x * 0`` is ``0`` exactly: padded entries add exact zeros to
+        every sum and get zero gradients. ``lift(fn, in_dims)`` batches a function as the
+        ensemble does (vmap or loop); the masks are one more mapped argument.
+        """
+
+        def masked(state: dict[str, Tensor], masks: dict[str, Tensor], *args: Any) -> Any:
+            return fn({k: v * masks[k] if k in masks else v for k, v in state.items()}, *args)
+
+        lifted = lift(masked, (0, *in_dims))
+
+        def run(state: dict[str, Tensor], *args: Any, rows: slice | None = None) -> Any:
+            masks = self.masks({k: v for k, v in state.items() if k in params})
+            if rows is not None:  # a chunk of members (vmapens._chunks)
+                masks = {k: m[rows] for k, m in masks.items()}
+            return lifted(state, masks, *args)
+
+        return run
 
     def select(self, rows: Sequence[int]) -> Padding:
         """The padding of the sub-ensemble of ``rows`` (same kinds, same full shapes; its own

@@ -8,12 +8,17 @@ says what to do, and gives the runner a substitute where one is exact.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
+from collections.abc import Iterator, Sequence
 
+import torch
 from torch import nn
 
-__all__ = ["explain_failure", "refuse_template_hooks", "unchunked"]
+from ._attention import batched_attention
+
+__all__ = ["explain_failure", "guarded", "refuse_template_hooks", "unchunked"]
 
 # Substrings of torch.func errors that mean "this forward cannot be batched", as opposed to
 # an ordinary bug in the user's forward that would fail for a single model too.
@@ -120,3 +125,29 @@ def unchunked(runner: nn.Module) -> nn.Module:
         if type(module) is getattr(nn, "LinearCrossEntropyLoss", None):
             setattr(module, "options", None)  # noqa: B010 (nn.Module.__setattr__ typing)
     return runner
+
+
+@contextlib.contextmanager
+def guarded(buffers: Sequence[torch.Tensor], api: str, name: str, backend: str) -> Iterator[None]:
+    """``Ensemble.guard``: buffers given back on any exception, errors explained, batched
+    attention on (see there)."""
+    saved = [b.clone() for b in buffers]
+    try:
+        with batched_attention():
+            yield
+    except BaseException as err:
+        with torch.no_grad():
+            for b, s in zip(buffers, saved, strict=True):
+                b.copy_(s)
+        if not isinstance(err, Exception):
+            raise
+        explained = explain_failure(api, name, backend, err)
+        if explained is not None:
+            raise explained from err
+        if type(err) is RuntimeError and ":" not in str(err).split(" ", 1)[0]:
+            # torch's own message (a shape mismatch...) does not say where it came from
+            raise RuntimeError(
+                f"{api}: a member's forward or loss failed ({err}); check the inputs "
+                "against one member run alone, e.g. ens[0](inputs)"
+            ) from err
+        raise

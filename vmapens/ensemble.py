@@ -4,33 +4,28 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call, vmap
+from torch.func import functional_call
 from torch.nn.utils.rnn import PackedSequence
 
-from ._attention import batched_attention
 from ._checks import check_choice, check_int, expand_in_dims, to_index
 from ._members import (
     Factory,
     build_members,
-    check_member,
-    check_same,
     check_seeds,
     looped,
     member_ids_for,
-    meta_copy,
     named_tensors,
-    signature,
+    vmapped,
 )
-from ._padding import Padding, check_pair, gates_of, largest
-from ._precision import autocast_members
 from ._recurrent import batchable
+from ._stacking import Stacked, check_factories, check_modules, stack_one_size, stack_sizes
 from ._storage import StackedModule
-from ._unbatchable import explain_failure, refuse_template_hooks, unchunked
+from ._unbatchable import guarded, refuse_template_hooks, unchunked
 
 __all__ = ["Ensemble"]
 
@@ -124,7 +119,8 @@ class Ensemble(StackedModule):
         member_ids = member_ids_for(n, shard, seed is not None or seeds is not None, api)
         rng = torch.get_rng_state()
         try:
-            self._init_storage(build_members(factory, seed, seeds, member_ids), member_ids, n, api)
+            members = build_members(factory, seed, seeds, member_ids)
+            self._take(stack_one_size(members, member_ids, api), member_ids, n)
         except BaseException:
             torch.set_rng_state(rng)  # a failed build leaves the caller's RNG as it was
             raise
@@ -162,24 +158,13 @@ class Ensemble(StackedModule):
             4
         """
         api = "Ensemble.from_modules"
-        if isinstance(modules, nn.Module) or not isinstance(modules, Sequence):
-            raise TypeError(
-                f"{api}: `modules` must be a sequence (list or tuple) of nn.Module, got "
-                f"{type(modules).__name__}"
-            )
-        if len(modules) == 0:
-            raise ValueError(f"{api}: `modules` must not be empty")
-        for i, module in enumerate(modules):
-            check_member(module, i, api)
-        reference = signature(modules[0])
-        for i, module in enumerate(modules[1:], start=1):
-            check_same(reference, module, i, api)
-            check_pair(api, modules[0], module, i, padded=False)
+        check_modules(api, modules)
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._configure(randomness, chunk_size, backend, api)
         member_ids = member_ids_for(len(modules), shard, True, api)
-        self._init_storage((modules[i] for i in member_ids), member_ids, len(modules), api)
+        stacked = stack_one_size((modules[i] for i in member_ids), member_ids, api)
+        self._take(stacked, member_ids, len(modules))
         return self
 
     @classmethod
@@ -193,59 +178,35 @@ class Ensemble(StackedModule):
         chunk_size: int | None = None,
         backend: str = "vmap",
     ) -> Ensemble:
-        """An Ensemble whose member ``i`` is ``factories[i]()``: one member per factory, sizes
-        may differ.
+        """One member per factory (``factories[i]()``, seeded as for ``Ensemble``); sizes may
+        differ.
 
-        Members of one class whose layers differ only in size (a width sweep:
-        ``[functools.partial(MLP, hidden=h) for h in (16, 32, 64)]``) are stored padded to the
-        largest member and trained in one vmapped step; each computes what it computes alone
-        at its own size (docs/semantics.md, "Members of different sizes"). ``ens[i]``,
-        ``unstack()``, ``state_dicts()`` and ``save_members`` give every member at its own
-        size. Seeding is as for ``Ensemble`` (``seed``: member ``i`` is
-        ``torch.manual_seed(member_seed(seed, i)); factories[i]()``). All members are built
-        before they are stacked, so building peaks at about twice the stacked size.
+        Members whose layers differ only in size (a width sweep:
+        ``[partial(MLP, hidden=h) for h in (16, 32, 64)]``) are stored padded to the largest
+        member and trained in one step, each exactly as alone at its own size; ``ens[i]``,
+        ``unstack()``, ``state_dicts()`` and ``save_members`` give each at its own size
+        (docs/semantics.md, "Members of different sizes"). All members are built before they
+        are stacked: building peaks at about twice the stacked size.
 
         Args:
             factories: one zero-argument callable per member.
-            seed: see ``Ensemble``.
-            seeds: see ``Ensemble``.
-            randomness: see ``Ensemble``.
-            chunk_size: see ``Ensemble``.
-            backend: see ``Ensemble``.
-
-        Returns:
-            The Ensemble, padded when the members' shapes differ.
+            seed, seeds, randomness, chunk_size, backend: as for ``Ensemble``.
 
         Raises:
-            TypeError: ``factories`` is not a sequence of callables, or one returns something
-                other than an ``nn.Module``.
-            ValueError: ``factories`` is empty; members differ in anything but sizes (class,
-                layers, settings such as a dropout rate); a layer that cannot be padded
-                exactly has different sizes (LayerNorm, attention...: the message names it);
-                no member is the largest in every dimension.
+            TypeError: ``factories`` is not a sequence of callables returning nn.Modules.
+            ValueError: ``factories`` is empty; members differ in anything but sizes (a
+                dropout rate); a layer that cannot be padded exactly differs in size
+                (LayerNorm, attention: named); no member is the largest everywhere.
 
         Example:
-            >>> import functools
-            >>> ens = Ensemble.from_factories(
-            ...     [functools.partial(nn.Linear, 3, h) for h in (2, 4)], seed=0
-            ... )
-            >>> ens(torch.randn(5, 3)).shape, ens[0].weight.shape
-            (torch.Size([2, 5, 4]), torch.Size([2, 3]))
+            >>> from functools import partial
+            >>> mlp = lambda h: nn.Sequential(nn.Linear(3, h), nn.Tanh(), nn.Linear(h, 1))
+            >>> ens = Ensemble.from_factories([partial(mlp, h) for h in (4, 8)], seed=0)
+            >>> ens(torch.randn(5, 3)).shape, ens[0][0].weight.shape
+            (torch.Size([2, 5, 1]), torch.Size([4, 3]))
         """
         api = "Ensemble.from_factories"
-        if isinstance(factories, nn.Module) or not isinstance(factories, Sequence):
-            raise TypeError(
-                f"{api}: `factories` must be a sequence (list or tuple) of zero-argument "
-                f"callables, got {type(factories).__name__}"
-            )
-        if len(factories) == 0:
-            raise ValueError(f"{api}: `factories` must not be empty")
-        for k, factory in enumerate(factories):
-            if isinstance(factory, nn.Module) or not callable(factory):
-                raise TypeError(
-                    f"{api}: `factories[{k}]` must be a zero-argument callable returning an "
-                    f"nn.Module, got {type(factory).__name__}"
-                )
+        check_factories(api, factories)
         n = len(factories)
         if seed is not None:
             check_int(api, "seed", seed)
@@ -256,49 +217,12 @@ class Ensemble(StackedModule):
         self._configure(randomness, chunk_size, backend, api)
         rng = torch.get_rng_state()
         try:
-            members = list(build_members(factories, seed, seeds, range(n)))
-            self._init_sized(members, api)
+            stacked = stack_sizes(list(build_members(factories, seed, seeds, range(n))), api)
+            self._take(stacked, range(n), n)
         except BaseException:
             torch.set_rng_state(rng)
             raise
         return self
-
-    def _init_sized(self, members: list[nn.Module], api: str) -> None:
-        """Stack ``members`` padded to the largest (plainly when all have one size)."""
-        kinds: dict[tuple, int] = {}
-        kind_of = [kinds.setdefault(_shapes_key(m), len(kinds)) for m in members]
-        reference = signature(members[0])
-        for i, member in enumerate(members[1:], start=1):
-            check_pair(api, members[0], member, i, padded=len(kinds) > 1)
-            check_same(reference, member, i, api, shapes=False)
-        firsts = [members[kind_of.index(k)] for k in range(len(kinds))]
-        big = firsts[largest(api, [dict(_shapes_key(m)) for m in firsts])]
-        if len(kinds) == 1:
-            self._init_storage(members, range(len(members)), len(members), api)
-            return
-        gates = gates_of(big)
-        for name, count in gates.items():
-            for m in firsts:
-                rows = dict(named_tensors(m))[name].shape[0]
-                if rows % count:
-                    raise ValueError(
-                        f"{api}: `{name}` has {rows} rows, not a multiple of its {count} gates"
-                    )
-        full = {name: tuple(t.shape) for name, t in named_tensors(big)}
-        padding = Padding([meta_copy(m) for m in firsts], kind_of, full, gates)
-        self.__dict__["_padding"] = padding
-        self.__dict__["_template"] = meta_copy(big)
-        self.__dict__["_runner"] = unchunked(batchable(self._template))
-        stacked = {
-            name: torch.zeros((len(members), *t.shape), dtype=t.dtype, device=t.device)
-            for name, t in named_tensors(big)
-        }
-        with torch.no_grad():
-            for row, member in enumerate(members):
-                for name, t in named_tensors(member):
-                    padding.put_(name, stacked[name][row], t, row)
-        members.clear()
-        self._adopt(stacked, range(len(kind_of)), len(kind_of), big.training)
 
     def _configure(self, randomness: str, chunk_size: int | None, backend: str, api: str) -> None:
         check_choice(api, "randomness", randomness, RANDOMNESS)
@@ -307,33 +231,11 @@ class Ensemble(StackedModule):
             check_int(api, "chunk_size", chunk_size, minimum=1)
         self.randomness, self.chunk_size, self.backend = randomness, chunk_size, backend
 
-    def _init_storage(
-        self, members: Iterable[nn.Module], member_ids: Sequence[int], n_total: int, api: str
-    ) -> None:
-        """Copy members one at a time into stacked storage and keep a meta template."""
-        stacked: dict[str, torch.Tensor] = {}
-        reference = None
-        # A plain counter: enumerate()/zip() recycle their result tuple, which would keep the
-        # previous member alive while the next one is built.
-        slot = 0
-        for member in members:
-            if reference is None:
-                reference = signature(member)
-                training = member.training
-                self.__dict__["_template"] = meta_copy(member)
-                self.__dict__["_runner"] = unchunked(batchable(self._template))
-                stacked = {
-                    name: torch.empty((len(member_ids), *t.shape), dtype=t.dtype, device=t.device)
-                    for name, t in named_tensors(member)
-                }
-            else:
-                check_same(reference, member, member_ids[slot], api)
-            with torch.no_grad():
-                for name, t in named_tensors(member):
-                    stacked[name][slot].copy_(t)
-            del member  # drop our reference before the next member is built
-            slot += 1  # noqa: SIM113
-        self._adopt(stacked, member_ids, n_total, training)
+    def _take(self, stacked: Stacked, member_ids: Sequence[int], n_total: int) -> None:
+        self.__dict__["_padding"] = stacked.padding
+        self.__dict__["_template"] = stacked.template
+        self.__dict__["_runner"] = unchunked(batchable(stacked.template))
+        self._adopt(stacked.tensors, member_ids, n_total, stacked.training)
 
     # -- running ----------------------------------------------------------------------------
 
@@ -411,53 +313,18 @@ class Ensemble(StackedModule):
         if padding is None:
             plain = self._lifted(fn, in_dims)
 
-            def run_plain(state: dict[str, torch.Tensor], *args: Any, rows: Any = None) -> Any:
+            def run(state: dict[str, torch.Tensor], *args: Any, rows: Any = None) -> Any:
                 return plain(state, *args)
 
-            return run_plain
+            return run
 
-        def masked(state: dict[str, torch.Tensor], masks: dict, *args: Any) -> Any:
-            # x * 1 is x and x * 0 is 0 exactly: padded entries add exact zeros to every sum,
-            # and their gradients are exactly zero (docs/semantics.md).
-            return fn({k: v * masks[k] if k in masks else v for k, v in state.items()}, *args)
-
-        lifted = self._lifted(masked, (0, *in_dims))
-        names = set(self._parameters)
-
-        def run(state: dict[str, torch.Tensor], *args: Any, rows: slice | None = None) -> Any:
-            masks = padding.masks({k: v for k, v in state.items() if k in names})
-            if rows is not None:  # a chunk of members (vmapens._chunks)
-                masks = {k: m[rows] for k, m in masks.items()}
-            return lifted(state, masks, *args)
-
-        return run
+        return padding.member_map(self._lifted, fn, in_dims, set(self._parameters))
 
     def _lifted(self, fn: Callable[..., Any], in_dims: tuple) -> Callable[..., Any]:
         if self.backend == "loop":
             return looped(len(self), self.randomness, fn, in_dims)
         refuse_template_hooks(self._template, self._runner)
-        n = len(self)
-
-        def batched(state: dict[str, torch.Tensor], *args: Any) -> Any:
-            # torch.autocast would cast vmap's decompositions, not the member's own ops.
-            device = next(iter(state.values()), torch.empty(0)).device.type
-            member = autocast_members(fn, device)
-            if not state:  # a member without tensors (nn.Dropout): give vmap a dim to map
-                state = {"": torch.empty(n, 0)}
-                return vmap(
-                    lambda _, *a: member({}, *a),
-                    in_dims=(0, *in_dims),
-                    randomness=self.randomness,
-                    chunk_size=self.chunk_size,
-                )(state, *args)
-            return vmap(
-                member,
-                in_dims=(0, *in_dims),
-                randomness=self.randomness,
-                chunk_size=self.chunk_size,
-            )(state, *args)
-
-        return batched
+        return vmapped(len(self), self.randomness, self.chunk_size, fn, in_dims)
 
     @contextlib.contextmanager
     def guard(self, api: str = "Ensemble") -> Iterator[None]:
@@ -473,26 +340,8 @@ class Ensemble(StackedModule):
           its graph.
         """
         buffers = list(self.stacked_buffers().values())
-        saved = [b.clone() for b in buffers]
-        try:
-            with batched_attention():
-                yield
-        except BaseException as err:
-            with torch.no_grad():
-                for b, s in zip(buffers, saved, strict=True):
-                    b.copy_(s)
-            if not isinstance(err, Exception):
-                raise
-            explained = explain_failure(api, type(self._template).__name__, self.backend, err)
-            if explained is not None:
-                raise explained from err
-            if type(err) is RuntimeError and ":" not in str(err).split(" ", 1)[0]:
-                # torch's own message (a shape mismatch...) does not say where it came from
-                raise RuntimeError(
-                    f"{api}: a member's forward or loss failed ({err}); check the inputs "
-                    "against one member run alone, e.g. ens[0](inputs)"
-                ) from err
-            raise
+        with guarded(buffers, api, type(self._template).__name__, self.backend):
+            yield
 
     # -- members ------------------------------------------------------------------------------
 
@@ -567,7 +416,3 @@ class Ensemble(StackedModule):
                     t.copy_(saved[name])
             raise
         return self
-
-
-def _shapes_key(module: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    return tuple((name, tuple(t.shape)) for name, t in named_tensors(module))

@@ -18,6 +18,7 @@ from ._data import (
     is_tensor_data,
     oob_mask,
     rows_of,
+    warn_stacked_data,
 )
 from ._evaluate import Evaluator, to_device
 from ._fit_checks import Checked, build_optimizer, check_arguments
@@ -36,7 +37,6 @@ from .ensemble import Ensemble
 from .history import History
 from .optim import StackedOptimizer
 from .seeds import bootstrap_indices
-from .selfcheck import warn_stacked_data
 from .step import make_step
 
 __all__ = ["Callback", "fit"]

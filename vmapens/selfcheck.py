@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,7 +34,6 @@ __all__ = [
     "check",
     "check_step_arguments",
     "tolerance",
-    "warn_stacked_data",
 ]
 
 #: Calls of a step on which member 0 could not run alone before its probe gives up: the step
@@ -124,7 +122,7 @@ def check(
                 f"{api}: member {member} of {type(ens.template).__name__} fails when run alone "
                 f"on these `inputs` and `targets` ({type(err).__name__}: {err}); fix that first"
             ) from err
-        _compare(api, ens, member, alone, args, targets, loss_fn, in_dims, autocast)
+        _compare(api, ens, member, alone, loss_fn, args, targets, in_dims, autocast)
 
 
 def probed(ens: Ensemble) -> list[int]:
@@ -180,63 +178,16 @@ class Probe:
         """Probe on this batch if no batch has been probed yet (``args``: positional inputs)."""
         if not self.pending:
             return
-        found = []
-        for member in probed(self.ens):
-            try:
-                alone = _alone(
-                    self.ens, member, self.loss_fn, args, targets, self.in_dims, self.autocast
-                )
-            except Exception:
-                self.tries += 1  # the step reports it, as without the probe
-                self.pending = self.tries < TRIES
-                return
-            found.append((member, alone))
-        for member, alone in found:
-            _compare(
-                "step", self.ens, member, alone, args, targets, self.loss_fn, self.in_dims,
-                self.autocast,
-            )  # fmt: skip
+        batch = (self.loss_fn, args, targets, self.in_dims, self.autocast)
+        try:
+            runs = [(member, _alone(self.ens, member, *batch)) for member in probed(self.ens)]
+        except Exception:
+            self.tries += 1  # the step reports it, as without the probe
+            self.pending = self.tries < TRIES
+            return
+        for member, alone in runs:
+            _compare("step", self.ens, member, alone, *batch)
         self.pending = False
-
-
-def warn_stacked_data(api: str, data: Any, n: int, in_dims: int | None) -> None:
-    """Warn when shared tensor data looks like per-member data passed without ``in_dims=0``.
-
-    Per-member data is stacked ``[n, samples, ...]``, inputs and targets alike. Without
-    ``in_dims=0`` every member trains on all of it with the member dim taken as the samples,
-    which runs without error. The sign: inputs and targets both have ``n`` rows and agree on
-    dim 1 as well (the samples of a stack). Shared data can look like that (``n`` samples,
-    as many features as target columns), so this warns instead of refusing.
-
-    Args:
-        api: the calling function's name, for the message.
-        data: ``(inputs, targets)`` tensors, or anything else (not checked).
-        n: the number of members.
-        in_dims: the caller's ``in_dims``; only ``None`` is checked.
-
-    Example:
-        >>> import warnings
-        >>> with warnings.catch_warnings(record=True) as caught:
-        ...     warnings.simplefilter("always")
-        ...     warn_stacked_data("fit", (torch.randn(4, 32, 3), torch.randn(4, 32, 1)), 4, None)
-        >>> "in_dims=0" in str(caught[0].message)
-        True
-    """
-    if in_dims is not None or not isinstance(data, (tuple, list)) or len(data) != 2:
-        return
-    x, y = data
-    if not (isinstance(x, Tensor) and isinstance(y, Tensor)) or min(x.dim(), y.dim()) < 2:
-        return
-    if x.shape[0] == n and y.shape[0] == n and x.shape[1] == y.shape[1]:
-        warnings.warn(
-            f"{api}: `data` inputs {tuple(x.shape)} and targets {tuple(y.shape)} both have "
-            f"{n} rows, the number of members, and agree on dim 1: if they hold one slice per "
-            "member ([n, samples, ...]), pass in_dims=0; as given, every member trains on all "
-            f"of it with dim 0 as the samples. If they are {n} shared samples, silence this "
-            f"with warnings.filterwarnings('ignore', message='{api}: `data`')",
-            UserWarning,
-            stacklevel=3,
-        )
 
 
 # -- the two runs ---------------------------------------------------------------------------
@@ -330,9 +281,9 @@ def _compare(
     ens: Ensemble,
     member: int,
     alone: dict[str, Any],
+    loss_fn: Callable,
     args: tuple,
     targets: Tensor,
-    loss_fn: Callable,
     in_dims: int | None,
     autocast: torch.dtype | None,
 ) -> None:
@@ -351,24 +302,27 @@ def _compare(
             "to run the members one after another, each as it runs alone"
         ) from err
     found = list(_differences(alone, together, autocast))
-    if found and ens._padding is not None:
-        raise RuntimeError(
-            f"{api}: member {member} of {name} computes something else inside the padded "
-            f"ensemble than alone at its own size: {'; '.join(found[:4])}. Members of "
-            "different sizes run padded to the largest one, which is exact only when no "
-            "operation mixes a padded dimension (a mean, softmax or norm over it, a reshape "
-            "that moves it; docs/semantics.md, 'Members of different sizes'). Give these "
-            "members one size, or train each size as its own Ensemble"
-        )
     if found:
+        padded = ens._padding is not None
         raise RuntimeError(
-            f"{api}: member {member} of {name} computes something else inside the ensemble "
-            f"than alone on the same batch: {'; '.join(found[:4])}. Its forward probably "
-            "depends on something vmap changes (a parameter's requires_grad reads False under "
-            "vmap; .data, in-place edits of parameters). Build the ensemble with "
-            "backend='loop' (members one after another, exact), or pass check=False to "
-            "train anyway (docs/semantics.md, 'How vmapens checks itself')"
+            f"{api}: member {member} of {name} computes something else inside the "
+            f"{'padded ' * padded}ensemble than alone on the same batch: "
+            f"{'; '.join(found[:4])}. {_PADDED if padded else _VMAPPED}"
         )
+
+
+_VMAPPED = (
+    "Its forward probably depends on something vmap changes (a parameter's requires_grad "
+    "reads False under vmap; .data, in-place edits of parameters). Build the ensemble with "
+    "backend='loop' (members one after another, exact), or pass check=False to train anyway "
+    "(docs/semantics.md, 'How vmapens checks itself')"
+)
+_PADDED = (
+    "Members of different sizes run padded to the largest one, exact only when no operation "
+    "mixes a padded dimension (a mean, softmax or norm over it, a reshape that moves it; "
+    "docs/semantics.md, 'Members of different sizes'). Give these members one size, or "
+    "train each size as its own Ensemble"
+)
 
 
 def _differences(

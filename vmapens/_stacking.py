@@ -1,0 +1,134 @@
+"""From member modules to stacked storage: one size (streamed) or several sizes (padded).
+
+``Ensemble`` takes the result as its storage. Members of one size are copied one at a time,
+so building peaks at about the stacked size plus one member; members of several sizes are all
+built first (the largest one sets the padded shapes), then copied into their corners.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._members import check_member, check_same, meta_copy, named_tensors, signature
+from ._padding import Padding, check_pair, gates_of, largest
+
+__all__ = ["Stacked", "check_factories", "check_modules", "stack_one_size", "stack_sizes"]
+
+
+@dataclass
+class Stacked:
+    """Stacked ``[k, ...]`` tensors by the member's names, the meta template the forward runs,
+    the members' train/eval mode, and where each member sits when sizes differ."""
+
+    tensors: dict[str, torch.Tensor]
+    template: nn.Module
+    training: bool
+    padding: Padding | None = None
+
+
+def stack_one_size(members: Iterable[nn.Module], member_ids: Sequence[int], api: str) -> Stacked:
+    """Copy members one at a time into stacked storage; each must equal the first in shape."""
+    stacked: dict[str, torch.Tensor] = {}
+    reference, template, training = None, None, True
+    # A plain counter: enumerate()/zip() recycle their result tuple, which would keep the
+    # previous member alive while the next one is built.
+    slot = 0
+    for member in members:
+        if reference is None:
+            reference, training = signature(member), member.training
+            template = meta_copy(member)
+            stacked = {
+                name: torch.empty((len(member_ids), *t.shape), dtype=t.dtype, device=t.device)
+                for name, t in named_tensors(member)
+            }
+        else:
+            check_same(reference, member, member_ids[slot], api)
+        with torch.no_grad():
+            for name, t in named_tensors(member):
+                stacked[name][slot].copy_(t)
+        del member  # drop our reference before the next member is built
+        slot += 1  # noqa: SIM113
+    assert template is not None, "no members"  # callers check n >= 1
+    return Stacked(stacked, template, training)
+
+
+def stack_sizes(members: list[nn.Module], api: str) -> Stacked:
+    """Stack ``members`` padded to the largest (plainly when all have one size).
+
+    Raises:
+        ValueError: members differ in anything but sizes, a layer that cannot be padded
+            exactly differs in size (``check_pair``), or no member is the largest everywhere.
+    """
+    kinds: dict[tuple, int] = {}
+    kind_of = [kinds.setdefault(_shapes_key(m), len(kinds)) for m in members]
+    reference = signature(members[0])
+    for i, member in enumerate(members[1:], start=1):
+        check_pair(api, members[0], member, i, padded=len(kinds) > 1)
+        check_same(reference, member, i, api, shapes=False)
+    if len(kinds) == 1:
+        return stack_one_size(members, range(len(members)), api)
+    firsts = [members[kind_of.index(k)] for k in range(len(kinds))]
+    big = firsts[largest(api, [dict(_shapes_key(m)) for m in firsts])]
+    gates = gates_of(big)
+    for name, count in gates.items():
+        for m in firsts:
+            rows = dict(named_tensors(m))[name].shape[0]
+            if rows % count:
+                raise ValueError(
+                    f"{api}: `{name}` has {rows} rows, not a multiple of its {count} gates"
+                )
+    full = {name: tuple(t.shape) for name, t in named_tensors(big)}
+    padding = Padding([meta_copy(m) for m in firsts], kind_of, full, gates)
+    stacked = {
+        name: torch.zeros((len(members), *t.shape), dtype=t.dtype, device=t.device)
+        for name, t in named_tensors(big)
+    }
+    with torch.no_grad():
+        for row, member in enumerate(members):
+            for name, t in named_tensors(member):
+                padding.put_(name, stacked[name][row], t, row)
+    return Stacked(stacked, meta_copy(big), big.training, padding)
+
+
+def check_factories(api: str, factories: Any) -> None:
+    """``factories`` must be a non-empty sequence of zero-argument callables."""
+    if isinstance(factories, nn.Module) or not isinstance(factories, Sequence):
+        raise TypeError(
+            f"{api}: `factories` must be a sequence (list or tuple) of zero-argument "
+            f"callables, got {type(factories).__name__}"
+        )
+    if len(factories) == 0:
+        raise ValueError(f"{api}: `factories` must not be empty")
+    for k, factory in enumerate(factories):
+        if isinstance(factory, nn.Module) or not callable(factory):
+            raise TypeError(
+                f"{api}: `factories[{k}]` must be a zero-argument callable returning an "
+                f"nn.Module, got {type(factory).__name__}"
+            )
+
+
+def check_modules(api: str, modules: Any) -> None:
+    """``modules`` must be a non-empty sequence of initialised modules of one size and one
+    setting (member 1's dropout rate would run as member 0's)."""
+    if isinstance(modules, nn.Module) or not isinstance(modules, Sequence):
+        raise TypeError(
+            f"{api}: `modules` must be a sequence (list or tuple) of nn.Module, got "
+            f"{type(modules).__name__}"
+        )
+    if len(modules) == 0:
+        raise ValueError(f"{api}: `modules` must not be empty")
+    for i, module in enumerate(modules):
+        check_member(module, i, api)
+    reference = signature(modules[0])
+    for i, module in enumerate(modules[1:], start=1):
+        check_same(reference, module, i, api)
+        check_pair(api, modules[0], module, i, padded=False)
+
+
+def _shapes_key(module: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((name, tuple(t.shape)) for name, t in named_tensors(module))
