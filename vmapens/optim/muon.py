@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import column
-from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar, member_column
+from ._hyper import LR, NONNEGATIVE, Hyper, PerMember, Scalar, member_column
 from .base import StackedOptimizer
 
 __all__ = ["StackedMuon", "muon_rule", "newton_schulz"]
@@ -19,43 +19,99 @@ __all__ = ["StackedMuon", "muon_rule", "newton_schulz"]
 #: torch's defaults (``torch.optim._muon``): Keller Jordan's quintic coefficients.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 _ADJUST = (None, "original", "match_rms_adamw")
+#: How :func:`newton_schulz` runs over members: torch's ops per member (exact) or batched.
+MODES = ("per_member", "batched")
 
 
 def newton_schulz(
-    update: Tensor, coefficients: tuple[float, float, float], steps: int, eps: Scalar
+    update: Tensor,
+    coefficients: tuple[float, float, float],
+    steps: int,
+    eps: Scalar,
+    *,
+    mode: str = "per_member",
 ) -> Tensor:
-    """Each member's matrix ``update[i]`` orthogonalised, batched over members, in bfloat16.
+    """Each member's matrix ``update[i]`` orthogonalised in bfloat16, as torch's Muon does.
 
-    torch's ``_zeropower_via_newtonschulz`` on every ``[rows, cols]`` slice of the
-    ``[n, rows, cols]`` stack at once (``bmm``/``baddbmm``): transpose tall matrices, divide
-    by the Frobenius norm
-    (at least ``eps``), then ``steps`` times ``A = X X^T``, ``B = b A + c A A``,
-    ``X = a X + B X``.
+    torch's ``_zeropower_via_newtonschulz`` (``torch/optim/_muon.py``) on every
+    ``[rows, cols]`` slice of the ``[n, rows, cols]`` stack: round to bfloat16, transpose a
+    tall matrix, divide by its Frobenius norm (at least ``eps``), then ``steps`` times
+    ``A = X X^T``, ``B = b A + c A A``, ``X = a X + B X``.
+
+    ``mode="per_member"`` runs torch's ops on each slice in turn, so each result is torch's
+    bit for bit, whatever kernels the CPU or GPU picks. ``mode="batched"`` runs each op once
+    for all members (``bmm``/``baddbmm``, a norm over the last two dims): torch picks other
+    kernels for a batch than for one matrix (by size, by batch size, by CPU), which sum the
+    bfloat16 products in another order, so an element now and then differs by one bfloat16
+    ulp, and the iteration carries it on (docs/semantics.md has the measured deviation).
+
+    As torch's, both divide a bfloat16 ``update`` by its norm in place (``bfloat16()`` returns
+    the tensor itself): a bfloat16 Muon without Nesterov normalises its momentum buffer.
 
     Args:
         update: Stacked matrices ``[n, rows, cols]``.
         coefficients: ``(a, b, c)``.
         steps: Number of iterations.
         eps: Floor of the norm, a float or a float64 ``[n]`` tensor.
+        mode: ``"per_member"`` (torch's result exactly) or ``"batched"`` (faster, to one
+            bfloat16 ulp per iteration).
 
     Returns:
-        The bfloat16 ``[n, rows, cols]`` result. Each slice equals torch's result on it alone
-        up to the rounding of bfloat16 sums: torch's CPU ``baddbmm`` and ``addmm`` accumulate
-        in different orders (different kernels by size), so an element now and then differs
-        by one bfloat16 ulp (measured: 0-5% of random stacks, none above 1 ulp).
+        The bfloat16 ``[n, rows, cols]`` result.
+
+    Raises:
+        ValueError: An unknown ``mode``.
     """
+    if mode not in MODES:
+        raise ValueError(f"newton_schulz: `mode` must be one of {MODES}, got {mode!r}")
+    # torch's clamp(min=float) rounds the floor to the tensor's dtype: the same as a bf16 one.
+    floor = eps.to(torch.bfloat16) if isinstance(eps, Tensor) else eps
+    if mode == "per_member":
+        floors: list[Scalar] = (
+            list(floor.unbind()) if isinstance(floor, Tensor) else [floor] * update.size(0)
+        )
+        orthos = [
+            _newton_schulz_alone(u, coefficients, steps, f)
+            for u, f in zip(update.unbind(), floors, strict=True)
+        ]
+        # In the layout of torch's results (a tall one is a transposed view after an
+        # iteration): the update that reads it picks its elementwise kernel by layout, and
+        # that kernel rounds bfloat16 parameters.
+        if orthos[0].is_contiguous():
+            return torch.stack(orthos)
+        return torch.stack([o.mT for o in orthos]).mT
     a, b, c = coefficients
     x = update.bfloat16()
     tall = update.size(-2) > update.size(-1)
     if tall:
         x = x.mT
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
-    floor = column(eps.to(torch.bfloat16), norm) if isinstance(eps, Tensor) else eps
-    x = x / torch.clamp(norm, min=floor)
+    x.div_(torch.clamp(norm, min=column(floor, norm) if isinstance(floor, Tensor) else floor))
     for _ in range(steps):
         gram = x @ x.mT
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.mT if tall else x
+
+
+def _check_mode(api: str, mode: Any) -> None:
+    if mode not in MODES:
+        raise ValueError(f"{api}: `newton_schulz` must be one of {MODES}, got {mode!r}")
+
+
+def _newton_schulz_alone(
+    update: Tensor, coefficients: tuple[float, float, float], steps: int, eps: Scalar
+) -> Tensor:
+    """torch's ``_zeropower_via_newtonschulz`` on one matrix, op for op (torch 2.13)."""
+    a, b, c = coefficients
+    x = update.bfloat16()
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
 
 
 def muon_rule(
@@ -71,7 +127,7 @@ def muon_rule(
     .. code-block:: text
 
         B = lerp(B, g, 1 - momentum);  U = lerp(g, B, momentum) if nesterov else B
-        O = newton_schulz(U)   (bfloat16, as torch)
+        O = newton_schulz(U)   (bfloat16, as torch; per member or batched)
         p *= 1 - lr * wd;  p -= lr * scale(rows, cols) * O
         scale = sqrt(max(1, rows / cols)) ("original", None) or 0.2 * sqrt(max(rows, cols))
 
@@ -81,9 +137,12 @@ def muon_rule(
         state: ``momentum_buffer`` (one per parameter) and ``step`` (float32 [n], counted;
             torch's Muon has none).
         group: ``lr``, ``weight_decay``, ``momentum``, ``eps`` (floats or float64 [n]
-            tensors), ``nesterov``, ``ns_coefficients``, ``ns_steps`` and ``adjust_lr_fn``.
+            tensors), ``nesterov``, ``ns_coefficients``, ``ns_steps``, ``adjust_lr_fn`` and
+            ``newton_schulz`` (the ``mode`` of :func:`newton_schulz`).
     """
     lr, wd, momentum, eps = group["lr"], group["weight_decay"], group["momentum"], group["eps"]
+    if isinstance(lr, Tensor) and lr.dim() == 0 and isinstance(wd, Tensor):
+        wd = wd.to(lr.dtype)  # torch: a 0-d lr times a float weight decay, in lr's dtype
     state["step"].add_(1)
     for p, g, buf in zip(params, grads, state["momentum_buffer"], strict=True):
 
@@ -92,7 +151,9 @@ def muon_rule(
 
         buf.lerp_(g, col(1 - momentum))
         update = g.lerp(buf, col(momentum)) if group["nesterov"] else buf
-        ortho = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], eps)
+        ortho = newton_schulz(
+            update, group["ns_coefficients"], group["ns_steps"], eps, mode=group["newton_schulz"]
+        )
         rows, cols = p.shape[1:]
         if group["adjust_lr_fn"] in (None, "original"):
             ratio = math.sqrt(max(1, rows / cols))
@@ -109,7 +170,8 @@ class StackedMuon(StackedOptimizer):
     """Muon over stacked matrices, with per-member hyperparameters.
 
     Member ``i`` is updated exactly as ``torch.optim.Muon`` would update it alone with member
-    ``i``'s hyperparameters, its Newton-Schulz iteration batched over members;
+    ``i``'s hyperparameters (bit for bit in its Newton-Schulz iteration, to round-off around
+    it), all members in one step;
     ``member_state_dict(i)`` hands it off to it (the momentum buffers; torch's Muon keeps no
     step count). As torch's Muon, it takes matrices only: every member parameter must be 2-D
     (stacked: ``[n, rows, cols]``); optimise the others (biases, norms, embeddings) with
@@ -119,9 +181,14 @@ class StackedMuon(StackedOptimizer):
         others = [p for p in ens.parameters() if p.dim() != 3]
         muon, adamw = StackedMuon(matrices), StackedAdam(others, decoupled_weight_decay=True)
 
-    The Newton-Schulz coefficients and step count are shared by all members: the iteration
-    runs in bfloat16 through ``baddbmm``'s own scaling, whose rounding a per-member
-    coefficient would change.
+    The Newton-Schulz iteration runs in bfloat16, as torch's. By default
+    (``newton_schulz="per_member"``) it runs torch's matrix products on each member in turn:
+    torch picks other kernels for a batch of matrices than for one, which round the bfloat16
+    sums differently, so only this equals torch's Muon. ``newton_schulz="batched"`` runs
+    each product once for all members (``baddbmm``), several times faster for many small
+    matrices, and differs from torch's Muon by a bfloat16 ulp now and then, which the
+    iteration and later steps carry on (docs/semantics.md: within 0.1 lr over 20 steps). The
+    Newton-Schulz coefficients and step count are shared by all members.
 
     Args:
         params: Stacked matrices [n, rows, cols] or param-group dicts of them.
@@ -134,11 +201,14 @@ class StackedMuon(StackedOptimizer):
         ns_steps: Newton-Schulz iterations (< 100), shared.
         adjust_lr_fn: ``None``/``"original"`` (``sqrt(max(1, rows / cols))``) or
             ``"match_rms_adamw"`` (``0.2 * sqrt(max(rows, cols))``).
+        newton_schulz: ``"per_member"`` (equal to torch's Muon on each member) or
+            ``"batched"`` (faster; within bfloat16 rounding of it), keyword only.
         **implementation: none: torch's Muon takes no implementation flags.
 
     Raises:
-        ValueError: A member parameter that is not 2-D, an unknown ``adjust_lr_fn``,
-            ``ns_steps`` >= 100, or out-of-range or wrong-length hyperparameters.
+        ValueError: A member parameter that is not 2-D, an unknown ``adjust_lr_fn`` or
+            ``newton_schulz``, ``ns_steps`` >= 100, or out-of-range or wrong-length
+            hyperparameters.
 
     Example:
         >>> w = torch.zeros(2, 3, 3, requires_grad=True)
@@ -150,7 +220,7 @@ class StackedMuon(StackedOptimizer):
     """
 
     hyperparameters: ClassVar[dict[str, Hyper]] = {
-        "lr": Hyper("learning rate", ">= 0", NONNEGATIVE.ok),
+        "lr": LR,  # a 0-d tensor lr stays one: torch's Muon computes with it in its dtype
         "weight_decay": Hyper("weight decay", ">= 0", NONNEGATIVE.ok),
         "momentum": Hyper("momentum", ">= 0", NONNEGATIVE.ok),
         "eps": Hyper("epsilon value", ">= 0", NONNEGATIVE.ok),
@@ -169,9 +239,12 @@ class StackedMuon(StackedOptimizer):
         eps: PerMember = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
+        *,
+        newton_schulz: str = "per_member",
         **implementation: Any,
     ) -> None:
         api = type(self).__name__  # not an option: dropped before locals() is taken
+        _check_mode(api, newton_schulz)
         if adjust_lr_fn not in _ADJUST:
             raise ValueError(
                 f"{api}: `adjust_lr_fn` must be one of {_ADJUST}, got {adjust_lr_fn!r}"
@@ -193,8 +266,11 @@ class StackedMuon(StackedOptimizer):
             param_group: A dict with ``params`` and optional hyperparameter overrides.
 
         Raises:
-            ValueError: A parameter whose member shape is not 2-D.
+            ValueError: A parameter whose member shape is not 2-D, or an unknown
+                ``newton_schulz``.
         """
+        if "newton_schulz" in param_group:
+            _check_mode(self._api, param_group["newton_schulz"])
         params = param_group["params"]
         for p in [params] if isinstance(params, Tensor) else list(params):
             if isinstance(p, Tensor) and p.dim() != 3:
