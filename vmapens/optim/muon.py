@@ -187,7 +187,7 @@ class StackedMuon(StackedOptimizer):
     sums differently, so only this equals torch's Muon. ``newton_schulz="batched"`` runs
     each product once for all members (``baddbmm``), several times faster for many small
     matrices, and differs from torch's Muon by a bfloat16 ulp now and then, which the
-    iteration and later steps carry on (docs/semantics.md: within 0.1 lr over 20 steps). The
+    iteration and later steps carry on (docs/semantics.md: within 0.061 lr over 20 steps). The
     Newton-Schulz coefficients and step count are shared by all members.
 
     Args:
