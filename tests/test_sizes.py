@@ -287,7 +287,7 @@ def test_members_come_back_at_their_own_size(tmp_path):
     # A sub-ensemble keeps each member's size; its eval() leaves this one in training mode.
     sub = ens.select([3, 0])
     sub.eval()
-    assert ens.training and all(m.training for m in ens.unstack())
+    assert ens.training and ens.template.training and all(m.training for m in ens.unstack())
     assert sub[0].net[0].out_channels == 4 and sub[1].net[0].out_channels == 2
 
 
@@ -342,12 +342,14 @@ class MeanOverWidth(MLP):
         return hidden.mean(-1, keepdim=True).expand(-1, 2)  # averages the padded zeros in
 
 
-def test_the_probe_refuses_a_forward_that_mixes_padded_entries():
-    ens = vmapens.Ensemble.from_factories(_factories(MeanOverWidth, (4, 8)), seed=0)
+# Largest first: member 0 runs exactly as alone, only the smaller size differs.
+@pytest.mark.parametrize("widths", [(4, 8), (8, 4)], ids=["smallest-first", "largest-first"])
+def test_the_probe_refuses_a_forward_that_mixes_padded_entries(widths):
+    ens = vmapens.Ensemble.from_factories(_factories(MeanOverWidth, widths), seed=0)
     x, y = _data("mlp")
     before = {k: v.clone() for k, v in ens.state_dict().items()}
     step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedAdam(ens))
-    with pytest.raises(RuntimeError, match="member 0 of MeanOverWidth .* padded ensemble"):
+    with pytest.raises(RuntimeError, match="member [02] of MeanOverWidth .* padded ensemble"):
         step(x, y)
     assert all(torch.equal(v, before[k]) for k, v in ens.state_dict().items())
     with pytest.raises(RuntimeError, match="Members of different sizes"):
