@@ -431,3 +431,22 @@ BAD_ARGUMENTS = [
 def test_bad_factories_are_named(factories, error, match):
     with pytest.raises(error, match=match):
         vmapens.Ensemble.from_factories(factories)
+
+
+# The compiled step reorders float64 arithmetic (docs/semantics.md: ~1e-16 per step, tested
+# against eager to 1e-9); the padding must not add to that.
+COMPILED = dict(rtol=0.0, atol=1e-9)
+
+
+def test_the_compiled_step_trains_each_size_as_alone():
+    factories = _factories(MLP, (4, 8))
+    x, y = _data("mlp")
+    ens = vmapens.Ensemble.from_factories(factories, seed=0)
+    alone = ens.unstack()
+    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedAdam(ens, lr=0.02), compile=True)
+    for _ in range(5):
+        step(x, y)
+    for i, m in enumerate(alone):
+        train_alone(m, [(x, y)] * 5, nn.functional.mse_loss, torch.optim.Adam(m.parameters(), lr=0.02))  # fmt: skip
+        for key, v in m.state_dict().items():
+            torch.testing.assert_close(ens[i].state_dict()[key], v, **COMPILED)
