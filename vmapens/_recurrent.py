@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
+from ._recurrent_steps import gru_step, lstm_step, lstm_weights, project, rnn_step
+
 __all__ = [
     "BatchableGRU",
     "BatchableGRUCell",
@@ -36,67 +38,6 @@ _PACKED = (
     "torch's packed recurrent kernels); pad the sequences (torch.nn.utils.rnn.pad_sequence) "
     "or build the ensemble with backend='loop'"
 )
-
-
-def _gru_step(
-    gi_rz: Tensor, gi_n: Tensor, h: Tensor, w_hh_t: Tensor, b_hh: Tensor | None
-) -> Tensor:
-    """One GRU step from the input projections (gates r, z, n in torch's row order)."""
-    # mm then add, not addmm: under vmap addmm costs an mm plus scaled adds (~20% slower).
-    gh = torch.mm(h, w_hh_t) if b_hh is None else torch.mm(h, w_hh_t) + b_hh
-    # split, not two slices: its backward is one cat instead of two zero-filled copies.
-    gh_rz, gh_n = gh.split([gi_rz.size(-1), gi_n.size(-1)], -1)
-    r, z = torch.sigmoid(gi_rz + gh_rz).chunk(2, -1)
-    # b_hn sits inside r * (...), which is why GRU keeps b_hh out of the input projection.
-    n = torch.tanh(torch.addcmul(gi_n, r, gh_n))
-    return torch.lerp(n, h, z)  # (1 - z) * n + z * h in one op
-
-
-def _lstm_step(
-    gi: Tensor, h: Tensor, c: Tensor, w_hh_t: Tensor, w_hr_t: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """One LSTM step from :func:`_lstm_weights`' doubled-g projections (gates i, f, g, o).
-
-    ``gi`` holds both biases. One sigmoid over all four gates replaces three sigmoids and a
-    tanh: the g gate's pre-activation comes doubled, and tanh(x) = 2 sigmoid(2x) - 1. On CPU
-    tanh costs ~5x a sigmoid, and the backward has one sigmoid node instead of four.
-    """
-    # chunk, not slices: its backward is one cat instead of zero-filled copies.
-    i, f, g, o = torch.sigmoid(gi + torch.mm(h, w_hh_t)).chunk(4, -1)
-    # f * c + i * (2 g - 1), with the -1 folded into the first term.
-    c = torch.addcmul(f * c - i, i, g, value=2)
-    # o * tanh(c) = o * (2 sigmoid(2c) - 1)
-    h = torch.addcmul(-o, o, torch.sigmoid(2 * c), value=2)
-    return (h if w_hr_t is None else torch.mm(h, w_hr_t)), c
-
-
-def _lstm_weights(
-    w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None, b_hh: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``(w_ih, w_hh^T, b_ih + b_hh)`` with the g gate's rows doubled (see :func:`_lstm_step`).
-
-    Doubling is exact in floating point, in the forward and in the gradients through it.
-    """
-    hidden = w_hh.size(0) // 4
-    scale = torch.ones(4 * hidden, 1, dtype=w_hh.dtype, device=w_hh.device)
-    scale[2 * hidden : 3 * hidden] = 2
-    bias = None if b_ih is None or b_hh is None else (b_ih + b_hh) * scale.squeeze(1)
-    return w_ih * scale, (w_hh * scale).t(), bias
-
-
-def _rnn_step(gi: Tensor, h: Tensor, w_hh_t: Tensor, relu: bool) -> Tensor:
-    """One Elman step; ``gi`` already holds both biases."""
-    pre = gi + torch.mm(h, w_hh_t)
-    return torch.relu(pre) if relu else torch.tanh(pre)
-
-
-def _project(
-    x: Tensor, w_ih: Tensor, b_ih: Tensor | None, b_hh: Tensor | None, gru: bool
-) -> Tensor:
-    """The input projection; folds ``b_hh`` in where the maths allows (all but GRU)."""
-    if b_ih is not None and b_hh is not None and not gru:
-        b_ih = b_ih + b_hh
-    return F.linear(x, w_ih, b_ih)
 
 
 class _Recurrent(nn.RNNBase):
@@ -202,27 +143,27 @@ class _Recurrent(nn.RNNBase):
         b_ih = getattr(self, "bias_ih" + suffix) if self.bias else None
         b_hh = getattr(self, "bias_hh" + suffix) if self.bias else None
         if self.mode == "LSTM":
-            w_ih, w_hh_t, b_ih = _lstm_weights(w_ih, w_hh_t.t(), b_ih, b_hh)
+            w_ih, w_hh_t, b_ih = lstm_weights(w_ih, w_hh_t.t(), b_ih, b_hh)
             b_hh = None
-        gi = _project(x, w_ih, b_ih, b_hh, gru=self.mode == "GRU")
+        gi = project(x, w_ih, b_ih, b_hh, gru=self.mode == "GRU")
         outs: list[Tensor] = []
         if self.mode == "GRU":
             gi_rz, gi_n = gi.split([2 * self.hidden_size, self.hidden_size], -1)
             pairs = list(zip(gi_rz.unbind(time_dim), gi_n.unbind(time_dim)))
             for gi_rz_t, gi_n_t in pairs[::-1] if direction else pairs:
-                h = _gru_step(gi_rz_t, gi_n_t, h, w_hh_t, b_hh)
+                h = gru_step(gi_rz_t, gi_n_t, h, w_hh_t, b_hh)
                 outs.append(h)
         elif c is not None:  # LSTM, the one mode with a cell state
             w_hr_t = getattr(self, "weight_hr" + suffix).t() if self.proj_size > 0 else None
             steps = gi.unbind(time_dim)
             for gi_t in steps[::-1] if direction else steps:
-                h, c = _lstm_step(gi_t, h, c, w_hh_t, w_hr_t)
+                h, c = lstm_step(gi_t, h, c, w_hh_t, w_hr_t)
                 outs.append(h)
         else:
             relu = self.mode == "RNN_RELU"
             steps = gi.unbind(time_dim)
             for gi_t in steps[::-1] if direction else steps:
-                h = _rnn_step(gi_t, h, w_hh_t, relu)
+                h = rnn_step(gi_t, h, w_hh_t, relu)
                 outs.append(h)
         if direction:
             outs.reverse()
@@ -325,8 +266,8 @@ class BatchableRNNCell(nn.RNNCell):
     def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
         x, batched = _cell_inputs(self, input, hx)
         h = _cell_state(hx, x, self.hidden_size, batched)
-        gi = _project(x, self.weight_ih, self.bias_ih, self.bias_hh, gru=False)
-        h = _rnn_step(gi, h, self.weight_hh.t(), self.nonlinearity == "relu")
+        gi = project(x, self.weight_ih, self.bias_ih, self.bias_hh, gru=False)
+        h = rnn_step(gi, h, self.weight_hh.t(), self.nonlinearity == "relu")
         return h if batched else h.squeeze(0)
 
 
@@ -342,9 +283,9 @@ class BatchableGRUCell(nn.GRUCell):
     def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
         x, batched = _cell_inputs(self, input, hx)
         h = _cell_state(hx, x, self.hidden_size, batched)
-        gi = _project(x, self.weight_ih, self.bias_ih, self.bias_hh, gru=True)
+        gi = project(x, self.weight_ih, self.bias_ih, self.bias_hh, gru=True)
         gi_rz, gi_n = gi.split([2 * self.hidden_size, self.hidden_size], -1)
-        h = _gru_step(gi_rz, gi_n, h, self.weight_hh.t(), self.bias_hh)
+        h = gru_step(gi_rz, gi_n, h, self.weight_hh.t(), self.bias_hh)
         return h if batched else h.squeeze(0)
 
 
@@ -368,11 +309,11 @@ class BatchableLSTMCell(nn.LSTMCell):
         x, batched = _cell_inputs(self, input, None if hx is None else hx[0])
         h = _cell_state(None if hx is None else hx[0], x, self.hidden_size, batched)
         c = _cell_state(None if hx is None else hx[1], x, self.hidden_size, batched)
-        w_ih, w_hh_t, bias = _lstm_weights(
+        w_ih, w_hh_t, bias = lstm_weights(
             self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh
         )
-        gi = _project(x, w_ih, bias, None, gru=False)
-        h, c = _lstm_step(gi, h, c, w_hh_t, None)
+        gi = project(x, w_ih, bias, None, gru=False)
+        h, c = lstm_step(gi, h, c, w_hh_t, None)
         return (h, c) if batched else (h.squeeze(0), c.squeeze(0))
 
 
