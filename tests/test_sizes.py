@@ -410,6 +410,9 @@ def test_rules_that_are_not_elementwise_and_cross_size_copies_are_refused():
     ens = vmapens.Ensemble.from_factories(_factories(MLP, (4, 8)), seed=0)
     with pytest.raises(ValueError, match="StackedAdafactor: .* not elementwise"):
         vmapens.optim.StackedAdafactor(ens)
+    matrices = [p for p in ens.parameters() if p.dim() == 3]
+    with pytest.raises(ValueError, match="StackedMuon: .* not elementwise"):
+        vmapens.optim.StackedMuon(matrices)
     with pytest.raises(ValueError, match="member 2 cannot become a copy of member 0"):
         vmapens.pbt.exploit_(ens, None, [0], [2])
     vmapens.pbt.exploit_(ens, None, [0], [1])  # one size: allowed

@@ -226,6 +226,7 @@ class StackedMuon(StackedOptimizer):
         "eps": Hyper("epsilon value", ">= 0", NONNEGATIVE.ok),
     }
     torch_class = torch.optim.Muon
+    elementwise = False  # Newton-Schulz of the whole matrix; the lr scale reads its shape
     rule = staticmethod(muon_rule)
 
     def __init__(
