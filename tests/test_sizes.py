@@ -356,6 +356,19 @@ def test_the_probe_refuses_a_forward_that_mixes_padded_entries(widths):
         vmapens.check(ens, x, y, nn.MSELoss())
 
 
+class SoftmaxOverWidth(MLP):
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__(hidden)
+        self.net[3] = nn.Softmax(-1)  # over the padded width: the padded units enter the sum
+
+
+def test_the_probe_names_the_first_layer_that_differs():
+    ens = vmapens.Ensemble.from_factories(_factories(SoftmaxOverWidth, (8, 4)), seed=0)
+    x, y = _data("mlp")
+    with pytest.raises(RuntimeError, match=r"member 2 .* first differs at `net.3` \(Softmax\)"):
+        vmapens.check(ens, x, y, nn.MSELoss())
+
+
 def _transformer(d: int) -> nn.Module:
     return nn.TransformerEncoderLayer(d, 2, dim_feedforward=8, batch_first=True)
 

@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.func import functional_call
 
 from ._attention import batched_attention
+from ._locate import first_padded_difference
 from ._members import named_tensors
 from ._unbatchable import explain_failure
 from .ensemble import Ensemble
@@ -304,11 +305,25 @@ def _compare(
     found = list(_differences(alone, together, autocast))
     if found:
         padded = ens._padding is not None
+        where = _padded_layer(sub, member, args, in_dims) if padded else None
         raise RuntimeError(
             f"{api}: member {member} of {name} computes something else inside the "
             f"{'padded ' * padded}ensemble than alone on the same batch: "
-            f"{'; '.join(found[:4])}. {_PADDED if padded else _VMAPPED}"
+            f"{'; '.join(found[:4])}. {'' if where is None else f'It first differs at {where}. '}"
+            f"{_PADDED if padded else _VMAPPED}"
         )
+
+
+def _padded_layer(sub: Ensemble, member: int, args: tuple, in_dims: int | None) -> str | None:
+    """The first layer of the probed member whose padded output differs (see _locate)."""
+    state = sub.stacked_state()
+    masks = sub._padding.masks(sub.stacked_params()) if sub._padding is not None else {}
+    row = {k: (v * masks[k] if k in masks else v)[0].detach() for k, v in state.items()}
+    inputs = _member_slice(args, member, in_dims, False)
+    try:
+        return first_padded_difference(sub[0], sub.runner, row, inputs)
+    except Exception:  # a diagnosis only: the probe's own message stands without it
+        return None
 
 
 _VMAPPED = (
