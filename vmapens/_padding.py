@@ -79,7 +79,7 @@ def gates_of(module: nn.Module) -> dict[str, int]:
     for prefix, sub in module.named_modules():
         count = _GATES.get(sub.mode, 1) if isinstance(sub, nn.RNNBase) else 1
         count = _CELL_GATES.get(type(sub), count)
-        if count == 1 and not isinstance(sub, nn.RNNCellBase):
+        if count == 1:  # a plain RNN's single block is a corner like any other
             continue
         for name, _ in sub.named_parameters(recurse=False):
             if name.startswith(_GATED):
@@ -133,17 +133,17 @@ def check_pair(
                 f"`{path}`: members of different sizes must have the same layers, only "
                 "narrower or wider"
             )
-        big, small = ours[path], theirs[path]
-        mine, yours = _settings(big), _settings(small)
-        allowed = _sizes_of(big)
-        torch_layer = type(big).__module__.startswith("torch.")
+        ref, other = ours[path], theirs[path]
+        mine, yours = _settings(ref), _settings(other)
+        allowed = _sizes_of(ref)
+        torch_layer = type(ref).__module__.startswith("torch.")
         for key in sorted(set(mine) | set(yours)):
             a, b = mine.get(key), yours.get(key)
             if _same(a, b):
                 continue
-            where = f"`{path}` ({type(big).__name__})" if path else type(big).__name__
+            where = f"`{path}` ({type(ref).__name__})" if path else type(ref).__name__
             for (cls, attr), reason in REFUSED.items():
-                if isinstance(big, cls) and attr == key:
+                if isinstance(ref, cls) and attr == key:
                     raise ValueError(
                         f"{api}: members {i} and 0 cannot be padded to one size: "
                         f"{where} {reason} ({key} {b} vs {a}); give every member the same {key}"
@@ -155,29 +155,28 @@ def check_pair(
                     f"{b!r} vs {a!r}; members of one ensemble share everything but their sizes "
                     "(one forward runs them all)"
                 )
-        if isinstance(big, nn.RNNBase) and _size_differs(big, small, ("hidden_size",)):
+        if isinstance(ref, nn.RNNBase) and _size_differs(ref, other, ("hidden_size",)):
             for key in ("bidirectional", "proj_size"):
-                if getattr(big, key):
+                if getattr(ref, key):
                     raise ValueError(
-                        f"{api}: member {i} cannot be padded: `{path}` ({type(big).__name__}) "
-                        f"with {key}={getattr(big, key)} lays the hidden units out in blocks "
+                        f"{api}: member {i} cannot be padded: `{path}` ({type(ref).__name__}) "
+                        f"with {key}={getattr(ref, key)} lays the hidden units out in blocks "
                         "the padding does not follow; give every member the same hidden_size"
                     )
-        conv = isinstance(big, nn.modules.conv._ConvNd)
-        if conv and big.groups != 1 and _size_differs(big, small, ("in_channels", "out_channels")):
+        conv = isinstance(ref, nn.modules.conv._ConvNd)
+        if conv and ref.groups != 1 and _size_differs(ref, other, ("in_channels", "out_channels")):
             raise ValueError(
-                f"{api}: member {i} cannot be padded: `{path}` ({type(big).__name__}) "
-                f"with groups={big.groups} mixes padded channels into the groups; give "
+                f"{api}: member {i} cannot be padded: `{path}` ({type(ref).__name__}) "
+                f"with groups={ref.groups} mixes padded channels into the groups; give "
                 "every member the same channels"
             )
 
 
 def _same(a: Any, b: Any) -> bool:
+    # Values without one truth value (arrays, tensors in a list) are not ours to judge.
     try:
         return bool(a == b)
-    except (
-        Exception
-    ):  # values without one truth value (arrays, tensors in a list): not ours to judge
+    except Exception:
         return True
 
 
