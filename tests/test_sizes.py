@@ -466,3 +466,22 @@ def test_the_compiled_step_trains_each_size_as_alone():
         train_alone(m, [(x, y)] * 5, nn.functional.mse_loss, torch.optim.Adam(m.parameters(), lr=0.02))  # fmt: skip
         for key, v in m.state_dict().items():
             torch.testing.assert_close(ens[i].state_dict()[key], v, **COMPILED)
+
+
+def test_fit_resumes_a_padded_ensemble_bit_identically(tmp_path):
+    factories = _factories(MLP, (4, 8))
+    g = torch.Generator().manual_seed(2)
+    data = (torch.randn(48, 3, generator=g), torch.randn(48, 2, generator=g))
+
+    def run(epochs: int, checkpoint=None) -> vmapens.Ensemble:
+        ens = vmapens.Ensemble.from_factories(factories, seed=0)
+        vmapens.fit(ens, data, nn.MSELoss(), epochs=epochs, batch_size=16, seed=0,
+                    optimizer=vmapens.StackedAdam(ens, lr=0.01), checkpoint=checkpoint,
+                    progress=False)  # fmt: skip
+        return ens
+
+    straight = run(4)
+    run(2, tmp_path / "run.pt")
+    resumed = run(4, tmp_path / "run.pt")
+    for key, v in straight.state_dict().items():
+        assert torch.equal(resumed.state_dict()[key], v), key
