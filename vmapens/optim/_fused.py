@@ -35,7 +35,7 @@ def fusable(group: dict[str, Any], lists: list[list[Tensor]], values: list[Any])
     dtype = lists[0][0].dtype
     for k, ts in enumerate(lists):
         for t in ts:
-            if t.device.type != "cpu" or t.dtype != dtype or not (k == 1 or t.is_contiguous()):
+            if not t.is_cpu or t.dtype != dtype or not (k == 1 or t.is_contiguous()):
                 return False
     return True
 
@@ -85,8 +85,9 @@ def run_fused(
 def _counts(step: Tensor, mask: Tensor | None) -> list[float]:
     """The step counts of the stepping members, one each."""
     if mask is None:  # the common case, checked cheaply: every member steps with one count
-        first = float(step[0])
-        if bool((step == first).all()):
+        low, high = torch.aminmax(step)
+        first = low.item()
+        if first == high.item():
             return [first]
     stepping = torch.ones_like(step, dtype=torch.bool) if mask is None else mask.to(step.device)
     return step[stepping].unique().tolist()

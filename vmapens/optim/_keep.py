@@ -37,30 +37,40 @@ def keep_masked_(tensors: list[Tensor], old: list[Tensor], mask: Tensor) -> None
 class Snapshot:
     """Copies of the tensors an update writes, in one buffer per dtype kept from step to step.
 
-    One ``torch.cat`` per buffer costs one kernel, where a copy per tensor costs one each; and
-    fresh clones every step would make the CPU allocator hand pages back and fault them in
-    again. The buffers are kept while the tensors (by identity, dtype, shape, device) are.
-    While tracing for ``torch.compile`` it clones instead: a compiled graph runs whole or not
-    at all, so only a mask needs the copy there.
+    Fresh clones every step would make the CPU allocator hand pages back and fault them in
+    again, so the copies are views of buffers planned once and refilled by one
+    ``torch._foreach_copy_``. The plan is kept while the tensors are the same objects, in the
+    same order, and the caller's ``layout`` token is unchanged: the caller changes it whenever
+    a tensor's dtype, shape or device may have changed in place (``ens.double()`` keeps the
+    ``Parameter`` objects and swaps their data), so the per-step check is one tuple of ids.
+    The planned tensors are held, so that an id cannot be reused by another tensor while the
+    plan stands. While tracing for ``torch.compile`` it clones instead: a compiled graph runs
+    whole or not at all, so only a mask needs the copy there.
     """
 
     def __init__(self) -> None:
         self._key: tuple = ()
-        self._buffers: list[tuple[list[int], Tensor]] = []
+        self._tensors: list[Tensor] = []
         self._old: list[Tensor] = []
 
-    def take(self, tensors: list[Tensor], mask: Tensor | None) -> list[Tensor]:
-        """The old values of ``tensors`` (empty when neither a mask nor a rollback needs them)."""
+    def take(self, tensors: list[Tensor], mask: Tensor | None, layout: object) -> list[Tensor]:
+        """The old values of ``tensors`` (empty when neither a mask nor a rollback needs them).
+
+        Called under ``torch.no_grad()``, as the update itself is.
+
+        Args:
+            tensors: What the update writes.
+            mask: The members that step (None: all); while compiling only a mask needs copies.
+            layout: Equal from call to call while no tensor's dtype, shape or device changed.
+        """
         if torch.compiler.is_compiling():
             return [] if mask is None else [t.clone() for t in tensors]
         if not tensors:
             return []
-        key = tuple((id(t), t.dtype, t.shape, t.device) for t in tensors)
+        key = (layout, tuple(map(id, tensors)))
         if key != self._key:
             self._plan(key, tensors)
-        with torch.no_grad():
-            for rows, buffer in self._buffers:
-                torch.cat([tensors[i].reshape(-1) for i in rows], out=buffer)
+        torch._foreach_copy_(self._old, tensors)
         return self._old
 
     def _plan(self, key: tuple, tensors: list[Tensor]) -> None:
@@ -68,14 +78,12 @@ class Snapshot:
         for i, t in enumerate(tensors):
             kinds.setdefault((t.dtype, t.device), []).append(i)
         old: list[Tensor] = list(tensors)
-        self._buffers = []
         for (dtype, device), rows in kinds.items():
             sizes = [tensors[i].numel() for i in rows]
             buffer = torch.empty(sum(sizes), dtype=dtype, device=device)
             for i, chunk in zip(rows, buffer.split(sizes), strict=True):
                 old[i] = chunk.view(tensors[i].shape)
-            self._buffers.append((rows, buffer))
-        self._key, self._old = key, old
+        self._key, self._tensors, self._old = key, list(tensors), old
 
     @staticmethod
     def restore(tensors: list[Tensor], old: list[Tensor]) -> None:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_mask
+from ._buckets import buckets
 from ._handoff import check_state_dict, copy_rows, member_state_dict, select_parts
 from ._hyper import (
     IMPLEMENTATION,
@@ -115,6 +116,7 @@ class StackedOptimizer(torch.optim.Optimizer):
         self._normalise(defaults)
         self._ready: list[tuple | None] = []  # per param group: the layout its state matches
         self._snapshot = Snapshot()
+        self._layouts = 0  # counts prepare()'s re-checks: the snapshot's layout token
         super().__init__(items, defaults)
 
     @property
@@ -238,6 +240,7 @@ class StackedOptimizer(torch.optim.Optimizer):
             if not compiling:
                 self._share_counts(group, tuple(starts))
                 self._ready[index] = layout(group["params"])
+                self._layouts += 1  # tells the snapshot that tensors may have changed in place
 
     def _share_counts(self, group: dict[str, Any], counters: tuple[str, ...]) -> None:
         """Parameters whose counters are equal (after ``load_state_dict``) share them again."""
@@ -269,55 +272,26 @@ class StackedOptimizer(torch.optim.Optimizer):
         self.prepare()
         calls, start = [], 0
         for group in self.param_groups:
-            size = len(group["params"])
-            buckets = self._buckets(group, grads[start : start + size])
-            start += size
-            if buckets:
-                args = group_args(group, self.hyperparameters, group["params"][0].device)
+            params, counters = group["params"], tuple(self.scalar_state(group))
+            states, end = [self.state[p] for p in params], start + len(params)
+            parts = buckets(params, grads[start:end], states, self.state_names(group), counters)
+            start = end
+            if parts:
+                args = group_args(group, self.hyperparameters, params[0].device)
                 args.update(mask=mask, fused=group.get("fused") is not False)
-                calls += [(*bucket, args) for bucket in buckets]
+                calls += [(*part, args) for part in parts]
         written = [t for params, _, state, _ in calls for t in tensors_of(params, state)]
-        # Copied first, so that a failed step changes nothing and masked members keep theirs.
-        saved = self._snapshot.take(written, mask)
-        try:
-            with torch.no_grad():
+        with torch.no_grad():
+            # Copied first, so that a failed step changes nothing and masked members keep theirs.
+            saved = self._snapshot.take(written, mask, self._layouts)
+            try:
                 for params, g, state, args in calls:
                     self.update_(params, g, state, args)
-        except BaseException:
-            with torch.no_grad():
+            except BaseException:
                 self._snapshot.restore(written, saved)
-            raise
-        if mask is not None:
-            with torch.no_grad():
+                raise
+            if mask is not None:
                 keep_masked_(written, saved, mask)
-
-    def _buckets(
-        self, group: dict[str, Any], grads: Sequence[Tensor | None]
-    ) -> list[tuple[list[Tensor], list[Tensor], dict[str, Any]]]:
-        """The group's parameters with a gradient, by the step count they share, with state."""
-        params, names = group["params"], self.state_names(group)
-        counters = tuple(self.scalar_state(group))
-        live = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
-        if len(live) < len(params):
-            # No gradient: skipped, as torch's optimizers do, so it keeps a count of its own.
-            stepping = {id(self.state[p]["step"]) for p, _ in live}
-            for p, g in zip(params, grads, strict=True):
-                state = self.state[p]
-                if g is None and id(state["step"]) in stepping:
-                    state.update({k: state[k].clone() for k in counters})
-        out: dict[tuple[int, ...], tuple[list[Tensor], list[Tensor], dict[str, Any]]] = {}
-        for p, g in live:
-            state = self.state[p]
-            key = tuple(id(state[k]) for k in counters)
-            bucket = out.get(key)
-            if bucket is None:
-                shared = {k: state[k] for k in counters}
-                bucket = out[key] = ([], [], {**{k: [] for k in names}, **shared})
-            bucket[0].append(p)
-            bucket[1].append(g)
-            for k in names:
-                bucket[2][k].append(state[k])
-        return list(out.values())
 
     def step(  # type: ignore[override]
         self, mask: Tensor | None = None, closure: Callable[[], Any] | None = None

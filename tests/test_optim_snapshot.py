@@ -1,0 +1,148 @@
+"""The rollback copy is planned once and kept from step to step (optim/_keep.py ``Snapshot``):
+whatever changes the parameters or the state between steps, a masked step still leaves the
+masked members bit-identical and a failed update still changes nothing.
+
+The truth is the values before the step (kept here by cloning), and for the members that do
+step, the same run taken again with the last step unmasked.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import vmapens
+from vmapens.optim import StackedAdam, StackedOptimizer, StackedSGD
+
+N = 4
+MASK = torch.tensor([True, False, True, False])
+
+
+def factory() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+
+
+def failing(cls: type[StackedOptimizer]) -> type[StackedOptimizer]:
+    """``cls`` whose update raises after it has written everything, while ``armed``."""
+
+    class Failing(cls):  # type: ignore[valid-type, misc]
+        armed = False
+
+        def update_(self, params, grads, state, group) -> None:  # type: ignore[no-untyped-def]
+            super().update_(params, grads, state, group)
+            if self.armed:
+                raise RuntimeError("injected: update")
+
+    return Failing
+
+
+# The optimizers: SGD without momentum keeps no tensor shaped like a parameter, so after
+# ens.double() every tensor it writes is the same object as before (only data swapped).
+OPTIMIZERS: dict[str, Callable[[Any], StackedOptimizer]] = {
+    "sgd": lambda params: failing(StackedSGD)(params, lr=0.1),
+    "sgd_momentum": lambda params: failing(StackedSGD)(params, lr=0.1, momentum=0.9),
+    "adam": lambda params: failing(StackedAdam)(params, lr=0.1),
+}
+
+
+def grads_(params: list[torch.Tensor], seed: int, without: int | None = None) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for k, p in enumerate(params):
+        g = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
+        p.grad = None if k == without else g
+
+
+def double(ens: vmapens.Ensemble, opt: StackedOptimizer, params: list) -> None:
+    ens.double()
+
+
+def float64_to(ens: vmapens.Ensemble, opt: StackedOptimizer, params: list) -> None:
+    ens.to(torch.float64)
+
+
+def new_data(ens: vmapens.Ensemble, opt: StackedOptimizer, params: list) -> None:
+    # Same objects, same layout, other storage: the copy must read the new storage.
+    for p in params:
+        p.data = p.data.clone()
+
+
+def reload(ens: vmapens.Ensemble, opt: StackedOptimizer, params: list) -> None:
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+
+
+def new_group(ens: vmapens.Ensemble, opt: StackedOptimizer, params: list) -> None:
+    gen = torch.Generator().manual_seed(4)
+    extra = torch.randn(N, 3, generator=gen, dtype=params[0].dtype).requires_grad_()
+    opt.add_param_group({"params": [extra]})
+    params.append(extra)
+
+
+def no_grad_for_one(ens: vmapens.Ensemble, opt: StackedOptimizer, params: list) -> None:
+    params[1].skip = True  # read by the steps below: this parameter gets no gradient
+
+
+CHANGES = [double, float64_to, new_data, reload, new_group, no_grad_for_one]
+
+
+def written(params: list[torch.Tensor], opt: StackedOptimizer) -> dict[str, torch.Tensor]:
+    out = {f"p{k}": p.detach().clone() for k, p in enumerate(params)}
+    for k, p in enumerate(params):
+        out.update({f"p{k}.{name}": t.clone() for name, t in opt.state[p].items()})
+    return out
+
+
+def setup(make: Callable[[Any], StackedOptimizer], change: Callable) -> tuple:
+    """An ensemble and optimizer stepped once, changed, stepped twice more (float64 values)."""
+    ens = vmapens.Ensemble(factory, N, seed=0)
+    params = list(ens.parameters())
+    opt = make(ens)
+    grads_(params, 0)
+    opt.step()
+    change(ens, opt, params)
+    for seed in (1, 2):
+        skip = next((k for k, p in enumerate(params) if getattr(p, "skip", False)), None)
+        grads_(params, seed, skip)
+        opt.step()
+    skip = next((k for k, p in enumerate(params) if getattr(p, "skip", False)), None)
+    grads_(params, 3, skip)
+    return ens, opt, params
+
+
+def assert_same(got: Any, expected: Any) -> None:
+    # Exact: the very values kept, or the same arithmetic on the same values.
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=[c.__name__ for c in CHANGES])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_masked_members_keep_their_bits_after_the_change(name: str, change: Callable):
+    ens, opt, params = setup(OPTIMIZERS[name], change)
+    before = written(params, opt)
+    _, unmasked_opt, unmasked_params = setup(OPTIMIZERS[name], change)  # the same run again
+    unmasked_opt.step()
+    opt.step(mask=MASK)
+    after, stepped = written(params, opt), written(unmasked_params, unmasked_opt)
+    for key, t in after.items():
+        assert_same(t[~MASK], before[key][~MASK])
+        assert_same(t[MASK], stepped[key][MASK])
+    # Not vacuous: the stepping members did move, in float64 where the change made it so.
+    assert not torch.equal(after["p0"][MASK], before["p0"][MASK])
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=[c.__name__ for c in CHANGES])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_failed_update_changes_nothing_after_the_change(name: str, change: Callable):
+    ens, opt, params = setup(OPTIMIZERS[name], change)
+    before = written(params, opt)
+    type(opt).armed = True  # type: ignore[attr-defined]
+    try:
+        with pytest.raises(RuntimeError, match="injected: update"):
+            opt.step()
+    finally:
+        type(opt).armed = False  # type: ignore[attr-defined]
+    assert_same(written(params, opt), before)

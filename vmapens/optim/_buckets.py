@@ -1,0 +1,56 @@
+"""Which parameters a rule steps together: those with a gradient that share their step counts.
+
+A rule takes one list of parameters and one set of per-member counters (``step``, ...). After
+``load_state_dict`` or a step where some parameters had no gradient, parameters of one param
+group may count differently; each set of shared counters is then one call of the rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["buckets"]
+
+
+def buckets(
+    params: list[Tensor],
+    grads: Sequence[Tensor | None],
+    states: list[dict[str, Any]],
+    names: tuple[str, ...],
+    counters: tuple[str, ...],
+) -> list[tuple[list[Tensor], list[Tensor], dict[str, Any]]]:
+    """The parameters with a gradient, by the counters they share, with their state.
+
+    A parameter without a gradient is skipped, as torch's optimizers skip it, and keeps a count
+    of its own: its counters are cloned (in ``states``) when they were shared with one that steps.
+
+    Args:
+        params: One param group's stacked parameters.
+        grads: Their gradients (None: none), in the same order.
+        states: Their state dicts, in the same order.
+        names: The per-parameter state tensors the rule reads.
+        counters: The per-member counters (``step`` first), shared by identity.
+
+    Returns:
+        Per bucket: its parameters, their gradients, and the rule's state (per name a list of
+        tensors, per counter the shared tensor).
+    """
+    live = {i: g for i, g in enumerate(grads) if g is not None}
+    if len(live) < len(params):
+        stepping = {id(states[i]["step"]) for i in live}
+        for s, g in zip(states, grads, strict=True):
+            if g is None and id(s["step"]) in stepping:
+                s.update({k: s[k].clone() for k in counters})
+    rows_by: dict[tuple[int, ...], list[int]] = {}
+    for i in live:
+        s = states[i]
+        rows_by.setdefault(tuple([id(s[k]) for k in counters]), []).append(i)
+    out = []
+    for rows in rows_by.values():
+        state: dict[str, Any] = {k: [states[i][k] for i in rows] for k in names}
+        state.update({k: states[rows[0]][k] for k in counters})
+        out.append(([params[i] for i in rows], [live[i] for i in rows], state))
+    return out
