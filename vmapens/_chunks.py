@@ -73,19 +73,44 @@ def chunked_losses_and_grads(
     for a, b in chunks:
         if rng is not None:
             torch.set_rng_state(rng)
-        leaves = {k: state[k][a:b].detach().requires_grad_() for k in trained}
-        part = {k: leaves.get(k, v[a:b]) for k, v in state.items()}
         member_args = (args, targets) if in_dims is None else _rows((args, targets), a, b)
-        with autocast():
-            loss = batched(part, *member_args, rows=slice(a, b))
-        scaled = loss if scale is None else loss * scale[a:b]
-        found = torch.autograd.grad(scaled.sum(), [leaves[k] for k in trained], allow_unused=True)
-        for j, g in enumerate(found):
-            if g is None:
-                continue
-            full = grads[j]
-            if full is None:
-                full = grads[j] = torch.zeros_like(params[j])
-            full[a:b] = g
-        losses.append(loss.detach())
+        losses.append(
+            _run_chunk(batched, state, trained, grads, member_args, scale, a, b, autocast)
+        )
     return torch.cat(losses), grads
+
+
+def _run_chunk(
+    batched: Callable[..., torch.Tensor],
+    state: dict[str, torch.Tensor],
+    trained: list[str],
+    grads: list[torch.Tensor | None],
+    member_args: tuple,
+    scale: torch.Tensor | None,
+    a: int,
+    b: int,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+) -> torch.Tensor:
+    """Forward and backward of members ``a:b``; their gradients go into rows ``a:b`` of
+    ``grads`` (a full-size zero gradient is made where an entry is still ``None``).
+
+    A function of its own so that nothing of the chunk outlives it: its gradients, loss and
+    graph are freed on return, before the next chunk allocates its activations.
+
+    Returns:
+        The chunk's detached losses ``[b - a]``.
+    """
+    leaves = {k: state[k][a:b].detach().requires_grad_() for k in trained}
+    part = {k: leaves.get(k, v[a:b]) for k, v in state.items()}
+    with autocast():
+        loss = batched(part, *member_args, rows=slice(a, b))
+    scaled = loss if scale is None else loss * scale[a:b]
+    found = torch.autograd.grad(scaled.sum(), [leaves[k] for k in trained], allow_unused=True)
+    for j, g in enumerate(found):
+        if g is None:
+            continue
+        full = grads[j]
+        if full is None:
+            full = grads[j] = torch.zeros_like(state[trained[j]])
+        full[a:b] = g
+    return loss.detach()

@@ -1,0 +1,50 @@
+"""The chunked eager step frees each chunk before the next one runs (issue 21 item 6).
+
+Truth: a chunk's gradients and activations are dead (no reference left, without a garbage
+collection) when the next chunk's forward starts, and the gradients equal each member's own
+``torch.autograd.grad`` computed alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+from vmapens._chunks import chunk_bounds, chunked_losses_and_grads
+
+N, D, BATCH, CHUNK = 7, 5, 6, 3  # 7 members in chunks of 3: a short last chunk
+#: Chunk (a [batch, chunk] matmul) vs member alone (a matrix-vector product), float64: other
+#: kernels sum in another order, a few ulps apart.
+TOL64 = dict(rtol=1e-12, atol=1e-12)
+
+
+def test_each_chunk_is_freed_before_the_next_runs():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(N, D, generator=g, dtype=torch.float64)
+    x = torch.randn(BATCH, D, generator=g, dtype=torch.float64)
+    y = torch.randn(BATCH, generator=g, dtype=torch.float64)
+    earlier: list[weakref.ref] = []  # every tensor of the chunks run so far
+    alive_at_start: list[int] = []
+
+    def batched(part: dict, inputs: torch.Tensor, targets: torch.Tensor, rows: slice):
+        alive_at_start.append(sum(r() is not None for r in earlier))
+        hidden = inputs @ part["w"].T  # [batch, chunk], saved by pow for the backward
+        earlier.append(weakref.ref(hidden))
+        part["w"].register_hook(lambda grad: earlier.append(weakref.ref(grad)))
+        return (hidden - targets[:, None]).pow(2).mean(0)
+
+    losses, grads = chunked_losses_and_grads(
+        batched, {"w": w}, [w], x, y, None, None, chunk_bounds(N, CHUNK), False,
+        contextlib.nullcontext,
+    )  # fmt: skip
+    assert len(alive_at_start) == 3, alive_at_start
+    assert alive_at_start == [0, 0, 0], "a chunk's tensors outlived it"
+    assert len(earlier) == 6  # activation and gradient of each chunk were seen
+    for i in range(N):
+        alone = w[i].clone().requires_grad_()
+        loss = (x @ alone - y).pow(2).mean()
+        (grad,) = torch.autograd.grad(loss, [alone])
+        torch.testing.assert_close(losses[i], loss.detach(), **TOL64)
+        torch.testing.assert_close(grads[0][i], grad, **TOL64)
