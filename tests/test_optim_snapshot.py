@@ -146,3 +146,29 @@ def test_a_failed_update_changes_nothing_after_the_change(name: str, change: Cal
     finally:
         type(opt).armed = False  # type: ignore[attr-defined]
     assert_same(written(params, opt), before)
+
+
+@pytest.mark.parametrize("nesterov", [False, True], ids=["momentum", "nesterov"])
+def test_momentum_switched_on_mid_run_matches_torch(nesterov):
+    """A schedule that turns momentum on after some steps: torch's SGD creates the buffer at
+    that step (a clone of the gradient); the stacked one must too, not keep its old state."""
+    torch.manual_seed(0)
+    ens = vmapens.Ensemble(lambda: nn.Linear(3, 1).double(), n=2, seed=0)
+    twins = ens.unstack()
+    opt = vmapens.StackedSGD(ens, lr=0.1, momentum=0.0)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.0) for m in twins]
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    step = vmapens.make_step(ens, nn.MSELoss(), opt)
+    for t in range(6):
+        if t == 3:
+            for o in [opt, *opts]:
+                for g in o.param_groups:
+                    g["momentum"], g["nesterov"] = 0.9, nesterov
+        step(x, y)
+        for m, o in zip(twins, opts, strict=True):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    for i, m in enumerate(twins):
+        for key, v in m.state_dict().items():
+            assert torch.equal(ens[i].state_dict()[key], v), (i, key)

@@ -213,9 +213,9 @@ class StackedOptimizer(torch.optim.Optimizer):
         compiling = torch.compiler.is_compiling()
         for index, group in enumerate(self.param_groups):
             # Not skipped while tracing: dynamo then guards on the state it reads.
-            if not compiling and self._ready[index] == layout(group["params"]):
+            names = self.state_names(group)  # a flag changed mid-run (momentum) adds state
+            if not compiling and self._ready[index] == (layout(group["params"]), names):
                 continue
-            names = self.state_names(group)
             # New state shares one step count per group: the rule then runs once for all.
             device, starts = group["params"][0].device, self.scalar_state(group)
             fresh: dict[str, Tensor] = {}
@@ -239,7 +239,7 @@ class StackedOptimizer(torch.optim.Optimizer):
                         state[key] = t.to(dtype=p.dtype, device=p.device)
             if not compiling:
                 self._share_counts(group, tuple(starts))
-                self._ready[index] = layout(group["params"])
+                self._ready[index] = (layout(group["params"]), names)
                 self._layouts += 1  # tells the snapshot that tensors may have changed in place
 
     def _share_counts(self, group: dict[str, Any], counters: tuple[str, ...]) -> None:
