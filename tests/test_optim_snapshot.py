@@ -172,3 +172,22 @@ def test_momentum_switched_on_mid_run_matches_torch(nesterov):
     for i, m in enumerate(twins):
         for key, v in m.state_dict().items():
             assert torch.equal(ens[i].state_dict()[key], v), (i, key)
+
+
+def test_a_deep_copy_steps_as_the_original():
+    """copy.deepcopy (and pickle) of a stacked optimizer keeps what torch's __getstate__
+    drops: the member count; the copy then steps its copied parameters exactly alike."""
+    ens = vmapens.Ensemble(lambda: nn.Linear(3, 1).double(), n=3, seed=0)
+    opt = StackedAdam(ens, lr=[0.1, 0.2, 0.3])
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    step = vmapens.make_step(ens, nn.MSELoss(), opt)
+    step(x, y)
+    ens2, opt2 = copy.deepcopy((ens, opt))
+    assert opt2.num_members == 3
+    step2 = vmapens.make_step(ens2, nn.MSELoss(), opt2)
+    for _ in range(3):
+        step(x, y)
+        step2(x, y, torch.tensor([True, False, True]))
+    for key, v in ens.state_dict().items():
+        assert torch.equal(ens2.state_dict()[key][0], v[0]), key
+        assert torch.equal(ens2.state_dict()[key][2], v[2]), key

@@ -266,6 +266,17 @@ class StackedOptimizer(torch.optim.Optimizer):
         if self.state:
             self.prepare()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's keeps defaults, state and param_groups only: copy.deepcopy and pickle lost
+        # the member count and the sharded block.
+        kept = {k: self.__dict__[k] for k in ("num_members", "_block", "_n_total")}
+        return {**super().__getstate__(), **kept}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._ready = [None] * len(self.param_groups)
+        self._snapshot, self._layouts = Snapshot(), 0
+
     # -- stepping ------------------------------------------------------------------------------
 
     def _update(self, grads: Sequence[Tensor | None], mask: Tensor | None) -> None:
