@@ -39,24 +39,40 @@ def mnist_cnn() -> nn.Sequential:
     return nn.Sequential(nn.Conv2d(1, 16, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 26 * 26, 10))
 
 
+#: glibc's mmap threshold fixed at its initial 128 KiB (no dynamic raise): every buffer of a
+#: chunk is mapped and unmapped, so RSS follows live memory (docs/performance.md, "Memory").
+FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
 def _train_memory_here(n: int, chunk_size: int | None, batch: int, steps: int) -> dict:
-    """Child side of :func:`train_memory`: peak RSS over eager training steps, after the build."""
+    """Child side of :func:`train_memory`: peak RSS per phase, each over the RSS it starts at
+    (``VmHWM`` reset at each phase's start)."""
+    mb = 2**20
+    start = reset_peak_rss()
     ens = Ensemble(mnist_cnn, n, seed=0, chunk_size=chunk_size)
     step = make_step(ens, nn.CrossEntropyLoss(), StackedAdam(ens))
+    build = rss_bytes("VmHWM") - start
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g)
-    before = reset_peak_rss()  # the peak counts the steps, not the imports or the build
-    losses = step(x, y)  # creates the gradients and the optimizer state, which stay
+    before = reset_peak_rss()  # the run's peaks count from here: after the build
+    losses = step(x, y)  # the probe, and the gradients and optimizer state, which stay
     first = rss_bytes("VmHWM") - before
-    held = reset_peak_rss()
+    peak, later = first, 0
     for _ in range(steps - 1):
+        held = reset_peak_rss()
         losses = step(x, y)
-    later = rss_bytes("VmHWM") - held
-    peak = max(first, held - before + later)
+        top = rss_bytes("VmHWM")
+        peak, later = max(peak, top - before), max(later, top - held)
+    held = reset_peak_rss()
+    with torch.no_grad():
+        ens(x)
+    top = rss_bytes("VmHWM")
+    evaluation, peak = top - held, max(peak, top - before)
     with torch.no_grad():
         digest = float(sum(p.double().sum() for p in ens.parameters()))
-    return {"n": n, "chunk_size": chunk_size, "peak_mb": peak / 2**20,
-            "step_mb": later / 2**20, "total_mb": rss_bytes("VmHWM") / 2**20,
+    return {"n": n, "chunk_size": chunk_size, "build_mb": build / mb, "first_mb": first / mb,
+            "held_mb": (held - before) / mb, "step_mb": later / mb, "eval_mb": evaluation / mb,
+            "peak_mb": peak / mb, "total_mb": rss_bytes("VmHWM") / mb,
             "losses": losses.tolist(), "digest": digest}  # fmt: skip
 
 
@@ -66,12 +82,14 @@ def train_memory(
     batch: int = TRAIN_BATCH,
     steps: int = TRAIN_STEPS,
 ) -> dict:
-    """Peak RSS increase of eager training steps, unchunked vs ``chunk_size``, fresh processes.
+    """Peak RSS of eager training, unchunked vs ``chunk_size``, per phase, fresh processes.
 
     ``n`` :func:`mnist_cnn` members, one batch of ``batch`` 1x28x28 images, ``steps`` steps of
-    ``make_step(ens, CrossEntropyLoss(), StackedAdam(ens))``; each variant in its own
-    ``sys.executable`` so that neither sees the other's freed memory. The peak counts from
-    after the build (parameters, gradients and Adam moments are the same in both).
+    ``make_step(ens, CrossEntropyLoss(), StackedAdam(ens))`` (self-check on), then one
+    ``no_grad`` forward; each variant in its own ``sys.executable`` so that neither sees the
+    other's freed memory. Both variants run twice: with glibc's defaults, and with its mmap
+    threshold fixed (:data:`FIXED_MMAP`), where RSS follows the live tensors instead of what
+    the heap keeps of freed chunk buffers.
 
     Args:
         n: Number of members.
@@ -80,13 +98,18 @@ def train_memory(
         steps: Training steps measured.
 
     Returns:
-        ``unchunked`` and ``chunked``, each with ``peak_mb`` (peak RSS over the steps minus
-        the RSS after the build: the first step's gradients and optimizer state included),
-        ``step_mb`` (peak of the later steps over the RSS held before them: what one step
-        needs on top), ``total_mb`` (the process's peak RSS, ``import torch`` included),
-        ``losses`` of the last step and ``digest`` (the sum of all parameters after training);
-        ``ratio`` (chunked / unchunked ``peak_mb``), ``step_ratio`` (of ``step_mb``) and
-        ``same`` (losses and digests agree to 1e-6: float32 round-off).
+        ``unchunked`` and ``chunked`` (glibc's defaults), each with ``build_mb`` (peak of
+        building the ensemble, optimizer and step), ``first_mb`` (peak of the first step over
+        the RSS after the build: probe, gradients and optimizer state created), ``held_mb``
+        (RSS held after the steps, over the build), ``step_mb`` (the largest peak of a later
+        step over the RSS held before it: what one step needs on top), ``eval_mb`` (a
+        ``no_grad`` forward, likewise), ``peak_mb`` (the run's peak over the RSS after the
+        build: steps and evaluation), ``total_mb`` (the process's peak RSS, ``import torch``
+        included), ``losses`` of the last step and ``digest`` (the sum of all parameters after
+        training); ``ratio`` (chunked / unchunked ``peak_mb``), ``step_ratio`` (of
+        ``step_mb``), ``same`` (losses and digests agree to 1e-6: float32 round-off), and
+        ``fixed``: ``unchunked``, ``chunked``, ``ratio`` and ``step_ratio`` with
+        :data:`FIXED_MMAP`.
 
     Raises:
         RuntimeError: If a subprocess fails.
@@ -95,19 +118,24 @@ def train_memory(
         >>> train_memory(4, 2, batch=2, steps=2)["same"]
         True
     """
-    runs = {}
-    for name, size in (("unchunked", None), ("chunked", chunk_size)):
-        code = (
-            "import json; from bench.memory import _train_memory_here; "
-            f"print(json.dumps(_train_memory_here({n}, {size}, {batch}, {steps})))"
-        )
-        runs[name] = child_json(code, "train_memory")
-    a, b = runs["unchunked"], runs["chunked"]
-    same = abs(a["digest"] - b["digest"]) <= 1e-6 * max(1.0, abs(a["digest"])) and all(
-        abs(u - v) <= 1e-6 for u, v in zip(a["losses"], b["losses"], strict=True)
+    code = "import json; from bench.memory import _train_memory_here; print(json.dumps({}))"
+    runs: dict[str, dict] = {"default": {}, "fixed": {}}
+    for env_name, env in (("default", None), ("fixed", FIXED_MMAP)):
+        for name, size in (("unchunked", None), ("chunked", chunk_size)):
+            call = f"_train_memory_here({n}, {size}, {batch}, {steps})"
+            runs[env_name][name] = child_json(code.format(call), "train_memory", env)
+
+    def ratios(a: dict, b: dict) -> dict:
+        return {"ratio": b["peak_mb"] / a["peak_mb"], "step_ratio": b["step_mb"] / a["step_mb"]}
+
+    a, b = runs["default"]["unchunked"], runs["default"]["chunked"]
+    same = all(
+        abs(u["digest"] - v["digest"]) <= 1e-6 * max(1.0, abs(u["digest"]))
+        and all(abs(p - q) <= 1e-6 for p, q in zip(u["losses"], v["losses"], strict=True))
+        for u, v in ((a, b), (a, runs["fixed"]["unchunked"]), (a, runs["fixed"]["chunked"]))
     )
-    ratios = {"ratio": b["peak_mb"] / a["peak_mb"], "step_ratio": b["step_mb"] / a["step_mb"]}
-    return {**runs, **ratios, "same": same}
+    fixed = {**runs["fixed"], **ratios(runs["fixed"]["unchunked"], runs["fixed"]["chunked"])}
+    return {**runs["default"], **ratios(a, b), "same": same, "fixed": fixed}
 
 
 def _build_memory_here(n: int, hidden: int) -> dict:
