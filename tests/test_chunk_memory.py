@@ -8,10 +8,13 @@ collection) when the next chunk's forward starts, and the gradients equal each m
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 
+import pytest
 import torch
 
+from bench.memory import train_memory
 from vmapens._chunks import chunk_bounds, chunked_losses_and_grads
 
 N, D, BATCH, CHUNK = 7, 5, 6, 3  # 7 members in chunks of 3: a short last chunk
@@ -48,3 +51,21 @@ def test_each_chunk_is_freed_before_the_next_runs():
         (grad,) = torch.autograd.grad(loss, [alone])
         torch.testing.assert_close(losses[i], loss.detach(), **TOL64)
         torch.testing.assert_close(grads[0][i], grad, **TOL64)
+
+
+#: RSS is counted in 4 KiB pages and the interpreter's small objects come and go: with glibc's
+#: mmap threshold fixed, the phases below add up to within a few hundred KB (observed 0.0 MB).
+SLACK_MB = 2.0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_run_peak_is_the_held_state_plus_one_step():
+    # With glibc's mmap threshold fixed, RSS follows the live tensors, and the definition of
+    # the phases (docs/performance.md, "Memory: what each knob bounds") gives: the run's peak
+    # over the build = what the steps leave held + what one later step needs on top.
+    m = train_memory(16, 4, batch=64, steps=2)
+    assert m["same"], m
+    for name in ("unchunked", "chunked"):
+        r = m["fixed"][name]
+        assert abs(r["held_mb"] + r["step_mb"] - r["peak_mb"]) <= SLACK_MB, (name, r)
+    assert m["fixed"]["step_ratio"] < 0.5, m["fixed"]  # one chunk of four, plus the gradients
