@@ -554,3 +554,97 @@ def test_asgd_member_handed_off_before_its_first_step_starts_as_a_fresh_torch_as
     train_alone(alone, data[3:], rig.loss_fn, twin)
     for name, p in alone.named_parameters():
         torch.testing.assert_close(rig.ens[1].get_parameter(name), p, **TOL, msg=name)
+
+
+# Shared hyperparameters on CPU: torch's own arithmetic with Python float scalars, one call per
+# step count, so each member is torch's (default, single-tensor on CPU) optimizer alone, bit
+# for bit, fed the same gradients. The masks leave members one and two steps behind, so calls
+# run for several counts at once; 16 steps take RAdam's members past rho_t = 5 (step 6 with
+# beta2 = 0.999), some while others lag behind it.
+BIT_MASKS = [None, [1, 0, 1, 1], None, [0, 1, 1, 0], None, None, [1, 1, 1, 0], None] * 2
+# Member sizes that are no multiple of a vector width, so a member's elements fall on other
+# vector/tail splits in the stack than alone.
+BIT_SHAPES = [(7, 3), (13,), (4, 5, 3)]
+SHARED = {
+    f"{name}-{desc}": (SPECS[name].cls, kwargs)
+    for name in ("RAdam", "ASGD")
+    for desc, kwargs in SPECS[name].options.items()
+}
+SHARED["RAdam-betas without rectification"] = (vo.StackedRAdam, {"betas": (0.8, 0.5)})
+SHARED["ASGD-averaging from step 4"] = (vo.StackedASGD, {"t0": 3.0, "lambd": 0.1, "lr": 0.05})
+SHARED["ASGD-maximize, wd, averaging"] = (
+    vo.StackedASGD,
+    {"t0": 0.0, "alpha": 0.5, "weight_decay": 0.01, "maximize": True},
+)
+
+
+def _stacked_and_alone(
+    dtype: torch.dtype,
+) -> tuple[torch.Generator, list[torch.Tensor], list[list[torch.Tensor]]]:
+    g = torch.Generator().manual_seed(0)
+    stacked = [torch.randn(N, *s, generator=g, dtype=dtype).requires_grad_() for s in BIT_SHAPES]
+    alone = [[p[i].detach().clone().requires_grad_() for p in stacked] for i in range(N)]
+    return g, stacked, alone
+
+
+def _step_both(
+    opt: vo.StackedOptimizer,
+    twins: list[torch.optim.Optimizer],
+    g: torch.Generator,
+    stacked: list[torch.Tensor],
+    alone: list[list[torch.Tensor]],
+    mask: list[int] | None,
+) -> None:
+    for p in stacked:
+        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+    m = None if mask is None else torch.tensor(mask, dtype=torch.bool)
+    opt.step(mask=m)
+    for i, twin in enumerate(twins):
+        if m is None or m[i]:
+            for leaf, p in zip(alone[i], stacked, strict=True):
+                leaf.grad = p.grad[i].clone()
+            twin.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize(("cls", "kwargs"), list(SHARED.values()), ids=list(SHARED))
+def test_shared_hyperparameters_give_each_member_torchs_bits_alone(
+    cls: type[vo.StackedOptimizer], kwargs: dict, dtype: torch.dtype
+) -> None:
+    g, stacked, alone = _stacked_and_alone(dtype)
+    opt = cls(stacked, **kwargs)
+    assert cls.torch_class is not None
+    twins = [cls.torch_class(leaves, **kwargs) for leaves in alone]
+    for mask in BIT_MASKS:
+        _step_both(opt, twins, g, stacked, alone, mask)
+    for i, twin in enumerate(twins):
+        for k, (leaf, p) in enumerate(zip(alone[i], stacked, strict=True)):
+            assert torch.equal(p[i].detach(), leaf.detach()), (i, k)
+            for key, value in twin.state[leaf].items():
+                assert torch.equal(opt.state[p][key][i].to(value.dtype), value), (i, k, key)
+
+
+def test_asgd_members_of_one_count_with_their_own_eta_and_mu_each_follow_torch() -> None:
+    # Shared hyperparameters, but member 0's eta and mu set apart after 3 steps (states loaded
+    # from elsewhere): at step 5 it steps with members 1 and 3 at one count without sharing
+    # their floats, and each must still take its own, as its torch ASGD alone reads its own.
+    g, stacked, alone = _stacked_and_alone(torch.float64)
+    kwargs = {"t0": 0.0, "lambd": 0.1, "weight_decay": 0.01}
+    opt = vo.StackedASGD(stacked, **kwargs)
+    twins = [torch.optim.ASGD(leaves, **kwargs) for leaves in alone]
+    for mask in BIT_MASKS[:3]:
+        _step_both(opt, twins, g, stacked, alone, mask)
+    eta, mu = 0.5 * float(opt.state[stacked[0]]["eta"][0]), 0.25
+    for p in stacked:  # the counters are shared by the parameters: set once each
+        opt.state[p]["eta"][0], opt.state[p]["mu"][0] = eta, mu
+    for state in twins[0].state.values():
+        state["eta"].fill_(eta)
+        state["mu"].fill_(mu)
+    for mask in BIT_MASKS[3:8]:
+        _step_both(opt, twins, g, stacked, alone, mask)
+    for i, twin in enumerate(twins):
+        for k, (leaf, p) in enumerate(zip(alone[i], stacked, strict=True)):
+            torch.testing.assert_close(p[i].detach(), leaf.detach(), **TOL, msg=f"{i}, {k}")
+            for key, value in twin.state[leaf].items():
+                ours = opt.state[p][key][i].to(value.dtype)
+                torch.testing.assert_close(ours, value, **TOL, msg=f"{i}, {k}, {key}")

@@ -9,7 +9,17 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar, member_columns, signed
+from ._fused import run_fused
+from ._hyper import (
+    NONNEGATIVE,
+    Hyper,
+    PerMember,
+    Scalar,
+    add_scaled,
+    host_scalars,
+    member_columns,
+    signed,
+)
 from .base import StackedOptimizer
 
 __all__ = ["StackedASGD", "asgd_rule"]
@@ -36,7 +46,10 @@ def asgd_rule(
         ax = p if mu == 1 else ax + mu * (p - ax)
         eta = lr / (1 + lambd * lr * t)**alpha;  mu = 1 / max(1, t - t0)
 
-    ``eta`` and ``mu`` are float32 ``[n]``, rounded as torch's float32 scalar tensors.
+    ``eta`` and ``mu`` are float32 ``[n]``, rounded as torch's float32 scalar tensors. With
+    shared hyperparameters on CPU, each is read as a Python float, as torch reads its own, and
+    the update runs over the whole stacked tensors, one call per step count (see
+    ``run_fused``); per-member values take ``[n, 1, ...]`` columns.
 
     Args:
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
@@ -45,27 +58,82 @@ def asgd_rule(
         group: ``lr``, ``lambd``, ``alpha``, ``t0``, ``weight_decay`` (floats or float64 [n]
             tensors) and ``maximize``.
     """
-    lr, lambd, wd = group["lr"], group["lambd"], group["weight_decay"]
+    lr, lambd, alpha, t0 = group["lr"], group["lambd"], group["alpha"], group["t0"]
     ax, step, eta, mu = state["ax"], state["step"], state["eta"], state["mu"]
+    if host_scalars(params, [lr, lambd, alpha, t0, group["weight_decay"]]):
+        mask = group["mask"]
 
-    col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
+        def kernel(t: list[list[Tensor]], count: float) -> None:
+            # Each member's eta and mu as Python floats, as torch reads its float32 0-d
+            # tensors (eta made from lr at the first step); the members of one count share
+            # them unless their states were loaded apart.
+            etas, mus = t[3][0], t[4][0]
+            if count == 0:
+                etas.fill_(lr)
+            eta_now = _shared(etas, step, mask, count)
+            _apply(t[0], t[1], t[2], eta_now, _shared(mus, step, mask, count), group)
+            # torch.as_tensor of a Python float: float32, from the float64 value.
+            etas.fill_(lr / ((1 + lambd * lr * (count + 1)) ** alpha))
+            mus.fill_(1 / max(1, count + 1 - t0))
+
+        run_fused(kernel, [params, grads, ax, [eta], [mu]], step, mask)
+        return
+
     # torch creates eta from the group's lr at a member's first step (its state is lazy).
     eta.copy_(torch.where(step == 0, lr, eta))
     step.add_(1)
+    _apply(params, grads, ax, eta.double(), mu.double(), group)
+    t = step.double()
+    eta.copy_(lr / torch.pow(1 + lambd * lr * t, alpha))
+    mu.copy_(1 / torch.clamp(t - t0, min=1))
+
+
+def _shared(values: Tensor, step: Tensor, mask: Tensor | None, count: float) -> Scalar:
+    """The members' value of ``values`` (float32 ``[n]``) at step ``count``: a float when the
+    stepping members of that count share it, else float64 ``[n]`` (each member its own)."""
+    low, high = torch.aminmax(values)
+    if low == high:
+        return float(low)
+    rows = step == count
+    if mask is not None:
+        rows &= mask
+    low, high = torch.aminmax(values[rows])
+    return float(low) if low == high else values.double()
+
+
+def _apply(
+    params: list[Tensor],
+    grads: list[Tensor],
+    ax: list[Tensor],
+    eta: Scalar,
+    mu: Scalar,
+    group: dict[str, Any],
+) -> None:
+    """torch's single-tensor ASGD update of ``params`` and ``ax`` with ``eta`` and ``mu``:
+    Python floats as torch reads them (the same roundings), or float64 ``[n]`` per member."""
+    lambd, wd = group["lambd"], group["weight_decay"]
+    col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     g = signed(grads, group)
     if isinstance(wd, Tensor) or wd != 0:
-        g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
-    eta_now = eta.double()
-    torch._foreach_mul_(params, col(1 - lambd * eta_now))
-    torch._foreach_addcmul_(params, g, col(-eta_now))
+        g = add_scaled(g, params, wd)
+    torch._foreach_mul_(params, col(1 - lambd * eta))
+    if isinstance(eta, Tensor):
+        torch._foreach_addcmul_(params, g, col(-eta))
+    else:
+        torch._foreach_add_(params, g, alpha=-eta)
+    if not isinstance(mu, Tensor):
+        if mu == 1:
+            torch._foreach_copy_(ax, params)
+        else:
+            diff = torch._foreach_sub(params, ax)
+            torch._foreach_mul_(diff, mu)
+            torch._foreach_add_(ax, diff)
+        return
     averaged = torch._foreach_sub(params, ax)
-    torch._foreach_mul_(averaged, col(mu.double()))
+    torch._foreach_mul_(averaged, col(mu))
     torch._foreach_add_(averaged, ax)
     for a, p, new, copy in zip(ax, params, averaged, col((mu == 1).double()), strict=True):
         a.copy_(torch.where(copy.bool(), p, new))
-    t = step.double()
-    eta.copy_(lr / torch.pow(1 + lambd * lr * t, group["alpha"]))
-    mu.copy_(1 / torch.clamp(t - group["t0"], min=1))
 
 
 class StackedASGD(StackedOptimizer):

@@ -9,7 +9,17 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._hyper import NONNEGATIVE, UNIT, Hyper, PerMember, Scalar, member_columns, signed
+from ._fused import run_fused
+from ._hyper import (
+    NONNEGATIVE,
+    UNIT,
+    Hyper,
+    PerMember,
+    Scalar,
+    host_scalars,
+    member_columns,
+    signed,
+)
 from .base import StackedOptimizer
 
 __all__ = ["StackedRAdam", "radam_rule"]
@@ -33,7 +43,10 @@ def radam_rule(
         p -= m / (1 - beta1**t) * lr * sqrt(1 - beta2**t) / (sqrt(v) + eps) * r   if rho_t > 5
         p -= m / (1 - beta1**t) * lr                                              otherwise
 
-    Each member takes its own branch (``torch.where`` on its ``rho_t``).
+    With shared hyperparameters on CPU, torch's single-tensor arithmetic with Python float
+    step sizes and branch, over the whole stacked tensors, one call per step count (see
+    ``run_fused``); per-member values take ``[n, 1, ...]`` columns, and each member its own
+    branch (``torch.where`` on its ``rho_t``).
 
     Args:
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
@@ -44,6 +57,14 @@ def radam_rule(
     """
     lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     exp_avg, exp_avg_sq, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
+    if host_scalars(params, [lr, beta1, beta2, eps, wd]):
+        run_fused(
+            functools.partial(_shared_kernel, group=group),
+            [params, grads, exp_avg, exp_avg_sq],
+            step,
+            group["mask"],
+        )
+        return
 
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     g = signed(grads, group)
@@ -76,6 +97,41 @@ def radam_rule(
         params, update, rectified, col((rho_t > 5.0).double()), strict=True
     ):
         p.sub_(torch.where(take.bool(), rect_update, plain))
+
+
+def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -> None:
+    """``torch.optim.RAdam``'s single-tensor step at step ``count + 1``, op for op, on whole
+    stacked tensors ``t`` (params, grads, exp_avg, exp_avg_sq) with shared float
+    hyperparameters: the same roundings as each member alone."""
+    lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    p, m, v = t[0], t[2], t[3]
+    g = signed(t[1], group)
+    step = count + 1
+    if wd != 0:
+        if group["decoupled_weight_decay"]:
+            torch._foreach_mul_(p, 1 - lr * wd)
+        else:
+            g = torch._foreach_add(g, p, alpha=wd)
+    torch._foreach_lerp_(m, g, 1 - beta1)
+    torch._foreach_mul_(v, beta2)
+    torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    update = torch._foreach_div(m, bias_correction1)
+    torch._foreach_mul_(update, lr)
+    rho_inf = 2 / (1 - beta2) - 1
+    rho_t = rho_inf - 2 * step * (beta2**step) / bias_correction2
+    if rho_t > 5.0:
+        # torch: m_hat * lr * (bc2**0.5 / (sqrt(v) + eps)) * rect; a float over a tensor is
+        # its reciprocal times the float.
+        adaptive = torch._foreach_sqrt(v)
+        torch._foreach_add_(adaptive, eps)
+        torch._foreach_reciprocal_(adaptive)
+        torch._foreach_mul_(adaptive, bias_correction2**0.5)
+        torch._foreach_mul_(update, adaptive)
+        rect = (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
+        torch._foreach_mul_(update, rect**0.5)
+    torch._foreach_add_(p, update, alpha=-1.0)
 
 
 class StackedRAdam(StackedOptimizer):
