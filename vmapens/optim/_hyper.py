@@ -15,6 +15,7 @@ from ._values import MemberValues
 
 __all__ = [
     "signed",
+    "weight_decayed",
     "host_scalars",
     "BETAS",
     "EPS",
@@ -305,3 +306,19 @@ def host_scalars(params: Sequence[Tensor], values: Sequence[Any]) -> bool:
 def signed(grads: list[Tensor], group: dict[str, Any]) -> list[Tensor] | tuple[Tensor, ...]:
     """The gradients a rule descends along: negated with ``maximize``, as torch's rules do."""
     return torch._foreach_neg(grads) if group["maximize"] else grads
+
+
+def weight_decayed(
+    grads: list[Tensor] | tuple[Tensor, ...], params: list[Tensor], group: dict[str, Any]
+) -> list[Tensor] | tuple[Tensor, ...]:
+    """The gradients after torch's weight decay, as every rule applies it: ``g + wd * p``
+    rounded once, or with ``decoupled_weight_decay`` (AdamW, NAdamW, RAdam) ``p *= 1 - lr * wd``
+    in place and ``g`` unchanged. ``lr`` and ``weight_decay`` are read from ``group``, floats
+    (torch's float arithmetic) or per-member tensors (columns)."""
+    lr, wd = group["lr"], group["weight_decay"]
+    if not isinstance(wd, Tensor) and wd == 0:
+        return grads
+    if group.get("decoupled_weight_decay", False):
+        torch._foreach_mul_(params, member_columns(1 - lr * wd, params))
+        return grads
+    return add_scaled(grads, params, wd)

@@ -17,12 +17,12 @@ from ._hyper import (
     Params,
     PerMember,
     Scalar,
-    add_scaled,
     like,
     member_column,
     member_columns,
     nonnegative,
     signed,
+    weight_decayed,
 )
 from ._keep import step_one
 from .base import StackedOptimizer
@@ -77,8 +77,7 @@ def adagrad_rule(
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     step.add_(1)
     g = signed(grads, group)
-    if isinstance(wd, Tensor) or wd != 0:
-        g = add_scaled(g, params, wd)
+    g = weight_decayed(g, params, group)
     clr = lr / like(lr, 1 + (step.double() - 1) * lr_decay)
     torch._foreach_addcmul_(sums, g, g)
     std = torch._foreach_sqrt(sums)

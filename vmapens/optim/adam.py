@@ -22,10 +22,10 @@ from ._hyper import (
     Params,
     PerMember,
     Scalar,
-    add_scaled,
     like,
     member_columns,
     signed,
+    weight_decayed,
 )
 from ._keep import step_one
 from .base import StackedOptimizer
@@ -93,11 +93,7 @@ def adam_rule(
 
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     g = signed(grads, group)
-    if isinstance(wd, Tensor) or wd != 0:
-        if group["decoupled_weight_decay"]:
-            torch._foreach_mul_(params, col(1 - lr * wd))
-        else:
-            g = add_scaled(g, params, wd)
+    g = weight_decayed(g, params, group)
     torch._foreach_lerp_(exp_avg, g, col(1 - beta1))
     torch._foreach_mul_(exp_avg_sq, col(beta2))
     if isinstance(beta2, Tensor):

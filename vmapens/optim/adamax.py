@@ -18,11 +18,11 @@ from ._hyper import (
     Params,
     PerMember,
     Scalar,
-    add_scaled,
     host_scalars,
     like,
     member_columns,
     signed,
+    weight_decayed,
 )
 from ._keep import step_one
 from .base import StackedOptimizer
@@ -62,8 +62,7 @@ def adamax_rule(
         def kernel(t: list[list[Tensor]], count: float) -> None:
             p, m, u = t[0], t[2], t[3]
             g = signed(t[1], group)
-            if wd != 0:
-                g = torch._foreach_add(g, p, alpha=wd)
+            g = weight_decayed(g, p, group)
             torch._foreach_lerp_(m, g, 1 - beta1)
             torch._foreach_mul_(u, beta2)
             norm = torch._foreach_abs(g)
@@ -78,8 +77,7 @@ def adamax_rule(
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     g = signed(grads, group)
     step.add_(1)
-    if isinstance(wd, Tensor) or wd != 0:
-        g = add_scaled(g, params, wd)
+    g = weight_decayed(g, params, group)
     torch._foreach_lerp_(exp_avg, g, col(1 - beta1))
     torch._foreach_mul_(exp_inf, col(beta2))
     norm = torch._foreach_abs(g)

@@ -15,10 +15,10 @@ from ._hyper import (
     Hyper,
     PerMember,
     Scalar,
-    add_scaled,
     host_scalars,
     member_columns,
     signed,
+    weight_decayed,
 )
 from .base import StackedOptimizer
 
@@ -111,11 +111,10 @@ def _apply(
 ) -> None:
     """torch's single-tensor ASGD update of ``params`` and ``ax`` with ``eta`` and ``mu``:
     Python floats as torch reads them (the same roundings), or float64 ``[n]`` per member."""
-    lambd, wd = group["lambd"], group["weight_decay"]
+    lambd = group["lambd"]
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     g = signed(grads, group)
-    if isinstance(wd, Tensor) or wd != 0:
-        g = add_scaled(g, params, wd)
+    g = weight_decayed(g, params, group)
     torch._foreach_mul_(params, col(1 - lambd * eta))
     if isinstance(eta, Tensor):
         torch._foreach_addcmul_(params, g, col(-eta))

@@ -18,12 +18,12 @@ from ._hyper import (
     Params,
     PerMember,
     Scalar,
-    add_scaled,
     host_scalars,
     like,
     member_columns,
     nonnegative,
     signed,
+    weight_decayed,
 )
 from ._keep import step_one
 from .base import StackedOptimizer
@@ -62,7 +62,7 @@ def nadam_rule(
     """
     lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     exp_avg, exp_avg_sq, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
-    decay, decoupled = group["momentum_decay"], group["decoupled_weight_decay"]
+    decay = group["momentum_decay"]
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     if host_scalars(params, [lr, beta1, beta2, eps, wd, decay]):
 
@@ -70,11 +70,7 @@ def nadam_rule(
             p, m, v, mu_product = t[0], t[2], t[3], t[4][0]
             g = signed(t[1], group)
             bias_correction2 = 1 - beta2 ** (count + 1)
-            if wd != 0:
-                if decoupled:
-                    torch._foreach_mul_(p, 1 - lr * wd)
-                else:
-                    g = torch._foreach_add(g, p, alpha=wd)
+            g = weight_decayed(g, p, group)
             mu = beta1 * (1.0 - 0.5 * (0.96 ** ((count + 1) * decay)))
             mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((count + 2) * decay)))
             mu_product.mul_(mu)
@@ -108,11 +104,7 @@ def nadam_rule(
     step.add_(1)
     t = step.double()
     bias_correction2 = 1 - torch.pow(beta2, t)
-    if isinstance(wd, Tensor) or wd != 0:
-        if decoupled:
-            torch._foreach_mul_(params, col(1 - lr * wd))
-        else:
-            g = add_scaled(g, params, wd)
+    g = weight_decayed(g, params, group)
     mu = beta1 * (1.0 - 0.5 * torch.pow(0.96, t * decay))
     mu_next = beta1 * (1.0 - 0.5 * torch.pow(0.96, (t + 1) * decay))
     # torch multiplies its float32 scalar by a Python float: in float32, mu rounded first.

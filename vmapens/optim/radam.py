@@ -19,6 +19,7 @@ from ._hyper import (
     host_scalars,
     member_columns,
     signed,
+    weight_decayed,
 )
 from .base import StackedOptimizer
 
@@ -103,15 +104,11 @@ def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -
     """``torch.optim.RAdam``'s single-tensor step at step ``count + 1``, op for op, on whole
     stacked tensors ``t`` (params, grads, exp_avg, exp_avg_sq) with shared float
     hyperparameters: the same roundings as each member alone."""
-    lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
     p, m, v = t[0], t[2], t[3]
     g = signed(t[1], group)
     step = count + 1
-    if wd != 0:
-        if group["decoupled_weight_decay"]:
-            torch._foreach_mul_(p, 1 - lr * wd)
-        else:
-            g = torch._foreach_add(g, p, alpha=wd)
+    g = weight_decayed(g, p, group)
     torch._foreach_lerp_(m, g, 1 - beta1)
     torch._foreach_mul_(v, beta2)
     torch._foreach_addcmul_(v, g, g, value=1 - beta2)

@@ -17,11 +17,11 @@ from ._hyper import (
     Params,
     PerMember,
     Scalar,
-    add_scaled,
     member_columns,
     member_floats,
     nonnegative,
     signed,
+    weight_decayed,
 )
 from ._keep import step_one
 from .base import StackedOptimizer
@@ -55,7 +55,7 @@ def rmsprop_rule(
         group: ``lr``, ``alpha``, ``eps``, ``weight_decay``, ``momentum`` (floats or float64
             [n] tensors) and ``maximize``.
     """
-    lr, alpha, eps, wd = group["lr"], group["alpha"], group["eps"], group["weight_decay"]
+    lr, alpha, eps = group["lr"], group["alpha"], group["eps"]
     square_avg, grad_avg, bufs = (
         state["square_avg"],
         state.get("grad_avg"),
@@ -65,8 +65,7 @@ def rmsprop_rule(
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     g = signed(grads, group)
     state["step"].add_(1)
-    if isinstance(wd, Tensor) or wd != 0:
-        g = add_scaled(g, params, wd)
+    g = weight_decayed(g, params, group)
     torch._foreach_mul_(square_avg, col(alpha))
     if isinstance(alpha, Tensor):
         torch._foreach_addcmul_(square_avg, g, torch._foreach_mul(g, col(1 - alpha)))

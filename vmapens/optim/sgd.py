@@ -23,6 +23,7 @@ from ._hyper import (
     member_columns,
     member_floats,
     signed,
+    weight_decayed,
 )
 from ._keep import step_one
 from .base import StackedOptimizer
@@ -80,8 +81,7 @@ def sgd_rule(
 
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     g = signed(grads, group)
-    if isinstance(wd, Tensor) or wd != 0:
-        g = add_scaled(g, params, wd)
+    g = weight_decayed(g, params, group)
     if bufs is not None:
         kept = add_scaled(torch._foreach_mul(bufs, col(momentum)), g, 1 - dampening)
         first = step == 0
