@@ -33,7 +33,6 @@ from typing import Any
 
 import optree
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vmapens.ensemble import Ensemble
@@ -42,7 +41,7 @@ from vmapens.seeds import member_seed
 from vmapens.step import make_step
 
 from ._tools import Step, grid, ratio, time_rounds
-from .workloads import _data
+from .workloads import _data, loop_step
 
 #: The widths of the sweep and the members per width.
 WIDTHS = (16, 32, 64, 128)
@@ -133,12 +132,7 @@ def w_naive(widths: Sequence[int], seeds: int, device: torch.device) -> Trained:
             torch.manual_seed(member_seed(0, i))
             models.append(factory())
     opts = [torch.optim.Adam(m.parameters()) for m in models]
-
-    def step() -> None:
-        for model, opt in zip(models, opts, strict=True):
-            opt.zero_grad()
-            F.binary_cross_entropy(model(x), y).backward()
-            opt.step()
+    step = loop_step(models, opts, x, y)
 
     def tensors() -> list[torch.Tensor]:
         found = [t for m in models for p in m.parameters() for t in (p, p.grad)]

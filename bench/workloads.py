@@ -112,7 +112,13 @@ def a_naive(n: int, device: torch.device) -> Step:
     """N modules, N ``torch.optim.Adam``, a Python loop over members: the code users write."""
     x, y = _data("A", device)
     models = _members(mlp, n, device)
-    opts = [torch.optim.Adam(m.parameters()) for m in models]
+    return loop_step(models, [torch.optim.Adam(m.parameters()) for m in models], x, y)
+
+
+def loop_step(
+    models: list[nn.Module], opts: list[torch.optim.Optimizer], x: torch.Tensor, y: torch.Tensor
+) -> Step:
+    """Workload A's naive step: each model with its own optimizer, one after another."""
 
     def step() -> None:
         for model, opt in zip(models, opts, strict=True):

@@ -97,13 +97,7 @@ def stack_sizes(members: list[nn.Module], api: str) -> Stacked:
 
 def check_factories(api: str, factories: Any) -> None:
     """``factories`` must be a non-empty sequence of zero-argument callables."""
-    if isinstance(factories, nn.Module) or not isinstance(factories, Sequence):
-        raise TypeError(
-            f"{api}: `factories` must be a sequence (list or tuple) of zero-argument "
-            f"callables, got {type(factories).__name__}"
-        )
-    if len(factories) == 0:
-        raise ValueError(f"{api}: `factories` must not be empty")
+    _check_sequence(api, "factories", factories, "zero-argument callables")
     for k, factory in enumerate(factories):
         if isinstance(factory, nn.Module) or not callable(factory):
             raise TypeError(
@@ -115,19 +109,23 @@ def check_factories(api: str, factories: Any) -> None:
 def check_modules(api: str, modules: Any) -> None:
     """``modules`` must be a non-empty sequence of initialised modules of one size and one
     setting (member 1's dropout rate would run as member 0's)."""
-    if isinstance(modules, nn.Module) or not isinstance(modules, Sequence):
-        raise TypeError(
-            f"{api}: `modules` must be a sequence (list or tuple) of nn.Module, got "
-            f"{type(modules).__name__}"
-        )
-    if len(modules) == 0:
-        raise ValueError(f"{api}: `modules` must not be empty")
+    _check_sequence(api, "modules", modules, "nn.Module")
     for i, module in enumerate(modules):
         check_member(module, i, api)
     reference = signature(modules[0])
     for i, module in enumerate(modules[1:], start=1):
         check_same(reference, module, i, api)
         check_pair(api, modules[0], module, i, padded=False)
+
+
+def _check_sequence(api: str, name: str, value: Any, of: str) -> None:
+    if isinstance(value, nn.Module) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"{api}: `{name}` must be a sequence (list or tuple) of {of}, got "
+            f"{type(value).__name__}"
+        )
+    if len(value) == 0:
+        raise ValueError(f"{api}: `{name}` must not be empty")
 
 
 def _shapes_key(module: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
