@@ -17,21 +17,23 @@ padded zeros in its statistics, attention splits the padded width into heads, an
 forward that mixes padded entries by itself (``x.mean(-1)`` over a padded width, a reshape)
 is caught by the self-check that ``make_step`` and ``vmapens.check`` run on every size.
 
-This file imports only torch.
+This file imports only torch and ``_members``.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["Padding", "check_pair", "gates_of"]
+from ._members import named_tensors
+
+__all__ = ["Padding", "check_pair", "gates_of", "masked"]
 
 #: Layer attributes that may differ between members of one padded ensemble: the sizes the
 #: padding covers. Any other attribute of a torch layer must be equal in all members.
@@ -228,7 +230,9 @@ class Padding:
     ) -> None:
         self.templates, self.kind_of = list(templates), tuple(kind_of)
         self.full, self.gates = dict(full), dict(gates)
-        self.shapes = [{name: tuple(t.shape) for name, t in _named(m)} for m in self.templates]
+        self.shapes = [
+            {name: tuple(t.shape) for name, t in named_tensors(m)} for m in self.templates
+        ]
         self.padded = {
             name for name, shape in self.full.items() if any(s[name] != shape for s in self.shapes)
         }
@@ -305,10 +309,10 @@ class Padding:
         ensemble does (vmap or loop); the masks are one more mapped argument.
         """
 
-        def masked(state: dict[str, Tensor], masks: dict[str, Tensor], *args: Any) -> Any:
-            return fn({k: v * masks[k] if k in masks else v for k, v in state.items()}, *args)
+        def member(state: dict[str, Tensor], masks: dict[str, Tensor], *args: Any) -> Any:
+            return fn(masked(state, masks), *args)
 
-        lifted = lift(masked, (0, *in_dims))
+        lifted = lift(member, (0, *in_dims))
 
         def run(state: dict[str, Tensor], *args: Any, rows: slice | None = None) -> Any:
             masks = self.masks({k: v for k, v in state.items() if k in params})
@@ -332,9 +336,9 @@ class Padding:
         }
 
 
-def _named(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    yield from module.named_parameters()
-    yield from module.named_buffers()
+def masked(state: Mapping[str, Tensor], masks: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` with each tensor that has a mask multiplied by it (see ``Padding.masks``)."""
+    return {k: v * masks[k] if k in masks else v for k, v in state.items()}
 
 
 def largest(api: str, shapes: Sequence[Mapping[str, tuple[int, ...]]]) -> int:

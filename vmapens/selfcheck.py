@@ -25,6 +25,7 @@ from torch.func import functional_call
 from ._attention import batched_attention
 from ._locate import first_padded_difference
 from ._members import named_tensors
+from ._padding import masked
 from ._unbatchable import explain_failure
 from .ensemble import Ensemble
 
@@ -318,7 +319,7 @@ def _padded_layer(sub: Ensemble, member: int, args: tuple, in_dims: int | None) 
     """The first layer of the probed member whose padded output differs (see _locate)."""
     state = sub.stacked_state()
     masks = sub._padding.masks(sub.stacked_params()) if sub._padding is not None else {}
-    row = {k: (v * masks[k] if k in masks else v)[0].detach() for k, v in state.items()}
+    row = {k: v[0].detach() for k, v in masked(state, masks).items()}
     inputs = _member_slice(args, member, in_dims, False)
     try:
         return first_padded_difference(sub[0], sub.runner, row, inputs)
