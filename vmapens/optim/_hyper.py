@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -16,6 +17,7 @@ from ._values import MemberValues
 __all__ = [
     "signed",
     "weight_decayed",
+    "moments_",
     "host_scalars",
     "BETAS",
     "EPS",
@@ -322,3 +324,22 @@ def weight_decayed(
         torch._foreach_mul_(params, member_columns(1 - lr * wd, params))
         return grads
     return add_scaled(grads, params, wd)
+
+
+def moments_(
+    exp_avg: list[Tensor],
+    exp_avg_sq: list[Tensor],
+    grads: list[Tensor] | tuple[Tensor, ...],
+    beta1: Scalar,
+    beta2: Scalar,
+) -> None:
+    """Adam's two moments in place, in torch's ops (Adam, NAdam, RAdam):
+    ``m = lerp(m, g, 1 - beta1)``, ``v = beta2 * v + (1 - beta2) * g * g``; floats, or per-member
+    tensors as columns."""
+    col = functools.partial(member_columns, like=exp_avg)
+    torch._foreach_lerp_(exp_avg, grads, col(1 - beta1))
+    torch._foreach_mul_(exp_avg_sq, col(beta2))
+    if isinstance(beta2, Tensor):
+        torch._foreach_addcmul_(exp_avg_sq, grads, torch._foreach_mul(grads, col(1 - beta2)))
+    else:
+        torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - beta2)

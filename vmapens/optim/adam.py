@@ -24,6 +24,7 @@ from ._hyper import (
     Scalar,
     like,
     member_columns,
+    moments_,
     signed,
     weight_decayed,
 )
@@ -94,12 +95,7 @@ def adam_rule(
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     g = signed(grads, group)
     g = weight_decayed(g, params, group)
-    torch._foreach_lerp_(exp_avg, g, col(1 - beta1))
-    torch._foreach_mul_(exp_avg_sq, col(beta2))
-    if isinstance(beta2, Tensor):
-        torch._foreach_addcmul_(exp_avg_sq, g, torch._foreach_mul(g, col(1 - beta2)))
-    else:
-        torch._foreach_addcmul_(exp_avg_sq, g, g, value=1 - beta2)
+    moments_(exp_avg, exp_avg_sq, g, beta1, beta2)
     step.add_(1)
     t = step.double()
     step_size = lr / like(lr, 1 - torch.pow(beta1, t))

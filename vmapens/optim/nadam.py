@@ -21,6 +21,7 @@ from ._hyper import (
     host_scalars,
     like,
     member_columns,
+    moments_,
     nonnegative,
     signed,
     weight_decayed,
@@ -74,9 +75,7 @@ def nadam_rule(
             mu = beta1 * (1.0 - 0.5 * (0.96 ** ((count + 1) * decay)))
             mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((count + 2) * decay)))
             mu_product.mul_(mu)
-            torch._foreach_lerp_(m, g, 1 - beta1)
-            torch._foreach_mul_(v, beta2)
-            torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+            moments_(m, v, g, beta1, beta2)
             denom = torch._foreach_div(v, bias_correction2)
             torch._foreach_sqrt_(denom)
             torch._foreach_add_(denom, eps)
@@ -110,12 +109,7 @@ def nadam_rule(
     # torch multiplies its float32 scalar by a Python float: in float32, mu rounded first.
     state["mu_product"].mul_(mu.float())
     product = state["mu_product"].double()
-    torch._foreach_lerp_(exp_avg, g, col(1 - beta1))
-    torch._foreach_mul_(exp_avg_sq, col(beta2))
-    if isinstance(beta2, Tensor):
-        torch._foreach_addcmul_(exp_avg_sq, g, torch._foreach_mul(g, col(1 - beta2)))
-    else:
-        torch._foreach_addcmul_(exp_avg_sq, g, g, value=1 - beta2)
+    moments_(exp_avg, exp_avg_sq, g, beta1, beta2)
     denom = torch._foreach_div(exp_avg_sq, col(bias_correction2))
     torch._foreach_sqrt_(denom)
     torch._foreach_add_(denom, col(eps))

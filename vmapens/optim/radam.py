@@ -18,6 +18,7 @@ from ._hyper import (
     Scalar,
     host_scalars,
     member_columns,
+    moments_,
     signed,
     weight_decayed,
 )
@@ -76,12 +77,7 @@ def radam_rule(
             torch._foreach_mul_(params, col(1 - lr * wd))
         else:
             g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
-    torch._foreach_lerp_(exp_avg, g, col(1 - beta1))
-    torch._foreach_mul_(exp_avg_sq, col(beta2))
-    if isinstance(beta2, Tensor):
-        torch._foreach_addcmul_(exp_avg_sq, g, torch._foreach_mul(g, col(1 - beta2)))
-    else:
-        torch._foreach_addcmul_(exp_avg_sq, g, g, value=1 - beta2)
+    moments_(exp_avg, exp_avg_sq, g, beta1, beta2)
     bias_correction1 = 1 - torch.pow(beta1, t)
     bias_correction2 = 1 - torch.pow(beta2, t)
     rho_inf = 2 / (1 - beta2) - 1
@@ -109,9 +105,7 @@ def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -
     g = signed(t[1], group)
     step = count + 1
     g = weight_decayed(g, p, group)
-    torch._foreach_lerp_(m, g, 1 - beta1)
-    torch._foreach_mul_(v, beta2)
-    torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+    moments_(m, v, g, beta1, beta2)
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     update = torch._foreach_div(m, bias_correction1)
