@@ -72,11 +72,7 @@ def radam_rule(
     g = signed(grads, group)
     step.add_(1)
     t = step.double()
-    if isinstance(wd, Tensor) or wd != 0:
-        if group["decoupled_weight_decay"]:
-            torch._foreach_mul_(params, col(1 - lr * wd))
-        else:
-            g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
+    g = weight_decayed(g, params, group)
     moments_(exp_avg, exp_avg_sq, g, beta1, beta2)
     bias_correction1 = 1 - torch.pow(beta1, t)
     bias_correction2 = 1 - torch.pow(beta2, t)
