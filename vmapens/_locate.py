@@ -10,7 +10,6 @@ draws, which differ with the padded shapes) and without gradients.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +17,8 @@ import optree
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
+
+from ._checks import tolerance
 
 __all__ = ["first_padded_difference"]
 
@@ -62,7 +63,7 @@ def first_padded_difference(
                 return _named(alone, name)
             continue
         scale = float(a.abs().max()) if a.numel() else 0.0
-        tol = math.sqrt(torch.finfo(a.dtype).eps) * scale
+        tol = tolerance(a.dtype) * scale
         if a.numel() and float((a - corner.to(a.dtype)).abs().max()) > tol:
             return _named(alone, name)
     return None

@@ -13,7 +13,6 @@ itself").
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +22,7 @@ from torch import Tensor
 from torch.func import functional_call
 
 from ._attention import batched_attention
+from ._checks import tolerance
 from ._locate import first_padded_difference
 from ._members import named_tensors
 from ._padding import masked
@@ -44,22 +44,6 @@ TRIES = 3
 #: The member the probe runs. Members share their code, so any one exercises the same paths;
 #: member 0 makes a failure reproducible run after run, and ``ens[0]`` is the module to debug.
 MEMBER = 0
-
-
-def tolerance(dtype: torch.dtype) -> float:
-    """The largest relative difference the probe accepts for results computed in ``dtype``.
-
-    ``sqrt(eps)``: a batched kernel sums in another order than the member's own, which moves
-    a result by a few ``eps`` times the size of what is summed (1e-16 in float64, 1e-7 in
-    float32, ~1e-2 in bfloat16), while a forward that takes another branch inside the
-    ensemble changes results by their own size. Half the digits sits orders of magnitude from
-    both: 1.5e-8 in float64, 3.5e-4 in float32, 0.09 in bfloat16.
-
-    Example:
-        >>> tolerance(torch.float64) < 1e-7 < tolerance(torch.float32) < 1e-3
-        True
-    """
-    return math.sqrt(torch.finfo(dtype).eps)
 
 
 def check_step_arguments(api: str, ens: Any, loss_fn: Any, in_dims: Any) -> None:
