@@ -9,9 +9,9 @@ from typing import Any
 import optree
 import torch
 from torch import nn
-from torch.func import vmap
 
 from ._checks import check_int
+from ._fastcall import vmap_members
 from ._precision import autocast_members
 from .distributed import member_block
 from .seeds import member_seed
@@ -206,8 +206,7 @@ def vmapped(
         mapped = member if state else stateless
         if not state:  # a member without tensors (nn.Dropout): give vmap a dim to map
             state = {"": torch.empty(n, 0)}
-        lifted = vmap(mapped, in_dims=(0, *in_dims), randomness=randomness, chunk_size=chunk_size)
-        return lifted(state, *args)
+        return vmap_members(mapped, n, randomness, state, args, in_dims, chunk_size)
 
     return batched
 

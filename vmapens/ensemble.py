@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call
 from torch.nn.utils.rnn import PackedSequence
 
 from ._checks import check_choice, check_int, expand_in_dims, to_index
+from ._fastcall import call_member
 from ._members import (
     Factory,
     build_members,
@@ -265,7 +265,7 @@ class Ensemble(StackedModule):
             )
 
         def member(state: dict[str, torch.Tensor], *args: Any) -> Any:
-            return functional_call(self.runner, state, args, kwargs)
+            return call_member(self.runner, state, args, kwargs)
 
         return self.map_members(member, *args, in_dims=in_dims)
 

@@ -8,9 +8,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.func import functional_call, grad_and_value
+from torch.func import grad_and_value
 
 from ._chunks import chunk_bounds, chunked_losses_and_grads
+from ._fastcall import call_member
 from ._precision import LossScale
 from ._step_parts import (
     Update,
@@ -180,7 +181,7 @@ def _member_loss(ens: Ensemble, loss_fn: Callable) -> Callable[..., torch.Tensor
     """``(member_state, inputs, target) -> loss`` for one member, as it would run alone."""
 
     def member_loss(state: Any, inputs: tuple, target: torch.Tensor) -> torch.Tensor:
-        return loss_fn(functional_call(ens.runner, state, inputs), target)
+        return loss_fn(call_member(ens.runner, state, inputs), target)
 
     return member_loss
 

@@ -1,0 +1,224 @@
+"""The eager member call (vmapens._fastcall) against torch.func itself: same results, same errors.
+
+``vmap_members`` and ``call_member`` skip the per-call Python of ``torch.func.vmap`` and
+``torch.func.functional_call``; the truth here is those two functions, called on the same inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, stack_module_state, vmap
+from torch.nn.utils import parametrize
+from truth import assert_members_equal, train_each, twins
+
+from vmapens import Ensemble, StackedAdam, make_step
+from vmapens._fastcall import call_member, vmap_members
+
+N = 4
+
+
+def _stacked(factory, n=N):
+    torch.manual_seed(0)
+    members = [factory() for _ in range(n)]
+    params, buffers = stack_module_state(members)
+    return members, {**params, **buffers}, factory().to("meta")
+
+
+def _both(fn, state, args, in_dims, randomness="error"):
+    """(vmapens, torch.func) outputs of the same call, from the same RNG state."""
+    torch.manual_seed(1)
+    ours = vmap_members(fn, N, randomness, state, args, in_dims)
+    torch.manual_seed(1)
+    theirs = vmap(fn, in_dims=(0, *in_dims), randomness=randomness)(state, *args)
+    return ours, theirs
+
+
+class Pair(nn.Module):
+    """Two outputs in a dict, one of them not depending on the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        return {"out": self.lin(x) * y.sum(), "w": (self.lin.weight.sum(), torch.ones(2))}
+
+
+@pytest.mark.parametrize("in_dims", [(None, None), (0, None), (1, 0), (-2, -1)])
+def test_vmap_members_equals_vmap(in_dims):
+    _, state, meta = _stacked(Pair)
+    x = torch.randn(N, N, 3) if in_dims[0] is not None else torch.randn(5, 3)
+    y = torch.randn(N) if in_dims[1] is not None else torch.randn(7)
+
+    def fn(s, x, y):
+        return functional_call(meta, s, (x, y))
+
+    ours, theirs = _both(fn, state, (x, y), in_dims)
+    assert ours.keys() == theirs.keys()
+    torch.testing.assert_close(ours["out"], theirs["out"], rtol=0, atol=0)
+    for a, b in zip(ours["w"], theirs["w"], strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("randomness", ["different", "same"])
+def test_vmap_members_draws_as_vmap(randomness):
+    _, state, meta = _stacked(lambda: nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5)))
+    x = torch.randn(6, 3)
+    ours, theirs = _both(
+        lambda s, x: functional_call(meta, s, (x,)), state, (x,), (None,), randomness
+    )
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert (ours == 0).any()  # dropout did draw
+
+
+def test_vmap_members_tuple_argument_mapped():
+    _, state, meta = _stacked(lambda: nn.Linear(3, 2))
+    args = ((torch.randn(N, 5, 3), torch.randn(N, 5, 2)),)
+
+    def fn(s, pair):
+        return F.mse_loss(functional_call(meta, s, (pair[0],)), pair[1])
+
+    ours, theirs = _both(fn, state, args, (0,))
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "args, in_dims",
+    [
+        (([1.0, 2.0],), (0,)),  # a mapped argument that is not a tensor
+        ((torch.randn(N + 1, 3),), (0,)),  # a mapped size that is not n
+        ((torch.randn(N, 3),), (2,)),  # no such dim
+    ],
+)
+def test_vmap_members_errors_are_torch_func_errors(args, in_dims):
+    _, state, meta = _stacked(lambda: nn.Linear(3, 2))
+
+    def fn(s, x):
+        return functional_call(meta, s, (x,))
+
+    with pytest.raises(ValueError) as theirs:
+        vmap(fn, in_dims=(0, *in_dims))(state, *args)
+    with pytest.raises(ValueError) as ours:
+        vmap_members(fn, N, "error", state, args, in_dims)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_vmap_members_non_tensor_output_is_refused_as_torch_func_does():
+    _, state, meta = _stacked(lambda: nn.Linear(3, 2))
+
+    def fn(s, x):
+        return functional_call(meta, s, (x,)), "label"
+
+    with pytest.raises(ValueError, match="must only return Tensors"):
+        vmap_members(fn, N, "error", state, (torch.randn(3),), (None,))
+
+
+def test_vmap_members_leaves_no_vmap_level_after_an_error():
+    _, state, _ = _stacked(lambda: nn.Linear(3, 2))
+
+    def fails(s, x):
+        raise KeyError("inside")
+
+    with pytest.raises(KeyError):
+        vmap_members(fails, N, "error", state, (torch.randn(3),), (None,))
+    # An unbalanced level would make this plain tensor look batched (or vmap fail).
+    out = vmap(lambda t: t * 2)(torch.ones(3))
+    torch.testing.assert_close(out, torch.full((3,), 2.0))
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, 3)
+        self.out = nn.Linear(3, 5, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, i: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(i))
+
+
+class Reassigns(nn.Module):
+    """Reassigns a buffer in its forward: functional_call writes the new tensor to the dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("seen", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = self.seen + x.detach().sum(0)
+        return self.lin(x)
+
+
+def _weight_normed() -> nn.Module:
+    lin = nn.Linear(3, 2)
+    parametrize.register_parametrization(lin, "weight", _Scale())
+    return lin
+
+
+class _Scale(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w / w.norm()
+
+
+@pytest.mark.parametrize(
+    "factory, inputs",
+    [
+        (Tied, lambda: torch.tensor([0, 3, 4])),
+        (Reassigns, lambda: torch.randn(4, 3)),
+        (_weight_normed, lambda: torch.randn(4, 3)),
+        (
+            lambda: nn.Sequential(nn.Conv1d(2, 3, 3), nn.BatchNorm1d(3)),
+            lambda: torch.randn(2, 2, 6),
+        ),
+    ],
+    ids=["tied", "reassigns", "parametrized", "batchnorm"],
+)
+def test_call_member_equals_functional_call(factory, inputs):
+    torch.manual_seed(0)
+    module, x = factory(), inputs()
+    own = dict(module.state_dict(keep_vars=True))
+    # Tied: only one of the two names is given, so the other must follow it.
+    state = {k: v.detach() + 0.5 for k, v in own.items() if k != "out.weight"}
+    state_theirs = {k: v.clone() for k, v in state.items()}
+    ours = call_member(module, state, (x,))
+    theirs = functional_call(module, state_theirs, (x,))
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert state.keys() == state_theirs.keys()
+    for k in state:  # reassigned/updated buffers reach the dict alike
+        torch.testing.assert_close(state[k], state_theirs[k], rtol=0, atol=0)
+    for k, v in module.state_dict(keep_vars=True).items():  # the module's own tensors are back
+        assert v is own[k], k
+
+
+def test_call_member_two_values_for_one_tied_tensor_is_functional_calls_error():
+    module = Tied()
+    state = {"emb.weight": torch.randn(5, 3), "out.weight": torch.randn(5, 3)}
+    with pytest.raises(ValueError, match="tied"):
+        call_member(module, state, (torch.tensor([1]),))
+
+
+def test_call_member_puts_tensors_back_after_an_error():
+    module = nn.Linear(3, 2)
+    weight = module.weight
+    with pytest.raises(RuntimeError):
+        call_member(module, {"weight": torch.randn(2, 4)}, (torch.randn(1, 3),))
+    assert module.weight is weight
+
+
+def test_step_on_tied_weights_equals_members_trained_alone():
+    """End to end: the eager step (both fast paths) on a tied model, against plain modules."""
+    ens = Ensemble(Tied, 3, seed=0).double()
+    alone = twins(ens.unstack())
+    step = make_step(ens, nn.CrossEntropyLoss(), StackedAdam(ens, lr=0.1))
+    batches = [(torch.tensor([0, 1, 4]), torch.tensor([2, 2, 0]))] * 3
+    for x, y in batches:
+        step(x, y)
+    train_each(
+        alone, batches, F.cross_entropy, lambda i, m: torch.optim.Adam(m.parameters(), lr=0.1)
+    )
+    assert_members_equal(ens, alone)
