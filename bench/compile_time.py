@@ -20,12 +20,12 @@ Example:
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 
 import torch
-from torch._dynamo.utils import counters
 
 from ._tools import Step, child_json
 from .real import WORKLOAD_REAL
@@ -52,6 +52,12 @@ CACHE_MODES = ("cold", "warm", "mega")
 
 def _counts() -> dict[str, int]:
     """What torch compiled and which caches it hit, from its own counters."""
+    # Read where torch keeps them, without importing dynamo (2-3 s): a process that never
+    # compiled has not imported it, and its time to result must not pay for it.
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return dict.fromkeys(("graphs", "fx_hit", "fx_miss", "aot_hit", "aot_miss"), 0)
+    counters = utils.counters
     stats, inductor, aot = counters["stats"], counters["inductor"], counters["aot_autograd"]
     return {
         "graphs": stats["unique_graphs"],
