@@ -4,6 +4,7 @@ documented per-member recipe, the decision rule as docs/performance.md states it
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -190,3 +191,26 @@ def test_auto_step_compiles_only_when_the_eager_rest_exceeds_the_budget(
     assert (left_s is not None and left_s > autocompile.COMPILE_PAYS_AFTER_S) == compiles
     assert calls[:decided] == ["eager"] * decided
     assert calls[decided:] == ["compiled" if compiles else "eager"] * 3
+
+
+def test_an_eager_run_never_imports_dynamo():
+    # torch.optim.Optimizer.add_param_group's torch._disable_dynamo wrapper imports
+    # torch._dynamo (1.5-3 s) on its first call; an eager run must not pay for it. Fresh
+    # interpreter: this process has long imported dynamo.
+    code = (
+        "import sys, torch\n"
+        "from torch import nn\n"
+        "import vmapens\n"
+        "ens = vmapens.Ensemble(lambda: nn.Linear(2, 1), 3, seed=0)\n"
+        "weight, bias = ens.stacked_params().values()\n"
+        "opt = vmapens.StackedAdam([weight])\n"
+        "opt.add_param_group({'params': [bias], 'lr': 0.1})\n"
+        "step = vmapens.make_step(ens, nn.MSELoss(), opt)\n"
+        "step(torch.randn(4, 2), torch.zeros(4, 1))\n"
+        "x, y = torch.randn(16, 2), torch.zeros(16, 1)\n"
+        "vmapens.fit(ens, (x, y), nn.MSELoss(), epochs=1, batch_size=4, progress=False, seed=0)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"

@@ -38,6 +38,11 @@ __all__ = ["StackedOptimizer"]
 
 # What a subclass constructor's locals() holds besides its options.
 _NOT_OPTIONS = ("self", "params", "__class__", "implementation")
+# Optimizer.add_param_group's torch._disable_dynamo wrapper imports torch._dynamo on first
+# call (1.5-3 s of an eager run's time to result); only dynamo's tracing needs the wrapper.
+_ADD_PARAM_GROUP = getattr(
+    torch.optim.Optimizer.add_param_group, "__wrapped__", torch.optim.Optimizer.add_param_group
+)
 
 
 def layout(params: list[Tensor]) -> tuple:
@@ -198,7 +203,10 @@ class StackedOptimizer(torch.optim.Optimizer):
         for key, default in self.defaults.items():
             group.setdefault(key, default)
         self._normalise(group)
-        super().add_param_group(group)
+        if torch.compiler.is_compiling():
+            super().add_param_group(group)
+        else:
+            _ADD_PARAM_GROUP(self, group)
         self._ready.append(None)
 
     # -- state ---------------------------------------------------------------------------------
