@@ -26,10 +26,15 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
+
+from vmapens.ensemble import Ensemble
+from vmapens.fit import fit
 
 from ._tools import Step, child_json
 from .real import WORKLOAD_REAL
-from .workloads import WORKLOAD_A, StepFactory
+from .workloads import WORKLOAD_A, StepFactory, mlp
+from .workloads import _data as data
 
 #: Ensemble size and step count of the time-to-result run (the seed workload A).
 RESULT_N, RESULT_STEPS = 15, 1000
@@ -38,6 +43,7 @@ RESULT_ROWS: dict[str, tuple[str, str | None]] = {
     "naive": ("naive", None),
     "merged": ("merged", None),
     "vmapens_eager": ("vmapens_eager", None),
+    "vmapens_fit": ("vmapens_fit", None),
     "vmapens_compiled_cold": ("vmapens_compiled", "cold"),
     "vmapens_compiled_warm": ("vmapens_compiled", "warm"),
 }
@@ -78,6 +84,10 @@ def _result_here(impl: str, n: int, steps: int) -> dict:
     """Child side of :func:`time_to_result`: build and train, timed from after the imports."""
     torch.set_num_threads(1)
     t0 = time.perf_counter()
+    if impl == "vmapens_fit":  # what a user writes: fit with its default settings
+        x, y = data("A", torch.device("cpu"))
+        fit(Ensemble(mlp, n, seed=0), (x, y), nn.BCELoss(), steps=steps, batch_size=len(x))
+        return {"run_s": time.perf_counter() - t0, "first_s": float("nan"), **_counts()}
     step = WORKLOAD_A[impl](n, torch.device("cpu"))
     first = _timed(step)
     for _ in range(steps - 1):

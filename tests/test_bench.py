@@ -141,13 +141,15 @@ def test_run_quick_real_smoke():
 
 
 def test_time_to_result_runs_in_fresh_processes():
-    rows = bench.time_to_result(2, 3, rows=["naive", "merged"])
-    assert [r["impl"] for r in rows] == ["naive", "merged"]
+    rows = bench.time_to_result(2, 3, rows=["naive", "merged", "vmapens_fit"])
+    assert [r["impl"] for r in rows] == ["naive", "merged", "vmapens_fit"]
     for r in rows:
-        assert 0 < r["first_s"] <= r["run_s"] < r["process_s"], r
+        assert 0 < r["run_s"] < r["process_s"], r
         assert r["graphs"] == 0  # nothing compiled in an eager run
+    assert all(0 < r["first_s"] <= r["run_s"] for r in rows[:2])
     table = bench.format_table({"meta": _META, "result": {"rows": rows}})
     assert "Time to result" in table and "run/merged" in table
+    assert "target: vmapens_fit <= 1.0x merged (process)" in table
 
 
 _META = {"torch": torch.__version__, "device": "cpu", "threads": 1, "quick": True}
