@@ -222,3 +222,39 @@ def test_step_on_tied_weights_equals_members_trained_alone():
         alone, batches, F.cross_entropy, lambda i, m: torch.optim.Adam(m.parameters(), lr=0.1)
     )
     assert_members_equal(ens, alone)
+
+
+# -- the fast path inside the user's own transforms ------------------------------------------
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def test_jacobian_through_the_ensemble_equals_each_member_alone():
+    ens = Ensemble(_mlp, 3, seed=0).double()
+    alone = ens.unstack()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    ours = torch.func.jacrev(lambda x: ens(x).sum())(x)
+    truth = sum(torch.func.jacrev(lambda x, m=m: m(x).sum())(x) for m in alone)
+    torch.testing.assert_close(ours, truth, rtol=0, atol=1e-12)
+
+
+def test_ensemble_under_an_outer_vmap_equals_each_member_alone():
+    ens = Ensemble(_mlp, 3, seed=0).double()
+    alone = ens.unstack()
+    xs = torch.randn(5, 4, 3, dtype=torch.float64)  # 5 outer batches
+    ours = vmap(lambda x: ens(x))(xs)  # [5, n, 4, 2]
+    truth = torch.stack([torch.stack([m(x) for m in alone]) for x in xs])
+    torch.testing.assert_close(ours, truth, rtol=0, atol=1e-12)
+
+
+# dynamo's resume function after the graph break reads `.grad` of a non-leaf output (torch's
+# own warning, raised while tracing, with or without the fast path).
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_ensemble_in_a_users_compiled_function_equals_eager():
+    ens = Ensemble(_mlp, 3, seed=0).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    # Not fullgraph: the call's guard (a lock, buffers given back on error) breaks the graph.
+    compiled = torch.compile(lambda x: ens(x).tanh())
+    torch.testing.assert_close(compiled(x), ens(x).tanh(), rtol=0, atol=1e-12)
