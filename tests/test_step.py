@@ -201,3 +201,45 @@ def test_compiled_step_refuses_endless_batch_sizes_clearly(monkeypatch):
     with pytest.raises(ValueError, match=r"compiled for 2 input shapes .*drop_last=True"):
         step(torch.randn(20, 4), torch.randn(20, 3))
     torch.testing.assert_close(ens.state_dict(), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "make_opt, torch_opt",
+    [
+        (lambda ens: vmapens.StackedAdam(ens, lr=0.05, betas=(0.8, 0.95)),
+         lambda m: torch.optim.Adam(m.parameters(), lr=0.05, betas=(0.8, 0.95))),
+        (lambda ens: vmapens.StackedSGD(ens, lr=0.1, momentum=0.9),
+         lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)),
+    ],
+    ids=["adam", "sgd"],
+)  # fmt: skip
+def test_compiled_step_follows_a_scheduler_on_a_shared_lr(make_opt, torch_opt):
+    """A float lr changed every step (ExponentialLR) reaches the graph as an input: no
+    recompile (dynamo baked the float in and recompiled every step, failing at the 9th), the
+    members follow torch's schedule alone, and param_groups keep their floats."""
+    ens = vmapens.Ensemble(models.MLP, N, seed=0).double()
+    alone = twins(ens.unstack())
+    opt = make_opt(ens)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.8)
+    step = vmapens.make_step(ens, nn.MSELoss(), opt, compile=True)
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(6, 4, generator=g, dtype=torch.float64),
+         torch.randn(6, 3, generator=g, dtype=torch.float64))
+        for _ in range(12)
+    ]  # fmt: skip
+    step(*batches[0])  # compiles
+    sched.step()
+    before = graphs()
+    for x, y in batches[1:]:
+        step(x, y)
+        sched.step()
+    assert graphs() == before, "a changed lr recompiled the step"
+    assert type(opt.param_groups[0]["lr"]) is float
+    assert all(type(v) is float for v in opt.param_groups[0].get("betas", ()))
+    for twin in alone:
+        member_opt = torch_opt(twin)
+        member_sched = torch.optim.lr_scheduler.ExponentialLR(member_opt, gamma=0.8)
+        train_alone(twin, batches, nn.functional.mse_loss, member_opt,
+                    after_step=lambda _, s=member_sched: s.step())  # fmt: skip
+    assert_members_equal(ens, alone, **TOL)

@@ -19,6 +19,7 @@ from ._precision import LossScale
 from .ensemble import Ensemble
 from .optim import StackedOptimizer
 from .optim._keep import keep_masked_
+from .optim._values import MemberValues
 from .optim.clip import clip_norms_, clip_values_
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "check_call",
     "check_optimizer",
     "frozen_buffers",
+    "graph_hyperparameters",
     "undo_point",
 ]
 
@@ -179,3 +181,41 @@ def frozen_buffers(ens: Ensemble, mask: torch.Tensor | None) -> Iterator[None]:
     if mask is not None:
         with torch.no_grad():
             keep_masked_(buffers, saved, mask)
+
+
+@contextlib.contextmanager
+def graph_hyperparameters(optimizer: StackedOptimizer, made: dict[tuple, Any]) -> Iterator[None]:
+    """Shared float hyperparameters as :class:`MemberValues` while a compiled step runs.
+
+    dynamo bakes a Python float into the graph and guards on its value, so a scheduler that
+    changes ``lr`` every step would recompile every step (and ``fullgraph`` fails after 8).
+    ``MemberValues`` (n equal floats) reaches the graph as a float64 ``[n]`` tensor input, as
+    per-member values always have; the floats are back in ``param_groups`` afterwards.
+    ``made`` keeps each slot's last ``MemberValues``, rebuilt only when its float changes.
+    """
+    n, swapped = optimizer.num_members, []
+
+    def graph(v: Any, slot: tuple) -> Any:
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            return v
+        if slot not in made or made[slot][0] != v:
+            made[slot] = (v, MemberValues([v] * n))
+        return made[slot][1]
+
+    for k, group in enumerate(optimizer.param_groups):
+        for name, hyper in optimizer.hyperparameters.items():
+            value = group[name]
+            if hyper.pair:
+                new = tuple(graph(v, (k, name, j)) for j, v in enumerate(value))
+                changed = any(a is not b for a, b in zip(new, value, strict=True))
+            else:
+                new = graph(value, (k, name))
+                changed = new is not value
+            if changed:
+                swapped.append((group, name, value))
+                group[name] = new
+    try:
+        yield
+    finally:
+        for group, name, value in reversed(swapped):
+            group[name] = value

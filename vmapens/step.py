@@ -19,6 +19,7 @@ from ._step_parts import (
     check_call,
     check_optimizer,
     frozen_buffers,
+    graph_hyperparameters,
     undo_point,
 )
 from .ensemble import Ensemble
@@ -238,6 +239,7 @@ def _compiled_step(
         _own_code(body), fullgraph=True, mode=mode, dynamic=False, options=options
     )
     shapes: set[tuple] = set()
+    made: dict[tuple, Any] = {}  # graph_hyperparameters' MemberValues, kept between calls
 
     def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         args = check_call(ens, optimizer, inputs, targets, mask, in_dims)
@@ -253,7 +255,11 @@ def _compiled_step(
         # Gradients come from torch.func inside the graph: no autograd graph around it.
         with torch.no_grad(), ens.guard("step"), frozen_buffers(ens, mask):
             scale = None if update.scale is None else update.scale.scale
-            losses = compiled(ens.stacked_state(), args, targets, mask, scale)
+            with graph_hyperparameters(optimizer, made):  # changed values recompile nothing
+                losses = compiled(ens.stacked_state(), args, targets, mask, scale)
+        # It stepped the optimizer without opt.step(): say so to torch's LR schedulers, as the
+        # wrapper they put on opt.step does (else: "lr_scheduler.step() before optimizer.step()").
+        optimizer._opt_called = True  # type: ignore[attr-defined]
         shapes.add(key)
         return losses
 
