@@ -328,3 +328,22 @@ def test_compiled_fit_equals_eager_fit():
     torch.testing.assert_close(h_compiled.train_loss, h_eager.train_loss, equal_nan=True, **TOL)
     assert torch.equal(h_compiled.stopped_epoch, h_eager.stopped_epoch)
     assert (h_eager.stopped_epoch >= 0).any(), "no member stopped: the mask path went untested"
+
+
+def test_compiled_fit_follows_a_per_step_scheduler_on_a_shared_lr():
+    """fit(compile=True) with LRScheduler(interval="step") on a float lr, 12 steps: no
+    recompile (it failed at the 9th), the same as the eager fit."""
+
+    def run(compile: bool):
+        ens = vmapens.Ensemble(models.MLP, N, seed=0).double()
+        opt = vmapens.StackedAdam(ens, lr=0.05)
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.8)
+        vmapens.fit(ens, (X, Y), nn.MSELoss(), epochs=3, batch_size=5, optimizer=opt,
+                    callbacks=[vmapens.callbacks.LRScheduler(sched, interval="step")],
+                    seed=0, progress=False, compile=compile)  # fmt: skip
+        return ens, opt
+
+    eager, opt_e = run(False)
+    compiled, opt_c = run(True)
+    torch.testing.assert_close(compiled.state_dict(), eager.state_dict(), **TOL)
+    assert opt_c.param_groups[0]["lr"] == opt_e.param_groups[0]["lr"] == 0.05 * 0.8**12
