@@ -201,7 +201,10 @@ def fit(
                 if batch is None:
                     break
                 inputs, targets = to_device(batch, device)
-                mask = {"mask": ctx._active} if masked else {}
+                # Every member active: no mask, so the optimizer skips the masked path's copies.
+                # On CPU only: reading `all()` from an accelerator would sync every step.
+                everyone = ctx._active.device.type == "cpu" and bool(ctx._active.all())
+                mask = {"mask": ctx._active} if masked and not everyone else {}
                 ctx.losses, ctx.step = step(inputs, targets, **mask), ctx.step + 1
                 for cb in per_step:
                     cb.on_step_end(ctx)
