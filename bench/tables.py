@@ -131,7 +131,7 @@ def _result_block(rows: list[dict]) -> list[str]:
             k,
             f"{r['process_s']:.2f}",
             f"{r['run_s']:.2f}",
-            "-" if r["first_s"] != r["first_s"] else f"{r['first_s']:.2f}",  # NaN: fit's
+            "-" if r["first_s"] != r["first_s"] else f"{r['first_s']:.2f}",  # NaN: the fit row
             ratio(r["run_s"], merged.get("run_s")),
             ratio(r["process_s"], merged.get("process_s")),
         ]
@@ -157,7 +157,7 @@ def _compile_block(rows: list[dict]) -> list[str]:
         [
             r["workload"],
             r["mode"],
-            "-" if r["first_s"] != r["first_s"] else f"{r['first_s']:.2f}",  # NaN: fit's
+            f"{r['first_s']:.2f}",
             f"{r['second_s'] * 1e3:.3g}",
             f"{r['process_s']:.1f}",
             str(r["graphs"]),
