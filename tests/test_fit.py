@@ -323,7 +323,10 @@ def test_compiled_fit_equals_eager_fit():
         return ens, history
 
     eager, h_eager = run(False)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compiled, h_compiled = run(True)
+    # One graph: members stopping mid-run (a mask from then on) must not compile it again.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before + 1
     torch.testing.assert_close(compiled.state_dict(), eager.state_dict(), **TOL)
     torch.testing.assert_close(h_compiled.train_loss, h_eager.train_loss, equal_nan=True, **TOL)
     assert torch.equal(h_compiled.stopped_epoch, h_eager.stopped_epoch)

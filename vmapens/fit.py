@@ -185,6 +185,7 @@ def fit(
         left = None if per_epoch is None else (epochs - history.epochs) * per_epoch
         step = AutoStep(step, functools.partial(build, compile=True), left)
     masked = isinstance(opt, StackedOptimizer)  # the mask freezes stopped members whole
+    eager_cpu = compile is False and device.type == "cpu"
     per_step = [cb for cb in objects if type(cb).on_step_end is not Callback.on_step_end]
     try:
         for cb in objects:
@@ -201,9 +202,10 @@ def fit(
                 if batch is None:
                     break
                 inputs, targets = to_device(batch, device)
-                # Every member active: no mask, so the optimizer skips the masked path's copies.
-                # On CPU only: reading `all()` from an accelerator would sync every step.
-                everyone = ctx._active.device.type == "cpu" and bool(ctx._active.all())
+                # Every member active: no mask, so the eager optimizer skips the masked path's
+                # copies. Not on an accelerator (reading `all()` would sync every step), not
+                # compiled (a mask appearing mid-run would compile the step again).
+                everyone = eager_cpu and bool(ctx._active.all())
                 mask = {"mask": ctx._active} if masked and not everyone else {}
                 ctx.losses, ctx.step = step(inputs, targets, **mask), ctx.step + 1
                 for cb in per_step:
