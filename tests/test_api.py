@@ -64,3 +64,15 @@ def test_load_returns_the_ensemble_alone(tmp_path):
 def test_internal_maps_are_private():
     assert hasattr(vmapens.Ensemble, "map_members")  # the public per-member map
     assert not hasattr(vmapens.Ensemble, "member_map")
+
+
+@pytest.mark.parametrize("naive_s, ours_s", [(10.0, 10.3), (10.0, 9.7), (1.0, 25.0), (25.0, 1.0)])
+def test_the_demo_says_faster_or_slower_as_it_is(naive_s, ours_s):
+    from vmapens import __main__ as cli
+
+    text = cli._than(naive_s, ours_s)
+    assert text.endswith(
+        "faster than the naive loop" if ours_s <= naive_s else "slower than the naive loop"
+    )
+    printed = float(text.split("x ")[0])
+    assert printed == pytest.approx(max(naive_s / ours_s, ours_s / naive_s), rel=0.01)

@@ -67,10 +67,16 @@ def workload_a(n: int = 15, steps: int = 1000) -> None:
 
 
 def _than(naive_s: float, ours_s: float) -> str:
-    """``"N x faster"`` or ``"N x slower"`` than the naive loop, whichever is true."""
+    """``"N x faster"`` or ``"N x slower"`` than the naive loop, whichever is true.
+
+    Three digits below 10x, so that 3% slower reads "1.03x slower", not "1.0x slower".
+    """
     if ours_s <= naive_s:
-        return f"{naive_s / ours_s:.1f}x faster than the naive loop"
-    return f"{ours_s / naive_s:.1f}x slower than the naive loop"
+        ratio, word = naive_s / ours_s, "faster"
+    else:
+        ratio, word = ours_s / naive_s, "slower"
+    digits = 2 if ratio < 10 else 1
+    return f"{ratio:.{digits}f}x {word} than the naive loop"
 
 
 def sharded_demo(n: int = 8, epochs: int = 5) -> None:
