@@ -109,7 +109,7 @@ def train_memory(
         training); ``ratio`` (chunked / unchunked ``peak_mb``), ``step_ratio`` (of
         ``step_mb``), ``same`` (losses and digests agree to 1e-6: float32 round-off), and
         ``fixed``: ``unchunked``, ``chunked``, ``ratio`` and ``step_ratio`` with
-        :data:`FIXED_MMAP`.
+        :data:`FIXED_MMAP`; ``batch``.
 
     Raises:
         RuntimeError: If a subprocess fails.
@@ -135,7 +135,7 @@ def train_memory(
         for u, v in ((a, b), (a, runs["fixed"]["unchunked"]), (a, runs["fixed"]["chunked"]))
     )
     fixed = {**runs["fixed"], **ratios(runs["fixed"]["unchunked"], runs["fixed"]["chunked"])}
-    return {**runs["default"], **ratios(a, b), "same": same, "fixed": fixed}
+    return {**runs["default"], **ratios(a, b), "same": same, "fixed": fixed, "batch": batch}
 
 
 def _build_memory_here(n: int, hidden: int) -> dict:

@@ -177,7 +177,8 @@ def _train_memory_block(t: dict) -> list[str]:
     """Training memory, chunked over unchunked: in RSS with glibc's defaults, and with its
     mmap threshold fixed (``FIXED_MMAP``), where RSS follows the live tensors."""
     a = t["unchunked"]
-    out = [f"Memory training {a['n']} CNN members (Conv2d 16ch on 1x28x28, batch 64), eager,"]
+    batch = t.get("batch", 64)  # results saved before the batch was recorded: the default
+    out = [f"Memory training {a['n']} CNN members (Conv2d 16ch on 1x28x28, batch {batch}), eager,"]
     out[-1] += f" chunk_size={t['chunked']['chunk_size']} vs none, fresh processes;"
     out.append("peak RSS in MB, chunked / unchunked, with")
     fixed = ", ".join(f"{k}={v}" for k, v in FIXED_MMAP.items())

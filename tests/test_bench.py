@@ -182,7 +182,9 @@ def test_training_memory_table_shows_the_ratio_with_glibc_fixed_too():
     memory = {"unchunked": _memory_run(32, None, 375.0, 265.0),
               "chunked": _memory_run(32, 8, 240.0, 100.0), "ratio": 240 / 375,
               "step_ratio": 100 / 265, "same": True, "fixed": fixed}  # fmt: skip
+    memory["batch"] = 48
     lines = bench.format_table({"meta": _META, "train_memory": memory}).splitlines()
+    assert any("batch 48)" in line for line in lines), "the heading names the run's batch"
     labels = [k for k, line in enumerate(lines) if line.strip().startswith("glibc")]
     assert len(labels) == 2, lines
     defaults, glibc_fixed = (lines[k] + lines[k + 1] for k in labels)
