@@ -33,8 +33,7 @@ from vmapens.fit import fit
 
 from ._tools import Step, child_json
 from .real import WORKLOAD_REAL
-from .workloads import WORKLOAD_A, StepFactory, mlp
-from .workloads import _data as data
+from .workloads import WORKLOAD_A, StepFactory, _data, mlp
 
 #: Ensemble size and step count of the time-to-result run (the seed workload A).
 RESULT_N, RESULT_STEPS = 15, 1000
@@ -85,7 +84,7 @@ def _result_here(impl: str, n: int, steps: int) -> dict:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     if impl == "vmapens_fit":  # what a user writes: fit with its default settings
-        x, y = data("A", torch.device("cpu"))
+        x, y = _data("A", torch.device("cpu"))
         fit(Ensemble(mlp, n, seed=0), (x, y), nn.BCELoss(), steps=steps, batch_size=len(x))
         return {"run_s": time.perf_counter() - t0, "first_s": float("nan"), **_counts()}
     step = WORKLOAD_A[impl](n, torch.device("cpu"))

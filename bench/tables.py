@@ -7,6 +7,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -131,7 +132,7 @@ def _result_block(rows: list[dict]) -> list[str]:
             k,
             f"{r['process_s']:.2f}",
             f"{r['run_s']:.2f}",
-            "-" if r["first_s"] != r["first_s"] else f"{r['first_s']:.2f}",  # NaN: the fit row
+            "-" if math.isnan(r["first_s"]) else f"{r['first_s']:.2f}",  # the fit row has none
             ratio(r["run_s"], merged.get("run_s")),
             ratio(r["process_s"], merged.get("process_s")),
         ]
