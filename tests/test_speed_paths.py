@@ -16,7 +16,6 @@ from truth import TOL64, assert_members_equal, train_each, twins
 import vmapens
 import vmapens._autocompile as autocompile
 import vmapens._members as members
-from bench.memory import train_memory
 
 N = 7  # chunk sizes 3 and 2 leave a short last chunk
 #: Chunked vs vmap's own chunking, float64: the same kernels on the same rows, so only the
@@ -100,16 +99,6 @@ def test_chunked_step_keeps_mask_and_loss_scale_per_member():
         for x, y in _batches(False):
             step(x, y, mask)
     torch.testing.assert_close(ens.state_dict(), full.state_dict(), **CHUNK_TOL)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-def test_chunked_step_holds_one_chunk_of_activations():
-    # 16 CNN members on 64 MNIST-sized images: ~130 MB of activations unchunked. With
-    # chunk_size=4 a step needs a quarter of that plus the same gradients; vmap's own
-    # chunking kept all four chunks (ratio >= 1). 0.75 leaves room for allocator noise.
-    m = train_memory(16, 4, batch=64, steps=2)
-    assert m["same"], m
-    assert m["step_ratio"] <= 0.75, m
 
 
 def _recipe(factory, seed: int, n: int) -> list[nn.Module]:
