@@ -12,6 +12,7 @@ from torch.func import grad_and_value
 
 from ._chunks import chunk_bounds, chunked_losses_and_grads
 from ._fastcall import call_member
+from ._matmuls import shared_operand_pass
 from ._precision import LossScale
 from ._step_parts import (
     Update,
@@ -228,10 +229,11 @@ def _compiled_step(
 
     device = next(iter(ens.parameters())).device
     mode = "reduce-overhead" if device.type == "cuda" else None
-    # Inductor otherwise keeps fused intermediates in float32 where eager rounds to bf16/fp16.
-    options: dict[str, Any] | None = (
-        None if update.dtype is None else {"emulate_precision_casts": True}
-    )
+    # A member matmul on a shared input becomes one matmul (_matmuls); with precision=,
+    # inductor otherwise keeps fused intermediates in float32 where eager rounds to bf16/fp16.
+    options: dict[str, Any] = {"post_grad_custom_pre_pass": shared_operand_pass()}
+    if update.dtype is not None:
+        options["emulate_precision_casts"] = True
     # dynamic=False: shapes are fixed per ensemble, and functorch's grad cannot trace symbolic
     # sizes. _own_code: dynamo caches compiled graphs on the code object, so every make_step
     # would otherwise share one cache (and its recompile limit) with every other ensemble.

@@ -1,0 +1,120 @@
+"""The compiled step's rewrite of member matmuls on a shared operand (vmapens/_matmuls.py).
+
+Truth: ``torch.bmm`` itself on the same tensors, and members trained alone with torch.optim.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch._functorch import config as functorch_config
+from torch._inductor import config as inductor_config
+from torch.fx.experimental.proxy_tensor import make_fx
+from truth import assert_members_equal, train_alone, twins
+
+import vmapens
+from vmapens import _matmuls
+
+# mm and bmm may sum a dot product's terms in another order: float64 round-off only.
+TOL = dict(rtol=1e-12, atol=1e-14)
+N, M, K, W = 6, 5, 3, 7
+
+
+def _shared_first(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(x.expand(N, M, K), w)
+
+
+def _shared_second(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(a, v.expand(N, K, W))
+
+
+def _per_member(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(a, w)
+
+
+CASES = {
+    "first-shared": (_shared_first, ((M, K), (N, K, W)), 1),
+    "second-shared": (_shared_second, ((N, M, K), (K, W)), 1),
+    "second-shared-transposed-first": (
+        lambda a, v: torch.bmm(a.transpose(1, 2), v.expand(N, K, W)),
+        ((N, K, M), (K, W)),
+        1,
+    ),
+    "none-shared": (_per_member, ((N, M, K), (N, K, W)), 0),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_rewritten_graph_equals_bmm_and_keeps_no_shared_bmm(case):
+    fn, shapes, expected = CASES[case]
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    assert _matmuls.rewrite_shared_operands(gm.graph) == expected
+    gm.recompile()
+    bmms = [n for n in gm.graph.nodes if n.target is torch.ops.aten.bmm.default]
+    assert len(bmms) == 1 - expected
+    torch.testing.assert_close(gm(*args), torch.bmm(*_expanded(fn, args)), **TOL)
+
+
+def _expanded(fn, args):
+    """The operands as fn hands them to bmm, written out again."""
+    if fn is _shared_first:
+        return args[0].expand(N, M, K), args[1]
+    if fn is _shared_second:
+        return args[0], args[1].expand(N, K, W)
+    if fn is _per_member:
+        return args
+    return args[0].transpose(1, 2), args[1].expand(N, K, W)
+
+
+@pytest.mark.parametrize(
+    "dtype,n,m,w",
+    [
+        (torch.float16, N, M, W),
+        (torch.bfloat16, N, M, W),
+        (torch.float64, 1, M, W),
+        (torch.float64, N, 16, 64),  # 3072 multiply-adds per member: bmm is as fast
+        (torch.float64, N, M, 1),  # a matrix-vector product: inductor's own reduction
+    ],
+    ids=["float16", "bfloat16", "one-member", "large-products", "vector"],
+)
+def test_other_dtypes_single_members_large_and_vector_products_keep_their_bmm(dtype, n, m, w):
+    def fn(x, v):
+        return torch.bmm(x.expand(n, m, K), v)
+
+    args = (torch.randn(m, K, dtype=dtype), torch.randn(n, K, w, dtype=dtype))
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    assert _matmuls.rewrite_shared_operands(gm.graph) == 0
+
+
+def test_compiled_step_rewrites_the_shared_input_and_trains_members_as_alone(monkeypatch):
+    """Workload A's first layer on a shared input: its forward and weight gradient."""
+    calls: list[int] = []
+    rewrite = _matmuls.rewrite_shared_operands
+
+    def counted(graph):
+        calls.append(rewrite(graph))
+        return calls[-1]
+
+    monkeypatch.setattr(_matmuls, "rewrite_shared_operands", counted)
+    torch.manual_seed(0)
+    alone = [
+        nn.Sequential(nn.Linear(2, 20), nn.Linear(20, 1), nn.Sigmoid()).double() for _ in range(4)
+    ]
+    ens = vmapens.Ensemble.from_modules(twins(alone))
+    step = vmapens.make_step(ens, nn.BCELoss(), vmapens.StackedAdam(ens, lr=1e-2), compile=True)
+    x = torch.randn(5, 2, dtype=torch.float64)
+    y = torch.rand(5, 1, dtype=torch.float64)
+    # A graph loaded from inductor's caches would not run the pass: compile afresh.
+    with (
+        inductor_config.patch(fx_graph_cache=False),
+        functorch_config.patch(enable_autograd_cache=False),
+    ):
+        for _ in range(10):
+            step(x, y)
+    assert sum(calls) >= 2, f"expected the forward and the gradient rewritten, got {calls}"
+    for twin in alone:
+        train_alone(twin, [(x, y)] * 10, nn.functional.binary_cross_entropy)
+    assert_members_equal(ens, alone, rtol=1e-9, atol=1e-11)
