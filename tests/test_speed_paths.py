@@ -4,6 +4,7 @@ documented per-member recipe, the decision rule as docs/performance.md states it
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -182,10 +183,11 @@ def test_auto_step_compiles_only_when_the_eager_rest_exceeds_the_budget(
     assert calls[decided:] == ["compiled" if compiles else "eager"] * 3
 
 
-def test_an_eager_run_never_imports_dynamo():
-    # torch.optim.Optimizer.add_param_group's torch._disable_dynamo wrapper imports
-    # torch._dynamo (1.5-3 s) on its first call; an eager run must not pay for it. Fresh
-    # interpreter: this process has long imported dynamo.
+def test_an_eager_run_never_imports_dynamo(tmp_path):
+    # torch.optim.Optimizer's add_param_group, state_dict, load_state_dict and zero_grad are
+    # wrapped in torch._disable_dynamo, which imports torch._dynamo (1.5-3 s) on its first
+    # call; an eager run, checkpoints included, must not pay for it. Fresh interpreter: this
+    # process has long imported dynamo.
     code = (
         "import sys, torch\n"
         "from torch import nn\n"
@@ -196,10 +198,17 @@ def test_an_eager_run_never_imports_dynamo():
         "opt.add_param_group({'params': [bias], 'lr': 0.1})\n"
         "step = vmapens.make_step(ens, nn.MSELoss(), opt)\n"
         "step(torch.randn(4, 2), torch.zeros(4, 1))\n"
+        "opt.zero_grad()\n"
+        "opt.load_state_dict(opt.state_dict())\n"
         "x, y = torch.randn(16, 2), torch.zeros(16, 1)\n"
-        "vmapens.fit(ens, (x, y), nn.MSELoss(), epochs=1, batch_size=4, progress=False, seed=0)\n"
+        "vmapens.fit(ens, (x, y), nn.MSELoss(), epochs=1, batch_size=4, progress=False, seed=0,\n"
+        "            checkpoint=sys.argv[1])\n"
         "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    ckpt = str(tmp_path / "run.ckpt")
+    proc = subprocess.run(
+        [sys.executable, "-c", code, ckpt], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]"
+    assert os.path.exists(ckpt)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from .._checks import check_mask
 from ._buckets import buckets
+from ._eager import EagerOptimizer
 from ._handoff import check_state_dict, copy_rows, member_state_dict, select_parts
 from ._hyper import (
     IMPLEMENTATION,
@@ -38,11 +39,6 @@ __all__ = ["StackedOptimizer"]
 
 # What a subclass constructor's locals() holds besides its options.
 _NOT_OPTIONS = ("self", "params", "__class__", "implementation")
-# Optimizer.add_param_group's torch._disable_dynamo wrapper imports torch._dynamo on first
-# call (1.5-3 s of an eager run's time to result); only dynamo's tracing needs the wrapper.
-_ADD_PARAM_GROUP = getattr(
-    torch.optim.Optimizer.add_param_group, "__wrapped__", torch.optim.Optimizer.add_param_group
-)
 
 
 def layout(params: list[Tensor]) -> tuple:
@@ -50,7 +46,7 @@ def layout(params: list[Tensor]) -> tuple:
     return tuple((p.dtype, p.device, tuple(p.shape)) for p in params)
 
 
-class StackedOptimizer(torch.optim.Optimizer):
+class StackedOptimizer(EagerOptimizer):
     """Base class of stacked optimizers: member ``i`` of every tensor is ``p[i]``.
 
     Subclasses set :attr:`rule`, :attr:`hyperparameters` (name -> :class:`Hyper`, in torch's
@@ -203,10 +199,7 @@ class StackedOptimizer(torch.optim.Optimizer):
         for key, default in self.defaults.items():
             group.setdefault(key, default)
         self._normalise(group)
-        if torch.compiler.is_compiling():
-            super().add_param_group(group)
-        else:
-            _ADD_PARAM_GROUP(self, group)
+        super().add_param_group(group)
         self._ready.append(None)
 
     # -- state ---------------------------------------------------------------------------------
