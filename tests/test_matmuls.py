@@ -1,19 +1,15 @@
 """The compiled step's rewrite of member matmuls on a shared operand (vmapens/_matmuls.py).
 
-Truth: ``torch.bmm`` itself on the same tensors, and members trained alone with torch.optim.
+Truth: ``torch.bmm`` itself on the same tensors. That the compiled step runs the rewrite and
+still trains members as alone: tests/test_step.py::test_compiled_step_trains_like_separate_models.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-from torch._functorch import config as functorch_config
-from torch._inductor import config as inductor_config
 from torch.fx.experimental.proxy_tensor import make_fx
-from truth import assert_members_equal, train_alone, twins
 
-import vmapens
 from vmapens import _matmuls
 
 # mm and bmm may sum a dot product's terms in another order: float64 round-off only.
@@ -87,34 +83,3 @@ def test_other_dtypes_single_members_large_and_vector_products_keep_their_bmm(dt
     args = (torch.randn(m, K, dtype=dtype), torch.randn(n, K, w, dtype=dtype))
     gm = make_fx(fn, tracing_mode="fake")(*args)
     assert _matmuls.rewrite_shared_operands(gm.graph) == 0
-
-
-def test_compiled_step_rewrites_the_shared_input_and_trains_members_as_alone(monkeypatch):
-    """Workload A's first layer on a shared input: its forward and weight gradient."""
-    calls: list[int] = []
-    rewrite = _matmuls.rewrite_shared_operands
-
-    def counted(graph):
-        calls.append(rewrite(graph))
-        return calls[-1]
-
-    monkeypatch.setattr(_matmuls, "rewrite_shared_operands", counted)
-    torch.manual_seed(0)
-    alone = [
-        nn.Sequential(nn.Linear(2, 20), nn.Linear(20, 1), nn.Sigmoid()).double() for _ in range(4)
-    ]
-    ens = vmapens.Ensemble.from_modules(twins(alone))
-    step = vmapens.make_step(ens, nn.BCELoss(), vmapens.StackedAdam(ens, lr=1e-2), compile=True)
-    x = torch.randn(5, 2, dtype=torch.float64)
-    y = torch.rand(5, 1, dtype=torch.float64)
-    # A graph loaded from inductor's caches would not run the pass: compile afresh.
-    with (
-        inductor_config.patch(fx_graph_cache=False),
-        functorch_config.patch(enable_autograd_cache=False),
-    ):
-        for _ in range(10):
-            step(x, y)
-    assert sum(calls) >= 2, f"expected the forward and the gradient rewritten, got {calls}"
-    for twin in alone:
-        train_alone(twin, [(x, y)] * 10, nn.functional.binary_cross_entropy)
-    assert_members_equal(ens, alone, rtol=1e-9, atol=1e-11)
