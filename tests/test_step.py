@@ -261,3 +261,35 @@ def test_compiled_step_follows_a_scheduler_on_a_shared_lr(make_opt, torch_opt):
         train_alone(twin, batches, nn.functional.mse_loss, member_opt,
                     after_step=lambda _, s=member_sched: s.step())  # fmt: skip
     assert_members_equal(ens, alone, **TOL)
+
+
+@pytest.mark.parametrize(
+    "device,dtype",
+    [("cpu", None), ("cpu", torch.bfloat16), ("cuda", None), ("cuda", torch.float16)],
+    ids=["cpu", "cpu-bf16", "cuda", "cuda-fp16"],
+)
+def test_compile_options_are_what_torch_compile_accepts(device, dtype):
+    # torch.compile refuses a mode together with options; CUDA's "reduce-overhead" must come
+    # as its options (CUDA graphs), next to the precision and matmul options. No GPU needed:
+    # torch.compile checks its arguments when it wraps, before anything runs.
+    options = vmapens.step._compile_options(torch.device(device), dtype)
+    torch.compile(lambda x: x, fullgraph=True, dynamic=False, options=options)
+    assert options.get("triton.cudagraphs", False) is (device == "cuda")
+    assert options.get("emulate_precision_casts", False) is (dtype is not None)
+    assert ("post_grad_custom_pre_pass" in options) is (device == "cpu")
+
+
+def test_the_compiled_step_gives_torch_compile_its_options_and_no_mode(monkeypatch):
+    seen: list[dict] = []
+    real = torch.compile
+
+    def recording(fn, **kwargs):
+        seen.append(kwargs)
+        return real(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", recording)
+    ens = vmapens.Ensemble(models.MLP, N, seed=0)
+    vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedAdam(ens), compile=True)
+    (kwargs,) = seen
+    assert kwargs.get("mode") is None
+    assert kwargs["options"] == vmapens.step._compile_options(torch.device("cpu"), None)

@@ -188,6 +188,26 @@ def _member_loss(ens: Ensemble, loss_fn: Callable) -> Callable[..., torch.Tensor
     return member_loss
 
 
+def _compile_options(device: torch.device, dtype: torch.dtype | None) -> dict[str, Any]:
+    """The inductor options of the compiled step on ``device`` with autocast ``dtype``.
+
+    torch.compile takes a ``mode`` or ``options``, not both, so CUDA's "reduce-overhead" (CUDA
+    graphs: one launch per step) is given as its options.
+    """
+    options: dict[str, Any] = {}
+    if device.type == "cpu":  # a member matmul on a shared input becomes one (_matmuls)
+        options["post_grad_custom_pre_pass"] = shared_operand_pass()
+    if dtype is not None:
+        # Inductor otherwise keeps fused intermediates in float32 where eager rounds to bf16.
+        options["emulate_precision_casts"] = True
+    if device.type == "cuda":
+        # Imported here: torch._inductor imports torch._dynamo (seconds), which eager never needs.
+        from torch._inductor import list_mode_options
+
+        options.update(list_mode_options("reduce-overhead"))
+    return options
+
+
 def _compiled_step(
     ens: Ensemble,
     member_loss: Callable,
@@ -228,17 +248,14 @@ def _compiled_step(
         return losses
 
     device = next(iter(ens.parameters())).device
-    mode = "reduce-overhead" if device.type == "cuda" else None
-    # A member matmul on a shared input becomes one matmul (_matmuls); with precision=,
-    # inductor otherwise keeps fused intermediates in float32 where eager rounds to bf16/fp16.
-    options: dict[str, Any] = {"post_grad_custom_pre_pass": shared_operand_pass()}
-    if update.dtype is not None:
-        options["emulate_precision_casts"] = True
     # dynamic=False: shapes are fixed per ensemble, and functorch's grad cannot trace symbolic
     # sizes. _own_code: dynamo caches compiled graphs on the code object, so every make_step
     # would otherwise share one cache (and its recompile limit) with every other ensemble.
     compiled = torch.compile(
-        _own_code(body), fullgraph=True, mode=mode, dynamic=False, options=options
+        _own_code(body),
+        fullgraph=True,
+        dynamic=False,
+        options=_compile_options(device, update.dtype),
     )
     shapes: set[tuple] = set()
     made: dict[tuple, Any] = {}  # graph_hyperparameters' MemberValues, kept between calls
