@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import models
 import pytest
 import torch
 import torch.nn.functional as F
@@ -130,17 +131,6 @@ def test_vmap_members_leaves_no_vmap_level_after_an_error():
     torch.testing.assert_close(out, torch.full((3,), 2.0))
 
 
-class Tied(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(5, 3)
-        self.out = nn.Linear(3, 5, bias=False)
-        self.out.weight = self.emb.weight
-
-    def forward(self, i: torch.Tensor) -> torch.Tensor:
-        return self.out(self.emb(i))
-
-
 class Reassigns(nn.Module):
     """Reassigns a buffer in its forward: functional_call writes the new tensor to the dict."""
 
@@ -168,7 +158,7 @@ class _Scale(nn.Module):
 @pytest.mark.parametrize(
     "factory, inputs",
     [
-        (Tied, lambda: torch.tensor([0, 3, 4])),
+        (models.Tied, lambda: torch.tensor([[0, 3, 4], [9, 1, 1]])),
         (Reassigns, lambda: torch.randn(4, 3)),
         (_weight_normed, lambda: torch.randn(4, 3)),
         (
@@ -183,7 +173,7 @@ def test_call_member_equals_functional_call(factory, inputs):
     module, x = factory(), inputs()
     own = dict(module.state_dict(keep_vars=True))
     # Tied: only one of the two names is given, so the other must follow it.
-    state = {k: v.detach() + 0.5 for k, v in own.items() if k != "out.weight"}
+    state = {k: v.detach() + 0.5 for k, v in own.items() if k != "dec.weight"}
     state_theirs = {k: v.clone() for k, v in state.items()}
     ours = call_member(module, state, (x,))
     theirs = functional_call(module, state_theirs, (x,))
@@ -196,10 +186,10 @@ def test_call_member_equals_functional_call(factory, inputs):
 
 
 def test_call_member_two_values_for_one_tied_tensor_is_functional_calls_error():
-    module = Tied()
-    state = {"emb.weight": torch.randn(5, 3), "out.weight": torch.randn(5, 3)}
+    module = models.Tied()
+    state = {"emb.weight": torch.randn(10, 6), "dec.weight": torch.randn(10, 6)}
     with pytest.raises(ValueError, match="tied"):
-        call_member(module, state, (torch.tensor([1]),))
+        call_member(module, state, (torch.tensor([[1]]),))
 
 
 def test_call_member_puts_tensors_back_after_an_error():
@@ -212,10 +202,10 @@ def test_call_member_puts_tensors_back_after_an_error():
 
 def test_step_on_tied_weights_equals_members_trained_alone():
     """End to end: the eager step (both fast paths) on a tied model, against plain modules."""
-    ens = Ensemble(Tied, 3, seed=0).double()
+    ens = Ensemble(models.Tied, 3, seed=0).double()
     alone = twins(ens.unstack())
     step = make_step(ens, nn.CrossEntropyLoss(), StackedAdam(ens, lr=0.1))
-    batches = [(torch.tensor([0, 1, 4]), torch.tensor([2, 2, 0]))] * 3
+    batches = [(torch.tensor([[0, 1, 4], [7, 2, 9]]), torch.tensor([2, 0]))] * 3
     for x, y in batches:
         step(x, y)
     train_each(
