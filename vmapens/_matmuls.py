@@ -106,16 +106,14 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node) -> int:
     return 1
 
 
-def _op(graph: torch.fx.Graph, target: Any, *args: Any) -> torch.fx.Node:
-    """A new node computing ``target(*args)``, with its fake value as later passes expect."""
-    node = graph.call_function(target, args)
-    node.meta["val"] = target(*(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args))
+def _op(graph: torch.fx.Graph, target: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
+    """A new node computing ``target(*args, **kwargs)``, with its fake value as later passes
+    expect."""
+    node = graph.call_function(target, args, kwargs)
+    vals = (a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args)
+    node.meta["val"] = target(*vals, **kwargs)
     return node
 
 
 def _contiguous(graph: torch.fx.Graph, x: torch.fx.Node) -> torch.fx.Node:
-    node = graph.call_function(
-        _aten.clone.default, (x,), {"memory_format": torch.contiguous_format}
-    )
-    node.meta["val"] = x.meta["val"].clone(memory_format=torch.contiguous_format)
-    return node
+    return _op(graph, _aten.clone.default, x, memory_format=torch.contiguous_format)
