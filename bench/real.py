@@ -13,7 +13,7 @@ Every step returns the members' losses ``[n]``, and member ``i`` is built after
 The Transformer adds ``torchfunc_batched_attn``: the same recipe inside
 ``vmapens._attention.batched_attention`` (the rule ``Ensemble.guard`` applies), so that the
 table separates what batched attention buys from the rest. The recurrent workloads add
-``torchfunc_batchable``, the recipe on a template converted by ``vmapens._recurrent.batchable``:
+``torchfunc_batchable``, the recipe on a template converted by ``vmapens._batchable.batchable``:
 the plain recipe cannot vmap ``aten::gru``/``aten::lstm`` (no batching rule), so its row is n/a.
 
 Example:
@@ -35,7 +35,7 @@ from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
 from vmapens._attention import batched_attention
-from vmapens._recurrent import batchable
+from vmapens._batchable import batchable
 from vmapens.ensemble import Ensemble
 from vmapens.optim import StackedAdam
 from vmapens.step import make_step

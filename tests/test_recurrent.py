@@ -13,12 +13,12 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, stack_module_state, vmap
 from torch.nn.utils.rnn import pack_padded_sequence
 
+from vmapens._batchable import batchable
 from vmapens._recurrent import (
     BatchableGRU,
     BatchableLSTM,
     BatchableRNN,
     BatchableRNNCell,
-    batchable,
 )
 
 TOL = 1e-10  # float64 throughout: the same maths, summed in a slightly different order

@@ -2,9 +2,9 @@
 
 ``vmap`` has no batching rule for ``aten::gru``/``lstm``/``rnn_tanh`` (pytorch#105982) and
 dynamo refuses ``nn.RNN``/``nn.GRU``/``nn.LSTM`` in ``fullgraph`` mode, so an ensemble of
-members holding them cannot be batched as they are. ``batchable`` re-classes those layers (and
-the three cells) to subclasses whose ``forward`` writes the same maths in ops that ``vmap``
-batches and dynamo traces: one matmul projects every time step's input at once, and a Python
+members holding them cannot be batched as they are. ``vmapens._batchable.batchable``
+re-classes those layers (and the three cells) to subclasses whose ``forward`` writes the same
+maths in ops that ``vmap`` batches and dynamo traces: one matmul projects every time step's input at once, and a Python
 loop over time steps runs only the recurrent part. Parameter names, shapes and ``state_dict``
 keys stay the original ones, so ``functional_call(batchable(m), m.state_dict(), ...)`` works.
 
@@ -13,7 +13,6 @@ This file imports only torch: it sits at the bottom of the package.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -30,7 +29,6 @@ __all__ = [
     "BatchableLSTMCell",
     "BatchableRNN",
     "BatchableRNNCell",
-    "batchable",
 ]
 
 _PACKED = (
@@ -315,57 +313,3 @@ class BatchableLSTMCell(nn.LSTMCell):
         gi = project(x, w_ih, bias, None, gru=False)
         h, c = lstm_step(gi, h, c, w_hh_t, None)
         return (h, c) if batched else (h.squeeze(0), c.squeeze(0))
-
-
-_BATCHABLE: dict[type, type] = {
-    nn.RNN: BatchableRNN,
-    nn.GRU: BatchableGRU,
-    nn.LSTM: BatchableLSTM,
-    nn.RNNCell: BatchableRNNCell,
-    nn.GRUCell: BatchableGRUCell,
-    nn.LSTMCell: BatchableLSTMCell,
-}
-
-
-def batchable(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module`` whose recurrent layers ``torch.func.vmap`` can batch.
-
-    Every submodule (the root included) whose type is exactly ``nn.RNN``, ``nn.GRU``,
-    ``nn.LSTM``, ``nn.RNNCell``, ``nn.GRUCell`` or ``nn.LSTMCell`` is re-classed to the
-    matching ``Batchable*`` class: same attributes, parameter names and ``state_dict`` keys,
-    same maths, and a ``forward`` in plain ops (matmul, sigmoid, tanh, a loop over time) that
-    ``vmap`` batches and ``torch.compile(fullgraph=True)`` traces. All flags are supported
-    (layers, bidirectional, batch_first, bias, dropout, nonlinearity, proj_size, unbatched
-    input, given states). Subclasses of those types are left alone, since their own
-    ``forward`` may differ. ``module`` itself is not changed; it may live on ``meta``.
-
-    Args:
-        module: the member module (any device, ``meta`` included).
-
-    Returns:
-        The converted deep copy (an equal deep copy if there was nothing to convert).
-
-    Raises:
-        TypeError: ``module`` is not an ``nn.Module``. The converted layers raise TypeError
-            on ``PackedSequence`` inputs, which they cannot batch.
-
-    Example:
-        >>> from torch.func import functional_call, stack_module_state, vmap
-        >>> grus = [nn.GRU(3, 5) for _ in range(4)]
-        >>> params, _ = stack_module_state(grus)
-        >>> template = batchable(grus[0]).to("meta")
-        >>> run = vmap(lambda p, x: functional_call(template, p, (x,)), in_dims=(0, None))
-        >>> out, h_n = run(params, torch.randn(7, 2, 3))
-        >>> tuple(out.shape), tuple(h_n.shape)
-        ((4, 7, 2, 5), (4, 1, 2, 5))
-    """
-    if not isinstance(module, nn.Module):
-        raise TypeError(
-            f"batchable: `module` must be a torch.nn.Module, got {type(module).__name__}"
-        )
-    clone = copy.deepcopy(module)
-    for sub in clone.modules():
-        target = _BATCHABLE.get(type(sub))
-        if target is not None:
-            sub.__class__ = target
-    return clone

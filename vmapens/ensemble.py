@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from ._batchable import batchable
 from ._checks import check_choice, check_int, expand_in_dims, to_index
 from ._fastcall import call_member
 from ._members import (
@@ -22,7 +23,6 @@ from ._members import (
     named_tensors,
     vmapped,
 )
-from ._recurrent import batchable
 from ._stacking import Stacked, check_factories, check_modules, stack_one_size, stack_sizes
 from ._storage import StackedModule
 from ._unbatchable import guarded, refuse_template_hooks, unchunked
