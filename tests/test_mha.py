@@ -83,6 +83,25 @@ def test_cpu_runs_the_math_form_up_to_math_scores_and_the_kernel_above(
     assert len(calls) == kernel_calls
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_runs_the_fused_kernel(dtype, monkeypatch):
+    # Its softmax runs in float32 inside; two matmuls and a softmax would round in `dtype`.
+    calls = []
+    kernel = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        lambda *a, **k: calls.append(1) or kernel(*a, **k),
+    )
+    truth, twin = _pair(batch_first=True)
+    truth, twin = truth.to(dtype), twin.to(dtype)
+    x = torch.randn(BATCH, 6, EMBED, dtype=dtype)
+    got, _ = twin(x, x, x, need_weights=False)
+    assert calls == [1]
+    want, _ = truth(x, x, x, need_weights=False)
+    torch.testing.assert_close(got, want)
+
+
 # Every call outside the plain case runs torch's own forward: bit for bit the same.
 FALLBACK = [
     ("need-weights", {"batch_first": True}, {"need_weights": True}),

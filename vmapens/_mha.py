@@ -10,7 +10,7 @@ small heads ensembles use (head dim 8-32, sequences up to 64: the math form belo
 :class:`BatchableMultiheadAttention` keeps the same parameters, constructor and
 ``state_dict`` and computes the same maths in batch-first order: one projection, a
 ``view`` + ``permute`` into heads, ``unbind`` (whose backward is one ``stack``), and
-``softmax(q k^T * scale) v`` on CPU when the score matrix has at most
+``softmax(q k^T * scale) v`` on CPU in float32/float64 when the score matrix has at most
 :data:`MATH_SCORES` entries, ``F.scaled_dot_product_attention`` otherwise. Results equal
 ``nn.MultiheadAttention`` up to float round-off. Any call outside that plain case (masks,
 ``need_weights``, cross-attention, dropout while training, bias_k/v, zero attention,
@@ -100,7 +100,10 @@ class BatchableMultiheadAttention(nn.MultiheadAttention):
 
 def _attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """``softmax(q k^T / sqrt(D)) v`` over ``[B, H, L, D]``, in the faster form for its size."""
-    if q.device.type == "cpu" and q.size(-2) * k.size(-2) <= MATH_SCORES:
+    # float32/64 only: in bf16/fp16 the fused kernel keeps its softmax in float32, two
+    # separate matmuls and a softmax would round the scores and weights to the low precision.
+    small = q.size(-2) * k.size(-2) <= MATH_SCORES
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and small:
         scores = torch.matmul(q, k.transpose(-2, -1)).mul_(q.size(-1) ** -0.5)
         return scores.softmax(-1).matmul(v)
     return F.scaled_dot_product_attention(q, k, v)
