@@ -1,4 +1,4 @@
-"""``nn.MultiheadAttention`` self-attention written in ops that ``vmap`` batches without copies.
+"""``nn.MultiheadAttention`` self-attention in ops that batch well under ``vmap``, fewer copies.
 
 Under ``torch.func.vmap`` torch's own ``F.multi_head_attention_forward`` pays for layouts
 that suit one model: it transposes batch-first input to sequence-first, splits the packed
