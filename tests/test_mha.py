@@ -65,18 +65,22 @@ def _never(*args, **kwargs):
     raise AssertionError("the plain case ran torch's own forward")
 
 
-@pytest.mark.parametrize(("length", "kernel_calls"), [(64, 0), (65, 1)])
-def test_cpu_runs_the_math_form_up_to_math_scores_and_the_kernel_above(
-    length, kernel_calls, monkeypatch
-):
-    assert (length * length <= MATH_SCORES) == (kernel_calls == 0)  # either side of the limit
-    calls = []
+@pytest.fixture
+def calls(monkeypatch) -> list[int]:
+    """One entry per ``F.scaled_dot_product_attention`` call made while the test runs."""
+    made: list[int] = []
     kernel = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(
         torch.nn.functional,
         "scaled_dot_product_attention",
-        lambda *a, **k: calls.append(1) or kernel(*a, **k),
+        lambda *a, **k: made.append(1) or kernel(*a, **k),
     )
+    return made
+
+
+@pytest.mark.parametrize(("length", "kernel_calls"), [(64, 0), (65, 1)])
+def test_cpu_runs_the_math_form_up_to_math_scores_and_the_kernel_above(length, kernel_calls, calls):
+    assert (length * length <= MATH_SCORES) == (kernel_calls == 0)  # either side of the limit
     _, twin = _pair(batch_first=True)
     x = torch.randn(BATCH, length, EMBED, dtype=torch.float64)
     twin(x, x, x, need_weights=False)
@@ -84,15 +88,8 @@ def test_cpu_runs_the_math_form_up_to_math_scores_and_the_kernel_above(
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_runs_the_fused_kernel(dtype, monkeypatch):
+def test_low_precision_runs_the_fused_kernel(dtype, calls):
     # Its softmax runs in float32 inside; two matmuls and a softmax would round in `dtype`.
-    calls = []
-    kernel = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(
-        torch.nn.functional,
-        "scaled_dot_product_attention",
-        lambda *a, **k: calls.append(1) or kernel(*a, **k),
-    )
     truth, twin = _pair(batch_first=True)
     truth, twin = truth.to(dtype), twin.to(dtype)
     x = torch.randn(BATCH, 6, EMBED, dtype=dtype)
