@@ -80,12 +80,14 @@ def adafactor_rule(
             row_var.lerp_(row_mean, col(weight, row_var))
             col_mean = torch.norm(g, dim=-2, keepdim=True).square_().div_(g.size(-2))
             col_var.lerp_(col_mean, col(weight, col_var))
-            estimate = row_var @ col_var
+            # torch writes `row_var @ col_var`: an outer product, one rounded product per
+            # element either way, which a matmul with inner size 1 runs ~10x slower.
+            estimate = row_var * col_var
             estimate.div_(torch.clamp(row_var.mean(dim=-2, keepdim=True), min=col(small)))
         else:
             variance = state["variance"][k]
             variance.lerp_(g * g, col(weight))
-            estimate = variance.clone()
+            estimate = variance  # clamp below makes a new tensor: no clone, as torch needs
         update = torch.clamp(estimate, min=col(small * small)).rsqrt_()
         update.mul_(g)
         denom = torch.clamp(_per_member_norm(update) / (size**0.5 * d), min=1.0)
