@@ -87,7 +87,7 @@ def adafactor_rule(
         else:
             variance = state["variance"][k]
             variance.lerp_(g * g, col(weight))
-            estimate = variance  # clamp below makes a new tensor: no clone, as torch needs
+            estimate = variance  # torch clones it to clamp in place; clamp below makes a new one
         update = torch.clamp(estimate, min=col(small * small)).rsqrt_()
         update.mul_(g)
         denom = torch.clamp(_per_member_norm(update) / (size**0.5 * d), min=1.0)
