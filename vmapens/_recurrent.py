@@ -6,9 +6,8 @@ members holding them cannot be batched as they are. ``vmapens._batchable.batchab
 re-classes those layers (and the three cells) to subclasses whose ``forward`` writes the same
 maths in ops that ``vmap`` batches and dynamo traces: a Python loop over time steps, with
 one matmul that projects every step's input at once (GRU, RNN) or one matmul per step over
-the input and the state together (LSTM: see ``lstm_step``). Parameter names, shapes and
-``state_dict`` keys stay the original ones, so ``functional_call(batchable(m),
-m.state_dict(), ...)`` works.
+the input and the state together (LSTM: see ``lstm_step``). Parameter names, shapes and ``state_dict``
+keys stay the original ones, so ``functional_call(batchable(m), m.state_dict(), ...)`` works.
 
 This file imports only torch: it sits at the bottom of the package.
 """
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from ._recurrent_steps import gru_step, lstm_operands, lstm_step, project, rnn_step
+from ._recurrent_steps import gru_step, lstm_step, lstm_weights, project, rnn_step
 
 __all__ = [
     "BatchableGRU",
@@ -144,7 +143,7 @@ class _Recurrent(nn.RNNBase):
         b_hh = getattr(self, "bias_hh" + suffix) if self.bias else None
         outs: list[Tensor] = []
         if c is not None:  # LSTM, the one mode with a cell state: no separate projection
-            x, w_t = lstm_operands(x, w_ih, w_hh, b_ih, b_hh)
+            x, w_t = lstm_weights(x, w_ih, w_hh, b_ih, b_hh)
             w_hr_t = getattr(self, "weight_hr" + suffix).t() if self.proj_size > 0 else None
             steps = x.unbind(time_dim)
             for x_t in steps[::-1] if direction else steps:
@@ -309,6 +308,6 @@ class BatchableLSTMCell(nn.LSTMCell):
         x, batched = _cell_inputs(self, input, None if hx is None else hx[0])
         h = _cell_state(None if hx is None else hx[0], x, self.hidden_size, batched)
         c = _cell_state(None if hx is None else hx[1], x, self.hidden_size, batched)
-        x, w_t = lstm_operands(x, self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
+        x, w_t = lstm_weights(x, self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
         h, c = lstm_step(x, h, c, w_t, None)
         return (h, c) if batched else (h.squeeze(0), c.squeeze(0))

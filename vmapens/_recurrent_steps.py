@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["gru_step", "lstm_operands", "lstm_step", "project", "rnn_step"]
+__all__ = ["gru_step", "lstm_step", "lstm_weights", "project", "rnn_step"]
 
 
 def gru_step(gi_rz: Tensor, gi_n: Tensor, h: Tensor, w_hh_t: Tensor, b_hh: Tensor | None) -> Tensor:
@@ -28,13 +28,12 @@ def gru_step(gi_rz: Tensor, gi_n: Tensor, h: Tensor, w_hh_t: Tensor, b_hh: Tenso
 def lstm_step(
     x: Tensor, h: Tensor, c: Tensor, w_t: Tensor, w_hr_t: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """One LSTM step from the input (with :func:`lstm_operands`' ones column) and the state.
+    """One LSTM step from the input (with :func:`lstm_weights`' ones column) and the state.
 
     The gates come from one product ``[x, 1, h] @ w_t``: input, biases and recurrence in one
     matmul per step. A separate projection of the whole input sequence is a matmul over the
-    input size, often a few features, which CPU BLAS runs far below its speed (8 features in
-    the benchmark LSTM: 6-30 GFLOP/s, forward and weight gradient, against ~70 for the
-    recurrent matmul).
+    input size, often a few features, which CPU BLAS runs far below its speed (forward and
+    weight gradient took longer than the 20 recurrent steps' matmuls in the benchmark LSTM).
 
     One sigmoid over all four gates replaces three sigmoids and a tanh: the g gate's
     pre-activation comes doubled, and tanh(x) = 2 sigmoid(2x) - 1. On CPU tanh costs ~5x a
@@ -49,7 +48,7 @@ def lstm_step(
     return (h if w_hr_t is None else torch.mm(h, w_hr_t)), c
 
 
-def lstm_operands(
+def lstm_weights(
     x: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None, b_hh: Tensor | None
 ) -> tuple[Tensor, Tensor]:
     """``(x, w_t)`` for :func:`lstm_step`: ``x`` with a ones column when there are biases, and
