@@ -4,9 +4,8 @@
 dynamo refuses ``nn.RNN``/``nn.GRU``/``nn.LSTM`` in ``fullgraph`` mode, so an ensemble of
 members holding them cannot be batched as they are. ``vmapens._batchable.batchable``
 re-classes those layers (and the three cells) to subclasses whose ``forward`` writes the same
-maths in ops that ``vmap`` batches and dynamo traces: a Python loop over time steps, with
-one matmul that projects every step's input at once (GRU, RNN) or one matmul per step over
-the input and the state together (LSTM: see ``lstm_step``). Parameter names, shapes and ``state_dict``
+maths in ops that ``vmap`` batches and dynamo traces: one matmul projects every time step's input at once, and a Python
+loop over time steps runs only the recurrent part. Parameter names, shapes and ``state_dict``
 keys stay the original ones, so ``functional_call(batchable(m), m.state_dict(), ...)`` works.
 
 This file imports only torch: it sits at the bottom of the package.
@@ -138,29 +137,29 @@ class _Recurrent(nn.RNNBase):
         suffix = f"_l{layer}_reverse" if direction else f"_l{layer}"
         # getattr at call time: functional_call swaps these attributes, not _flat_weights.
         w_ih = getattr(self, "weight_ih" + suffix)
-        w_hh = getattr(self, "weight_hh" + suffix)
+        w_hh_t = getattr(self, "weight_hh" + suffix).t()
         b_ih = getattr(self, "bias_ih" + suffix) if self.bias else None
         b_hh = getattr(self, "bias_hh" + suffix) if self.bias else None
+        if self.mode == "LSTM":
+            w_ih, w_hh_t, b_ih = lstm_weights(w_ih, w_hh_t.t(), b_ih, b_hh)
+            b_hh = None
+        gi = project(x, w_ih, b_ih, b_hh, gru=self.mode == "GRU")
         outs: list[Tensor] = []
-        if c is not None:  # LSTM, the one mode with a cell state: no separate projection
-            x, w_t = lstm_weights(x, w_ih, w_hh, b_ih, b_hh)
-            w_hr_t = getattr(self, "weight_hr" + suffix).t() if self.proj_size > 0 else None
-            steps = x.unbind(time_dim)
-            for x_t in steps[::-1] if direction else steps:
-                h, c = lstm_step(x_t, h, c, w_t, w_hr_t)
-                outs.append(h)
-        elif self.mode == "GRU":
-            gi_rz, gi_n = project(x, w_ih, b_ih, b_hh, gru=True).split(
-                [2 * self.hidden_size, self.hidden_size], -1
-            )
-            w_hh_t = w_hh.t()
+        if self.mode == "GRU":
+            gi_rz, gi_n = gi.split([2 * self.hidden_size, self.hidden_size], -1)
             pairs = list(zip(gi_rz.unbind(time_dim), gi_n.unbind(time_dim)))
             for gi_rz_t, gi_n_t in pairs[::-1] if direction else pairs:
                 h = gru_step(gi_rz_t, gi_n_t, h, w_hh_t, b_hh)
                 outs.append(h)
+        elif c is not None:  # LSTM, the one mode with a cell state
+            w_hr_t = getattr(self, "weight_hr" + suffix).t() if self.proj_size > 0 else None
+            steps = gi.unbind(time_dim)
+            for gi_t in steps[::-1] if direction else steps:
+                h, c = lstm_step(gi_t, h, c, w_hh_t, w_hr_t)
+                outs.append(h)
         else:
-            relu, w_hh_t = self.mode == "RNN_RELU", w_hh.t()
-            steps = project(x, w_ih, b_ih, b_hh, gru=False).unbind(time_dim)
+            relu = self.mode == "RNN_RELU"
+            steps = gi.unbind(time_dim)
             for gi_t in steps[::-1] if direction else steps:
                 h = rnn_step(gi_t, h, w_hh_t, relu)
                 outs.append(h)
@@ -308,6 +307,9 @@ class BatchableLSTMCell(nn.LSTMCell):
         x, batched = _cell_inputs(self, input, None if hx is None else hx[0])
         h = _cell_state(None if hx is None else hx[0], x, self.hidden_size, batched)
         c = _cell_state(None if hx is None else hx[1], x, self.hidden_size, batched)
-        x, w_t = lstm_weights(x, self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
-        h, c = lstm_step(x, h, c, w_t, None)
+        w_ih, w_hh_t, bias = lstm_weights(
+            self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh
+        )
+        gi = project(x, w_ih, bias, None, gru=False)
+        h, c = lstm_step(gi, h, c, w_hh_t, None)
         return (h, c) if batched else (h.squeeze(0), c.squeeze(0))

@@ -26,21 +26,16 @@ def gru_step(gi_rz: Tensor, gi_n: Tensor, h: Tensor, w_hh_t: Tensor, b_hh: Tenso
 
 
 def lstm_step(
-    x: Tensor, h: Tensor, c: Tensor, w_t: Tensor, w_hr_t: Tensor | None
+    gi: Tensor, h: Tensor, c: Tensor, w_hh_t: Tensor, w_hr_t: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """One LSTM step from the input (with :func:`lstm_weights`' ones column) and the state.
+    """One LSTM step from :func:`lstm_weights`' doubled-g projections (gates i, f, g, o).
 
-    The gates come from one product ``[x, 1, h] @ w_t``: input, biases and recurrence in one
-    matmul per step. A separate projection of the whole input sequence is a matmul over the
-    input size, often a few features, which CPU BLAS runs far below its speed (forward and
-    weight gradient took longer than the 20 recurrent steps' matmuls in the benchmark LSTM).
-
-    One sigmoid over all four gates replaces three sigmoids and a tanh: the g gate's
-    pre-activation comes doubled, and tanh(x) = 2 sigmoid(2x) - 1. On CPU tanh costs ~5x a
-    sigmoid, and the backward has one sigmoid node instead of four.
+    ``gi`` holds both biases. One sigmoid over all four gates replaces three sigmoids and a
+    tanh: the g gate's pre-activation comes doubled, and tanh(x) = 2 sigmoid(2x) - 1. On CPU
+    tanh costs ~5x a sigmoid, and the backward has one sigmoid node instead of four.
     """
     # chunk, not slices: its backward is one cat instead of zero-filled copies.
-    i, f, g, o = torch.sigmoid(torch.mm(torch.cat([x, h], -1), w_t)).chunk(4, -1)
+    i, f, g, o = torch.sigmoid(gi + torch.mm(h, w_hh_t)).chunk(4, -1)
     # f * c + i * (2 g - 1), with the -1 folded into the first term.
     c = torch.addcmul(f * c - i, i, g, value=2)
     # o * tanh(c) = o * (2 sigmoid(2c) - 1)
@@ -49,22 +44,17 @@ def lstm_step(
 
 
 def lstm_weights(
-    x: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None, b_hh: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """``(x, w_t)`` for :func:`lstm_step`: ``x`` with a ones column when there are biases, and
-    ``[w_ih^T; b_ih + b_hh; w_hh^T]``, with the g gate's columns doubled.
+    w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None, b_hh: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(w_ih, w_hh^T, b_ih + b_hh)`` with the g gate's rows doubled (see :func:`lstm_step`).
 
     Doubling is exact in floating point, in the forward and in the gradients through it.
     """
     hidden = w_hh.size(0) // 4
-    scale = torch.ones(4 * hidden, dtype=w_hh.dtype, device=w_hh.device)
+    scale = torch.ones(4 * hidden, 1, dtype=w_hh.dtype, device=w_hh.device)
     scale[2 * hidden : 3 * hidden] = 2
-    rows = [w_ih.t()]
-    if b_ih is not None and b_hh is not None:
-        rows.append((b_ih + b_hh).unsqueeze(0))
-        x = torch.cat([x, x.new_ones(*x.shape[:-1], 1)], -1)
-    w_t = torch.cat([*rows, w_hh.t()]) * scale
-    return x, w_t
+    bias = None if b_ih is None or b_hh is None else (b_ih + b_hh) * scale.squeeze(1)
+    return w_ih * scale, (w_hh * scale).t(), bias
 
 
 def rnn_step(gi: Tensor, h: Tensor, w_hh_t: Tensor, relu: bool) -> Tensor:
