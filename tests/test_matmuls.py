@@ -83,3 +83,37 @@ def test_other_dtypes_single_members_large_and_vector_products_keep_their_bmm(dt
     args = (torch.randn(m, K, dtype=dtype), torch.randn(n, K, w, dtype=dtype))
     gm = make_fx(fn, tracing_mode="fake")(*args)
     assert _matmuls.rewrite_shared_operands(gm.graph) == 0
+
+
+# The weight gradient of a layer on few shared input features: g[i]^T @ x, x of W <= 8 columns.
+NARROW = {
+    "narrow": ((N, 20, 40), (40, 4), 1),  # 3200 multiply-adds per member: too many to merge
+    "narrow-transposed-first": ((N, 40, 20), (40, 4), 1),
+    "eight-columns": ((N, 16, 32), (32, 8), 1),
+    "wider": ((N, 40, 40), (40, 12), 0),  # only the column count keeps its bmm
+    "square": ((N, 8, 64), (64, 8), 0),  # m < 2 w: bmm is as fast
+    "short": ((N, 120, 20), (20, 4), 0),  # k < 32
+}
+
+
+@pytest.mark.parametrize("case", list(NARROW))
+def test_narrow_shared_products_run_transposed_and_equal_bmm(case):
+    a_shape, v_shape, expected = NARROW[case]
+    transposed = case.endswith("transposed-first")
+
+    def fn(a, v):
+        return torch.bmm(a.transpose(1, 2) if transposed else a, v.expand(N, *v_shape))
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(s, generator=g, dtype=torch.float64) for s in (a_shape, v_shape)]
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    assert _matmuls.rewrite_shared_operands(gm.graph) == expected
+    gm.recompile()
+    (bmm,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.bmm.default]
+    m, w = (a_shape[2] if transposed else a_shape[1]), v_shape[1]
+    # Rewritten: the product runs as [n, w, m] (x^T @ g[i]^T); kept: as [n, m, w].
+    assert tuple(bmm.meta["val"].shape) == ((N, w, m) if expected else (N, m, w))
+    out = gm(*args)
+    want = fn(*args)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, want, **TOL)

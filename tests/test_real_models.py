@@ -127,6 +127,20 @@ def test_compiled_members_equal_twins(name):
     _train_and_compare(name, compile=True, seq=3)
 
 
+def test_compiled_input_weight_gradient_runs_transposed_and_members_equal_twins(monkeypatch):
+    """4 input features, 5 x 8 time steps: the input weights' gradient is the narrow shared
+    product that the compiled step runs transposed (vmapens/_matmuls.py)."""
+    from vmapens import _matmuls
+
+    calls = []
+    transposed = _matmuls._transposed
+    monkeypatch.setattr(_matmuls, "_transposed", lambda *args: calls.append(1) or transposed(*args))
+    torch._dynamo.reset()  # compile anew, past any cached graph
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        _train_and_compare("gru-short", compile=True, seq=8)
+    assert calls
+
+
 def test_recurrent_members_run_batched_not_looped():
     # The vmap backend runs them (no fallback to the loop backend), and unstack gives nn.GRU.
     ens = vmapens.Ensemble(MODELS["gru-2layer-bidirectional"], N, seed=0)
