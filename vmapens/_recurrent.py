@@ -4,9 +4,10 @@
 dynamo refuses ``nn.RNN``/``nn.GRU``/``nn.LSTM`` in ``fullgraph`` mode, so an ensemble of
 members holding them cannot be batched as they are. ``vmapens._batchable.batchable``
 re-classes those layers (and the three cells) to subclasses whose ``forward`` writes the same
-maths in ops that ``vmap`` batches and dynamo traces: one matmul projects every time step's input at once, and a Python
-loop over time steps runs only the recurrent part. Parameter names, shapes and ``state_dict``
-keys stay the original ones, so ``functional_call(batchable(m), m.state_dict(), ...)`` works.
+maths in ops that ``vmap`` batches and dynamo traces: one matmul projects every time step's
+input at once, and a Python loop over time steps runs only the recurrent part. Parameter
+names, shapes and ``state_dict`` keys stay the original ones, so
+``functional_call(batchable(m), m.state_dict(), ...)`` works.
 
 This file imports only torch: it sits at the bottom of the package.
 """
