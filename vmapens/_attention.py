@@ -7,7 +7,9 @@ members, with a "performance drop" warning.
 
 Attention is independent along the leading batch dim, so the member dim can be folded into
 it: ``[n, B, H, L, E] -> [n * B, H, L, E]``, one kernel call, then unfolded. While
-:func:`batched_attention` is active that rule is registered for both ops.
+:func:`batched_attention` is active (``Ensemble.guard`` enters it: every ensemble call) both
+ops run that rule; outside it they run torch's loop, so other ``vmap`` code in the process is
+unchanged.
 
 Why the dispatcher and not a ``TorchFunctionMode``: a mode is popped while it handles a
 Python-level overridable function, so the ``scaled_dot_product_attention`` call inside
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -35,13 +38,18 @@ _FORWARD = "_scaled_dot_product_flash_attention_for_cpu"
 _BACKWARD = "_scaled_dot_product_flash_attention_for_cpu_backward"
 # Leading positional tensors of each op (the attention mask is keyword-only in both).
 _N_TENSORS = {_FORWARD: 3, _BACKWARD: 6}
+# What torch's own loop over the members says (functorch's BatchedFallback.cpp).
+_SLOW = (
+    "There is a performance drop because we have not yet implemented the batching rule for "
+    "aten::{}. Please file us an issue on GitHub so that we can prioritize its implementation."
+)
 
 # The fast-path switch is process-wide, so one outermost entry turns it off for every thread
 # and nesting depth and the last exit restores it: a per-entry save/restore would let one
 # thread's exit turn the fast path back on under another thread still inside. The batching
-# rule is registered at the first entry and stays: registering costs ~0.1 ms, too much for
-# every training step, and the rule is exact, so a vmapped call elsewhere that meets it later
-# only runs faster (and without the fallback's warning).
+# rule is registered at the first entry and stays (registering costs ~0.1 ms, too much for
+# every training step); outside every context it does what torch does, so that other vmap
+# code in the process (a bare torch.func recipe benchmarked beside an ensemble) is unchanged.
 _lock = threading.Lock()
 _depth = 0
 _library: torch.library.Library | None = None
@@ -70,7 +78,9 @@ def batched_attention() -> Iterator[None]:
     It works under eager ``vmap`` + ``loss.backward()``, ``vmap(grad_and_value(...))``,
     and a ``torch.compile``-d function of either, provided the context is entered *outside*
     the compiled function (it is read while tracing; dynamo cannot trace entering it).
-    Contexts nest and may be entered from several threads.
+    Contexts nest and may be entered from several threads; while any is open, ``vmap`` in
+    every thread runs the rule. Outside every context vmapped attention is torch's loop over
+    the members, with its warning, as in a process without vmapens.
 
     Returns:
         A context manager yielding ``None``.
@@ -132,6 +142,8 @@ def _batching_rule(name: str) -> Any:
         with lower:
             if mask_dim is None and all(d is None for _, d in unwrapped):
                 return op(*(t for t, _ in unwrapped), *rest, attn_mask=mask, scale=scale)
+            if _depth == 0:
+                return _member_loop(name, op, level, n, unwrapped, rest, (mask, mask_dim), scale)
             # The query is argument 1 of the backward (after grad_out), 0 of the forward.
             query, query_dim = unwrapped[1 if name == _BACKWARD else 0]
             batch = query.shape[0] if query_dim is None else query.movedim(query_dim, 0).shape[1]
@@ -140,6 +152,34 @@ def _batching_rule(name: str) -> Any:
         return tuple(_add_batch_dim(o.unflatten(0, (n, -1)), 0, level) for o in outs)
 
     return rule
+
+
+def _member_loop(
+    name: str,
+    op: Any,
+    level: int,
+    n: int,
+    unwrapped: list[tuple[Tensor, int | None]],
+    rest: tuple,
+    mask: tuple[Tensor | None, int | None],
+    scale: float | None,
+) -> tuple[Tensor, ...]:
+    """Outside every context, torch's own fallback: one call per member, stacked, and its
+    warning (or its error where the fallback is switched off)."""
+    if not torch._C._functorch._is_vmap_fallback_enabled():  # type: ignore[attr-defined]
+        raise RuntimeError(
+            f"Batching rule not implemented for aten::{name}. We could not generate a fallback."
+        )
+    warnings.warn(_SLOW.format(name), UserWarning, stacklevel=2)
+
+    def member(t: Tensor | None, d: int | None, i: int) -> Tensor | None:
+        return t if t is None or d is None else t.select(d, i)
+
+    shards = [
+        op(*(member(t, d, i) for t, d in unwrapped), *rest, attn_mask=member(*mask, i), scale=scale)
+        for i in range(n)
+    ]
+    return tuple(_add_batch_dim(torch.stack(outs), 0, level) for outs in zip(*shards, strict=True))
 
 
 def _fold(t: Tensor, bdim: int | None, n: int) -> Tensor:
