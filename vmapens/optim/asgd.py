@@ -46,15 +46,17 @@ def asgd_rule(
         ax = p if mu == 1 else ax + mu * (p - ax)
         eta = lr / (1 + lambd * lr * t)**alpha;  mu = 1 / max(1, t - t0)
 
-    ``eta`` and ``mu`` are float32 ``[n]``, rounded as torch's float32 scalar tensors. With
-    shared hyperparameters on CPU, each is read as a Python float, as torch reads its own, and
-    the update runs over the whole stacked tensors, one call per step count (see
-    ``run_fused``); per-member values take ``[n, 1, ...]`` columns.
+    ``eta`` and ``mu`` are ``[n]`` in ``step``'s dtype, rounded as torch's scalar tensors
+    (float32, or float64 under a float64 default dtype). With shared hyperparameters on CPU,
+    each is read as a Python float, as torch reads its own, and the update runs over the whole
+    stacked tensors, one call per step count (see ``run_fused``); per-member values take
+    ``[n, 1, ...]`` columns.
 
     Args:
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
         grads: Their gradients (not modified).
-        state: ``ax`` (one per parameter), ``step``, ``eta`` and ``mu`` (float32 [n]).
+        state: ``ax`` (one per parameter), ``step``, ``eta`` and ``mu`` (float32 or float64
+            [n], one dtype).
         group: ``lr``, ``lambd``, ``alpha``, ``t0``, ``weight_decay`` (floats or float64 [n]
             tensors) and ``maximize``.
     """
@@ -64,7 +66,7 @@ def asgd_rule(
         mask = group["mask"]
 
         def kernel(t: list[list[Tensor]], count: float) -> None:
-            # Each member's eta and mu as Python floats, as torch reads its float32 0-d
+            # Each member's eta and mu as Python floats, as torch reads its 0-d scalar
             # tensors (eta made from lr at the first step); the members of one count share
             # them unless their states were loaded apart.
             etas, mus = t[3][0], t[4][0]
@@ -72,7 +74,7 @@ def asgd_rule(
                 etas.fill_(lr)
             eta_now = _shared(etas, step, mask, count)
             _apply(t[0], t[1], t[2], eta_now, _shared(mus, step, mask, count), group)
-            # torch.as_tensor of a Python float: float32, from the float64 value.
+            # torch.as_tensor of a Python float, copied into eta: rounded to eta's dtype.
             etas.fill_(lr / ((1 + lambd * lr * (count + 1)) ** alpha))
             mus.fill_(1 / max(1, count + 1 - t0))
 
@@ -89,7 +91,7 @@ def asgd_rule(
 
 
 def _shared(values: Tensor, step: Tensor, mask: Tensor | None, count: float) -> Scalar:
-    """The members' value of ``values`` (float32 ``[n]``) at step ``count``: a float when the
+    """The members' value of ``values`` (``[n]``) at step ``count``: a float when the
     stepping members of that count share it, else float64 ``[n]`` (each member its own)."""
     low, high = torch.aminmax(values)
     if low == high:

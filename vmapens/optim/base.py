@@ -41,6 +41,21 @@ __all__ = ["StackedOptimizer"]
 _NOT_OPTIONS = ("self", "params", "__class__", "implementation")
 
 
+def _scalar_dtype() -> torch.dtype:
+    """torch's dtype for per-step scalar state (``step``, NAdam's ``mu_product``, ASGD's
+    ``eta`` and ``mu``), read when the state is created: float64 under
+    ``torch.set_default_dtype(torch.float64)``, else float32 (``_get_scalar_dtype``)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _counter_dtype(step: Any) -> torch.dtype:
+    """The dtype of a parameter's per-member counters: its ``step``'s (float32 or float64,
+    kept when state moves or is loaded), or :func:`_scalar_dtype` for new state."""
+    if isinstance(step, Tensor) and step.dtype in (torch.float32, torch.float64):
+        return step.dtype
+    return _scalar_dtype()
+
+
 def layout(params: list[Tensor]) -> tuple:
     """What state must be re-checked against when it changes (``ens.double()``, ``.to()``)."""
     return tuple((p.dtype, p.device, tuple(p.shape)) for p in params)
@@ -74,9 +89,10 @@ class StackedOptimizer(EagerOptimizer):
 
     #: The update rule: ``rule(params, grads, state, group)`` steps the stacked ``params``
     #: (which share one step count) in place. ``state`` maps each of :meth:`state_names` to
-    #: one tensor per parameter and each :meth:`scalar_state` name to the shared float32 [n]
-    #: tensor; ``group`` holds the flags, per hyperparameter a float or a float64 ``[n]``
-    #: tensor on the parameters' device, ``mask`` (None or bool [n], the members that step:
+    #: one tensor per parameter and each :meth:`scalar_state` name to the shared ``[n]``
+    #: tensor (float32, or float64 under a float64 default dtype: :func:`_scalar_dtype`);
+    #: ``group`` holds the flags, per hyperparameter a float or a float64 ``[n]`` tensor
+    #: on the parameters' device, ``mask`` (None or bool [n], the members that step:
     #: the base gives the others their old values back afterwards) and ``fused`` (whether
     #: the rule may run torch's fused kernel, see ``fusable``).
     rule: ClassVar[staticmethod[[list[Tensor], list[Tensor], dict[str, Any], dict[str, Any]], None]]
@@ -147,10 +163,12 @@ class StackedOptimizer(EagerOptimizer):
         return {key: v[i].clone() for key, v in state.items()}
 
     def scalar_state(self, group: dict[str, Any]) -> dict[str, float]:
-        """The per-member float32 ``[n]`` state (name -> starting value), ``step`` first.
+        """The per-member ``[n]`` counters (name -> starting value), ``step`` first.
 
-        These count per member, not per element (NAdam adds ``mu_product``); they stay
-        float32 whatever the parameters' dtype, as torch keeps them.
+        These count per member, not per element (NAdam adds ``mu_product``). As torch keeps
+        them, they are created in torch's scalar dtype whatever the parameters' dtype: float32,
+        or float64 under ``torch.set_default_dtype(torch.float64)`` (:func:`_scalar_dtype`),
+        and keep that dtype when the state moves or is loaded.
         """
         return {"step": 0.0}
 
@@ -219,18 +237,20 @@ class StackedOptimizer(EagerOptimizer):
                 continue
             # New state shares one step count per group: the rule then runs once for all.
             device, starts = group["params"][0].device, self.scalar_state(group)
-            fresh: dict[str, Tensor] = {}
+            fresh: dict[tuple[str, torch.dtype], Tensor] = {}
             for p in group["params"]:
                 state = self.state[p]
+                # Counters keep the dtype their `step` was created in (torch's load_state_dict
+                # keeps `step` as it is and casts the others to the param's dtype).
+                dtype = _counter_dtype(state.get("step"))
                 for key, start in starts.items():
                     t = state.get(key)
                     if t is None:
-                        full = torch.full((self.num_members,), start, dtype=torch.float32)
-                        new = fresh.setdefault(key, full.to(device))
+                        full = torch.full((self.num_members,), start, dtype=dtype)
+                        new = fresh.setdefault((key, dtype), full.to(device))
                         state[key] = new if new.device == p.device else new.to(p.device)
-                    elif t.device != p.device or t.dtype != torch.float32:
-                        # torch's load_state_dict casts all but `step` to the param's dtype.
-                        state[key] = t.to(dtype=torch.float32, device=p.device)
+                    elif t.device != p.device or t.dtype != dtype:
+                        state[key] = t.to(dtype=dtype, device=p.device)
                 for key in names:
                     t = state.get(key)
                     if t is None:

@@ -48,16 +48,17 @@ def nadam_rule(
         d = sqrt(v / (1 - beta2**t)) + eps
         p -= lr * (1 - mu_t) / (1 - P_t) * g / d + lr * mu_{t+1} / (1 - P_t * mu_{t+1}) * m / d
 
-    The momentum product ``P`` (``mu_product``) is float32 ``[n]`` and rounded like torch's
-    float32 scalar tensor. With shared hyperparameters on CPU, the schedule and bias
-    correction are Python floats, as torch computes them, one call per step count (see
-    ``run_fused``); per-member values take ``[n, 1, ...]`` columns.
+    The momentum product ``P`` (``mu_product``) is ``[n]`` in ``step``'s dtype and rounded like
+    torch's scalar tensor (float32, or float64 under a float64 default dtype). With shared
+    hyperparameters on CPU, the schedule and bias correction are Python floats, as torch
+    computes them, one call per step count (see ``run_fused``); per-member values take
+    ``[n, 1, ...]`` columns.
 
     Args:
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
         grads: Their gradients (not modified).
         state: ``exp_avg``, ``exp_avg_sq`` (one per parameter), ``mu_product`` and ``step``
-            (float32 [n]).
+            (float32 or float64 [n], one dtype).
         group: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``momentum_decay`` (floats or
             float64 [n] tensors), ``decoupled_weight_decay`` and ``maximize``.
     """
@@ -106,8 +107,9 @@ def nadam_rule(
     g = weight_decayed(g, params, group)
     mu = beta1 * (1.0 - 0.5 * torch.pow(0.96, t * decay))
     mu_next = beta1 * (1.0 - 0.5 * torch.pow(0.96, (t + 1) * decay))
-    # torch multiplies its float32 scalar by a Python float: in float32, mu rounded first.
-    state["mu_product"].mul_(mu.float())
+    # torch multiplies its scalar tensor by a Python float: in the product's dtype (float32,
+    # or float64 under a float64 default dtype), mu rounded to it first.
+    state["mu_product"].mul_(mu.to(state["mu_product"].dtype))
     product = state["mu_product"].double()
     moments_(exp_avg, exp_avg_sq, g, beta1, beta2)
     denom = torch._foreach_div(exp_avg_sq, col(bias_correction2))
@@ -147,8 +149,8 @@ def nadam_update_(
         grad: Its gradient (not modified).
         exp_avg: First moment, updated in place.
         exp_avg_sq: Second moment, updated in place.
-        mu_product: Float32 [n] product of the momentum schedule, updated in place.
-        step: Float32 [n] per-member step counts, updated in place.
+        mu_product: Float32 (or float64) [n] product of the momentum schedule, in place.
+        step: Float32 (or float64) [n] per-member step counts, updated in place.
         lr: A float or a float64 [n] tensor, as are the other hyperparameters.
         beta1: First-moment decay.
         beta2: Second-moment decay.
