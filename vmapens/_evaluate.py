@@ -81,13 +81,8 @@ class Evaluator:
     def _forward(self, then: Callable[[Any, Tensor], Any]) -> Any:
         assert self.val is not None  # called only with validation data
         x, y = self.val
-        training = self.ens.training
-        self.ens.eval()
-        try:
-            with torch.no_grad():
-                return then(self.ens(*(x if isinstance(x, tuple) else (x,)), in_dims=self.dims), y)
-        finally:
-            self.ens.train(training)
+        with torch.no_grad(), self.ens._evaluating():
+            return then(self.ens(*(x if isinstance(x, tuple) else (x,)), in_dims=self.dims), y)
 
     def _score(self, out: Any, y: Tensor, diverged: Tensor) -> tuple[Tensor, Any]:
         scores = score(self.metrics, out, y, diverged)

@@ -102,25 +102,27 @@ def named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from module.named_buffers()
 
 
-def signature(module: nn.Module) -> tuple[type, dict[str, tuple]]:
-    """What members must share: class, and each tensor's name, shape, dtype, device, grad flag."""
-    return type(module), {
+def signature(module: nn.Module) -> tuple[type, dict[str, tuple], dict[str, bool]]:
+    """What members must share: class, each tensor's name, shape, dtype, device, grad flag,
+    and each submodule's train/eval mode (a BatchNorm frozen in eval mode stays frozen)."""
+    tensors = {
         name: (tuple(t.shape), t.dtype, t.device, t.requires_grad)
         for name, t in named_tensors(module)
     }
+    return type(module), tensors, {name: m.training for name, m in module.named_modules()}
 
 
 def check_same(
-    reference: tuple[type, dict[str, tuple]],
+    reference: tuple[type, dict[str, tuple], dict[str, bool]],
     other: nn.Module,
     i: int,
     api: str,
     shapes: bool = True,
 ) -> None:
-    """Raise ValueError naming the first tensor where ``other`` differs from member 0 (in
-    anything but its shape with ``shapes=False``)."""
-    ref_type, ref = reference
-    got_type, got = signature(other)
+    """Raise ValueError naming the first tensor or submodule mode where ``other`` differs from
+    member 0 (in anything but its shape with ``shapes=False``)."""
+    ref_type, ref, ref_modes = reference
+    got_type, got, got_modes = signature(other)
     if got_type is not ref_type:
         raise ValueError(
             f"{api}: member {i} is a {got_type.__name__}, member 0 is a {ref_type.__name__}; "
@@ -135,6 +137,28 @@ def check_same(
                 raise ValueError(
                     f"{api}: member {i} differs from member 0 at `{key}`: {what} {b} vs {a}"
                 )
+    for name, mode in ref_modes.items():
+        if got_modes.get(name, mode) != mode:
+            where = f"submodule `{name}`" if name else "the module itself"
+            raise ValueError(
+                f"{api}: member {i} differs from member 0 in the train/eval mode of {where}: "
+                f"training={got_modes[name]} vs {mode}; put every member in the same modes "
+                "(call .train() / .eval() the same way on each) before building the ensemble"
+            )
+
+
+#: Plain values a module keeps as attributes (BatchNorm's ``momentum``, Dropout's ``p``...).
+_PLAIN = (bool, int, float, str, type(None), tuple)
+
+
+def settings(module: nn.Module) -> dict[str, Any]:
+    """Every submodule's plain attributes by ``"submodule.attribute"`` (modes excluded)."""
+    return {
+        f"{name}.{key}" if name else key: value
+        for name, m in module.named_modules()
+        for key, value in vars(m).items()
+        if key != "training" and not key.startswith("_") and isinstance(value, _PLAIN)
+    }
 
 
 def meta_copy(module: nn.Module) -> nn.Module:

@@ -8,15 +8,16 @@ or nothing, and gives the meta-device template the mode of the ensemble.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
 
 from ._checks import as_ids, index_rows
-from ._members import named_tensors, non_persistent_buffers
+from ._members import check_same, named_tensors, non_persistent_buffers, settings, signature
 from ._padding import Padding
 
 __all__ = ["StackedModule"]
@@ -68,7 +69,35 @@ class StackedModule(nn.Module):
         self._state_keys = {
             key: meta_names[id(t)] for key, t in self._template.state_dict(keep_vars=True).items()
         }
-        self.train(training)
+        self.training = training  # the template keeps each submodule's own mode
+
+    def _follow_template(self) -> None:
+        """The runner (and padded templates) in the template's train/eval modes, and the
+        template's grad flags as the stacked parameters': ``ens.template.bn.eval()`` and
+        ``ens.stacked_params()[name].requires_grad_(False)`` hold for every use."""
+        padded = [] if self._padding is None else self._padding.templates
+        modes = {name: m.training for name, m in self._template.named_modules()}
+        for other in (self._runner, *padded):
+            for name, m in other.named_modules():
+                m.training = modes.get(name, m.training)
+        for template in (self._template, *padded):
+            for name, meta in template.named_parameters():
+                meta.requires_grad_(self.stacked_params()[name].requires_grad)
+
+    @contextlib.contextmanager
+    def _evaluating(self) -> Iterator[None]:
+        """``eval()`` inside; afterwards every submodule is back in its own mode, where
+        ``train()`` would also switch a BatchNorm the user froze in eval mode."""
+        templates = [self._template, self._runner]
+        templates += [] if self._padding is None else self._padding.templates
+        modules = [self, *(m for t in templates for m in t.modules())]
+        modes = [m.training for m in modules]
+        self.eval()
+        try:
+            yield
+        finally:
+            for m, mode in zip(modules, modes, strict=True):
+                m.training = mode
 
     def __len__(self) -> int:
         return len(self.member_ids)
@@ -152,6 +181,7 @@ class StackedModule(nn.Module):
             (2, [4, 1])
         """
         rows = index_rows("Ensemble", index, len(self))
+        self._follow_template()
         sub = copy.copy(self)
         nn.Module.__init__(sub)  # fresh registries; the options are shared
         # Copies of the meta modules: sub.train()/eval() must not switch this ensemble's mode.
@@ -164,6 +194,64 @@ class StackedModule(nn.Module):
         ids = [self.member_ids[r] for r in rows.tolist()]
         sub._adopt(stacked, as_ids(ids), self.n_total, self.training)
         return sub
+
+    def __getitem__(self, index: Any) -> Any:  # Ensemble's: member ``i`` as a module
+        raise NotImplementedError
+
+    def apply(self: _M, fn: Callable[[nn.Module], None]) -> _M:  # type: ignore[override]
+        """Apply ``fn`` to every submodule of every member, as ``member.apply(fn)`` would alone.
+
+        Members are visited in order, so a custom initialisation that draws from the global
+        RNG gives member ``i`` what ``models[i].apply(fn)`` gives after members ``0..i-1``.
+        Train/eval modes and ``requires_grad`` flags that ``fn`` sets carry over (the same on
+        every member); any other change to the members' structure is refused.
+
+        Raises:
+            TypeError: ``fn`` is not callable.
+            ValueError: ``fn`` changed a tensor's shape, dtype or device, or a plain attribute
+                (BatchNorm's ``momentum``...), or did not treat every member alike. Nothing
+                changes then.
+
+        Example:
+            >>> from vmapens import Ensemble
+            >>> ens = Ensemble(lambda: nn.Linear(3, 2), n=2, seed=0)
+            >>> _ = ens.apply(lambda m: nn.init.zeros_(m.bias) if hasattr(m, "bias") else None)
+            >>> float(ens.stacked_params()["bias"].detach().abs().sum())
+            0.0
+        """
+        api = "Ensemble.apply"
+        if not callable(fn):
+            raise TypeError(f"{api}: `fn` must be callable, got {type(fn).__name__}")
+        stacked = self.stacked_state()
+        saved = {name: t.detach().clone() for name, t in stacked.items()}
+        reference: tuple = ()
+        try:
+            with torch.no_grad():
+                for i in range(len(self)):
+                    member = self[i]
+                    before = (signature(member), settings(member))
+                    member.apply(fn)
+                    _check_applied(api, before, signature(member), settings(member))
+                    reference = signature(member) if i == 0 else reference
+                    check_same(reference, member, i, api)
+                    state = dict(named_tensors(member))
+                    for name, t in stacked.items():
+                        if self._padding is None:
+                            t[i].copy_(state[name])
+                        else:
+                            self._padding.put_(name, t[i], state[name], i)
+        except BaseException:  # all members or none: the ones done before get their state back
+            with torch.no_grad():
+                for name, t in stacked.items():
+                    t.copy_(saved[name])
+            raise
+        _, grads, modes = reference
+        for name, m in self._template.named_modules():
+            m.training = modes[name]
+        for name, p in self.stacked_params().items():
+            p.requires_grad_(grads[name][3])
+        self._follow_template()
+        return self
 
     # -- nn.Module plumbing ----------------------------------------------------------------
 
@@ -238,3 +326,22 @@ class StackedModule(nn.Module):
         with torch.no_grad():
             for target, value in pending:
                 target.copy_(value)
+
+
+def _check_applied(api: str, before: tuple, after: tuple, now: dict[str, Any]) -> None:
+    """Refuse what ``apply``'s ``fn`` changed beyond values, modes and grad flags."""
+    (_, tensors, _), settings_before = before
+    for name, (shape, dtype, device, _) in after[1].items():
+        if name not in tensors or tensors[name][:3] != (shape, dtype, device):
+            raise ValueError(
+                f"{api}: `fn` changed the tensor `{name}` (shape, dtype or device); an ensemble's "
+                "members share one structure: use ens.to(...) / ens.double(), or build the "
+                "members that way"
+            )
+    for key in sorted(set(settings_before) | set(now)):
+        if settings_before.get(key) != now.get(key):
+            raise ValueError(
+                f"{api}: `fn` changed `{key}` ({settings_before.get(key)!r} -> {now.get(key)!r}); "
+                "the ensemble keeps one structure for all members and carries over only tensor "
+                "values, train/eval modes and requires_grad: build the members with it instead"
+            )

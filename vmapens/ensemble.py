@@ -339,6 +339,7 @@ class Ensemble(StackedModule):
           (``vmapens._attention.batched_attention``). A compiled step enters this outside
           its graph.
         """
+        self._follow_template()
         buffers = list(self.stacked_buffers().values())
         with guarded(buffers, api, type(self._template).__name__, self.backend):
             yield
@@ -357,6 +358,7 @@ class Ensemble(StackedModule):
         if not -len(self) <= i < len(self):
             raise IndexError(f"Ensemble: member index {i} out of range for {len(self)} members")
         i %= len(self)
+        self._follow_template()
         memo: dict[int, Any] = {}
         stacked = self.stacked_state()
         padding = self._padding
@@ -382,37 +384,3 @@ class Ensemble(StackedModule):
             'Linear'
         """
         return list(self)
-
-    def apply(self, fn: Callable[[nn.Module], None]) -> Ensemble:  # type: ignore[override]
-        """Apply ``fn`` to every submodule of every member, as ``member.apply(fn)`` would alone.
-
-        Members are visited in order, so a custom initialisation that draws from the global
-        RNG gives member ``i`` what ``models[i].apply(fn)`` gives after members ``0..i-1``.
-
-        Example:
-            >>> ens = Ensemble(lambda: nn.Linear(3, 2), n=2, seed=0)
-            >>> _ = ens.apply(lambda m: nn.init.zeros_(m.bias) if hasattr(m, "bias") else None)
-            >>> float(ens.stacked_params()["bias"].detach().abs().sum())
-            0.0
-        """
-        if not callable(fn):
-            raise TypeError(f"Ensemble.apply: `fn` must be callable, got {type(fn).__name__}")
-        stacked = self.stacked_state()
-        saved = {name: t.detach().clone() for name, t in stacked.items()}
-        try:
-            with torch.no_grad():
-                for i in range(len(self)):
-                    member = self[i]
-                    member.apply(fn)
-                    state = dict(named_tensors(member))
-                    for name, t in stacked.items():
-                        if self._padding is None:
-                            t[i].copy_(state[name])
-                        else:
-                            self._padding.put_(name, t[i], state[name], i)
-        except BaseException:  # all members or none: the ones done before get their state back
-            with torch.no_grad():
-                for name, t in stacked.items():
-                    t.copy_(saved[name])
-            raise
-        return self

@@ -97,17 +97,13 @@ def export(
     api = "export"
     args = _check_args(api, ens, example_inputs, reduce, softmax, check)
     reduce = "none" if reduce is None else reduce
-    training = ens.training
-    ens.eval()
-    try:
+    with ens._evaluating():
         members = _Program(ens, "none", False)
         program = _trace(api, ens, members, args)
         if check:
             _probe(api, ens, program, args)
         if reduce != "none" or softmax:
             program = _trace(api, ens, _Program(ens, reduce, softmax), args)
-    finally:
-        ens.train(training)
     return program
 
 

@@ -104,19 +104,17 @@ def predict(
         if value is not None:
             check_int(api, name, value, minimum=1)
     outputs: list[Any] = []
-    training, chunks = ens.training, ens.chunk_size
-    ens.eval()
+    chunks = ens.chunk_size
     if chunk_size is not None:
         ens.chunk_size = chunk_size
     try:
-        with torch.no_grad():
+        with torch.no_grad(), ens._evaluating():
             for batch in _batches(data, batch_size, in_dims, api):
                 out = ens(*batch, in_dims=in_dims)
                 if softmax:
                     out = optree.tree_map(lambda t: t.softmax(-1), out)
                 outputs.append(out if reduce == "none" else reduce_members(out, reduce))
     finally:
-        ens.train(training)
         ens.chunk_size = chunks
     if not outputs:
         raise ValueError(f"{api}: `data` yielded no batches")

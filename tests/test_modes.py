@@ -1,0 +1,192 @@
+"""Submodule train/eval modes, grad flags and ``apply``: the ensemble keeps what members alone keep.
+
+A BatchNorm frozen in eval mode inside a model in train mode (the usual fine-tuning set-up), a
+layer frozen with ``requires_grad_(False)``, and ``apply(fn)`` that sets either: each member
+must train exactly as the same module trained alone with ``torch.optim`` (``truth.py``), and
+``ens[i]``, ``select`` and evaluation must keep those settings. What ``apply`` cannot carry
+(another attribute, members treated differently) is refused and changes nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from truth import TOL64, assert_members_equal, train_each, twins
+
+import vmapens
+
+N = 3
+
+
+def net() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 2)).double()
+
+
+def frozen_bn() -> nn.Sequential:
+    model = net()
+    model[1].eval()  # the root stays in train mode
+    return model
+
+
+def _batches(steps: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(8, 4, generator=g, dtype=torch.float64),
+         torch.randn(8, 2, generator=g, dtype=torch.float64))
+        for _ in range(steps)
+    ]  # fmt: skip
+
+
+def _sgd(i: int, m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(m.parameters(), lr=0.1)
+
+
+def _train(ens: vmapens.Ensemble, batches: list) -> None:
+    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.optim.StackedSGD(ens, lr=0.1))
+    for x, y in batches:
+        step(x, y)
+
+
+def test_a_submodule_frozen_in_the_factory_stays_frozen():
+    torch.manual_seed(0)
+    ens = vmapens.Ensemble(frozen_bn, N, seed=0)
+    alone = twins(ens.unstack())
+    assert [m[1].training for m in alone] == [False] * N and all(m.training for m in alone)
+    assert not ens.template[1].training and not ens[0][1].training and ens.training
+    batches = _batches()
+    _train(ens, batches)
+    train_each(alone, batches, make_opt=_sgd)
+    assert_members_equal(ens, alone)  # running statistics included: untouched when frozen
+
+
+def test_from_modules_keeps_submodule_modes_and_refuses_mixed_ones():
+    torch.manual_seed(0)
+    modules = [frozen_bn() for _ in range(N)]
+    ens = vmapens.Ensemble.from_modules(modules)
+    x = _batches(1)[0][0]
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in twins(modules)]), **TOL64)
+    mixed = [net() for _ in range(N)]
+    mixed[1].eval()
+    with pytest.raises(ValueError, match=r"member 1 differs .* mode of the module itself"):
+        vmapens.Ensemble.from_modules(mixed)
+    mixed[1].train()
+    mixed[2][1].eval()
+    with pytest.raises(ValueError, match=r"member 2 differs .* mode of submodule `1`"):
+        vmapens.Ensemble.from_modules(mixed)
+
+
+def test_a_mode_set_on_the_template_is_the_mode_members_run_in():
+    torch.manual_seed(0)
+    ens = vmapens.Ensemble(net, N, seed=0)
+    alone = twins(ens.unstack())
+    ens.template[1].eval()  # what the error for `ens.bn` points to
+    for m in alone:
+        m[1].eval()
+    batches = _batches()
+    _train(ens, batches)
+    train_each(alone, batches, make_opt=_sgd)
+    assert_members_equal(ens, alone)
+    assert not ens[1][1].training
+
+
+def test_a_mode_set_on_the_template_holds_for_the_next_forward():
+    torch.manual_seed(0)
+    ens = vmapens.Ensemble(net, N, seed=0)
+    alone = twins(ens.unstack())
+    ens.template[1].eval()
+    x = _batches(1)[0][0]
+    for m in alone:
+        m[1].eval()
+    with torch.no_grad():
+        got = ens(x)  # the first use after the change: no ens[i] or select in between
+        want = torch.stack([m(x) for m in alone])
+    torch.testing.assert_close(got, want, **TOL64)
+    assert_members_equal(ens, alone)  # eval mode: running statistics untouched
+
+
+def test_a_parameter_frozen_after_building_stays_frozen_in_members_and_selections():
+    torch.manual_seed(0)
+    ens = vmapens.Ensemble(net, N, seed=0)
+    ens.stacked_params()["0.weight"].requires_grad_(False)
+    assert not ens[2][0].weight.requires_grad
+    sub = ens.select([0, 2])
+    assert not sub.stacked_params()["0.weight"].requires_grad
+    alone = twins(sub.unstack())
+    batches = _batches()
+    _train(sub, batches)
+    train_each(alone, batches, make_opt=_sgd)
+    assert_members_equal(sub, alone)
+    torch.testing.assert_close(
+        sub.stacked_params()["0.weight"], ens.stacked_params()["0.weight"][[0, 2]]
+    )
+
+
+def _freeze_and_eval(m: nn.Module) -> None:
+    if isinstance(m, nn.BatchNorm1d):
+        m.eval()
+    if isinstance(m, nn.Linear) and m.in_features == 4:
+        m.requires_grad_(False)
+
+
+def test_apply_carries_modes_and_grad_flags_like_members_alone():
+    torch.manual_seed(0)
+    ens = vmapens.Ensemble(net, N, seed=0)
+    alone = twins(ens.unstack())
+    ens.apply(_freeze_and_eval)
+    for m in alone:
+        m.apply(_freeze_and_eval)
+    assert not ens.template[1].training and not ens.stacked_params()["0.weight"].requires_grad
+    batches = _batches()
+    _train(ens, batches)
+    train_each(alone, batches, make_opt=_sgd)
+    assert_members_equal(ens, alone)
+
+
+def _momentum(m: nn.Module) -> None:
+    if isinstance(m, nn.BatchNorm1d):
+        m.momentum = 0.5
+
+
+class _Second:
+    """Puts only the second member it visits in eval mode: not every member alike."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, m: nn.Module) -> None:
+        if isinstance(m, nn.BatchNorm1d):
+            self.calls += 1
+            if self.calls == 2:
+                m.eval()
+
+
+@pytest.mark.parametrize(
+    ("fn", "match"),
+    [(_momentum, r"changed `1\.momentum` \(0\.1 -> 0\.5\)"), (_Second(), r"member 1 differs")],
+    ids=["attribute", "members-differ"],
+)
+def test_apply_refuses_what_it_cannot_carry_and_changes_nothing(fn, match):
+    torch.manual_seed(0)
+    ens = vmapens.Ensemble(net, N, seed=0)
+    before = {k: v.clone() for k, v in ens.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        ens.apply(lambda m: (nn.init.zeros_(m.bias) if isinstance(m, nn.Linear) else None, fn(m)))
+    for k, v in ens.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert ens.template[1].training and ens.template[1].momentum == 0.1
+
+
+@pytest.mark.parametrize("how", ["predict", "fit-validation"])
+def test_evaluation_gives_every_submodule_its_own_mode_back(how):
+    torch.manual_seed(0)
+    ens = vmapens.Ensemble(frozen_bn, N, seed=0)
+    x, y = _batches(1)[0]
+    if how == "predict":
+        vmapens.predict(ens, x)
+    else:
+        vmapens.fit(ens, (x, y), nn.MSELoss(), epochs=2, batch_size=8, val_data=(x, y),
+                    progress=False)  # fmt: skip
+    assert ens.training and not ens.template[1].training and ens.runner.training
+    assert not ens.runner[1].training
