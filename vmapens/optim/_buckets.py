@@ -3,6 +3,7 @@
 A rule takes one list of parameters and one set of per-member counters (``step``, ...). After
 ``load_state_dict`` or a step where some parameters had no gradient, parameters of one param
 group may count differently; each set of shared counters is then one call of the rule.
+The counters' dtype is torch's for per-step scalars (:func:`scalar_dtype`).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
-__all__ = ["buckets"]
+__all__ = ["buckets", "counter_dtype", "scalar_dtype"]
 
 
 def buckets(
@@ -54,3 +56,18 @@ def buckets(
         state.update({k: states[rows[0]][k] for k in counters})
         out.append(([params[i] for i in rows], [live[i] for i in rows], state))
     return out
+
+
+def scalar_dtype() -> torch.dtype:
+    """torch's dtype for per-step scalar state (``step``, NAdam's ``mu_product``, ASGD's
+    ``eta`` and ``mu``), read when the state is created: float64 under
+    ``torch.set_default_dtype(torch.float64)``, else float32 (torch's ``_get_scalar_dtype``)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def counter_dtype(step: Any) -> torch.dtype:
+    """The dtype of a parameter's per-member counters: its ``step``'s (float32 or float64,
+    kept when state moves or is loaded), or :func:`scalar_dtype` for new state."""
+    if isinstance(step, Tensor) and step.dtype in (torch.float32, torch.float64):
+        return step.dtype
+    return scalar_dtype()

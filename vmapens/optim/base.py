@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_mask
-from ._buckets import buckets
+from ._buckets import buckets, counter_dtype
 from ._eager import EagerOptimizer
 from ._handoff import check_state_dict, copy_rows, member_state_dict, select_parts
 from ._hyper import (
@@ -39,21 +39,6 @@ __all__ = ["StackedOptimizer"]
 
 # What a subclass constructor's locals() holds besides its options.
 _NOT_OPTIONS = ("self", "params", "__class__", "implementation")
-
-
-def _scalar_dtype() -> torch.dtype:
-    """torch's dtype for per-step scalar state (``step``, NAdam's ``mu_product``, ASGD's
-    ``eta`` and ``mu``), read when the state is created: float64 under
-    ``torch.set_default_dtype(torch.float64)``, else float32 (``_get_scalar_dtype``)."""
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-
-
-def _counter_dtype(step: Any) -> torch.dtype:
-    """The dtype of a parameter's per-member counters: its ``step``'s (float32 or float64,
-    kept when state moves or is loaded), or :func:`_scalar_dtype` for new state."""
-    if isinstance(step, Tensor) and step.dtype in (torch.float32, torch.float64):
-        return step.dtype
-    return _scalar_dtype()
 
 
 def layout(params: list[Tensor]) -> tuple:
@@ -90,7 +75,7 @@ class StackedOptimizer(EagerOptimizer):
     #: The update rule: ``rule(params, grads, state, group)`` steps the stacked ``params``
     #: (which share one step count) in place. ``state`` maps each of :meth:`state_names` to
     #: one tensor per parameter and each :meth:`scalar_state` name to the shared ``[n]``
-    #: tensor (float32, or float64 under a float64 default dtype: :func:`_scalar_dtype`);
+    #: tensor (float32, or float64 under a float64 default dtype: :func:`~vmapens.optim._buckets.scalar_dtype`);
     #: ``group`` holds the flags, per hyperparameter a float or a float64 ``[n]`` tensor
     #: on the parameters' device, ``mask`` (None or bool [n], the members that step:
     #: the base gives the others their old values back afterwards) and ``fused`` (whether
@@ -167,7 +152,7 @@ class StackedOptimizer(EagerOptimizer):
 
         These count per member, not per element (NAdam adds ``mu_product``). As torch keeps
         them, they are created in torch's scalar dtype whatever the parameters' dtype: float32,
-        or float64 under ``torch.set_default_dtype(torch.float64)`` (:func:`_scalar_dtype`),
+        or float64 under ``torch.set_default_dtype(torch.float64)`` (:func:`~vmapens.optim._buckets.scalar_dtype`),
         and keep that dtype when the state moves or is loaded.
         """
         return {"step": 0.0}
@@ -242,7 +227,7 @@ class StackedOptimizer(EagerOptimizer):
                 state = self.state[p]
                 # Counters keep the dtype their `step` was created in (torch's load_state_dict
                 # keeps `step` as it is and casts the others to the param's dtype).
-                dtype = _counter_dtype(state.get("step"))
+                dtype = counter_dtype(state.get("step"))
                 for key, start in starts.items():
                     t = state.get(key)
                     if t is None:
