@@ -108,7 +108,7 @@ def step_one(
         param: Stacked parameter [n, ...].
         grad: Its gradient.
         tensors: Its state tensors by name (None: absent).
-        counters: The float32 [n] counters (``step``, ...).
+        counters: The [n] counters (torch's scalar dtype) (``step``, ...).
         group: Hyperparameters and flags; ``fused`` is off (same bits as the foreach form).
         mask: Optional bool [n]; members where it is False come out bit-identical.
     """

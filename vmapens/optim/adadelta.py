@@ -35,7 +35,7 @@ def adadelta_rule(
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
         grads: Their gradients (not modified).
         state: ``square_avg`` (``v``), ``acc_delta`` (``u``), one per parameter, and ``step``
-            (float32 [n], counted; Adadelta does not read it).
+            ([n] counts, counted; Adadelta does not read it).
         group: ``lr``, ``rho``, ``eps``, ``weight_decay`` (floats or float64 [n] tensors) and
             ``maximize``.
     """

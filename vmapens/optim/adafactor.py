@@ -45,7 +45,7 @@ def adafactor_rule(
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
         grads: Their gradients (not modified).
         state: ``row_var``, ``col_var`` (factored parameters) or ``variance`` (the others)
-            per parameter (the unused ones zero-size ``[n, 0]``), and ``step`` (float32 [n]).
+            per parameter (the unused ones zero-size ``[n, 0]``), and ``step`` ([n] counts).
         group: ``lr``, ``beta2_decay``, ``eps`` (a pair; its first may be None), ``d``,
             ``weight_decay`` (floats or float64 [n] tensors) and ``maximize``.
     """

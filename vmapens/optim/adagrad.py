@@ -49,7 +49,7 @@ def adagrad_rule(
     Args:
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
         grads: Their gradients (not modified).
-        state: ``sum`` (one per parameter) and ``step`` (float32 [n]), updated in place.
+        state: ``sum`` (one per parameter) and ``step`` ([n] counts), updated in place.
         group: ``lr``, ``lr_decay``, ``weight_decay``, ``eps`` (floats or float64 [n]
             tensors), ``maximize``, ``fused``, ``mask``.
     """

@@ -60,7 +60,7 @@ def adam_rule(
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
         grads: Their gradients (not modified).
         state: ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with ``amsgrad``): one
-            tensor per parameter, updated in place; ``step``: float32 [n], counted here.
+            tensor per parameter, updated in place; ``step``: [n] counts, counted here.
         group: ``lr``, ``betas``, ``eps``, ``weight_decay`` (floats or float64 [n] tensors),
             the flags ``decoupled_weight_decay``, ``amsgrad``, ``maximize``, ``fused`` and
             ``mask`` (see :attr:`StackedOptimizer.rule`).

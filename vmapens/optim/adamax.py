@@ -51,7 +51,7 @@ def adamax_rule(
     Args:
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
         grads: Their gradients (not modified).
-        state: ``exp_avg``, ``exp_inf`` (one per parameter) and ``step`` (float32 [n]).
+        state: ``exp_avg``, ``exp_inf`` (one per parameter) and ``step`` ([n] counts).
         group: ``lr``, ``betas``, ``eps``, ``weight_decay`` (floats or float64 [n] tensors)
             and ``maximize``.
     """

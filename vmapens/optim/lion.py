@@ -33,7 +33,7 @@ def lion_rule(
     Args:
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
         grads: Their gradients (not modified).
-        state: ``exp_avg`` (one per parameter) and ``step`` (float32 [n], counted; Lion does
+        state: ``exp_avg`` (one per parameter) and ``step`` ([n] counts, counted; Lion does
             not read it).
         group: ``lr``, ``betas``, ``weight_decay`` (floats or float64 [n] tensors).
     """

@@ -134,7 +134,7 @@ def muon_rule(
     Args:
         params: Stacked matrices [n, rows, cols] sharing one step count, updated in place.
         grads: Their gradients (not modified).
-        state: ``momentum_buffer`` (one per parameter) and ``step`` (float32 [n], counted;
+        state: ``momentum_buffer`` (one per parameter) and ``step`` ([n] counts, counted;
             torch's Muon has none).
         group: ``lr``, ``weight_decay``, ``momentum``, ``eps`` (floats or float64 [n]
             tensors), ``nesterov``, ``ns_coefficients``, ``ns_steps``, ``adjust_lr_fn`` and

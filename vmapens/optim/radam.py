@@ -53,7 +53,7 @@ def radam_rule(
     Args:
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
         grads: Their gradients (not modified).
-        state: ``exp_avg``, ``exp_avg_sq`` (one per parameter) and ``step`` (float32 [n]).
+        state: ``exp_avg``, ``exp_avg_sq`` (one per parameter) and ``step`` ([n] counts).
         group: ``lr``, ``betas``, ``eps``, ``weight_decay`` (floats or float64 [n] tensors),
             ``decoupled_weight_decay`` and ``maximize``.
     """

@@ -51,7 +51,7 @@ def rmsprop_rule(
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
         grads: Their gradients (not modified).
         state: ``square_avg``, ``momentum_buffer`` (when a member uses momentum), ``grad_avg``
-            (centered) one per parameter, and ``step`` (float32 [n]).
+            (centered) one per parameter, and ``step`` ([n] counts).
         group: ``lr``, ``alpha``, ``eps``, ``weight_decay``, ``momentum`` (floats or float64
             [n] tensors) and ``maximize``.
     """

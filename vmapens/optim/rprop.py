@@ -45,7 +45,7 @@ def rprop_rule(
     Args:
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
         grads: Their gradients (not modified).
-        state: ``prev``, ``step_size`` (one per parameter) and ``step`` (float32 [n],
+        state: ``prev``, ``step_size`` (one per parameter) and ``step`` ([n] counts,
             counted; Rprop does not read it).
         group: ``etas`` and ``step_sizes`` (pairs of floats or float64 [n] tensors) and
             ``maximize``.

@@ -53,7 +53,7 @@ def sgd_rule(
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
         grads: Their gradients (not modified).
         state: ``momentum_buffer`` (one per parameter; absent when no member uses momentum)
-            and ``step`` (float32 [n]), updated in place.
+            and ``step`` ([n] counts), updated in place.
         group: ``lr``, ``momentum``, ``dampening``, ``weight_decay`` (floats or float64 [n]
             tensors), ``nesterov``, ``maximize``, ``fused``, ``mask``.
     """
