@@ -80,9 +80,13 @@ class StackedModule(nn.Module):
         for other in (self._runner, *padded):
             for name, m in other.named_modules():
                 m.training = modes.get(name, m.training)
+        stacked = self.stacked_params()
         for template in (self._template, *padded):
             for name, meta in template.named_parameters():
-                meta.requires_grad_(self.stacked_params()[name].requires_grad)
+                # Only on a change: torch refuses requires_grad_ under a functorch transform
+                # (an ensemble called inside jacrev or an outer vmap).
+                if meta.requires_grad != stacked[name].requires_grad:
+                    meta.requires_grad_(stacked[name].requires_grad)
 
     @contextlib.contextmanager
     def _evaluating(self) -> Iterator[None]:
