@@ -70,23 +70,30 @@ class StackedModule(nn.Module):
             key: meta_names[id(t)] for key, t in self._template.state_dict(keep_vars=True).items()
         }
         self.training = training  # the template keeps each submodule's own mode
+        # What _follow_template syncs, paired once: it runs before every call of the members.
+        padded = [] if self._padding is None else self._padding.templates
+        own = dict(self._template.named_modules())
+        followers = [
+            (own[name], m) for t in (self._runner, *padded) for name, m in t.named_modules()
+        ]
+        flags = self.stacked_params()
+        grads = [(flags[name], meta) for t in (self._template, *padded)
+                 for name, meta in t.named_parameters()]  # fmt: skip
+        self.__dict__["_followers"] = (followers, grads)
 
     def _follow_template(self) -> None:
         """The runner (and padded templates) in the template's train/eval modes, and the
         template's grad flags as the stacked parameters': ``ens.template.bn.eval()`` and
         ``ens.stacked_params()[name].requires_grad_(False)`` hold for every use."""
-        padded = [] if self._padding is None else self._padding.templates
-        modes = {name: m.training for name, m in self._template.named_modules()}
-        for other in (self._runner, *padded):
-            for name, m in other.named_modules():
-                m.training = modes.get(name, m.training)
-        stacked = self.stacked_params()
-        for template in (self._template, *padded):
-            for name, meta in template.named_parameters():
-                # Only on a change: torch refuses requires_grad_ under a functorch transform
-                # (an ensemble called inside jacrev or an outer vmap).
-                if meta.requires_grad != stacked[name].requires_grad:
-                    meta.requires_grad_(stacked[name].requires_grad)
+        modules, params = self._followers
+        for template, m in modules:
+            if m.training != template.training:  # nn.Module's setattr costs ~1 us: on a change
+                m.training = template.training
+        for p, meta in params:
+            # Only on a change: torch refuses requires_grad_ under a functorch transform (an
+            # ensemble called inside jacrev or an outer vmap).
+            if meta.requires_grad != p.requires_grad:
+                meta.requires_grad_(p.requires_grad)
 
     @contextlib.contextmanager
     def _evaluating(self) -> Iterator[None]:
