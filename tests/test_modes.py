@@ -190,3 +190,16 @@ def test_evaluation_gives_every_submodule_its_own_mode_back(how):
                     progress=False)  # fmt: skip
     assert ens.training and not ens.template[1].training and ens.runner.training
     assert not ens.runner[1].training
+
+
+def test_apply_that_switches_the_root_switches_the_ensemble():
+    torch.manual_seed(0)
+    ens = vmapens.Ensemble(net, N, seed=0)
+    alone = twins(ens.unstack())
+    ens.apply(lambda m: m.eval())
+    for m in alone:
+        m.apply(lambda m: m.eval())
+    assert not ens.training and not ens[0].training
+    x = _batches(1)[0][0]
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in alone]), **TOL64)

@@ -3,7 +3,8 @@
 The storage half of ``Ensemble``: it keeps every parameter and buffer of the member once,
 with a leading member dim, in ``_parameters``/``_buffers`` under the member's dotted names, so
 that ``state_dict()`` has the member's keys (tied aliases included); it loads state dicts all
-or nothing, and gives the meta-device template the mode of the ensemble.
+or nothing; the module that runs follows the meta-device template's submodule modes and the
+stacked parameters' grad flags; ``apply`` runs a function on every member.
 """
 
 from __future__ import annotations
@@ -257,6 +258,7 @@ class StackedModule(nn.Module):
                     t.copy_(saved[name])
             raise
         _, grads, modes = reference
+        self.training = modes[""]
         for name, m in self._template.named_modules():
             m.training = modes[name]
         for name, p in self.stacked_params().items():
