@@ -18,6 +18,7 @@ the way a user would without vmapens:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -290,3 +291,51 @@ def test_inherit_alone_hands_over_best_score_snapshot_and_patience(patience, at,
     assert h.best_epoch.tolist() == naive["best"]
     assert h.stopped_epoch.tolist() == naive["stopped"]
     assert_members_equal(ens, naive["members"], **TOL64)
+
+
+class _Rows(vmapens.Callback):
+    """Each epoch's stacked state, recorded before PBT's round (it is listed first)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, torch.Tensor]] = []
+
+    def on_epoch_end(self, ctx: Any) -> None:
+        self.rows.append({k: v.detach().clone() for k, v in ctx.ensemble.stacked_state().items()})
+
+
+def test_pbt_copies_under_fp16_continue_as_their_source():
+    # factors=(1.0,): nothing is perturbed, so a copied member must then train exactly as its
+    # source, which needs the source's loss scale and growth count too (fp16).
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 4) * 30, torch.randn(32, 1) * 30
+    ens = vmapens.Ensemble(lambda: nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1)),
+                           4, seed=0)  # fmt: skip
+    pbt = vmapens.pbt.PBT(interval=1, fraction=0.5, factors=(1.0,), monitor="train_loss", seed=0)
+    rows = _Rows()
+    scale = vmapens.LossScale(4, init_scale=2.0**10, growth_interval=2)
+    vmapens.fit(ens, (x, y), nn.MSELoss(), epochs=4, batch_size=8, shuffle=False,
+                precision="fp16", optimizer=vmapens.StackedSGD, lr=[1e-5, 3e-4, 1e-3, 3e-3],
+                loss_scale=scale, callbacks=[rows, pbt], progress=False, seed=0, patience=None)  # fmt: skip
+    copies = [(e, s, d) for e, src, dst in pbt.log[:-1] for s, d in zip(src, dst, strict=True)]
+    assert copies
+    for epoch, s, d in copies:
+        for name, v in rows.rows[epoch + 1].items():
+            assert torch.equal(v[s], v[d]), (epoch, s, d, name)
+
+
+@pytest.mark.parametrize("recomputes", [True, False], ids=["LambdaLR", "StepLR"])
+def test_pbt_warns_when_a_scheduler_would_undo_its_learning_rates(recomputes):
+    # LambdaLR sets lr = base_lr * f(epoch) at every step: a copied or perturbed lr is undone.
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    ens = vmapens.Ensemble(lambda: nn.Linear(4, 1), 4, seed=0)
+    opt = vmapens.StackedAdam(ens, lr=[1e-3, 1e-2, 3e-2, 1e-1])
+    scheduler = (torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1 / (1 + e)) if recomputes
+                 else torch.optim.lr_scheduler.StepLR(opt, 1, 0.5))  # fmt: skip
+    pbt = vmapens.pbt.PBT(interval=1, monitor="train_loss", seed=0)
+    run = dict(epochs=2, optimizer=opt, scheduler=scheduler, callbacks=[pbt], progress=False)
+    with (
+        contextlib.nullcontext() if not recomputes else pytest.warns(UserWarning, match="LambdaLR")
+    ):
+        vmapens.fit(ens, (x, y), nn.MSELoss(), **run)
+    assert pbt.log

@@ -63,6 +63,17 @@ def test_plain_sweep_equals_each_trial_alone(backend):
     assert result.best.value == min(t.value for t in result.trials)
 
 
+def test_bootstrap_over_several_rounds_is_refused():
+    # fit keys each resample by the member's index in its round's ensemble: a second round
+    # would reuse the first round's rows (trial 2 trained on trial 0's), a silent change.
+    sweep = vmapens.sweep.Sweep(double_mlp, space, seed=0)
+    with pytest.raises(ValueError, match=r"Sweep\.run: bootstrap=True needs every trial in one"):
+        sweep.run((X, Y), nn.CrossEntropyLoss(), n_trials=3, per_ensemble=2, bootstrap=True,
+                  **SWEEP_FIT)  # fmt: skip
+    result = sweep.run((X, Y), nn.CrossEntropyLoss(), n_trials=2, bootstrap=True, **SWEEP_FIT)
+    assert len(result.trials) == 2  # one round: allowed
+
+
 def test_optuna_sweep_prunes_members_and_equals_each_trial_alone():
     optuna = pytest.importorskip("optuna")
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -7,6 +7,7 @@ both every few epochs. Rows are this process's members (``ens[i]``), as everywhe
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_choice, check_int, index_rows
+from ._precision import LossScale
 from .callbacks.base import Callback, Context
 from .ensemble import Ensemble
 from .optim import MemberValues, StackedOptimizer
@@ -22,12 +24,19 @@ from .selection import metric_table
 __all__ = ["PBT", "exploit_", "explore"]
 
 
-def exploit_(ens: Ensemble, optimizer: torch.optim.Optimizer | None, src: Any, dst: Any) -> None:
+def exploit_(
+    ens: Ensemble,
+    optimizer: torch.optim.Optimizer | None,
+    src: Any,
+    dst: Any,
+    loss_scale: LossScale | None = None,
+) -> None:
     """Members ``dst[j]`` become copies of members ``src[j]``, in place.
 
     Copied: parameters, buffers, every per-member optimizer state tensor (moments, step
-    counts) and per-member hyperparameters (``MemberValues`` in ``param_groups``), so a copy
-    continues exactly as its source would. All rows are read before any is written.
+    counts), per-member hyperparameters (``MemberValues`` in ``param_groups``) and, given
+    ``loss_scale`` (fp16), each member's loss scale and growth count, so a copy continues
+    exactly as its source would. All rows are read before any is written.
 
     Args:
         ens: the ensemble.
@@ -36,6 +45,7 @@ def exploit_(ens: Ensemble, optimizer: torch.optim.Optimizer | None, src: Any, d
             shared step count) are left alone.
         src: the source rows (a sequence of ints or a 1-D integer tensor; repeats allowed).
         dst: the destination rows, as many as ``src``, without repeats.
+        loss_scale: the run's per-member loss scale (``fit(precision="fp16")``), or ``None``.
 
     Raises:
         ValueError: ``src`` and ``dst`` differ in length, or ``dst`` repeats a row.
@@ -68,6 +78,8 @@ def exploit_(ens: Ensemble, optimizer: torch.optim.Optimizer | None, src: Any, d
                 "sizes (Ensemble.from_factories); exploit within members of one size"
             )
     tensors: dict[int, Tensor] = {id(t): t for t in ens.stacked_state().values()}
+    if loss_scale is not None:
+        tensors.update({id(t): t for t in (loss_scale.scale, loss_scale.growth_tracker)})
     if optimizer is not None:
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -235,7 +247,8 @@ class PBT(Callback):
             raise TypeError(
                 f"PBT: needs a vmapens.StackedOptimizer, got {type(ctx.optimizer).__name__}"
             )
-        exploit_(ctx.ensemble, ctx.optimizer, src, bottom)
+        _warn_recomputing_schedulers(ctx)
+        exploit_(ctx.ensemble, ctx.optimizer, src, bottom, ctx.loss_scale)
         ctx.inherit(src, bottom)
         explore(ctx.optimizer, bottom, self.factors, self.generator, names=self.names)
         self.log.append((ctx.epoch, src.tolist(), bottom.tolist()))
@@ -246,3 +259,30 @@ class PBT(Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.generator.set_state(state["generator"])
         self.log = [(e, list(s), list(d)) for e, s, d in state["log"]]
+
+
+#: torch schedulers that set each lr from the group's base lr (``base_lrs``), not from its
+#: current value: they undo what ``exploit_`` and ``explore`` wrote at their next step.
+_RECOMPUTING = (
+    torch.optim.lr_scheduler.LambdaLR,
+    torch.optim.lr_scheduler.OneCycleLR,
+    torch.optim.lr_scheduler.CyclicLR,
+    torch.optim.lr_scheduler.CosineAnnealingWarmRestarts,
+)
+
+
+def _warn_recomputing_schedulers(ctx: Context) -> None:
+    for cb in ctx.callbacks:
+        scheduler = getattr(cb, "scheduler", None)
+        inner = [scheduler, *getattr(scheduler, "_schedulers", [])]
+        found = [type(s).__name__ for s in inner if isinstance(s, _RECOMPUTING)]
+        if found:
+            warnings.warn(
+                f"PBT: the {found[0]} scheduler sets each member's lr from its base lr at every "
+                "step, so the learning rates PBT copies and perturbs last only until then; use "
+                "a scheduler that scales the current lr (StepLR, ExponentialLR, "
+                "CosineAnnealingLR, ...) or perturb other hyperparameters (`names`)",
+                UserWarning,
+                stacklevel=2,
+            )
+            return

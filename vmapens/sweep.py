@@ -254,7 +254,7 @@ class Sweep:
 
         Raises:
             ValueError: bad counts, ``fit`` options the sweep sets itself, hyperparameters
-                the optimizer does not take.
+                the optimizer does not take, ``bootstrap=True`` over several rounds.
         """
         api = "Sweep.run"
         if n_trials is None:
@@ -266,6 +266,14 @@ class Sweep:
         taken = sorted({"optimizer", "lr"} & set(fit_options))
         if taken:
             raise ValueError(f"{api}: the sweep builds the optimizer; do not pass {taken}")
+        if fit_options.get("bootstrap") and per < n_trials:
+            # fit keys each member's resample by its index in the round's ensemble, so a later
+            # round would reuse an earlier round's resamples: trial 2 would train on trial 0's.
+            raise ValueError(
+                f"{api}: bootstrap=True needs every trial in one ensemble (per_ensemble=None "
+                f"or >= n_trials), got per_ensemble={per_ensemble} for {n_trials} trials: "
+                "later rounds would reuse the first round's resamples"
+            )
         given = list(fit_options.get("callbacks", ()))
         watched = self.monitor.startswith("val_") and fit_options.get("val_data") is not None
         if watched and not any(isinstance(cb, EarlyStopping) for cb in given):
