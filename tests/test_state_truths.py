@@ -313,9 +313,10 @@ def test_pbt_copies_under_fp16_continue_as_their_source():
     pbt = vmapens.pbt.PBT(interval=1, fraction=0.5, factors=(1.0,), monitor="train_loss", seed=0)
     rows = _Rows()
     scale = vmapens.LossScale(4, init_scale=2.0**10, growth_interval=2)
-    vmapens.fit(ens, (x, y), nn.MSELoss(), epochs=4, batch_size=8, shuffle=False,
-                precision="fp16", optimizer=vmapens.StackedSGD, lr=[1e-5, 3e-4, 1e-3, 3e-3],
-                loss_scale=scale, callbacks=[rows, pbt], progress=False, seed=0, patience=None)  # fmt: skip
+    run = dict(epochs=4, batch_size=8, shuffle=False, progress=False, seed=0, patience=None)
+    run.update(precision="fp16", loss_scale=scale, callbacks=[rows, pbt])
+    lrs = [1e-5, 3e-4, 1e-3, 3e-3]
+    vmapens.fit(ens, (x, y), nn.MSELoss(), optimizer=vmapens.StackedSGD, lr=lrs, **run)
     copies = [(e, s, d) for e, src, dst in pbt.log[:-1] for s, d in zip(src, dst, strict=True)]
     assert copies
     for epoch, s, d in copies:

@@ -100,9 +100,7 @@ class StackedModule(nn.Module):
     def _evaluating(self) -> Iterator[None]:
         """``eval()`` inside; afterwards every submodule is back in its own mode, where
         ``train()`` would also switch a BatchNorm the user froze in eval mode."""
-        templates = [self._template, self._runner]
-        templates += [] if self._padding is None else self._padding.templates
-        modules = [self, *(m for t in templates for m in t.modules())]
+        modules = [self, *self._template.modules()]
         modes = [m.training for m in modules]
         self.eval()
         try:
@@ -110,6 +108,7 @@ class StackedModule(nn.Module):
         finally:
             for m, mode in zip(modules, modes, strict=True):
                 m.training = mode
+            self._follow_template()
 
     def __len__(self) -> int:
         return len(self.member_ids)
@@ -243,8 +242,9 @@ class StackedModule(nn.Module):
                     member = self[i]
                     before = (signature(member), settings(member))
                     member.apply(fn)
-                    _check_applied(api, before, signature(member), settings(member))
-                    reference = signature(member) if i == 0 else reference
+                    after = signature(member)
+                    _check_applied(api, before, after, settings(member))
+                    reference = reference or after
                     check_same(reference, member, i, api)
                     state = dict(named_tensors(member))
                     for name, t in stacked.items():
@@ -290,9 +290,7 @@ class StackedModule(nn.Module):
     def train(self: _M, mode: bool = True) -> _M:
         super().train(mode)
         self._template.train(mode)
-        self._runner.train(mode)
-        for template in [] if self._padding is None else self._padding.templates:
-            template.train(mode)
+        self._follow_template()  # the runner and padded templates
         return self
 
     def extra_repr(self) -> str:

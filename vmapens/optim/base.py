@@ -75,7 +75,8 @@ class StackedOptimizer(EagerOptimizer):
     #: The update rule: ``rule(params, grads, state, group)`` steps the stacked ``params``
     #: (which share one step count) in place. ``state`` maps each of :meth:`state_names` to
     #: one tensor per parameter and each :meth:`scalar_state` name to the shared ``[n]``
-    #: tensor (float32, or float64 under a float64 default dtype: :func:`~vmapens.optim._buckets.scalar_dtype`);
+    #: tensor (float32, or float64 under a float64 default dtype:
+    #: :func:`~vmapens.optim._buckets.scalar_dtype`);
     #: ``group`` holds the flags, per hyperparameter a float or a float64 ``[n]`` tensor
     #: on the parameters' device, ``mask`` (None or bool [n], the members that step:
     #: the base gives the others their old values back afterwards) and ``fused`` (whether
@@ -152,8 +153,9 @@ class StackedOptimizer(EagerOptimizer):
 
         These count per member, not per element (NAdam adds ``mu_product``). As torch keeps
         them, they are created in torch's scalar dtype whatever the parameters' dtype: float32,
-        or float64 under ``torch.set_default_dtype(torch.float64)`` (:func:`~vmapens.optim._buckets.scalar_dtype`),
-        and keep that dtype when the state moves or is loaded.
+        or float64 under ``torch.set_default_dtype(torch.float64)``
+        (:func:`~vmapens.optim._buckets.scalar_dtype`), and keep that dtype when the state
+        moves or is loaded.
         """
         return {"step": 0.0}
 
