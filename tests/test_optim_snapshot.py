@@ -191,3 +191,51 @@ def test_a_deep_copy_steps_as_the_original():
     for key, v in ens.state_dict().items():
         assert torch.equal(ens2.state_dict()[key][0], v[0]), key
         assert torch.equal(ens2.state_dict()[key][2], v[2]), key
+
+
+#: Optimizers whose update is one torch fused kernel (shared hyperparameters, CPU): the name
+#: of that kernel in ``torch`` and a constructor.
+FUSED: dict[str, tuple[str, Callable[[Any], StackedOptimizer]]] = {
+    "sgd": ("_fused_sgd_", lambda params: StackedSGD(params, lr=0.1, momentum=0.9)),
+    "adam": ("_fused_adam_", lambda params: StackedAdam(params, lr=0.1)),
+    "adamw": (
+        "_fused_adamw_",
+        lambda params: StackedAdam(params, lr=0.1, weight_decay=0.1, decoupled_weight_decay=True),
+    ),
+    "adagrad": ("_fused_adagrad_", lambda params: vmapens.optim.StackedAdagrad(params, lr=0.1)),
+}
+
+
+@pytest.mark.parametrize("counts", ["shared", "differing"])
+@pytest.mark.parametrize("name", list(FUSED))
+def test_a_failing_fused_kernel_changes_nothing(name: str, counts: str, monkeypatch):
+    """Where one fused kernel writes everything, the optimizer keeps no rollback copy (the
+    memory of the parameters and their moments once more). A kernel that fails must then
+    leave every parameter, state tensor and step count as it was: when the members' step
+    counts differ (after a masked step) the kernel runs once per count, and the last one
+    fails after the first has run."""
+    kernel, make = FUSED[name]
+    ens = vmapens.Ensemble(factory, N, seed=0)
+    params = list(ens.parameters())
+    opt = make(ens)
+    grads_(params, 0)
+    opt.step()
+    grads_(params, 1)
+    opt.step(mask=MASK if counts == "differing" else None)
+    if counts == "shared":
+        assert not opt._snapshot._old  # no copy held: only masked steps take one
+    grads_(params, 2)
+    before = written(params, opt)
+    real, calls = getattr(torch, kernel), []
+
+    def fails_last(*args: Any, **kwargs: Any) -> None:
+        calls.append(None)
+        if len(calls) == (2 if counts == "differing" else 1):
+            raise RuntimeError("injected: kernel")
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, kernel, fails_last)
+    with pytest.raises(RuntimeError, match="injected: kernel"):
+        opt.step()
+    assert len(calls) == (2 if counts == "differing" else 1)  # the fused path did run
+    assert_same(written(params, opt), before)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["buckets", "counter_dtype", "scalar_dtype"]
+__all__ = ["buckets", "counter_dtype", "layout", "same_counts", "scalar_dtype"]
 
 
 def buckets(
@@ -71,3 +71,13 @@ def counter_dtype(step: Any) -> torch.dtype:
     if isinstance(step, Tensor) and step.dtype in (torch.float32, torch.float64):
         return step.dtype
     return scalar_dtype()
+
+
+def layout(params: list[Tensor]) -> tuple:
+    """What state must be re-checked against when it changes (``ens.double()``, ``.to()``)."""
+    return tuple((p.dtype, p.device, tuple(p.shape)) for p in params)
+
+
+def same_counts(a: Tensor, b: Tensor) -> bool:
+    """Whether two parameters' counters are equal, so that they may share one tensor."""
+    return a is b or (a.device == b.device and torch.equal(a, b))

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._fused import fusable, run_fused
+from ._fused import fusable, one_kernel_when, run_fused
 from ._hyper import (
     EPS,
     LR,
@@ -30,6 +30,15 @@ from .base import StackedOptimizer
 __all__ = ["StackedAdagrad", "adagrad_rule", "adagrad_update_"]
 
 
+def _fused(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> bool:
+    """Whether :func:`adagrad_rule` takes torch's fused kernel (shared hyperparameters, on CPU)."""
+    values = [group[k] for k in ("lr", "lr_decay", "weight_decay", "eps")]
+    return fusable(group, [params, grads, state["sum"]], values)
+
+
+@one_kernel_when(_fused)
 def adagrad_rule(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> None:
@@ -55,7 +64,7 @@ def adagrad_rule(
     """
     lr, lr_decay, wd, eps = (group[k] for k in ("lr", "lr_decay", "weight_decay", "eps"))
     sums, step = state["sum"], state["step"]
-    if fusable(group, [params, grads, sums], [lr, lr_decay, wd, eps]):
+    if _fused(params, grads, state, group):
         # Like torch, the kernel gets the count after this step.
 
         def kernel(t: list[list[Tensor]], count: float) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._fused import fusable, run_fused
+from ._fused import fusable, one_kernel_when, run_fused
 from ._hyper import (
     BETAS,
     EPS,
@@ -34,6 +34,22 @@ from .base import StackedOptimizer
 __all__ = ["StackedAdam", "adam_rule", "adam_update", "adam_update_"]
 
 
+def _lists(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> list[list[Tensor]]:
+    moments = [state["exp_avg"], state["exp_avg_sq"]]
+    return [params, grads, *moments, *([state["max_exp_avg_sq"]] if group["amsgrad"] else [])]
+
+
+def _fused(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> bool:
+    """Whether :func:`adam_rule` takes torch's fused kernel (shared hyperparameters, on CPU)."""
+    values = [group["lr"], group["eps"], group["weight_decay"], *group["betas"]]
+    return fusable(group, _lists(params, grads, state, group), values)
+
+
+@one_kernel_when(_fused)
 def adam_rule(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> None:
@@ -68,8 +84,7 @@ def adam_rule(
     lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     exp_avg, exp_avg_sq, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
     v_max = state["max_exp_avg_sq"] if group["amsgrad"] else None
-    lists = [params, grads, exp_avg, exp_avg_sq, *([] if v_max is None else [v_max])]
-    if fusable(group, lists, [lr, eps, wd, beta1, beta2]):
+    if _fused(params, grads, state, group):
         fused = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
 
         def kernel(t: list[list[Tensor]], count: float) -> None:
@@ -89,7 +104,7 @@ def adam_rule(
                 maximize=group["maximize"],
             )
 
-        run_fused(kernel, lists, step, group["mask"])
+        run_fused(kernel, _lists(params, grads, state, group), step, group["mask"])
         return
 
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)

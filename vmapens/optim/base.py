@@ -19,8 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_mask
-from ._buckets import buckets, counter_dtype
+from ._buckets import buckets, counter_dtype, layout, same_counts
 from ._eager import EagerOptimizer
+from ._fused import in_one_kernel
 from ._handoff import check_state_dict, copy_rows, member_state_dict, select_parts
 from ._hyper import (
     IMPLEMENTATION,
@@ -39,11 +40,6 @@ __all__ = ["StackedOptimizer"]
 
 # What a subclass constructor's locals() holds besides its options.
 _NOT_OPTIONS = ("self", "params", "__class__", "implementation")
-
-
-def layout(params: list[Tensor]) -> tuple:
-    """What state must be re-checked against when it changes (``ens.double()``, ``.to()``)."""
-    return tuple((p.dtype, p.device, tuple(p.shape)) for p in params)
 
 
 class StackedOptimizer(EagerOptimizer):
@@ -256,7 +252,7 @@ class StackedOptimizer(EagerOptimizer):
         for p in group["params"]:
             state = self.state[p]
             for other in kept:
-                if all(_same(other[k], state[k]) for k in counters):
+                if all(same_counts(other[k], state[k]) for k in counters):
                     state.update({k: other[k] for k in counters})
                     break
             else:
@@ -301,8 +297,11 @@ class StackedOptimizer(EagerOptimizer):
                 calls += [(*part, args) for part in parts]
         written = [t for params, _, state, _ in calls for t in tensors_of(params, state)]
         with torch.no_grad():
-            # Copied first, so that a failed step changes nothing and masked members keep theirs.
-            saved = self._snapshot.take(written, mask, self._layouts)
+            # Copied first, so that a failed step changes nothing and masked members keep theirs;
+            # not when the class's own rule writes all in one fused kernel (whole or not at all).
+            own = type(self).update_ is StackedOptimizer.update_ and len(calls) == 1
+            whole = own and mask is None and in_one_kernel(type(self).rule, *calls[0])
+            saved = [] if whole else self._snapshot.take(written, mask, self._layouts)
             try:
                 for params, g, state, args in calls:
                     self.update_(params, g, state, args)
@@ -414,7 +413,3 @@ class StackedOptimizer(EagerOptimizer):
 
 def _flags_of(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k in IMPLEMENTATION}
-
-
-def _same(a: Tensor, b: Tensor) -> bool:
-    return a is b or (a.device == b.device and torch.equal(a, b))

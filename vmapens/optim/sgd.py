@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .._checks import column
-from ._fused import fusable, run_fused
+from ._fused import fusable, one_kernel_when, run_fused
 from ._hyper import (
     LR,
     MOMENTUM,
@@ -31,6 +31,20 @@ from .base import StackedOptimizer
 __all__ = ["StackedSGD", "sgd_rule", "sgd_update_"]
 
 
+def _lists(params: list[Tensor], grads: list[Tensor], state: dict[str, Any]) -> list[list[Tensor]]:
+    bufs = state.get("momentum_buffer")
+    return [params, grads, *([] if bufs is None else [bufs])]
+
+
+def _fused(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> bool:
+    """Whether :func:`sgd_rule` takes torch's fused kernel (shared hyperparameters, on CPU)."""
+    values = [group[k] for k in ("lr", "momentum", "dampening", "weight_decay")]
+    return fusable(group, _lists(params, grads, state), values)
+
+
+@one_kernel_when(_fused)
 def sgd_rule(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> None:
@@ -59,8 +73,7 @@ def sgd_rule(
     """
     lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
     dampening, bufs, step = group["dampening"], state.get("momentum_buffer"), state["step"]
-    lists = [params, grads, *([] if bufs is None else [bufs])]
-    if fusable(group, lists, [lr, momentum, dampening, wd]):
+    if _fused(params, grads, state, group):
 
         def kernel(t: list[list[Tensor]], count: float) -> None:
             torch._fused_sgd_(
@@ -76,7 +89,7 @@ def sgd_rule(
                 is_first_step=count == 0,
             )
 
-        run_fused(kernel, lists, step, group["mask"])
+        run_fused(kernel, _lists(params, grads, state), step, group["mask"])
         return
 
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
