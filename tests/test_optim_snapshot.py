@@ -239,3 +239,43 @@ def test_a_failing_fused_kernel_changes_nothing(name: str, counts: str, monkeypa
         opt.step()
     assert len(calls) == (2 if counts == "differing" else 1)  # the fused path did run
     assert_same(written(params, opt), before)
+
+
+@pytest.mark.parametrize("counts", ["shared", "differing"])
+@pytest.mark.parametrize("name", list(FUSED))
+def test_an_interrupt_as_the_fused_kernel_returns_completes_the_step(
+    name: str, counts: str, monkeypatch
+):
+    """Python raises a KeyboardInterrupt that arrives while a native kernel runs as soon as the
+    kernel returns, when it has written everything: without a rollback copy the step must then
+    be counted too, so that the interrupted run continues exactly as one whose step finished
+    (parameters, state and step counts). With differing counts the one write is the copy."""
+    kernel, make = FUSED[name]
+    runs = []
+    for interrupted in (False, True):
+        ens = vmapens.Ensemble(factory, N, seed=0)
+        params = list(ens.parameters())
+        opt = make(ens)
+        grads_(params, 0)
+        opt.step()
+        grads_(params, 1)
+        opt.step(mask=MASK if counts == "differing" else None)
+        grads_(params, 2)
+        if interrupted:
+            op = kernel if counts == "shared" else "_foreach_copy_"
+            real = getattr(torch, op)
+
+            def signal(*args: Any, real: Callable = real, **kwargs: Any) -> None:
+                real(*args, **kwargs)
+                raise KeyboardInterrupt("injected: signal")
+
+            with monkeypatch.context() as patch:
+                patch.setattr(torch, op, signal)
+                with pytest.raises(KeyboardInterrupt, match="injected: signal"):
+                    opt.step()
+        else:
+            opt.step()
+        grads_(params, 3)
+        opt.step()
+        runs.append(written(params, opt))
+    assert_same(runs[1], runs[0])

@@ -11,6 +11,7 @@ rollback copy there (``StackedOptimizer._update``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -81,7 +82,7 @@ def fusable(group: dict[str, Any], lists: list[list[Tensor]], values: list[Any])
 
 
 def run_fused(
-    kernel: Callable[[list[list[Tensor]], float], None],
+    kernel: Callable[[list[list[Tensor]], float], Callable[[], Any] | None],
     lists: list[list[Tensor]],
     step: Tensor,
     mask: Tensor | None,
@@ -97,7 +98,10 @@ def run_fused(
     call on a subset of rows would move the kernel's vector/tail split).
 
     Args:
-        kernel: Calls the fused op on lists shaped like ``lists`` with one step count.
+        kernel: The update on lists shaped like ``lists`` with one step count: it writes them
+            itself (and returns None), or returns the fused op's call as a
+            ``functools.partial``, which is made here as one write (:func:`_write_then_count`;
+            only such a rule may be marked :func:`one_kernel_when`).
         lists: The kernel's tensor lists, stacked ``[n, ...]``: params, grads (copied when
             not contiguous: the kernels ignore strides, and leave gradients as they are),
             then state.
@@ -108,23 +112,46 @@ def run_fused(
     lists = [lists[0], grads, *lists[2:]]
     counts = _counts(step, mask)
     if len(counts) == 1:
-        kernel(lists, counts[0])
-    else:
-        # Every count's kernel runs on copies before anything is written, and one copy writes
-        # all: a failure on a later count leaves the tensors as they were.
-        written = [lists[0], *lists[2:]]  # the gradients are read only
-        targets = [t for ts in written for t in ts]
-        merged = list(targets)
-        stepping = torch.ones_like(step, dtype=torch.bool) if mask is None else mask.to(step.device)
-        for count in counts:
-            work = [[t.clone() for t in ts] for ts in lists]
-            kernel(work, count)
-            rows = stepping & (step == count)
-            news = [t for ts in [work[0], *work[2:]] for t in ts]
-            merged = [
-                torch.where(column(rows, m), new, m) for m, new in zip(merged, news, strict=True)
-            ]
-        torch._foreach_copy_(targets, merged)
+        write = kernel(lists, counts[0])
+        if write is None:
+            step.add_(1)
+        else:
+            _write_then_count(write, step)
+        return
+    # Every count's kernel runs on copies before anything is written, and one copy writes
+    # all: a failure on a later count leaves the tensors as they were.
+    written = [lists[0], *lists[2:]]  # the gradients are read only
+    targets = [t for ts in written for t in ts]
+    merged = list(targets)
+    stepping = torch.ones_like(step, dtype=torch.bool) if mask is None else mask.to(step.device)
+    for count in counts:
+        work = [[t.clone() for t in ts] for ts in lists]
+        write = kernel(work, count)
+        if write is not None:
+            write()
+        rows = stepping & (step == count)
+        news = [t for ts in [work[0], *work[2:]] for t in ts]
+        merged = [torch.where(column(rows, m), new, m) for m, new in zip(merged, news, strict=True)]
+    _write_then_count(functools.partial(torch._foreach_copy_, targets, merged), step)
+
+
+def _write_then_count(write: Callable[[], Any], step: Tensor) -> None:
+    """Run ``write`` (one native op that writes all or nothing), then count the step.
+
+    Python raises a pending ``KeyboardInterrupt`` (or what a signal handler raises) as soon as a
+    native call returns, so one that arrives while the kernel runs surfaces here after the op
+    has written: the step is then counted before it propagates, and parameters, state and counts
+    agree. ``write`` must be the op itself or a ``functools.partial`` of it (C all the way down:
+    a Python function's entry would raise a pending interrupt before the op runs). The op's own
+    errors (an ``Exception``) come from its argument checks, before it writes.
+    """
+    try:
+        write()
+    except Exception:
+        raise
+    except BaseException:
+        step.add_(1)
+        raise
     step.add_(1)
 
 

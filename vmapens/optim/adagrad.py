@@ -67,8 +67,9 @@ def adagrad_rule(
     if _fused(params, grads, state, group):
         # Like torch, the kernel gets the count after this step.
 
-        def kernel(t: list[list[Tensor]], count: float) -> None:
-            torch._fused_adagrad_(
+        def kernel(t: list[list[Tensor]], count: float) -> Callable[[], Any]:
+            return functools.partial(
+                torch._fused_adagrad_,
                 t[0],
                 t[1],
                 t[2],

@@ -87,8 +87,9 @@ def adam_rule(
     if _fused(params, grads, state, group):
         fused = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
 
-        def kernel(t: list[list[Tensor]], count: float) -> None:
-            fused(
+        def kernel(t: list[list[Tensor]], count: float) -> Callable[[], Any]:
+            return functools.partial(
+                fused,
                 t[0],
                 t[1],
                 t[2],

@@ -75,8 +75,9 @@ def sgd_rule(
     dampening, bufs, step = group["dampening"], state.get("momentum_buffer"), state["step"]
     if _fused(params, grads, state, group):
 
-        def kernel(t: list[list[Tensor]], count: float) -> None:
-            torch._fused_sgd_(
+        def kernel(t: list[list[Tensor]], count: float) -> Callable[[], Any]:
+            return functools.partial(
+                torch._fused_sgd_,
                 t[0],
                 t[1],
                 t[2] if len(t) > 2 else [],
