@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from truth import TOL64, assert_members_equal, train_each, twins
+from truth import TOL64, assert_members_equal, train_alone, train_each, twins
 
 import vmapens
 
@@ -203,3 +203,77 @@ def test_apply_that_switches_the_root_switches_the_ensemble():
     x = _batches(1)[0][0]
     with torch.no_grad():
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in alone]), **TOL64)
+
+
+@pytest.mark.parametrize("how", ["eager", "chunked", "compiled"])
+def test_a_layer_frozen_and_unfrozen_between_steps_of_one_step_function(how):
+    """Fine-tuning freezes a layer mid-run: torch's loop (zero_grad, backward, step) then gives
+    it no gradient, so Adam neither moves it nor counts its step, until it is unfrozen. One
+    ``make_step`` must do the same (the eager step refused with a misleading error, and the
+    compiled one kept training the frozen layer). No BatchNorm: Adam would magnify the rounding
+    noise of the first bias's gradient, which BatchNorm makes zero."""
+
+    def mlp() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+
+    torch.manual_seed(0)
+    ens = vmapens.Ensemble(mlp, N, seed=0, chunk_size=2 if how == "chunked" else None)
+    alone = twins(ens.unstack())
+    opt = vmapens.StackedAdam(ens, lr=0.1)
+    step = vmapens.make_step(ens, nn.MSELoss(), opt, compile=how == "compiled")
+    opts = [torch.optim.Adam(m.parameters(), lr=0.1) for m in alone]
+    batches = _batches(6)
+    weight = ens.stacked_params()["0.weight"]
+    before = weight.detach().clone()
+    for phase, frozen in enumerate([False, True, False]):
+        weight.requires_grad_(not frozen)
+        for m, o in zip(alone, opts, strict=True):
+            m[0].weight.requires_grad_(not frozen)
+            train_alone(m, batches[2 * phase : 2 * phase + 2], make_opt=o)
+        for x, y in batches[2 * phase : 2 * phase + 2]:
+            step(x, y)
+        if frozen:
+            torch.testing.assert_close(weight, before, rtol=0, atol=0)
+        before = weight.detach().clone()
+    assert_members_equal(ens, alone)
+    for i, o in enumerate(opts):  # the frozen layer's Adam state skipped the frozen steps
+        want = o.state_dict()["state"]
+        got = opt.member_state_dict(i)["state"]
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], **TOL64)
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_every_layer_frozen_says_so_and_changes_nothing(compile):
+    ens = vmapens.Ensemble(net, N, seed=0)
+    opt = vmapens.StackedAdam(ens, lr=0.1)
+    step = vmapens.make_step(ens, nn.MSELoss(), opt, compile=compile)
+    x, y = _batches(1)[0]
+    for p in ens.parameters():
+        p.requires_grad_(False)
+    before = {k: v.clone() for k, v in ens.state_dict().items()}
+    with pytest.raises(RuntimeError, match="no parameter of the ensemble requires grad"):
+        step(x, y)
+    for k, v in ens.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert not opt.state
+
+
+class _Broken(torch.optim.SGD):
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        torch.ones(2) + torch.ones(3)  # torch's own error: "The size of tensor a (2) must ..."
+
+
+def test_an_optimizer_that_fails_is_named_not_the_forward():
+    """The step's guard reports torch's unexplained errors as a member's forward or loss
+    failing; one from ``optimizer.step()`` must name the optimizer instead, and leave the
+    parameters, buffers and gradients as they were."""
+    ens = vmapens.Ensemble(net, N, seed=0)
+    step = vmapens.make_step(ens, nn.MSELoss(), _Broken(ens.parameters(), lr=0.1), check=False)
+    x, y = _batches(1)[0]
+    before = {k: v.clone() for k, v in ens.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"^step: _Broken.step\(\) failed \(The size of tensor"):
+        step(x, y)
+    for k, v in ens.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in ens.parameters())

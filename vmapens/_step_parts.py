@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +30,8 @@ __all__ = [
     "check_optimizer",
     "frozen_buffers",
     "graph_hyperparameters",
+    "optimizer_errors",
+    "trainable",
     "undo_point",
 ]
 
@@ -166,6 +168,37 @@ def undo_point(ens: Ensemble, optimizer: Any) -> Callable[[], None]:
         optimizer.load_state_dict(state)
 
     return undo
+
+
+def trainable(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters that require grad now (a layer may be frozen between steps).
+
+    Raises:
+        RuntimeError: none does (as ``loss.backward()`` raises when nothing requires grad).
+    """
+    live = [p for p in params if p.requires_grad]
+    if not live:
+        raise RuntimeError(
+            "step: no parameter of the ensemble requires grad (every layer is frozen), so there "
+            "is nothing to train; unfreeze one (ens.stacked_params()[name].requires_grad_(True)) "
+            "or use vmapens.predict for forward passes"
+        )
+    return live
+
+
+@contextlib.contextmanager
+def optimizer_errors(optimizer: Any) -> Iterator[None]:
+    """Name the optimizer in torch's own ``RuntimeError`` from its step.
+
+    The ensemble's guard reports an unexplained torch error as a member's forward or loss
+    failing; one raised by ``optimizer.step()`` comes from elsewhere and says so.
+    """
+    try:
+        yield
+    except RuntimeError as err:
+        if type(err) is not RuntimeError or ":" in str(err).split(" ", 1)[0]:
+            raise
+        raise RuntimeError(f"step: {type(optimizer).__name__}.step() failed ({err})") from err
 
 
 @contextlib.contextmanager

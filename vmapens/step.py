@@ -21,6 +21,8 @@ from ._step_parts import (
     check_optimizer,
     frozen_buffers,
     graph_hyperparameters,
+    optimizer_errors,
+    trainable,
     undo_point,
 )
 from .ensemble import Ensemble
@@ -134,11 +136,13 @@ def make_step(
     batched = ens._member_map(member_loss, (in_dims, in_dims))
 
     # The stacked parameters keep their identity through .to() / .double(): list them once.
-    params = [p for p in ens.parameters() if p.requires_grad]
+    # Which of them train is read every call, as loss.backward() reads it.
+    every: list[torch.Tensor] = list(ens.parameters())
 
     def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         args = check_call(ens, optimizer, inputs, targets, mask, in_dims)
-        old_grads = [p.grad for p in params]
+        params = trainable(every)
+        old_grads = [p.grad for p in every]
         undo = undo_point(ens, optimizer)
         try:
             with ens.guard("step"), frozen_buffers(ens, mask):
@@ -158,19 +162,22 @@ def make_step(
                     losses, grads = chunked_losses_and_grads(batched, ens.stacked_state(),
                         params, args, targets, in_dims, scale, chunks,
                         ens.randomness == "same", update.autocast)  # fmt: skip
+                for p in every:  # a layer frozen since the last step: no gradient, no step
+                    p.grad = None  # (zero_grad's set_to_none)
                 for p, new in zip(params, grads, strict=True):
                     p.grad = new
                 live = [p.grad for p in params if p.grad is not None]
                 stepping, found_inf = update.gradients_(live, mask)
-                if stepping is None:
-                    optimizer.step()
-                else:
-                    masked: Callable[..., Any] = optimizer.step  # a StackedOptimizer's
-                    masked(mask=stepping)
+                with optimizer_errors(optimizer):
+                    if stepping is None:
+                        optimizer.step()
+                    else:
+                        masked: Callable[..., Any] = optimizer.step  # a StackedOptimizer's
+                        masked(mask=stepping)
                 if update.scale is not None:
                     update.scale.update_(found_inf, mask)
         except BaseException:
-            for p, g in zip(params, old_grads, strict=True):
+            for p, g in zip(every, old_grads, strict=True):
                 p.grad = g
             undo()
             raise
@@ -217,46 +224,56 @@ def _compiled_step(
 ) -> Step:
     names = {id(p): name for name, p in ens.named_parameters()}
     order = [p for group in optimizer.param_groups for p in group["params"]]
-    trained = [name for name, p in ens.stacked_params().items() if p.requires_grad]
-
-    def loss_of(params: dict, fixed: dict, inputs: tuple, target: torch.Tensor, scale: Any) -> Any:
-        loss = member_loss({**params, **fixed}, inputs, target)
-        return (loss if scale is None else loss * scale), loss
-
-    def member_grads(state: dict, inputs: tuple, target: torch.Tensor, scale: Any) -> Any:
-        # Buffers go in as an argument, not a closure: grad must not see them as captured
-        # tensors, which BatchNorm updates in place.
-        fixed = {k: v for k, v in state.items() if k not in trained}
-        params = {k: state[k] for k in trained}
-        grads, (_, loss) = grad_and_value(loss_of, has_aux=True)(
-            params, fixed, inputs, target, scale
-        )
-        return grads, loss
-
     scaled = update.scale is not None
-    batched = ens._member_map(member_grads, (in_dims, in_dims, 0 if scaled else None))
-
-    def body(state: dict, inputs: tuple, targets: torch.Tensor, mask: Any, scale: Any) -> Any:
-        with update.autocast():
-            grads, losses = batched(state, inputs, targets, scale)
-        # Frozen parameters get no gradient (None), as with loss.backward().
-        ordered = [grads.get(names[id(p)]) for p in order]
-        stepping, found_inf = update.gradients_([g for g in ordered if g is not None], mask)
-        optimizer.apply_gradients(ordered, mask=stepping)
-        if update.scale is not None:
-            update.scale.update_(found_inf, mask)
-        return losses
-
     device = next(iter(ens.parameters())).device
-    # dynamic=False: shapes are fixed per ensemble, and functorch's grad cannot trace symbolic
-    # sizes. _own_code: dynamo caches compiled graphs on the code object, so every make_step
-    # would otherwise share one cache (and its recompile limit) with every other ensemble.
-    compiled = torch.compile(
-        _own_code(body),
-        fullgraph=True,
-        dynamic=False,
-        options=_compile_options(device, update.dtype),
-    )
+
+    def build(trained: tuple[str, ...]) -> Callable[..., Any]:
+        """The compiled step that trains the parameters named ``trained``."""
+
+        def loss_of(
+            params: dict, fixed: dict, inputs: tuple, target: torch.Tensor, scale: Any
+        ) -> Any:
+            loss = member_loss({**params, **fixed}, inputs, target)
+            return (loss if scale is None else loss * scale), loss
+
+        def member_grads(state: dict, inputs: tuple, target: torch.Tensor, scale: Any) -> Any:
+            # Buffers go in as an argument, not a closure: grad must not see them as captured
+            # tensors, which BatchNorm updates in place.
+            fixed = {k: v for k, v in state.items() if k not in trained}
+            params = {k: state[k] for k in trained}
+            grads, (_, loss) = grad_and_value(loss_of, has_aux=True)(
+                params, fixed, inputs, target, scale
+            )
+            return grads, loss
+
+        batched = ens._member_map(member_grads, (in_dims, in_dims, 0 if scaled else None))
+
+        def body(state: dict, inputs: tuple, targets: torch.Tensor, mask: Any, scale: Any) -> Any:
+            with update.autocast():
+                grads, losses = batched(state, inputs, targets, scale)
+            # Frozen parameters get no gradient (None), as with loss.backward().
+            ordered = [grads.get(names[id(p)]) for p in order]
+            stepping, found_inf = update.gradients_([g for g in ordered if g is not None], mask)
+            optimizer.apply_gradients(ordered, mask=stepping)
+            if update.scale is not None:
+                update.scale.update_(found_inf, mask)
+            return losses
+
+        # dynamic=False: shapes are fixed per ensemble, and functorch's grad cannot trace
+        # symbolic sizes. _own_code: dynamo caches compiled graphs on the code object, so every
+        # make_step would otherwise share one cache (and its recompile limit) with every other.
+        return torch.compile(
+            _own_code(body),
+            fullgraph=True,
+            dynamic=False,
+            options=_compile_options(device, update.dtype),
+        )
+
+    # Which parameters train is read every call, as loss.backward() reads it: a layer frozen
+    # or unfrozen after make_step gets a graph of its own (compiled once for each such set).
+    named = list(ens.named_parameters())
+    first = tuple(name for name, p in named if p.requires_grad)
+    graphs = {first: build(first)}  # torch.compile wraps now, and compiles at the first call
     shapes: set[tuple] = set()
     made: dict[tuple, Any] = {}  # graph_hyperparameters' MemberValues, kept between calls
 
@@ -270,12 +287,16 @@ def _compiled_step(
                 "fixed size (e.g. DataLoader(drop_last=True), fit(batch_size=...) with a size "
                 "that divides the data) or use compile=False"
             )
+        live = {id(p) for p in trainable([p for _, p in named])}
+        trained = tuple(name for name, p in named if id(p) in live)
+        if trained not in graphs:
+            graphs[trained] = build(trained)
         optimizer.prepare()  # state is created outside the graph
         # Gradients come from torch.func inside the graph: no autograd graph around it.
         with torch.no_grad(), ens.guard("step"), frozen_buffers(ens, mask):
             scale = None if update.scale is None else update.scale.scale
             with graph_hyperparameters(optimizer, made):  # changed values recompile nothing
-                losses = compiled(ens.stacked_state(), args, targets, mask, scale)
+                losses = graphs[trained](ens.stacked_state(), args, targets, mask, scale)
         # It stepped the optimizer without opt.step(): say so to torch's LR schedulers, as the
         # wrapper they put on opt.step does (else: "lr_scheduler.step() before optimizer.step()").
         optimizer._opt_called = True  # type: ignore[attr-defined]
