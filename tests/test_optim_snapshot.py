@@ -206,6 +206,19 @@ FUSED: dict[str, tuple[str, Callable[[Any], StackedOptimizer]]] = {
 }
 
 
+def two_steps(make: Callable[[Any], StackedOptimizer], counts: str) -> tuple[list, Any]:
+    """Two steps, the second masked when ``counts`` is "differing"; the next gradients set."""
+    ens = vmapens.Ensemble(factory, N, seed=0)
+    params = list(ens.parameters())
+    opt = make(ens)
+    grads_(params, 0)
+    opt.step()
+    grads_(params, 1)
+    opt.step(mask=MASK if counts == "differing" else None)
+    grads_(params, 2)
+    return params, opt
+
+
 @pytest.mark.parametrize("counts", ["shared", "differing"])
 @pytest.mark.parametrize("name", list(FUSED))
 def test_a_failing_fused_kernel_changes_nothing(name: str, counts: str, monkeypatch):
@@ -215,16 +228,9 @@ def test_a_failing_fused_kernel_changes_nothing(name: str, counts: str, monkeypa
     counts differ (after a masked step) the kernel runs once per count, and the last one
     fails after the first has run."""
     kernel, make = FUSED[name]
-    ens = vmapens.Ensemble(factory, N, seed=0)
-    params = list(ens.parameters())
-    opt = make(ens)
-    grads_(params, 0)
-    opt.step()
-    grads_(params, 1)
-    opt.step(mask=MASK if counts == "differing" else None)
+    params, opt = two_steps(make, counts)
     if counts == "shared":
         assert not opt._snapshot._old  # no copy held: only masked steps take one
-    grads_(params, 2)
     before = written(params, opt)
     real, calls = getattr(torch, kernel), []
 
@@ -253,14 +259,7 @@ def test_an_interrupt_as_the_fused_kernel_returns_completes_the_step(
     kernel, make = FUSED[name]
     runs = []
     for interrupted in (False, True):
-        ens = vmapens.Ensemble(factory, N, seed=0)
-        params = list(ens.parameters())
-        opt = make(ens)
-        grads_(params, 0)
-        opt.step()
-        grads_(params, 1)
-        opt.step(mask=MASK if counts == "differing" else None)
-        grads_(params, 2)
+        params, opt = two_steps(make, counts)
         if interrupted:
             op = kernel if counts == "shared" else "_foreach_copy_"
             real = getattr(torch, op)
