@@ -117,3 +117,24 @@ def test_narrow_shared_products_run_transposed_and_equal_bmm(case):
     want = fn(*args)
     assert out.is_contiguous()
     torch.testing.assert_close(out, want, **TOL)
+
+
+@pytest.mark.parametrize("w,transposed", [(2, True), (8, True), (9, False)])
+def test_merged_products_of_few_columns_run_transposed_and_equal_bmm(w, transposed):
+    """Small products on a shared second operand (workload A's weight gradient: g[i]^T @ x,
+    x with 2 features) merge into one mm; with <= 8 columns it runs as x^T @ [g^T ...]."""
+    n, m, k = 6, 20, 5
+
+    def fn(a, v):
+        return torch.bmm(a, v.expand(n, k, w))
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(s, generator=g, dtype=torch.float64) for s in ((n, m, k), (k, w))]
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    assert _matmuls.rewrite_shared_operands(gm.graph) == 1
+    gm.recompile()
+    (mm,) = [node for node in gm.graph.nodes if node.target is torch.ops.aten.mm.default]
+    assert tuple(mm.meta["val"].shape) == ((w, n * m) if transposed else (n * m, w))
+    out = gm(*args)
+    assert out.is_contiguous() and out.shape == (n, m, w)
+    torch.testing.assert_close(out, fn(*args), **TOL)
