@@ -277,3 +277,35 @@ def test_an_optimizer_that_fails_is_named_not_the_forward():
     for k, v in ens.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert all(p.grad is None for p in ens.parameters())
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_a_layer_unfrozen_into_a_new_param_group_mid_run(compile):
+    """Fine-tuning's other half: the optimizer starts over the trainable layers only, then a
+    frozen layer is unfrozen and added as a param group of its own (another lr), as with
+    torch alone. The compiled step read the optimizer's parameters once and failed."""
+
+    def mlp() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+
+    torch.manual_seed(0)
+    ens = vmapens.Ensemble(mlp, N, seed=0)
+    alone = twins(ens.unstack())
+    weight = ens.stacked_params()["0.weight"].requires_grad_(False)
+    frozen = weight.detach().clone()
+    for m in alone:
+        m[0].weight.requires_grad_(False)
+    opt = vmapens.StackedAdam([p for p in ens.parameters() if p.requires_grad], lr=0.1)
+    opts = [torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in alone]
+    step = vmapens.make_step(ens, nn.MSELoss(), opt, compile=compile)
+    batches = _batches(4)
+    for k, (x, y) in enumerate(batches):
+        if k == 2:
+            opt.add_param_group({"params": [weight.requires_grad_(True)], "lr": 0.05})
+            for m, o in zip(alone, opts, strict=True):
+                o.add_param_group({"params": [m[0].weight.requires_grad_(True)], "lr": 0.05})
+        step(x, y)
+        for m, o in zip(alone, opts, strict=True):
+            train_alone(m, [(x, y)], make_opt=o)
+    assert_members_equal(ens, alone)
+    assert not torch.equal(weight, frozen)  # not vacuous: the unfrozen layer trained

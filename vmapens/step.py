@@ -223,12 +223,12 @@ def _compiled_step(
     update: Update,
 ) -> Step:
     names = {id(p): name for name, p in ens.named_parameters()}
-    order = [p for group in optimizer.param_groups for p in group["params"]]
     scaled = update.scale is not None
     device = next(iter(ens.parameters())).device
 
-    def build(trained: tuple[str, ...]) -> Callable[..., Any]:
-        """The compiled step that trains the parameters named ``trained``."""
+    def build(trained: tuple[str, ...], order: tuple[str, ...]) -> Callable[..., Any]:
+        """The compiled step that trains the parameters named ``trained`` with an optimizer
+        over those named ``order``."""
 
         def loss_of(
             params: dict, fixed: dict, inputs: tuple, target: torch.Tensor, scale: Any
@@ -252,7 +252,7 @@ def _compiled_step(
             with update.autocast():
                 grads, losses = batched(state, inputs, targets, scale)
             # Frozen parameters get no gradient (None), as with loss.backward().
-            ordered = [grads.get(names[id(p)]) for p in order]
+            ordered = [grads.get(name) for name in order]
             stepping, found_inf = update.gradients_([g for g in ordered if g is not None], mask)
             optimizer.apply_gradients(ordered, mask=stepping)
             if update.scale is not None:
@@ -269,11 +269,20 @@ def _compiled_step(
             options=_compile_options(device, update.dtype),
         )
 
-    # Which parameters train is read every call, as loss.backward() reads it: a layer frozen
-    # or unfrozen after make_step gets a graph of its own (compiled once for each such set).
-    named = list(ens.named_parameters())
-    first = tuple(name for name, p in named if p.requires_grad)
-    graphs = {first: build(first)}  # torch.compile wraps now, and compiles at the first call
+    # Which parameters train, and which the optimizer holds, are read every call, as
+    # loss.backward() and opt.step() read them: a layer frozen or unfrozen after make_step, or
+    # a param group added, gets a graph of its own (compiled once for each such pair).
+    every = [p for _, p in ens.named_parameters()]
+
+    def graph_key(trained: list[torch.Tensor]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The names of ``trained`` and of the parameters the optimizer holds, in order."""
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        if any(id(p) not in names for p in held):  # a param group added holds another tensor
+            check_optimizer("step", ens, optimizer)  # raises, naming it
+        return tuple(names[id(p)] for p in trained), tuple(names[id(p)] for p in held)
+
+    first = graph_key([p for p in every if p.requires_grad])
+    graphs = {first: build(*first)}  # torch.compile wraps now and compiles at the first call
     shapes: set[tuple] = set()
     made: dict[tuple, Any] = {}  # graph_hyperparameters' MemberValues, kept between calls
 
@@ -287,16 +296,15 @@ def _compiled_step(
                 "fixed size (e.g. DataLoader(drop_last=True), fit(batch_size=...) with a size "
                 "that divides the data) or use compile=False"
             )
-        live = {id(p) for p in trainable([p for _, p in named])}
-        trained = tuple(name for name, p in named if id(p) in live)
-        if trained not in graphs:
-            graphs[trained] = build(trained)
+        now = graph_key(trainable(every))
+        if now not in graphs:
+            graphs[now] = build(*now)
         optimizer.prepare()  # state is created outside the graph
         # Gradients come from torch.func inside the graph: no autograd graph around it.
         with torch.no_grad(), ens.guard("step"), frozen_buffers(ens, mask):
             scale = None if update.scale is None else update.scale.scale
             with graph_hyperparameters(optimizer, made):  # changed values recompile nothing
-                losses = graphs[trained](ens.stacked_state(), args, targets, mask, scale)
+                losses = graphs[now](ens.stacked_state(), args, targets, mask, scale)
         # It stepped the optimizer without opt.step(): say so to torch's LR schedulers, as the
         # wrapper they put on opt.step does (else: "lr_scheduler.step() before optimizer.step()").
         optimizer._opt_called = True  # type: ignore[attr-defined]
