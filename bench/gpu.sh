@@ -22,7 +22,8 @@ python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" |
 
 status=0
 # The CUDA-specific tests, then the CPU-independent ones that also touch devices.
-timeout 150 python -m pytest tests/test_cuda.py -q -p no:cacheprovider -rs \
+# addopts cleared: pytest-xdist's workers make pytest-benchmark warn, and warnings are errors.
+timeout 150 python -m pytest tests/test_cuda.py -o addopts="" -q -p no:cacheprovider -rs \
     --junitxml="$out/test_cuda.xml" 2>&1 | tee "$out/test_cuda.txt" || status=1
 # Quick sizes on CUDA: A, B, the optimizer step and the real models' eager rows.
 timeout 120 python -m bench --device cuda --quick --json "$out/bench_quick.json" \

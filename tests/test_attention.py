@@ -369,16 +369,33 @@ def test_nested_and_threaded_contexts_share_one_rule():
     assert not errors, errors
 
 
-@pytest.mark.parametrize("before", [True, False], ids=["fastpath-on", "fastpath-off"])
+# The settings the context switches off: the MHA fast path (vmap cannot batch it) and CUDA's
+# memory-efficient attention (its backward fails under vmap; H200, torch 2.11: see
+# docs/performance.md, "CUDA"). Each flag is an ordinary global, so this runs on CPU too.
+SETTINGS = {
+    "fastpath": (torch.backends.mha.get_fastpath_enabled, torch.backends.mha.set_fastpath_enabled),
+    "mem-efficient-sdp": (
+        torch.backends.cuda.mem_efficient_sdp_enabled,
+        torch.backends.cuda.enable_mem_efficient_sdp,
+    ),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("before", [True, False], ids=["on", "off"])
 @pytest.mark.parametrize("raises", [False, True], ids=["body-returns", "body-raises"])
-def test_fastpath_setting_is_restored(before: bool, raises: bool):
-    old = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(before)
+def test_switched_settings_are_restored(setting: str, before: bool, raises: bool):
+    get, set_ = SETTINGS[setting]
+    old = get()
+    set_(before)
     try:
         with pytest.raises(KeyError) if raises else contextlib.nullcontext(), batched_attention():
-            assert not torch.backends.mha.get_fastpath_enabled()
+            assert not get()
+            with batched_attention():  # nested: the outer one restores
+                assert not get()
+            assert not get()
             if raises:
                 raise KeyError("body")
-        assert torch.backends.mha.get_fastpath_enabled() is before
+        assert get() is before
     finally:
-        torch.backends.mha.set_fastpath_enabled(old)
+        set_(old)

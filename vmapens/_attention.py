@@ -54,6 +54,7 @@ _lock = threading.Lock()
 _depth = 0
 _library: torch.library.Library | None = None
 _fastpath = True
+_efficient = True
 
 
 @contextlib.contextmanager
@@ -69,6 +70,9 @@ def batched_attention() -> Iterator[None]:
       Calls without vmapped inputs are untouched. Calls that torch routes to the composite
       math path (``dropout_p > 0``, an attention mask that requires grad) were never
       looped and are untouched too; dropout keeps ``vmap``'s ``randomness`` semantics.
+    * CUDA's memory-efficient attention kernel, whose backward fails under ``vmap``, is
+      switched off (``torch.backends.cuda.enable_mem_efficient_sdp(False)``), restored as
+      the fast path below is; SDPA picks flash, cuDNN or the math path instead.
     * The ``nn.MultiheadAttention`` / ``nn.TransformerEncoder`` eval-mode fast path (fused
       encoder layer, nested tensors for ``src_key_padding_mask``), which ``vmap`` cannot
       batch at all, is switched off with ``torch.backends.mha.set_fastpath_enabled(False)``;
@@ -101,7 +105,7 @@ def batched_attention() -> Iterator[None]:
 
 
 def _enter() -> None:
-    global _depth, _library, _fastpath
+    global _depth, _library, _fastpath, _efficient
     with _lock:
         if _library is None:
             lib = torch.library.Library("aten", "IMPL")
@@ -111,6 +115,11 @@ def _enter() -> None:
         if _depth == 0:
             _fastpath = torch.backends.mha.get_fastpath_enabled()
             torch.backends.mha.set_fastpath_enabled(False)
+            # CUDA's memory-efficient kernel under vmap fails in its backward ("LSE is not
+            # correctly aligned", torch 2.11 on an H200, the bare recipe too); SDPA then picks
+            # another kernel (flash, cuDNN or math). CPU has no such kernel: nothing changes.
+            _efficient = torch.backends.cuda.mem_efficient_sdp_enabled()
+            torch.backends.cuda.enable_mem_efficient_sdp(False)
         _depth += 1
 
 
@@ -120,6 +129,7 @@ def _exit() -> None:
         _depth -= 1
         if _depth == 0:
             torch.backends.mha.set_fastpath_enabled(_fastpath)
+            torch.backends.cuda.enable_mem_efficient_sdp(_efficient)
 
 
 def _batching_rule(name: str) -> Any:

@@ -300,6 +300,8 @@ def _compiled_step(
         if now not in graphs:
             graphs[now] = build(*now)
         optimizer.prepare()  # state is created outside the graph
+        if device.type == "cuda":
+            _static_addresses(ens, optimizer)
         # Gradients come from torch.func inside the graph: no autograd graph around it.
         with torch.no_grad(), ens.guard("step"), frozen_buffers(ens, mask):
             scale = None if update.scale is None else update.scale.scale
@@ -312,6 +314,23 @@ def _compiled_step(
         return losses
 
     return step
+
+
+def _static_addresses(ens: Ensemble, optimizer: StackedOptimizer) -> None:
+    """Mark the tensors the step updates in place as static inputs of the compiled graph.
+
+    CUDA-graph trees (``mode="reduce-overhead"``) skip any graph that mutates an input that is
+    not static ("skipping cudagraphs due to mutated inputs"), which is every training step:
+    it writes the parameters, buffers and optimizer state. Marked, they keep their addresses
+    from step to step and the step replays as one CUDA graph (as ``torch.optim`` marks its own
+    state when compiled).
+    """
+    from torch._dynamo import mark_static_address
+
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    for t in [*ens.stacked_state().values(), *state]:
+        if not hasattr(t, "_dynamo_static_input_type"):
+            mark_static_address(t)
 
 
 def _shapes(tree: Any) -> tuple:
