@@ -300,7 +300,7 @@ def _compiled_step(
         if now not in graphs:
             graphs[now] = build(*now)
         optimizer.prepare()  # state is created outside the graph
-        if device.type == "cuda":
+        if every[0].device.type == "cuda":  # moved there after make_step, too
             _static_addresses(ens, optimizer)
         # Gradients come from torch.func inside the graph: no autograd graph around it.
         with torch.no_grad(), ens.guard("step"), frozen_buffers(ens, mask):
