@@ -511,8 +511,9 @@ def test_fused_kernels_run_and_equal_torch_alone_also_after_a_mask(monkeypatch, 
                 nn.functional.mse_loss(t(x), y).backward()
                 o.step()
     # One call per step, the masked one included; after it member 1's count lags, and the
-    # last step takes one call per count (each member computed over the whole tensor).
-    assert len(calls) == 5
+    # last step takes one call per count (each member computed over the whole tensor). SGD
+    # without momentum counts nothing (its count only starts the momentum buffer): one call.
+    assert len(calls) == (4 if kwargs == dict(lr=0.1) else 5)
     for member, twin in zip(ens.unstack(), twins, strict=True):
         torch.testing.assert_close(member.state_dict(), twin.state_dict(), **TOL)
 

@@ -148,30 +148,73 @@ def test_a_failed_update_changes_nothing_after_the_change(name: str, change: Cal
     assert_same(written(params, opt), before)
 
 
-@pytest.mark.parametrize("nesterov", [False, True], ids=["momentum", "nesterov"])
-def test_momentum_switched_on_mid_run_matches_torch(nesterov):
+@pytest.mark.parametrize("fused", [False, None], ids=["foreach", "fused"])
+@pytest.mark.parametrize(
+    ("nesterov", "dampening"),
+    [(False, 0.0), (True, 0.0), (False, 0.5)],
+    ids=["momentum", "nesterov", "dampened"],
+)
+def test_momentum_switched_on_mid_run_matches_torch(nesterov, dampening, fused):
     """A schedule that turns momentum on after some steps: torch's SGD creates the buffer at
-    that step (a clone of the gradient); the stacked one must too, not keep its old state."""
+    that step (the gradient itself, undampened); the stacked one must too, not keep its old
+    state. Both get the twins' own gradients, so the optimizers alone are compared: bit for bit
+    with ``fused=False``, to rounding with torch's fused kernel (docs/semantics.md)."""
     torch.manual_seed(0)
     ens = vmapens.Ensemble(lambda: nn.Linear(3, 1).double(), n=2, seed=0)
     twins = ens.unstack()
-    opt = vmapens.StackedSGD(ens, lr=0.1, momentum=0.0)
+    opt = vmapens.StackedSGD(ens, lr=0.1, momentum=0.0, fused=fused)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.0) for m in twins]
     x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
-    step = vmapens.make_step(ens, nn.MSELoss(), opt)
     for t in range(6):
         if t == 3:
             for o in [opt, *opts]:
                 for g in o.param_groups:
-                    g["momentum"], g["nesterov"] = 0.9, nesterov
-        step(x, y)
+                    g["momentum"], g["nesterov"], g["dampening"] = 0.9, nesterov, dampening
         for m, o in zip(twins, opts, strict=True):
             o.zero_grad()
             nn.functional.mse_loss(m(x), y).backward()
+        for name, p in ens.named_parameters():
+            p.grad = torch.stack([m.get_parameter(name).grad for m in twins])
+        opt.step()
+        for o in opts:
             o.step()
+    tol = dict(rtol=0.0, atol=0.0) if fused is False else dict(rtol=1e-14, atol=1e-15)
     for i, m in enumerate(twins):
-        for key, v in m.state_dict().items():
-            assert torch.equal(ens[i].state_dict()[key], v), (i, key)
+        torch.testing.assert_close(ens[i].state_dict(), m.state_dict(), **tol)
+
+
+def test_a_members_momentum_switched_on_mid_run_starts_its_own_buffer():
+    """Per-member momenta: member 0 steps without momentum while member 1 uses it, then a
+    schedule gives member 0 momentum too. Its torch SGD starts the buffer then (the gradient,
+    undampened), whatever the stacked buffer's row held; member 1's goes on."""
+    torch.manual_seed(0)
+    ens = vmapens.Ensemble(lambda: nn.Linear(3, 1).double(), n=2, seed=0)
+    twins = ens.unstack()
+    opt = vmapens.StackedSGD(ens, lr=0.1, momentum=[0.0, 0.9], dampening=0.5)
+    opts = [
+        torch.optim.SGD(m.parameters(), lr=0.1, momentum=mom, dampening=0.5)
+        for m, mom in zip(twins, [0.0, 0.9], strict=True)
+    ]
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    for t in range(6):
+        if t == 3:
+            opt.param_groups[0]["momentum"] = vmapens.optim.MemberValues([0.9, 0.9])
+            opts[0].param_groups[0]["momentum"] = 0.9
+        for m, o in zip(twins, opts, strict=True):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+        for name, p in ens.named_parameters():
+            p.grad = torch.stack([m.get_parameter(name).grad for m in twins])
+        opt.step()
+        for o in opts:
+            o.step()
+    for i, (m, o) in enumerate(zip(twins, opts, strict=True)):
+        assert all(
+            torch.equal(a, b) for a, b in zip(ens[i].state_dict().values(), m.state_dict().values())
+        ), i
+        handed = opt.member_state_dict(i)["state"]
+        for k, p in enumerate(m.parameters()):
+            assert torch.equal(handed[k]["momentum_buffer"], o.state[p]["momentum_buffer"]), (i, k)
 
 
 def test_a_deep_copy_steps_as_the_original():

@@ -51,7 +51,8 @@ def sgd_rule(
     """One SGD step in place on stacked tensors, each member with its own hyperparameters.
 
     Follows ``torch.optim.SGD`` (Sutskever et al., 2013) per member ``i``; the momentum buffer
-    starts as the first gradient, undampened, and a member whose momentum is 0 has none:
+    starts as the gradient of the member's first step with momentum, undampened (also when a
+    schedule turns momentum on mid-run), and a member whose momentum is 0 leaves it alone:
 
     .. code-block:: text
 
@@ -67,7 +68,8 @@ def sgd_rule(
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
         grads: Their gradients (not modified).
         state: ``momentum_buffer`` (one per parameter; absent when no member uses momentum)
-            and ``step`` ([n] counts), updated in place.
+            and ``step`` ([n] counts of the steps taken with momentum, ``t`` above: torch's
+            SGD keeps no step count, only whether the buffer exists), updated in place.
         group: ``lr``, ``momentum``, ``dampening``, ``weight_decay`` (floats or float64 [n]
             tensors), ``nesterov``, ``maximize``, ``fused``, ``mask``.
     """
@@ -90,7 +92,9 @@ def sgd_rule(
                 is_first_step=count == 0,
             )
 
-        run_fused(kernel, _lists(params, grads, state), step, group["mask"])
+        # A step without momentum leaves the count as it is (a scratch counter takes it).
+        counts = step if momentum != 0 else torch.zeros_like(step)
+        run_fused(kernel, _lists(params, grads, state), counts, group["mask"])
         return
 
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
@@ -112,7 +116,7 @@ def sgd_rule(
         torch._foreach_addcmul_(params, g, col(-lr))
     else:
         torch._foreach_add_(params, g, alpha=-lr)
-    step.add_(1)
+    step.add_((momentum != 0).to(step.dtype) if isinstance(momentum, Tensor) else momentum != 0)
 
 
 def sgd_update_(
@@ -135,7 +139,7 @@ def sgd_update_(
         grad: Its gradient (not modified).
         momentum_buffer: Shaped like ``param``, updated in place; None when no member uses
             momentum.
-        step: Float32 [n] per-member step counts, updated in place.
+        step: Float32 [n] per-member counts of the steps taken with momentum, updated in place.
         lr: A float or a float64 [n] tensor, as are the other hyperparameters.
         momentum: Momentum factor.
         dampening: Dampening of the momentum.
@@ -228,10 +232,8 @@ class StackedSGD(StackedOptimizer):
     def member_state(
         self, state: dict[str, Tensor], group: dict[str, Any], i: int
     ) -> dict[str, Tensor]:
-        # torch's SGD keeps a momentum buffer only once a member with momentum has stepped.
-        momentum = member_floats(group["momentum"])
+        # torch's SGD keeps a momentum buffer once the member has stepped with momentum (and
+        # keeps it through later steps without): `step` counts those steps.
         if "momentum_buffer" not in state or state["step"][i] == 0:
-            return {}
-        if momentum[i % len(momentum)] == 0:
             return {}
         return {"momentum_buffer": state["momentum_buffer"][i].clone()}
