@@ -70,3 +70,26 @@ def test_wrong_number_of_member_values(spec: Spec) -> None:
         spec.cls([torch.zeros(N, 2, requires_grad=True)], lr=[0.1] * 3)
     with pytest.raises(TypeError, match=rf"^{api}: `lr` must be a float"):
         spec.cls([torch.zeros(N, 2, requires_grad=True)], lr="fast")
+
+
+@pytest.mark.parametrize("spec", list(SPECS.values()), ids=list(SPECS))
+def test_a_param_group_edited_to_a_bad_value_is_refused_and_nothing_steps(spec: Spec) -> None:
+    # A schedule that writes a list (not MemberValues) or a wrong count into a param group:
+    # refused by name at the next step, before anything is written.
+    from vmapens.optim import MemberValues
+
+    api = spec.cls.__name__
+    for value, error, says in [
+        ([0.1] * N, TypeError, "must be a float, a tensor or vmapens.optim.MemberValues"),
+        (MemberValues([0.1] * 3), ValueError, "has 3 values, expected n=4, one per member"),
+    ]:
+        w = torch.ones(N, 2, requires_grad=True)
+        opt = spec.cls([w])
+        w.grad = torch.ones(N, 2)
+        opt.step()
+        before = ({k: v.clone() for k, v in opt.state[w].items()}, w.detach().clone())
+        opt.param_groups[0]["lr"] = value
+        with pytest.raises(error, match=rf"^{api}.step: param group `lr` {says}"):
+            opt.step()
+        assert torch.equal(w, before[1])
+        assert all(torch.equal(opt.state[w][k], v) for k, v in before[0].items())

@@ -185,18 +185,42 @@ def local_values(value: Any, block: Sequence[int] | None, n_total: int) -> Any:
 
 
 def group_args(
-    group: dict[str, Any], hypers: dict[str, Hyper], device: torch.device
+    group: dict[str, Any], hypers: dict[str, Hyper], device: torch.device, *, api: str, n: int
 ) -> dict[str, Any]:
-    """The group with MemberValues as float64 tensors on ``device``: what update_ reads."""
+    """The group with MemberValues as float64 tensors on ``device``: what update_ reads.
 
-    def arg(v: Any) -> Any:
+    Raises:
+        TypeError: a value set in ``group`` after construction (a schedule's edit) is not a
+            float, a tensor or ``MemberValues`` (a list of per-member values, say).
+        ValueError: ``MemberValues`` that are not one per member.
+    """
+
+    def arg(name: str, v: Any) -> Any:
         if isinstance(v, MemberValues):
+            if len(v) != n:
+                raise ValueError(
+                    f"{api}: param group `{name}` has {len(v)} values, expected n={n}, one "
+                    "per member"
+                )
             return v.tensor.to(device)
-        return v.to(device) if isinstance(v, Tensor) else v
+        if isinstance(v, Tensor):
+            return v.to(device)
+        if v is not None and not isinstance(v, (int, float)):  # None: Adafactor's eps
+            raise TypeError(
+                f"{api}: param group `{name}` must be a float, a tensor or "
+                f"vmapens.optim.MemberValues (one float per member), got {type(v).__name__}"
+            )
+        return v
 
     out = dict(group)
     for name, hyper in hypers.items():
-        out[name] = tuple(arg(v) for v in group[name]) if hyper.pair else arg(group[name])
+        value = group[name]
+        if hyper.pair:
+            if not isinstance(value, (tuple, list)) or len(value) != 2:
+                raise TypeError(f"{api}: param group `{name}` must be a pair, got {value!r}")
+            out[name] = tuple(arg(f"{name}[{j}]", v) for j, v in enumerate(value))
+        else:
+            out[name] = arg(name, value)
     return out
 
 

@@ -122,6 +122,10 @@ class StackedOptimizer(EagerOptimizer):
     def _api(self) -> str:
         return type(self).__name__
 
+    @property
+    def _who(self) -> dict[str, Any]:
+        return {"api": f"{self._api}.step", "n": self.num_members}
+
     # -- what a subclass provides ---------------------------------------------------------------
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
@@ -237,7 +241,7 @@ class StackedOptimizer(EagerOptimizer):
                 for key in names:
                     t = state.get(key)
                     if t is None:
-                        args = group_args(group, self.hyperparameters, p.device)
+                        args = group_args(group, self.hyperparameters, p.device, **self._who)
                         state[key] = self.initial_state(key, p, args)
                     elif t.dtype != p.dtype or t.device != p.device:
                         state[key] = t.to(dtype=p.dtype, device=p.device)
@@ -292,7 +296,7 @@ class StackedOptimizer(EagerOptimizer):
             parts = buckets(params, grads[start:end], states, self.state_names(group), counters)
             start = end
             if parts:
-                args = group_args(group, self.hyperparameters, params[0].device)
+                args = group_args(group, self.hyperparameters, params[0].device, **self._who)
                 args.update(mask=mask, fused=group.get("fused") is not False)
                 calls += [(*part, args) for part in parts]
         written = [t for params, _, state, _ in calls for t in tensors_of(params, state)]
