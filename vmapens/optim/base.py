@@ -299,12 +299,12 @@ class StackedOptimizer(EagerOptimizer):
                 args = group_args(group, self.hyperparameters, params[0].device, **self._who)
                 args.update(mask=mask, fused=group.get("fused") is not False)
                 calls += [(*part, args) for part in parts]
-        written = [t for params, _, state, _ in calls for t in tensors_of(params, state)]
         with torch.no_grad():
             # Copied first, so that a failed step changes nothing and masked members keep theirs;
             # not when the class's own rule writes all in one fused kernel (whole or not at all).
             own = type(self).update_ is StackedOptimizer.update_ and len(calls) == 1
             whole = own and mask is None and in_one_kernel(type(self).rule, *calls[0])
+            written = [] if whole else [t for p, _, s, _ in calls for t in tensors_of(p, s)]
             saved = [] if whole else self._snapshot.take(written, mask, self._layouts)
             try:
                 for params, g, state, args in calls:
