@@ -576,6 +576,28 @@ SHARED["ASGD-maximize, wd, averaging"] = (
     vo.StackedASGD,
     {"t0": 0.0, "alpha": 0.5, "weight_decay": 0.01, "maximize": True},
 )
+# fused=False: torch's default single-tensor bits, where the fused CPU kernels round
+# otherwise (docs/semantics.md, "What differs from training alone").
+SHARED["SGD-momentum, dampening, wd, unfused"] = (
+    vo.StackedSGD,
+    {"lr": 0.1, "momentum": 0.9, "dampening": 0.3, "weight_decay": 0.01, "fused": False},
+)
+SHARED["SGD-nesterov, unfused"] = (
+    vo.StackedSGD,
+    {"lr": 0.1, "momentum": 0.9, "nesterov": True, "fused": False},
+)
+SHARED["Adam-amsgrad, wd, unfused"] = (
+    vo.StackedAdam,
+    {"lr": 0.01, "amsgrad": True, "weight_decay": 0.01, "fused": False},
+)
+SHARED["AdamW-unfused"] = (
+    vo.StackedAdam,
+    {"lr": 0.01, "weight_decay": 0.1, "decoupled_weight_decay": True, "fused": False},
+)
+SHARED["Adagrad-lr decay, unfused"] = (
+    vo.StackedAdagrad,
+    {"lr": 0.1, "lr_decay": 0.01, "fused": False},
+)
 
 
 def _stacked_and_alone(

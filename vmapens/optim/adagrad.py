@@ -17,6 +17,7 @@ from ._hyper import (
     Params,
     PerMember,
     Scalar,
+    host_scalars,
     like,
     member_column,
     member_columns,
@@ -83,6 +84,10 @@ def adagrad_rule(
 
         run_fused(kernel, [params, grads, sums], step, group["mask"])
         return
+    if host_scalars(params, [lr, lr_decay, wd, eps]):  # fused=False, a mask: torch's bits
+        shared = functools.partial(_shared_kernel, group=group)
+        run_fused(shared, [params, grads, sums], step, group["mask"])
+        return
 
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     step.add_(1)
@@ -93,6 +98,19 @@ def adagrad_rule(
     std = torch._foreach_sqrt(sums)
     torch._foreach_add_(std, col(eps))
     torch._foreach_addcdiv_(params, torch._foreach_mul(g, col(-clr)), std)
+
+
+def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -> None:
+    """``torch.optim.Adagrad``'s single-tensor step at step ``count + 1``, op for op, on whole
+    stacked tensors ``t`` (params, grads, sum) with shared float hyperparameters: each
+    member's bits as alone."""
+    lr, lr_decay, eps = group["lr"], group["lr_decay"], group["eps"]
+    g = weight_decayed(signed(t[1], group), t[0], group)
+    clr = lr / (1 + count * lr_decay)  # torch: (step - 1) with the step after this one
+    torch._foreach_addcmul_(t[2], g, g)
+    std = torch._foreach_sqrt(t[2])
+    torch._foreach_add_(std, eps)
+    torch._foreach_addcdiv_(t[0], g, std, value=-clr)
 
 
 def adagrad_update_(

@@ -22,6 +22,7 @@ from ._hyper import (
     Params,
     PerMember,
     Scalar,
+    host_scalars,
     like,
     member_columns,
     moments_,
@@ -70,7 +71,9 @@ def adam_rule(
     ``[n, 1, ...]`` columns; with a 0-d tensor ``lr`` they are in its dtype and the ops in
     torch's single-tensor order, as torch computes them (bit for bit in float32). No ``.item()`` and no branching on tensor values, so it traces
     under ``torch.compile(fullgraph=True)``. When every member shares the hyperparameters, on
-    CPU, torch's fused kernel does the same in one pass (see ``run_fused``).
+    CPU, torch's fused kernel does the same in one pass (see ``run_fused``); with
+    ``fused=False`` or a mask, torch's single-tensor ops with Python float step sizes, bit for
+    bit each member alone.
 
     Args:
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
@@ -107,6 +110,10 @@ def adam_rule(
 
         run_fused(kernel, _lists(params, grads, state, group), step, group["mask"])
         return
+    if host_scalars(params, [lr, beta1, beta2, eps, wd]):  # fused=False, a mask: torch's bits
+        shared = functools.partial(_shared_kernel, group=group)
+        run_fused(shared, _lists(params, grads, state, group), step, group["mask"])
+        return
 
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     g = signed(grads, group)
@@ -128,6 +135,25 @@ def adam_rule(
     # torch's capturable Adam folds the step size into the denominator the same way.
     torch._foreach_div_(denom, col(-step_size))
     torch._foreach_addcdiv_(params, exp_avg, denom)
+
+
+def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -> None:
+    """``torch.optim.Adam``'s single-tensor step at step ``count + 1``, op for op, on whole
+    stacked tensors ``t`` (params, grads, exp_avg, exp_avg_sq[, max_exp_avg_sq]) with shared
+    float hyperparameters: each member's bits as alone (Python float step sizes)."""
+    lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+    p, m, v = t[0], t[2], t[3]
+    g = weight_decayed(signed(t[1], group), p, group)
+    moments_(m, v, g, beta1, beta2)
+    step = count + 1
+    step_size = lr / (1 - beta1**step)
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    if group["amsgrad"]:
+        torch._foreach_maximum_(t[4], v)
+    denom = torch._foreach_sqrt(t[4] if group["amsgrad"] else v)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(p, m, denom, value=-step_size)
 
 
 def adam_update_(
