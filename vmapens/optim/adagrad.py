@@ -84,7 +84,7 @@ def adagrad_rule(
 
         run_fused(kernel, [params, grads, sums], step, group["mask"])
         return
-    if host_scalars(params, [lr, lr_decay, wd, eps]):  # fused=False, a mask: torch's bits
+    if host_scalars(params, [lr, lr_decay, wd, eps]):  # fused=False: torch's bits
         shared = functools.partial(_shared_kernel, group=group)
         run_fused(shared, [params, grads, sums], step, group["mask"])
         return

@@ -72,8 +72,8 @@ def adam_rule(
     torch's single-tensor order, as torch computes them (bit for bit in float32). No ``.item()`` and no branching on tensor values, so it traces
     under ``torch.compile(fullgraph=True)``. When every member shares the hyperparameters, on
     CPU, torch's fused kernel does the same in one pass (see ``run_fused``); with
-    ``fused=False`` or a mask, torch's single-tensor ops with Python float step sizes, bit for
-    bit each member alone.
+    ``fused=False`` (or tensors that kernel cannot take), torch's single-tensor ops with Python
+    float step sizes, bit for bit each member alone.
 
     Args:
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
@@ -110,7 +110,7 @@ def adam_rule(
 
         run_fused(kernel, _lists(params, grads, state, group), step, group["mask"])
         return
-    if host_scalars(params, [lr, beta1, beta2, eps, wd]):  # fused=False, a mask: torch's bits
+    if host_scalars(params, [lr, beta1, beta2, eps, wd]):  # fused=False: torch's bits
         shared = functools.partial(_shared_kernel, group=group)
         run_fused(shared, _lists(params, grads, state, group), step, group["mask"])
         return
