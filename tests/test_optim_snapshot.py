@@ -148,6 +148,23 @@ def test_a_failed_update_changes_nothing_after_the_change(name: str, change: Cal
     assert_same(written(params, opt), before)
 
 
+def _same_gradients_steps(ens, twins, opt, opts, switch) -> None:
+    """Six steps of the stacked optimizer and of each twin's own, on the twins' gradients
+    (stacked for the ensemble); ``switch()`` changes the param groups before the fourth."""
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    for t in range(6):
+        if t == 3:
+            switch()
+        for m, o in zip(twins, opts, strict=True):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+        for name, p in ens.named_parameters():
+            p.grad = torch.stack([m.get_parameter(name).grad for m in twins])
+        opt.step()
+        for o in opts:
+            o.step()
+
+
 @pytest.mark.parametrize("fused", [False, None], ids=["foreach", "fused"])
 @pytest.mark.parametrize(
     ("nesterov", "dampening"),
@@ -164,20 +181,13 @@ def test_momentum_switched_on_mid_run_matches_torch(nesterov, dampening, fused):
     twins = ens.unstack()
     opt = vmapens.StackedSGD(ens, lr=0.1, momentum=0.0, fused=fused)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.0) for m in twins]
-    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
-    for t in range(6):
-        if t == 3:
-            for o in [opt, *opts]:
-                for g in o.param_groups:
-                    g["momentum"], g["nesterov"], g["dampening"] = 0.9, nesterov, dampening
-        for m, o in zip(twins, opts, strict=True):
-            o.zero_grad()
-            nn.functional.mse_loss(m(x), y).backward()
-        for name, p in ens.named_parameters():
-            p.grad = torch.stack([m.get_parameter(name).grad for m in twins])
-        opt.step()
-        for o in opts:
-            o.step()
+
+    def switch() -> None:
+        for o in [opt, *opts]:
+            for g in o.param_groups:
+                g["momentum"], g["nesterov"], g["dampening"] = 0.9, nesterov, dampening
+
+    _same_gradients_steps(ens, twins, opt, opts, switch)
     tol = dict(rtol=0.0, atol=0.0) if fused is False else dict(rtol=1e-14, atol=1e-15)
     for i, m in enumerate(twins):
         torch.testing.assert_close(ens[i].state_dict(), m.state_dict(), **tol)
@@ -195,19 +205,12 @@ def test_a_members_momentum_switched_on_mid_run_starts_its_own_buffer():
         torch.optim.SGD(m.parameters(), lr=0.1, momentum=mom, dampening=0.5)
         for m, mom in zip(twins, [0.0, 0.9], strict=True)
     ]
-    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
-    for t in range(6):
-        if t == 3:
-            opt.param_groups[0]["momentum"] = vmapens.optim.MemberValues([0.9, 0.9])
-            opts[0].param_groups[0]["momentum"] = 0.9
-        for m, o in zip(twins, opts, strict=True):
-            o.zero_grad()
-            nn.functional.mse_loss(m(x), y).backward()
-        for name, p in ens.named_parameters():
-            p.grad = torch.stack([m.get_parameter(name).grad for m in twins])
-        opt.step()
-        for o in opts:
-            o.step()
+
+    def switch() -> None:
+        opt.param_groups[0]["momentum"] = vmapens.optim.MemberValues([0.9, 0.9])
+        opts[0].param_groups[0]["momentum"] = 0.9
+
+    _same_gradients_steps(ens, twins, opt, opts, switch)
     for i, (m, o) in enumerate(zip(twins, opts, strict=True)):
         assert all(
             torch.equal(a, b) for a, b in zip(ens[i].state_dict().values(), m.state_dict().values())
