@@ -24,7 +24,8 @@ from vmapens.step import _vector_width
 
 TOL = 1e-10  # float64 throughout: the same maths, summed in a slightly different order
 N = 3
-FEATURES, HIDDEN, STEPS, BATCH = 3, 4, 5, 2
+# 7 steps: more than one compiled LSTM input projection (COMPILED_PROJECTION_STEPS, 5).
+FEATURES, HIDDEN, STEPS, BATCH = 3, 4, 7, 2
 
 
 class Head(nn.Module):
