@@ -189,15 +189,13 @@ def _projected_steps(
     Eager: one matmul over the whole sequence. Compiled: one per
     ``COMPILED_PROJECTION_STEPS`` time steps (the same products, each summed over the same
     input features): the compiled step then allocates and reads a few small buffers instead
-    of one of every step's gates (5 MB for 16 members of the benchmark's LSTM), 0.86-0.91x
+    of one of every step's gates (5 MB for 16 members of the benchmark's LSTM), 0.86-0.93x
     its time on three sizes; eager it took 1.09x, one call per chunk.
     """
-    if not torch.compiler.is_compiling():
-        return project(x, w_ih, b_ih, b_hh, gru=False).unbind(time_dim)
-    parts = x.split(COMPILED_PROJECTION_STEPS, time_dim)
+    chunk = COMPILED_PROJECTION_STEPS if torch.compiler.is_compiling() else x.size(time_dim)
     return tuple(
         step
-        for part in parts
+        for part in x.split(chunk, time_dim)
         for step in project(part, w_ih, b_ih, b_hh, gru=False).unbind(time_dim)
     )
 
