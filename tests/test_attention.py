@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, stack_module_state, vmap
 
 from vmapens._attention import batched_attention
-from vmapens.step import _vector_width
+from vmapens.step import _cache_keyed_options
 
 # pyproject ignores this warning suite-wide (the loop is correct, only slow); here it is
 # exactly what must not happen, so it is an error again.
@@ -253,10 +253,9 @@ def _grad_and_value(case: Case, compile: bool) -> None:
         grad_and_value(_member_loss(template, keep), has_aux=True), in_dims=(0, 0, None, None)
     )
     if compile:
-        # The ISA width keys torch's compile cache, as in the compiled step (a run under
-        # ATEN_CPU_CAPABILITY=avx2 after one on AVX-512 read 16-wide kernels otherwise).
-        options = {"cpp.simdlen": _vector_width()}
-        fn = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+        # As the compiled step does: a run under ATEN_CPU_CAPABILITY=avx2 after one on
+        # AVX-512 read 16-wide kernels from torch's compile cache otherwise.
+        fn = torch.compile(fn, fullgraph=True, dynamic=False, options=_cache_keyed_options())
     # Entered outside the compiled function: the rule is read while tracing.
     with torch.no_grad(), batched_attention():
         got, (loss, _) = fn(params, buffers, x, kwargs)

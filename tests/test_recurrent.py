@@ -20,7 +20,7 @@ from vmapens._recurrent import (
     BatchableRNN,
     BatchableRNNCell,
 )
-from vmapens.step import _vector_width
+from vmapens.step import _cache_keyed_options
 
 TOL = 1e-10  # float64 throughout: the same maths, summed in a slightly different order
 N = 3
@@ -226,10 +226,9 @@ def _check_per_member(case: Case, compiled: bool) -> None:
     x, hxs, hx = _vmapped_inputs(case, members)
     fn = _per_member_grads(_meta_template(members[0]), hx)
     if compiled:
-        # The ISA width keys torch's compile cache, as in the compiled step (a run under
-        # ATEN_CPU_CAPABILITY=avx2 after one on AVX-512 read 16-wide kernels otherwise).
-        options = {"cpp.simdlen": _vector_width()}
-        fn = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+        # As the compiled step does: a run under ATEN_CPU_CAPABILITY=avx2 after one on
+        # AVX-512 read 16-wide kernels from torch's compile cache otherwise.
+        fn = torch.compile(fn, fullgraph=True, dynamic=False, options=_cache_keyed_options())
     grads, values = fn(params, x, hx)
     _, want_values, want_grads = _truth(members, x, hxs)
     torch.testing.assert_close(values, torch.stack(want_values), atol=TOL, rtol=TOL)

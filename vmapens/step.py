@@ -204,7 +204,7 @@ def _compile_options(device: torch.device, dtype: torch.dtype | None) -> dict[st
     options: dict[str, Any] = {}
     if device.type == "cpu":  # a member matmul on a shared input becomes one (_matmuls)
         options["post_grad_custom_pre_pass"] = shared_operand_pass()
-        options["cpp.simdlen"] = _vector_width()
+        options.update(_cache_keyed_options())
     if dtype is not None:
         # Inductor otherwise keeps fused intermediates in float32 where eager rounds to bf16.
         options["emulate_precision_casts"] = True
@@ -216,20 +216,20 @@ def _compile_options(device: torch.device, dtype: torch.dtype | None) -> dict[st
     return options
 
 
-def _vector_width() -> int:
-    """The bit width of the vector ISA inductor picks for this process's CPU kernels.
+def _cache_keyed_options() -> dict[str, Any]:
+    """Inductor options that put this process's CPU vector ISA into the compile-cache key.
 
-    Given to inductor as ``cpp.simdlen`` (the same choice it makes by itself), so that it is
-    part of the compiled-graph cache key. torch 2.13 keys its FX graph cache without it: a
-    graph cached by a process on AVX-512 and loaded by one on AVX2 (another machine sharing
-    ``TORCHINDUCTOR_CACHE_DIR``, or ``ATEN_CPU_CAPABILITY`` set) recompiled 16-wide kernel
-    source with AVX2 flags and gave wrong results without an error (the other way round:
-    heap corruption), docs/semantics.md.
+    ``cpp.simdlen`` is the bit width of the ISA inductor picks by itself; given as an option,
+    it becomes part of the compiled-graph cache key. torch 2.13 keys its FX graph cache without
+    it: a graph cached by a process on AVX-512 and loaded by one on AVX2 (another machine
+    sharing ``TORCHINDUCTOR_CACHE_DIR``, or ``ATEN_CPU_CAPABILITY`` set) recompiled 16-wide
+    kernel source with AVX2 flags and gave wrong results without an error (the other way
+    round: heap corruption), docs/semantics.md. The tests that call ``torch.compile`` themselves pass them too.
     """
     # Imported here: torch._inductor imports torch._dynamo (seconds), which eager never needs.
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    return pick_vec_isa().bit_width()
+    return {"cpp.simdlen": pick_vec_isa().bit_width()}
 
 
 def _compiled_step(
