@@ -12,6 +12,8 @@ import pytest
 import torch
 from test_optim_family import SPECS, N, ReferenceLion, Spec, member_kwargs
 
+from vmapens.optim import MemberValues
+
 #: What torch says for a bad value where it has no twin to ask (Lion), by hyperparameter.
 LION_MESSAGES = {
     "lr": "Invalid learning rate: {v}",
@@ -76,8 +78,6 @@ def test_wrong_number_of_member_values(spec: Spec) -> None:
 def test_a_param_group_edited_to_a_bad_value_is_refused_and_nothing_steps(spec: Spec) -> None:
     # A schedule that writes a list (not MemberValues) or a wrong count into a param group:
     # refused by name at the next step, before anything is written.
-    from vmapens.optim import MemberValues
-
     api = spec.cls.__name__
     for value, error, says in [
         ([0.1] * N, TypeError, "must be a float, a tensor or vmapens.optim.MemberValues"),
