@@ -6,29 +6,53 @@ and its ``torch._foreach_*`` form otherwise.
 
 :func:`run_fused` writes the parameters and state in one call, whole or not at all, so a rule
 that says (by :func:`one_kernel_when`) when it takes that path lets the optimizer skip its
-rollback copy there (``StackedOptimizer._update``).
+rollback copy there (``StackedOptimizer._update``). A rule without a fused kernel (Adamax,
+RMSprop, NAdam, RAdam, Adadelta) does the same with its write phase: with shared float
+hyperparameters on CPU (:func:`safe_in_place`) its kernel first computes everything that
+allocates, then returns its writes, in-place ``torch._foreach_*`` ops that can neither fail nor
+allocate on those tensors, which :func:`run_fused` makes with ``SIGINT`` deferred.
 """
 
 from __future__ import annotations
 
+# signal's own functions, without the enum wrappers of `signal` (60 us a call on Python 3.11)
+import _signal  # type: ignore[import-not-found]
 import functools
+import signal
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._checks import column
 
-__all__ = ["fusable", "in_one_kernel", "one_kernel_when", "run_fused"]
+__all__ = [
+    "Writes",
+    "fusable",
+    "in_one_kernel",
+    "one_kernel_when",
+    "run_fused",
+    "safe_in_place",
+    "write_then_count",
+]
 
-#: ``check(params, grads, state, group)``: whether a rule's call will be one ``run_fused``.
+#: What a kernel returns instead of writing: one native op that checks its arguments and then
+#: writes, all or nothing (a fused kernel); or a write phase, in-place ops made in order, each
+#: of which can neither fail nor allocate (:func:`safe_in_place`). Each as a
+#: ``functools.partial`` of the op (C all the way down: see :func:`write_then_count`).
+Writes = Callable[[], Any] | list[Callable[[], Any]]
+
+#: ``check(params, grads, state, group)``: whether a rule's call writes everything in one go.
 Check = Callable[[list[Tensor], list[Tensor], dict[str, Any], dict[str, Any]], bool]
 _CHECKS: dict[Callable[..., None], Check] = {}
 
 
 def one_kernel_when(check: Check) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Mark a rule whose call is one :func:`run_fused` (and writes nothing else) when ``check``.
+    """Mark a rule whose call writes everything in one go when ``check``: one
+    :func:`run_fused` whose kernel returns its :data:`Writes`, or one :func:`write_then_count`
+    of a write phase, and nothing written before.
 
     ``check`` must be the test the rule itself branches on, so the two cannot disagree.
     """
@@ -47,10 +71,10 @@ def in_one_kernel(
     state: dict[str, Any],
     group: dict[str, Any],
 ) -> bool:
-    """Whether ``rule(params, grads, state, group)`` will write everything in one call.
+    """Whether ``rule(params, grads, state, group)`` will write everything in one go.
 
-    The answer is kept in ``group`` (``"one_kernel"``), where the rule's own :func:`fusable`
-    finds it instead of walking the tensors again (~3 us a step).
+    The answer is kept in ``group`` (``"one_kernel"``), where the rule's own :func:`fusable` or
+    :func:`safe_in_place` finds it instead of walking the tensors again (~3 us a step).
     """
     check = _CHECKS.get(rule)
     group["one_kernel"] = check is not None and check(params, grads, state, group)
@@ -69,20 +93,41 @@ def fusable(group: dict[str, Any], lists: list[list[Tensor]], values: list[Any])
     """
     if group.get("one_kernel"):  # in_one_kernel has just checked these very tensors
         return True
-    if not group["fused"] or torch.compiler.is_compiling():
+    return group["fused"] and safe_in_place(group, lists, values)
+
+
+def safe_in_place(group: dict[str, Any], lists: list[list[Tensor]], values: list[Any]) -> bool:
+    """Whether in-place ``torch._foreach_*`` ops over ``lists`` (params, grads, state), with
+    ``values`` as their scalars, can neither fail nor allocate: every value a float shared by
+    the members, the tensors dense CPU tensors of one dtype (same shapes, as the optimizer
+    keeps them), plain (no subclass), writable in place here (no tensor that requires grad
+    outside ``torch.no_grad()``, no inference tensor outside ``torch.inference_mode()``), the
+    parameters and state contiguous, and no ``torch.compile`` trace running.
+    A fused kernel takes the same (it ignores strides); a rule's write phase may then run
+    without a rollback copy (see the module). ``group`` as for :func:`fusable`."""
+    if group.get("one_kernel"):  # in_one_kernel has just checked these very tensors
+        return True
+    if torch.compiler.is_compiling() or any(isinstance(v, Tensor) for v in values):
         return False
-    if any(isinstance(v, Tensor) for v in values):
-        return False
-    dtype = lists[0][0].dtype
+    # In-place ops refuse a leaf that requires grad outside no_grad (the optimizer steps under
+    # it) and an inference tensor outside inference_mode.
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    dtype, strided, plain = lists[0][0].dtype, torch.strided, (Tensor, nn.Parameter)
     for k, ts in enumerate(lists):
         for t in ts:
-            if not t.is_cpu or t.dtype != dtype or not (k == 1 or t.is_contiguous()):
+            if t.dtype != dtype or not t.is_cpu or t.layout != strided or type(t) not in plain:
+                return False
+            if k == 1:  # the gradients are only read
+                continue
+            if not t.is_contiguous() or (grad and t.requires_grad):
+                return False
+            if not inference and t.is_inference():
                 return False
     return True
 
 
 def run_fused(
-    kernel: Callable[[list[list[Tensor]], float], Callable[[], Any] | None],
+    kernel: Callable[[list[list[Tensor]], float], Writes | None],
     lists: list[list[Tensor]],
     step: Tensor,
     mask: Tensor | None,
@@ -99,9 +144,9 @@ def run_fused(
 
     Args:
         kernel: The update on lists shaped like ``lists`` with one step count: it writes them
-            itself (and returns None), or returns the fused op's call as a
-            ``functools.partial``, which is made here as one write (:func:`_write_then_count`;
-            only such a rule may be marked :func:`one_kernel_when`).
+            itself (and returns None), or returns its :data:`Writes` (the fused op's call, or
+            its write phase), made here (:func:`write_then_count`; only such a rule may be
+            marked :func:`one_kernel_when`).
         lists: The kernel's tensor lists, stacked ``[n, ...]``: params, grads (copied when
             not contiguous: the kernels ignore strides, and leave gradients as they are),
             then state.
@@ -116,7 +161,7 @@ def run_fused(
         if write is None:
             step.add_(1)
         else:
-            _write_then_count(write, step)
+            write_then_count(write, step)
         return
     # Every count's kernel runs on copies before anything is written, and one copy writes
     # all: a failure on a later count leaves the tensors as they were.
@@ -127,32 +172,60 @@ def run_fused(
     for count in counts:
         work = [[t.clone() for t in ts] for ts in lists]
         write = kernel(work, count)
-        if write is not None:
-            write()
+        for op in [write] if callable(write) else write or []:
+            op()
         rows = stepping & (step == count)
         news = [t for ts in [work[0], *work[2:]] for t in ts]
         merged = [torch.where(column(rows, m), new, m) for m, new in zip(merged, news, strict=True)]
-    _write_then_count(functools.partial(torch._foreach_copy_, targets, merged), step)
+    write_then_count(functools.partial(torch._foreach_copy_, targets, merged), step)
 
 
-def _write_then_count(write: Callable[[], Any], step: Tensor) -> None:
-    """Run ``write`` (one native op that writes all or nothing), then count the step.
+def write_then_count(write: Writes, step: Tensor) -> None:
+    """Make ``write`` (:data:`Writes`), then count the step.
 
     Python raises a pending ``KeyboardInterrupt`` (or what a signal handler raises) as soon as a
     native call returns, so one that arrives while the kernel runs surfaces here after the op
     has written: the step is then counted before it propagates, and parameters, state and counts
     agree. ``write`` must be the op itself or a ``functools.partial`` of it (C all the way down:
     a Python function's entry would raise a pending interrupt before the op runs). The op's own
-    errors (an ``Exception``) come from its argument checks, before it writes.
+    errors (an ``Exception``) come from its argument checks, before it writes. A write phase of
+    several ops runs with ``SIGINT`` deferred until its last op has returned
+    (:func:`_interrupts_deferred`), so that it too is made whole.
     """
     try:
-        write()
+        if callable(write):
+            write()
+        else:
+            _interrupts_deferred(write)
     except Exception:
         raise
     except BaseException:
         step.add_(1)
         raise
     step.add_(1)
+
+
+def _interrupts_deferred(writes: list[Callable[[], Any]]) -> None:
+    """Make ``writes`` in order; the ``SIGINT`` handler runs after the last.
+
+    A signal interrupts the main thread only, and runs its Python handler between two ops, where
+    Python's own raises ``KeyboardInterrupt``: here the handler (Python's, or one of the user's
+    own) is called with what arrived once every write is made. Other signals are left alone.
+    """
+    handler = _signal.getsignal(signal.SIGINT)
+    if not callable(handler) or threading.current_thread() is not threading.main_thread():
+        for write in writes:  # no Python handler (ignored, or the OS default), or not main
+            write()
+        return
+    arrived: list[tuple[int, Any]] = []
+    _signal.signal(signal.SIGINT, lambda signum, frame: arrived.append((signum, frame)))
+    try:
+        for write in writes:
+            write()
+    finally:
+        _signal.signal(signal.SIGINT, handler)
+    for signum, frame in arrived:
+        handler(signum, frame)
 
 
 def _counts(step: Tensor, mask: Tensor | None) -> list[float]:

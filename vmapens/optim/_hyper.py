@@ -17,6 +17,7 @@ from ._values import MemberValues
 __all__ = [
     "signed",
     "weight_decayed",
+    "decayed_writes",
     "moments_",
     "host_scalars",
     "BETAS",
@@ -348,6 +349,18 @@ def weight_decayed(
         torch._foreach_mul_(params, member_columns(1 - lr * wd, params))
         return grads
     return add_scaled(grads, params, wd)
+
+
+def decayed_writes(
+    grads: list[Tensor] | tuple[Tensor, ...], params: list[Tensor], group: dict[str, Any]
+) -> tuple[list[Tensor] | tuple[Tensor, ...], list[Callable[[], Any]]]:
+    """:func:`weight_decayed` for a write phase (``optim/_fused.py``): the gradients, and the
+    decoupled decay ``p *= 1 - lr * wd`` as the phase's first write instead of made here."""
+    lr, wd = group["lr"], group["weight_decay"]
+    if not group.get("decoupled_weight_decay", False) or (not isinstance(wd, Tensor) and wd == 0):
+        return weight_decayed(grads, params, group), []
+    scale = member_columns(1 - lr * wd, params)
+    return grads, [functools.partial(torch._foreach_mul_, params, scale)]
 
 
 def moments_(

@@ -9,12 +9,22 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from ._fused import Writes, one_kernel_when, safe_in_place, write_then_count
 from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar, member_columns, signed
 from .base import StackedOptimizer
 
 __all__ = ["StackedAdadelta", "adadelta_rule"]
 
 
+def _shared(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> bool:
+    """Whether :func:`adadelta_rule` writes by its write phase alone (see ``safe_in_place``)."""
+    lists = [params, grads, state["square_avg"], state["acc_delta"]]
+    return safe_in_place(group, lists, [group[k] for k in ("lr", "rho", "eps", "weight_decay")])
+
+
+@one_kernel_when(_shared)
 def adadelta_rule(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> None:
@@ -42,6 +52,12 @@ def adadelta_rule(
     lr, rho, eps, wd = group["lr"], group["rho"], group["eps"], group["weight_decay"]
     square_avg, acc_delta = state["square_avg"], state["acc_delta"]
 
+    if _shared(params, grads, state, group):
+        # The count is not in the arithmetic: one write phase, then the count, for every member.
+        lists = [params, grads, square_avg, acc_delta]
+        write_then_count(_write_phase(lists, group), state["step"])
+        return
+
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
 
     def decay_(avg: list[Tensor], x: list[Tensor] | tuple[Tensor, ...]) -> None:
@@ -67,6 +83,31 @@ def adadelta_rule(
         torch._foreach_addcmul_(params, delta, col(-lr))
     else:
         torch._foreach_add_(params, delta, alpha=-lr)
+
+
+def _write_phase(t: list[list[Tensor]], group: dict[str, Any]) -> Writes:
+    """:func:`adadelta_rule` with float hyperparameters on ``t`` (params, grads, square_avg,
+    acc_delta): what allocates first (the gradients with weight decay, ``sqrt(u + eps)`` from
+    the old ``u``, the buffers ``sqrt(v + eps)`` goes to), then the writes."""
+    lr, rho, eps, wd = group["lr"], group["rho"], group["eps"], group["weight_decay"]
+    p, square_avg, acc_delta = t[0], t[2], t[3]
+    g = signed(t[1], group)
+    if wd != 0:
+        g = torch._foreach_add(g, torch._foreach_mul(p, wd))
+    std = [torch.empty_like(v) for v in square_avg]
+    delta = torch._foreach_add(acc_delta, eps)
+    torch._foreach_sqrt_(delta)
+    return [
+        functools.partial(torch._foreach_mul_, square_avg, rho),
+        functools.partial(torch._foreach_addcmul_, square_avg, g, g, value=1 - rho),
+        *[functools.partial(torch.add, v, eps, out=s) for v, s in zip(square_avg, std)],
+        functools.partial(torch._foreach_sqrt_, std),
+        functools.partial(torch._foreach_div_, delta, std),
+        functools.partial(torch._foreach_mul_, delta, g),
+        functools.partial(torch._foreach_mul_, acc_delta, rho),
+        functools.partial(torch._foreach_addcmul_, acc_delta, delta, delta, value=1 - rho),
+        functools.partial(torch._foreach_add_, p, delta, alpha=-lr),
+    ]
 
 
 class StackedAdadelta(StackedOptimizer):

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._fused import run_fused
+from ._fused import Writes, one_kernel_when, run_fused, safe_in_place
 from ._hyper import (
     BETAS,
     EPS,
@@ -30,6 +30,17 @@ from .base import StackedOptimizer
 __all__ = ["StackedAdamax", "adamax_rule", "adamax_update_"]
 
 
+def _shared(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> bool:
+    """Whether :func:`adamax_rule` writes by its write phase alone (see ``safe_in_place``)."""
+    lists = [params, grads, state["exp_avg"], state["exp_inf"]]
+    return safe_in_place(
+        group, lists, [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
+    )
+
+
+@one_kernel_when(_shared)
 def adamax_rule(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> None:
@@ -59,17 +70,19 @@ def adamax_rule(
     exp_avg, exp_inf, step = state["exp_avg"], state["exp_inf"], state["step"]
     if host_scalars(params, [lr, beta1, beta2, eps, wd]):
 
-        def kernel(t: list[list[Tensor]], count: float) -> None:
+        def kernel(t: list[list[Tensor]], count: float) -> Writes:
             p, m, u = t[0], t[2], t[3]
             g = signed(t[1], group)
             g = weight_decayed(g, p, group)
-            torch._foreach_lerp_(m, g, 1 - beta1)
-            torch._foreach_mul_(u, beta2)
             norm = torch._foreach_abs(g)
             torch._foreach_add_(norm, eps)
-            torch._foreach_maximum_(u, norm)
             clr = lr / (1 - beta1 ** (count + 1))
-            torch._foreach_addcdiv_(p, m, u, value=-clr)
+            return [  # the write phase: nothing in it allocates
+                functools.partial(torch._foreach_lerp_, m, g, 1 - beta1),
+                functools.partial(torch._foreach_mul_, u, beta2),
+                functools.partial(torch._foreach_maximum_, u, norm),
+                functools.partial(torch._foreach_addcdiv_, p, m, u, value=-clr),
+            ]
 
         run_fused(kernel, [params, grads, exp_avg, exp_inf], step, group["mask"])
         return

@@ -301,7 +301,7 @@ class StackedOptimizer(EagerOptimizer):
                 calls += [(*part, args) for part in parts]
         with torch.no_grad():
             # Copied first, so that a failed step changes nothing and masked members keep theirs;
-            # not when the class's own rule writes all in one fused kernel (whole or not at all).
+            # not when the class's own rule writes all in one go, whole or not at all (_fused.py).
             own = type(self).update_ is StackedOptimizer.update_ and len(calls) == 1
             whole = own and mask is None and in_one_kernel(type(self).rule, *calls[0])
             written = [] if whole else [t for p, _, s, _ in calls for t in tensors_of(p, s)]

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._fused import run_fused
+from ._fused import Writes, one_kernel_when, run_fused, safe_in_place
 from ._hyper import (
     BETAS,
     EPS,
@@ -18,6 +18,7 @@ from ._hyper import (
     Params,
     PerMember,
     Scalar,
+    decayed_writes,
     host_scalars,
     like,
     member_columns,
@@ -32,6 +33,22 @@ from .base import StackedOptimizer
 __all__ = ["StackedNAdam", "nadam_rule", "nadam_update_"]
 
 
+def _lists(params: list[Tensor], grads: list[Tensor], state: dict[str, Any]) -> list[list[Tensor]]:
+    return [params, grads, state["exp_avg"], state["exp_avg_sq"], [state["mu_product"]]]
+
+
+def _shared(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> bool:
+    """Whether :func:`nadam_rule` writes by its write phase alone (see ``safe_in_place``)."""
+    values = [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
+    if not safe_in_place(group, _lists(params, grads, state), [*values, group["momentum_decay"]]):
+        return False
+    low, high = torch.aminmax(state["mu_product"])  # else the kernel's writes allocate
+    return bool(low == high)
+
+
+@one_kernel_when(_shared)
 def nadam_rule(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> None:
@@ -67,37 +84,8 @@ def nadam_rule(
     decay = group["momentum_decay"]
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     if host_scalars(params, [lr, beta1, beta2, eps, wd, decay]):
-
-        def kernel(t: list[list[Tensor]], count: float) -> None:
-            p, m, v, mu_product = t[0], t[2], t[3], t[4][0]
-            g = signed(t[1], group)
-            bias_correction2 = 1 - beta2 ** (count + 1)
-            g = weight_decayed(g, p, group)
-            mu = beta1 * (1.0 - 0.5 * (0.96 ** ((count + 1) * decay)))
-            mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((count + 2) * decay)))
-            mu_product.mul_(mu)
-            moments_(m, v, g, beta1, beta2)
-            denom = torch._foreach_div(v, bias_correction2)
-            torch._foreach_sqrt_(denom)
-            torch._foreach_add_(denom, eps)
-            low, high = torch.aminmax(mu_product)
-            if low == high:  # the members share one product: torch's float step sizes
-                shared = float(low)
-                grad_size = -lr * (1.0 - mu) / (1.0 - shared)
-                torch._foreach_addcdiv_(p, g, denom, value=grad_size)
-                avg_size = (-lr * mu_next) / (1.0 - shared * mu_next)
-                torch._foreach_addcdiv_(p, m, denom, value=avg_size)
-                return
-            # Each member's own product: the same float64 arithmetic as a column, bit for bit
-            # (a float over a tensor would be a reciprocal and a product: two roundings).
-            product = mu_product.double()
-            grad_size = torch.div(product.new_tensor(-lr * (1.0 - mu)), 1.0 - product)
-            torch._foreach_addcdiv_(p, torch._foreach_mul(g, col(grad_size)), denom)
-            avg_size = torch.div(product.new_tensor(-lr * mu_next), 1.0 - product * mu_next)
-            torch._foreach_addcdiv_(p, torch._foreach_mul(m, col(avg_size)), denom)
-
-        lists = [params, grads, exp_avg, exp_avg_sq, [state["mu_product"]]]
-        run_fused(kernel, lists, step, group["mask"])
+        kernel = functools.partial(_shared_kernel, group=group)
+        run_fused(kernel, _lists(params, grads, state), step, group["mask"])
         return
 
     g = signed(grads, group)
@@ -122,6 +110,54 @@ def nadam_rule(
     )
     step_size = (-lr * like(lr, mu_next)) / like(lr, 1.0 - product * mu_next)
     torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avg, col(step_size)), denom)
+
+
+def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -> Writes:
+    """:func:`nadam_rule` at step ``count + 1`` with float hyperparameters on ``t`` (params,
+    grads, exp_avg, exp_avg_sq, [mu_product]), op for op as torch's single-tensor step: what
+    allocates first, from the old state, then the writes (``optim/_fused.py``)."""
+    lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+    decay = group["momentum_decay"]
+    p, m, v, mu_product = t[0], t[2], t[3], t[4][0]
+    g, writes = decayed_writes(signed(t[1], group), p, group)
+    bias_correction2 = 1 - beta2 ** (count + 1)
+    mu = beta1 * (1.0 - 0.5 * (0.96 ** ((count + 1) * decay)))
+    mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((count + 2) * decay)))
+    product = mu_product * mu  # torch's `mu_product *= mu`, aside
+    denom = [torch.empty_like(x) for x in v]
+    writes += [
+        functools.partial(mu_product.copy_, product),
+        functools.partial(torch._foreach_lerp_, m, g, 1 - beta1),
+        functools.partial(torch._foreach_mul_, v, beta2),
+        functools.partial(torch._foreach_addcmul_, v, g, g, value=1 - beta2),
+        *[functools.partial(torch.div, x, bias_correction2, out=d) for x, d in zip(v, denom)],
+        functools.partial(torch._foreach_sqrt_, denom),
+        functools.partial(torch._foreach_add_, denom, eps),
+    ]
+    low, high = torch.aminmax(product)
+    if low == high:  # the members share one product: torch's float step sizes
+        shared = float(low)
+        grad_size = -lr * (1.0 - mu) / (1.0 - shared)
+        avg_size = (-lr * mu_next) / (1.0 - shared * mu_next)
+        return [
+            *writes,
+            functools.partial(torch._foreach_addcdiv_, p, g, denom, value=grad_size),
+            functools.partial(torch._foreach_addcdiv_, p, m, denom, value=avg_size),
+        ]
+    # Each member's own product (state loaded so; `_shared` then has the optimizer keep its
+    # copy, as these writes allocate): the same float64 arithmetic as a column, bit for bit (a
+    # float over a tensor would be a reciprocal and a product: two roundings).
+    col: Callable[[Scalar], Any] = functools.partial(member_columns, like=p)
+    product64 = product.double()
+    grad_size = torch.div(product64.new_tensor(-lr * (1.0 - mu)), 1.0 - product64)
+    avg_size = torch.div(product64.new_tensor(-lr * mu_next), 1.0 - product64 * mu_next)
+    scaled = torch._foreach_mul(g, col(grad_size))
+
+    def own_sizes() -> None:
+        torch._foreach_addcdiv_(p, scaled, denom)
+        torch._foreach_addcdiv_(p, torch._foreach_mul(m, col(avg_size)), denom)
+
+    return [*writes, own_sizes]
 
 
 def nadam_update_(

@@ -9,13 +9,14 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._fused import run_fused
+from ._fused import Writes, one_kernel_when, run_fused, safe_in_place
 from ._hyper import (
     NONNEGATIVE,
     UNIT,
     Hyper,
     PerMember,
     Scalar,
+    decayed_writes,
     host_scalars,
     member_columns,
     moments_,
@@ -27,6 +28,16 @@ from .base import StackedOptimizer
 __all__ = ["StackedRAdam", "radam_rule"]
 
 
+def _shared(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> bool:
+    """Whether :func:`radam_rule` writes by its write phase alone (see ``safe_in_place``)."""
+    lists = [params, grads, state["exp_avg"], state["exp_avg_sq"]]
+    values = [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
+    return safe_in_place(group, lists, values)
+
+
+@one_kernel_when(_shared)
 def radam_rule(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> None:
@@ -92,33 +103,41 @@ def radam_rule(
         p.sub_(torch.where(take.bool(), rect_update, plain))
 
 
-def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -> None:
+def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -> Writes:
     """``torch.optim.RAdam``'s single-tensor step at step ``count + 1``, op for op, on whole
     stacked tensors ``t`` (params, grads, exp_avg, exp_avg_sq) with shared float
-    hyperparameters: the same roundings as each member alone."""
+    hyperparameters: the same roundings as each member alone. What allocates comes first,
+    then the writes (``optim/_fused.py``)."""
     lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
     p, m, v = t[0], t[2], t[3]
-    g = signed(t[1], group)
+    g, writes = decayed_writes(signed(t[1], group), p, group)
     step = count + 1
-    g = weight_decayed(g, p, group)
-    moments_(m, v, g, beta1, beta2)
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    update = torch._foreach_div(m, bias_correction1)
-    torch._foreach_mul_(update, lr)
+    update = [torch.empty_like(x) for x in m]
+    writes += [
+        functools.partial(torch._foreach_lerp_, m, g, 1 - beta1),
+        functools.partial(torch._foreach_mul_, v, beta2),
+        functools.partial(torch._foreach_addcmul_, v, g, g, value=1 - beta2),
+        *[functools.partial(torch.div, x, bias_correction1, out=u) for x, u in zip(m, update)],
+        functools.partial(torch._foreach_mul_, update, lr),
+    ]
     rho_inf = 2 / (1 - beta2) - 1
     rho_t = rho_inf - 2 * step * (beta2**step) / bias_correction2
     if rho_t > 5.0:
         # torch: m_hat * lr * (bc2**0.5 / (sqrt(v) + eps)) * rect; a float over a tensor is
         # its reciprocal times the float.
-        adaptive = torch._foreach_sqrt(v)
-        torch._foreach_add_(adaptive, eps)
-        torch._foreach_reciprocal_(adaptive)
-        torch._foreach_mul_(adaptive, bias_correction2**0.5)
-        torch._foreach_mul_(update, adaptive)
+        adaptive = [torch.empty_like(x) for x in v]
         rect = (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
-        torch._foreach_mul_(update, rect**0.5)
-    torch._foreach_add_(p, update, alpha=-1.0)
+        writes += [
+            *[functools.partial(torch.sqrt, x, out=a) for x, a in zip(v, adaptive)],
+            functools.partial(torch._foreach_add_, adaptive, eps),
+            functools.partial(torch._foreach_reciprocal_, adaptive),
+            functools.partial(torch._foreach_mul_, adaptive, bias_correction2**0.5),
+            functools.partial(torch._foreach_mul_, update, adaptive),
+            functools.partial(torch._foreach_mul_, update, rect**0.5),
+        ]
+    return [*writes, functools.partial(torch._foreach_add_, p, update, alpha=-1.0)]
 
 
 class StackedRAdam(StackedOptimizer):

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._fused import Writes, one_kernel_when, safe_in_place, write_then_count
 from ._hyper import (
     EPS,
     LR,
@@ -29,6 +30,20 @@ from .base import StackedOptimizer
 __all__ = ["StackedRMSprop", "rmsprop_rule", "rmsprop_update_"]
 
 
+def _lists(params: list[Tensor], grads: list[Tensor], state: dict[str, Any]) -> list[list[Tensor]]:
+    names = ("square_avg", "momentum_buffer", "grad_avg")
+    return [params, grads, *(state[k] for k in names if k in state)]
+
+
+def _shared(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> bool:
+    """Whether :func:`rmsprop_rule` writes by its write phase alone (see ``safe_in_place``)."""
+    values = [group[k] for k in ("lr", "alpha", "eps", "weight_decay", "momentum")]
+    return safe_in_place(group, _lists(params, grads, state), values)
+
+
+@one_kernel_when(_shared)
 def rmsprop_rule(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> None:
@@ -45,7 +60,8 @@ def rmsprop_rule(
         b = momentum * b + g / a;  p -= lr * b        (p -= lr * g / a without momentum)
 
     Centered when ``grad_avg`` is given. A member whose momentum is 0 gets ``b = g / a``, the
-    plain step, so per-member momenta need no branch.
+    plain step, so per-member momenta need no branch. With shared hyperparameters on CPU,
+    everything that allocates comes first and the writes last, in place (``optim/_fused.py``).
 
     Args:
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
@@ -61,6 +77,11 @@ def rmsprop_rule(
         state.get("grad_avg"),
         state.get("momentum_buffer"),
     )
+
+    if _shared(params, grads, state, group):
+        # The count is not in the arithmetic: one write phase, then the count, for every member.
+        write_then_count(_write_phase(_lists(params, grads, state), group), state["step"])
+        return
 
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     g = signed(grads, group)
@@ -89,6 +110,42 @@ def rmsprop_rule(
         torch._foreach_addcdiv_(params, torch._foreach_mul(g, col(-lr)), avg)
     else:
         torch._foreach_addcdiv_(params, g, avg, value=-lr)
+
+
+def _write_phase(t: list[list[Tensor]], group: dict[str, Any]) -> Writes:
+    """:func:`rmsprop_rule` with float hyperparameters on ``t`` (params, grads, square_avg,
+    then momentum_buffer and grad_avg where kept): what allocates first (the gradients with
+    weight decay, the buffers ``sqrt(v)`` goes to), then the writes."""
+    lr, alpha, eps, momentum = group["lr"], group["alpha"], group["eps"], group["momentum"]
+    p, square_avg, rest = t[0], t[2], t[3:]
+    bufs = rest.pop(0) if momentum > 0 else None
+    grad_avg = rest.pop(0) if rest else None
+    g = weight_decayed(signed(t[1], group), p, group)
+    avg = [torch.empty_like(v) for v in square_avg]
+    writes: list[Callable[[], Any]] = [
+        functools.partial(torch._foreach_mul_, square_avg, alpha),
+        functools.partial(torch._foreach_addcmul_, square_avg, g, g, value=1 - alpha),
+    ]
+    if grad_avg is not None:  # avg = v - grad_avg**2, its square root taken in place
+        writes.append(functools.partial(torch._foreach_lerp_, grad_avg, g, 1 - alpha))
+        writes += [
+            functools.partial(torch.addcmul, v, ga, ga, value=-1, out=a)
+            for v, ga, a in zip(square_avg, grad_avg, avg, strict=True)
+        ]
+        writes.append(functools.partial(torch._foreach_sqrt_, avg))
+    else:
+        writes += [
+            functools.partial(torch.sqrt, v, out=a) for v, a in zip(square_avg, avg, strict=True)
+        ]
+    writes.append(functools.partial(torch._foreach_add_, avg, eps))
+    if bufs is not None:
+        return [
+            *writes,
+            functools.partial(torch._foreach_mul_, bufs, momentum),
+            functools.partial(torch._foreach_addcdiv_, bufs, g, avg),
+            functools.partial(torch._foreach_add_, p, bufs, alpha=-lr),
+        ]
+    return [*writes, functools.partial(torch._foreach_addcdiv_, p, g, avg, value=-lr)]
 
 
 def rmsprop_update_(
