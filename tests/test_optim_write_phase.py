@@ -43,6 +43,13 @@ FUSED: dict[str, Callable[[Any], StackedOptimizer]] = {
     "adagrad": lambda p: StackedAdagrad(p, lr=0.1),
 }
 WRITE_PHASES: dict[str, Callable[[Any], StackedOptimizer]] = {
+    # fused=False: torch's single-tensor ops, each member's bits as alone
+    "sgd_unfused": lambda p: StackedSGD(p, lr=0.1, momentum=0.9, nesterov=True, fused=False),
+    "adam_unfused": lambda p: StackedAdam(p, lr=0.1, amsgrad=True, fused=False),
+    "adamw_unfused": lambda p: StackedAdam(
+        p, lr=0.1, weight_decay=0.1, decoupled_weight_decay=True, fused=False
+    ),
+    "adagrad_unfused": lambda p: StackedAdagrad(p, lr=0.1, weight_decay=0.1, fused=False),
     "adamax": lambda p: StackedAdamax(p, lr=0.1),
     "adamax_decay": lambda p: StackedAdamax(p, lr=0.1, weight_decay=0.1, maximize=True),
     "rmsprop": lambda p: StackedRMSprop(p, lr=0.01),

@@ -91,9 +91,7 @@ def fusable(group: dict[str, Any], lists: list[list[Tensor]], values: list[Any])
     on other members' step counts or masks, so a member's result does not depend on what
     happens to the others, bit for bit.
     """
-    if group.get("one_kernel"):  # in_one_kernel has just checked these very tensors
-        return True
-    return group["fused"] and safe_in_place(group, lists, values)
+    return bool(group["fused"]) and safe_in_place(group, lists, values)
 
 
 def safe_in_place(group: dict[str, Any], lists: list[list[Tensor]], values: list[Any]) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._fused import fusable, one_kernel_when, run_fused
+from ._fused import Writes, fusable, one_kernel_when, run_fused, safe_in_place
 from ._hyper import (
     EPS,
     LR,
@@ -39,7 +39,16 @@ def _fused(
     return fusable(group, [params, grads, state["sum"]], values)
 
 
-@one_kernel_when(_fused)
+def _one_go(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> bool:
+    """Whether :func:`adagrad_rule` writes everything in one go: the fused kernel, or with
+    ``fused=False`` the write phase of :func:`_shared_kernel` (see ``safe_in_place``)."""
+    values = [group[k] for k in ("lr", "lr_decay", "weight_decay", "eps")]
+    return safe_in_place(group, [params, grads, state["sum"]], values)
+
+
+@one_kernel_when(_one_go)
 def adagrad_rule(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> None:
@@ -100,17 +109,21 @@ def adagrad_rule(
     torch._foreach_addcdiv_(params, torch._foreach_mul(g, col(-clr)), std)
 
 
-def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -> None:
+def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -> Writes:
     """``torch.optim.Adagrad``'s single-tensor step at step ``count + 1``, op for op, on whole
     stacked tensors ``t`` (params, grads, sum) with shared float hyperparameters: each
-    member's bits as alone."""
+    member's bits as alone. What allocates comes first, then the writes (``_fused.py``)."""
     lr, lr_decay, eps = group["lr"], group["lr_decay"], group["eps"]
-    g = weight_decayed(signed(t[1], group), t[0], group)
+    p, sums = t[0], t[2]
+    g = weight_decayed(signed(t[1], group), p, group)
     clr = lr / (1 + count * lr_decay)  # torch: (step - 1) with the step after this one
-    torch._foreach_addcmul_(t[2], g, g)
-    std = torch._foreach_sqrt(t[2])
-    torch._foreach_add_(std, eps)
-    torch._foreach_addcdiv_(t[0], g, std, value=-clr)
+    std = [torch.empty_like(x) for x in sums]
+    return [
+        functools.partial(torch._foreach_addcmul_, sums, g, g),
+        *[functools.partial(torch.sqrt, x, out=d) for x, d in zip(sums, std, strict=True)],
+        functools.partial(torch._foreach_add_, std, eps),
+        functools.partial(torch._foreach_addcdiv_, p, g, std, value=-clr),
+    ]
 
 
 def adagrad_update_(

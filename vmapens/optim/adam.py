@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._fused import fusable, one_kernel_when, run_fused
+from ._fused import Writes, fusable, one_kernel_when, run_fused, safe_in_place
 from ._hyper import (
     BETAS,
     EPS,
@@ -22,6 +22,7 @@ from ._hyper import (
     Params,
     PerMember,
     Scalar,
+    decayed_writes,
     host_scalars,
     like,
     member_columns,
@@ -50,7 +51,16 @@ def _fused(
     return fusable(group, _lists(params, grads, state, group), values)
 
 
-@one_kernel_when(_fused)
+def _one_go(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> bool:
+    """Whether :func:`adam_rule` writes everything in one go: the fused kernel, or with
+    ``fused=False`` the write phase of :func:`_shared_kernel` (see ``safe_in_place``)."""
+    values = [group["lr"], group["eps"], group["weight_decay"], *group["betas"]]
+    return safe_in_place(group, _lists(params, grads, state, group), values)
+
+
+@one_kernel_when(_one_go)
 def adam_rule(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> None:
@@ -137,23 +147,33 @@ def adam_rule(
     torch._foreach_addcdiv_(params, exp_avg, denom)
 
 
-def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -> None:
+def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -> Writes:
     """``torch.optim.Adam``'s single-tensor step at step ``count + 1``, op for op, on whole
     stacked tensors ``t`` (params, grads, exp_avg, exp_avg_sq[, max_exp_avg_sq]) with shared
-    float hyperparameters: each member's bits as alone (Python float step sizes)."""
+    float hyperparameters: each member's bits as alone (Python float step sizes). What
+    allocates comes first, then the writes (``optim/_fused.py``)."""
     lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
     p, m, v = t[0], t[2], t[3]
-    g = weight_decayed(signed(t[1], group), p, group)
-    moments_(m, v, g, beta1, beta2)
+    g, writes = decayed_writes(signed(t[1], group), p, group)
     step = count + 1
     step_size = lr / (1 - beta1**step)
     bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    denom = [torch.empty_like(x) for x in v]
+    writes += [
+        functools.partial(torch._foreach_lerp_, m, g, 1 - beta1),
+        functools.partial(torch._foreach_mul_, v, beta2),
+        functools.partial(torch._foreach_addcmul_, v, g, g, value=1 - beta2),
+    ]
     if group["amsgrad"]:
-        torch._foreach_maximum_(t[4], v)
-    denom = torch._foreach_sqrt(t[4] if group["amsgrad"] else v)
-    torch._foreach_div_(denom, bias_correction2_sqrt)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(p, m, denom, value=-step_size)
+        v = t[4]
+        writes.append(functools.partial(torch._foreach_maximum_, v, t[3]))
+    return [
+        *writes,
+        *[functools.partial(torch.sqrt, x, out=d) for x, d in zip(v, denom, strict=True)],
+        functools.partial(torch._foreach_div_, denom, bias_correction2_sqrt),
+        functools.partial(torch._foreach_add_, denom, eps),
+        functools.partial(torch._foreach_addcdiv_, p, m, denom, value=-step_size),
+    ]
 
 
 def adam_update_(

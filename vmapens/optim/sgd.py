@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .._checks import column
-from ._fused import fusable, one_kernel_when, run_fused
+from ._fused import Writes, fusable, one_kernel_when, run_fused, safe_in_place
 from ._hyper import (
     LR,
     MOMENTUM,
@@ -20,6 +20,7 @@ from ._hyper import (
     PerMember,
     Scalar,
     add_scaled,
+    host_scalars,
     member_columns,
     member_floats,
     signed,
@@ -44,7 +45,16 @@ def _fused(
     return fusable(group, _lists(params, grads, state), values)
 
 
-@one_kernel_when(_fused)
+def _one_go(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> bool:
+    """Whether :func:`sgd_rule` writes everything in one go: the fused kernel, or with
+    ``fused=False`` the write phase of :func:`_shared_kernel` (see ``safe_in_place``)."""
+    values = [group[k] for k in ("lr", "momentum", "dampening", "weight_decay")]
+    return safe_in_place(group, _lists(params, grads, state), values)
+
+
+@one_kernel_when(_one_go)
 def sgd_rule(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> None:
@@ -96,6 +106,11 @@ def sgd_rule(
         counts = step if momentum != 0 else torch.zeros_like(step)
         run_fused(kernel, _lists(params, grads, state), counts, group["mask"])
         return
+    if host_scalars(params, [lr, momentum, dampening, wd]):  # fused=False: torch's bits
+        counts = step if momentum != 0 else torch.zeros_like(step)
+        shared = functools.partial(_shared_kernel, group=group)
+        run_fused(shared, _lists(params, grads, state), counts, group["mask"])
+        return
 
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     g = signed(grads, group)
@@ -117,6 +132,34 @@ def sgd_rule(
     else:
         torch._foreach_add_(params, g, alpha=-lr)
     step.add_((momentum != 0).to(step.dtype) if isinstance(momentum, Tensor) else momentum != 0)
+
+
+def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -> Writes:
+    """``torch.optim.SGD``'s single-tensor step, op for op, on whole stacked tensors ``t``
+    (params, grads[, momentum_buffer]) with shared float hyperparameters, ``count`` steps
+    with momentum before this one: each member's bits as alone. What allocates comes first,
+    then the writes (``optim/_fused.py``)."""
+    lr, momentum, dampening = group["lr"], group["momentum"], group["dampening"]
+    p = t[0]
+    g = weight_decayed(signed(t[1], group), p, group)
+    if momentum == 0:
+        return [functools.partial(torch._foreach_add_, p, g, alpha=-lr)]
+    bufs = t[2]
+    if count == 0:  # torch starts the buffer as the gradient, undampened
+        writes: list[Callable[[], Any]] = [functools.partial(torch._foreach_copy_, bufs, g)]
+    else:
+        writes = [
+            functools.partial(torch._foreach_mul_, bufs, momentum),
+            functools.partial(torch._foreach_add_, bufs, g, alpha=1 - dampening),
+        ]
+    direction = bufs
+    if group["nesterov"]:
+        direction = [torch.empty_like(x) for x in bufs]
+        writes += [
+            functools.partial(torch.add, x, b, alpha=momentum, out=d)
+            for x, b, d in zip(g, bufs, direction, strict=True)
+        ]
+    return [*writes, functools.partial(torch._foreach_add_, p, direction, alpha=-lr)]
 
 
 def sgd_update_(
