@@ -75,7 +75,7 @@ def counter_dtype(step: Any) -> torch.dtype:
 
 def layout(params: list[Tensor]) -> tuple:
     """What state must be re-checked against when it changes (``ens.double()``, ``.to()``)."""
-    return tuple((p.dtype, p.device, tuple(p.shape)) for p in params)
+    return tuple([(p.dtype, p.device, p.shape) for p in params])
 
 
 def same_counts(a: Tensor, b: Tensor) -> bool:

@@ -105,15 +105,20 @@ def safe_in_place(group: dict[str, Any], lists: list[list[Tensor]], values: list
     without a rollback copy (see the module). ``group`` as for :func:`fusable`."""
     if group.get("one_kernel"):  # in_one_kernel has just checked these very tensors
         return True
-    if torch.compiler.is_compiling() or any(isinstance(v, Tensor) for v in values):
+    for v in values:
+        if isinstance(v, Tensor):
+            return False
+    if torch.compiler.is_compiling():
         return False
     # In-place ops refuse a leaf that requires grad outside no_grad (the optimizer steps under
     # it) and an inference tensor outside inference_mode.
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
     dtype, strided, plain = lists[0][0].dtype, torch.strided, (Tensor, nn.Parameter)
     for k, ts in enumerate(lists):
-        for t in ts:
-            if t.dtype != dtype or not t.is_cpu or t.layout != strided or type(t) not in plain:
+        for t in ts:  # dtypes and layouts are singletons: `is`
+            if t.dtype is not dtype or t.layout is not strided or not t.is_cpu:
+                return False
+            if type(t) not in plain:
                 return False
             if k == 1:  # the gradients are only read
                 continue
