@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["buckets", "counter_dtype", "layout", "same_counts", "scalar_dtype"]
+__all__ = ["buckets", "counter_dtype", "layout", "same_counts", "scalar_dtype", "share_counts"]
 
 
 def buckets(
@@ -81,3 +81,16 @@ def layout(params: list[Tensor]) -> tuple:
 def same_counts(a: Tensor, b: Tensor) -> bool:
     """Whether two parameters' counters are equal, so that they may share one tensor."""
     return a is b or (a.device == b.device and torch.equal(a, b))
+
+
+def share_counts(states: list[dict[str, Any]], counters: tuple[str, ...]) -> None:
+    """Parameters (their ``states``) whose counters are equal (after ``load_state_dict``) share
+    them again, by identity, as :func:`buckets` groups them."""
+    kept: list[dict[str, Any]] = []
+    for state in states:
+        for other in kept:
+            if all(same_counts(other[k], state[k]) for k in counters):
+                state.update({k: other[k] for k in counters})
+                break
+        else:
+            kept.append(state)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 # signal's own functions, without the enum wrappers of `signal` (60 us a call on Python 3.11)
 import _signal  # type: ignore[import-not-found]
+import contextlib
+import contextvars
 import functools
 import signal
 import threading
@@ -32,10 +34,12 @@ __all__ = [
     "Writes",
     "fusable",
     "in_one_kernel",
+    "make_held",
     "one_kernel_when",
     "run_fused",
     "safe_in_place",
     "write_then_count",
+    "writes_held",
 ]
 
 #: What a kernel returns instead of writing: one native op that checks its arguments and then
@@ -43,6 +47,12 @@ __all__ = [
 #: of which can neither fail nor allocate (:func:`safe_in_place`). Each as a
 #: ``functools.partial`` of the op (C all the way down: see :func:`write_then_count`).
 Writes = Callable[[], Any] | list[Callable[[], Any]]
+
+#: The writes :func:`write_then_count` holds back, with the step each counts, while
+#: :func:`writes_held` is open (None: it makes them at once).
+_HELD: contextvars.ContextVar[list[tuple[Writes, Tensor]] | None] = contextvars.ContextVar(
+    "vmapens_held_writes", default=None
+)
 
 #: ``check(params, grads, state, group)``: whether a rule's call writes everything in one go.
 Check = Callable[[list[Tensor], list[Tensor], dict[str, Any], dict[str, Any]], bool]
@@ -183,6 +193,37 @@ def run_fused(
     write_then_count(functools.partial(torch._foreach_copy_, targets, merged), step)
 
 
+@contextlib.contextmanager
+def writes_held() -> Any:
+    """Hold back every :func:`write_then_count` made inside, for :func:`make_held`.
+
+    For an optimizer step of several rule calls (param groups, parameters with their own step
+    counts), each of which writes in one go: every call's allocations come first, then all
+    the writes. A call that fails leaves nothing written.
+    """
+    held: list[tuple[Writes, Tensor]] = []
+    token = _HELD.set(held)
+    try:
+        yield held
+    finally:
+        _HELD.reset(token)
+
+
+def make_held(held: list[tuple[Writes, Tensor]]) -> None:
+    """Make the held writes in order, as one write phase, then count each call's step."""
+    writes = [op for write, _ in held for op in ([write] if callable(write) else write)]
+    try:
+        _interrupts_deferred(writes)
+    except Exception:
+        raise
+    except BaseException:
+        for _, step in held:
+            step.add_(1)
+        raise
+    for _, step in held:
+        step.add_(1)
+
+
 def write_then_count(write: Writes, step: Tensor) -> None:
     """Make ``write`` (:data:`Writes`), then count the step.
 
@@ -193,8 +234,13 @@ def write_then_count(write: Writes, step: Tensor) -> None:
     a Python function's entry would raise a pending interrupt before the op runs). The op's own
     errors (an ``Exception``) come from its argument checks, before it writes. A write phase of
     several ops runs with ``SIGINT`` deferred until its last op has returned
-    (:func:`_interrupts_deferred`), so that it too is made whole.
+    (:func:`_interrupts_deferred`), so that it too is made whole. Inside :func:`writes_held`
+    both are held back instead.
     """
+    held = _HELD.get()
+    if held is not None:
+        held.append((write, step))
+        return
     try:
         if callable(write):
             write()

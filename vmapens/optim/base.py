@@ -19,9 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_mask
-from ._buckets import buckets, counter_dtype, layout, same_counts
+from ._buckets import buckets, counter_dtype, layout, share_counts
 from ._eager import EagerOptimizer
-from ._fused import in_one_kernel
+from ._fused import in_one_kernel, make_held, writes_held
 from ._handoff import check_state_dict, copy_rows, member_state_dict, select_parts
 from ._hyper import (
     IMPLEMENTATION,
@@ -246,21 +246,9 @@ class StackedOptimizer(EagerOptimizer):
                     elif t.dtype != p.dtype or t.device != p.device:
                         state[key] = t.to(dtype=p.dtype, device=p.device)
             if not compiling:
-                self._share_counts(group, tuple(starts))
+                share_counts([self.state[p] for p in group["params"]], tuple(starts))
                 self._ready[index] = (layout(group["params"]), names)
                 self._layouts += 1  # tells the snapshot that tensors may have changed in place
-
-    def _share_counts(self, group: dict[str, Any], counters: tuple[str, ...]) -> None:
-        """Parameters whose counters are equal (after ``load_state_dict``) share them again."""
-        kept: list[dict[str, Tensor]] = []
-        for p in group["params"]:
-            state = self.state[p]
-            for other in kept:
-                if all(same_counts(other[k], state[k]) for k in counters):
-                    state.update({k: other[k] for k in counters})
-                    break
-            else:
-                kept.append(state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved by ``state_dict()`` (checked first).
@@ -298,12 +286,17 @@ class StackedOptimizer(EagerOptimizer):
             if parts:
                 args = group_args(group, self.hyperparameters, params[0].device, **self._who)
                 args.update(mask=mask, fused=group.get("fused") is not False)
-                calls += [(*part, args) for part in parts]
+                calls += [(*part, dict(args)) for part in parts]  # in_one_kernel writes in args
         with torch.no_grad():
             # Copied first, so that a failed step changes nothing and masked members keep theirs;
-            # not when the class's own rule writes all in one go, whole or not at all (_fused.py).
-            own = type(self).update_ is StackedOptimizer.update_ and len(calls) == 1
-            whole = own and mask is None and in_one_kernel(type(self).rule, *calls[0])
+            # not when each call of the class's own rule writes all in one go (_fused.py).
+            own = type(self).update_ is StackedOptimizer.update_ and mask is None
+            whole = own and all(in_one_kernel(type(self).rule, *call) for call in calls)
+            if whole and len(calls) > 1:  # every call's allocations first, then all writes
+                with writes_held() as held:
+                    for params, g, state, args in calls:
+                        self.update_(params, g, state, args)
+                return make_held(held)
             written = [] if whole else [t for p, _, s, _ in calls for t in tensors_of(p, s)]
             saved = [] if whole else self._snapshot.take(written, mask, self._layouts)
             try:
