@@ -7,10 +7,13 @@ and its ``torch._foreach_*`` form otherwise.
 :func:`run_fused` writes the parameters and state in one call, whole or not at all, so a rule
 that says (by :func:`one_kernel_when`) when it takes that path lets the optimizer skip its
 rollback copy there (``StackedOptimizer._update``). A rule without a fused kernel (Adamax,
-RMSprop, NAdam, RAdam, Adadelta) does the same with its write phase: with shared float
-hyperparameters on CPU (:func:`safe_in_place`) its kernel first computes everything that
-allocates, then returns its writes, in-place ``torch._foreach_*`` ops that can neither fail nor
-allocate on those tensors, which :func:`run_fused` makes with ``SIGINT`` deferred.
+RMSprop, NAdam, RAdam, Adadelta; Adam, SGD and Adagrad with ``fused=False``) does the same with
+its write phase: with shared float hyperparameters on CPU (:func:`safe_in_place`) its kernel
+first computes everything that allocates, then returns its writes, in-place
+``torch._foreach_*`` ops that can neither fail nor allocate on those tensors, which
+:func:`write_then_count` makes with ``SIGINT`` held back until the last has returned. A step of
+several such calls (param groups) holds every call's writes back until all have allocated
+(:func:`writes_held`).
 """
 
 from __future__ import annotations

@@ -100,7 +100,10 @@ def _write_phase(t: list[list[Tensor]], group: dict[str, Any]) -> Writes:
     return [
         functools.partial(torch._foreach_mul_, square_avg, rho),
         functools.partial(torch._foreach_addcmul_, square_avg, g, g, value=1 - rho),
-        *[functools.partial(torch.add, v, eps, out=s) for v, s in zip(square_avg, std)],
+        *[
+            functools.partial(torch.add, v, eps, out=s)
+            for v, s in zip(square_avg, std, strict=True)
+        ],
         functools.partial(torch._foreach_sqrt_, std),
         functools.partial(torch._foreach_div_, delta, std),
         functools.partial(torch._foreach_mul_, delta, g),

@@ -112,7 +112,7 @@ def adagrad_rule(
 def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -> Writes:
     """``torch.optim.Adagrad``'s single-tensor step at step ``count + 1``, op for op, on whole
     stacked tensors ``t`` (params, grads, sum) with shared float hyperparameters: each
-    member's bits as alone. What allocates comes first, then the writes (``_fused.py``)."""
+    member's bits as alone. What allocates comes first, then the writes (``optim/_fused.py``)."""
     lr, lr_decay, eps = group["lr"], group["lr_decay"], group["eps"]
     p, sums = t[0], t[2]
     g = weight_decayed(signed(t[1], group), p, group)

@@ -119,7 +119,10 @@ def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -
         functools.partial(torch._foreach_lerp_, m, g, 1 - beta1),
         functools.partial(torch._foreach_mul_, v, beta2),
         functools.partial(torch._foreach_addcmul_, v, g, g, value=1 - beta2),
-        *[functools.partial(torch.div, x, bias_correction1, out=u) for x, u in zip(m, update)],
+        *[
+            functools.partial(torch.div, x, bias_correction1, out=u)
+            for x, u in zip(m, update, strict=True)
+        ],
         functools.partial(torch._foreach_mul_, update, lr),
     ]
     rho_inf = 2 / (1 - beta2) - 1
@@ -130,7 +133,7 @@ def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -
         adaptive = [torch.empty_like(x) for x in v]
         rect = (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
         writes += [
-            *[functools.partial(torch.sqrt, x, out=a) for x, a in zip(v, adaptive)],
+            *[functools.partial(torch.sqrt, x, out=a) for x, a in zip(v, adaptive, strict=True)],
             functools.partial(torch._foreach_add_, adaptive, eps),
             functools.partial(torch._foreach_reciprocal_, adaptive),
             functools.partial(torch._foreach_mul_, adaptive, bias_correction2**0.5),

@@ -72,7 +72,8 @@ def sgd_rule(
         p -= lr * g
 
     With shared hyperparameters on CPU, torch's fused kernel (see ``run_fused``: the first
-    step starts the buffer).
+    step starts the buffer); with ``fused=False``, torch's single-tensor ops, each member's
+    bits as alone.
 
     Args:
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
