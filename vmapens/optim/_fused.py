@@ -37,6 +37,7 @@ __all__ = [
     "Writes",
     "fusable",
     "in_one_kernel",
+    "into",
     "make_held",
     "one_kernel_when",
     "run_fused",
@@ -105,6 +106,26 @@ def fusable(group: dict[str, Any], lists: list[list[Tensor]], values: list[Any])
     happens to the others, bit for bit.
     """
     return bool(group["fused"]) and safe_in_place(group, lists, values)
+
+
+def into(op: Callable[..., Any], outs: list[Tensor], *args: Any, **kwargs: Any) -> list[Any]:
+    """``op(*args, out=outs[i], **kwargs)`` for each tensor ``i`` as writes: what a foreach op
+    without an ``out=`` form writes into buffers allocated before the write phase. A list (or
+    tuple) in ``args`` gives its ``i``-th tensor, anything else goes as it is.
+
+    Example:
+        >>> v, out = [torch.tensor([4.0]), torch.tensor([9.0])], [torch.empty(1), torch.empty(1)]
+        >>> for write in into(torch.sqrt, out, v):
+        ...     _ = write()
+        >>> out
+        [tensor([2.]), tensor([3.])]
+    """
+    return [
+        functools.partial(
+            op, *[a[i] if isinstance(a, (list, tuple)) else a for a in args], out=out, **kwargs
+        )
+        for i, out in enumerate(outs)
+    ]
 
 
 def safe_in_place(group: dict[str, Any], lists: list[list[Tensor]], values: list[Any]) -> bool:

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._fused import Writes, one_kernel_when, safe_in_place, write_then_count
+from ._fused import Writes, into, one_kernel_when, safe_in_place, write_then_count
 from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar, member_columns, signed
 from .base import StackedOptimizer
 
@@ -100,10 +100,7 @@ def _write_phase(t: list[list[Tensor]], group: dict[str, Any]) -> Writes:
     return [
         functools.partial(torch._foreach_mul_, square_avg, rho),
         functools.partial(torch._foreach_addcmul_, square_avg, g, g, value=1 - rho),
-        *[
-            functools.partial(torch.add, v, eps, out=s)
-            for v, s in zip(square_avg, std, strict=True)
-        ],
+        *into(torch.add, std, square_avg, eps),
         functools.partial(torch._foreach_sqrt_, std),
         functools.partial(torch._foreach_div_, delta, std),
         functools.partial(torch._foreach_mul_, delta, g),

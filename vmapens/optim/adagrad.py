@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._fused import Writes, fusable, one_kernel_when, run_fused, safe_in_place
+from ._fused import Writes, fusable, into, one_kernel_when, run_fused, safe_in_place
 from ._hyper import (
     EPS,
     LR,
@@ -120,7 +120,7 @@ def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -
     std = [torch.empty_like(x) for x in sums]
     return [
         functools.partial(torch._foreach_addcmul_, sums, g, g),
-        *[functools.partial(torch.sqrt, x, out=d) for x, d in zip(sums, std, strict=True)],
+        *into(torch.sqrt, std, sums),
         functools.partial(torch._foreach_add_, std, eps),
         functools.partial(torch._foreach_addcdiv_, p, g, std, value=-clr),
     ]

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._fused import Writes, fusable, one_kernel_when, run_fused, safe_in_place
+from ._fused import Writes, fusable, into, one_kernel_when, run_fused, safe_in_place
 from ._hyper import (
     BETAS,
     EPS,
@@ -169,7 +169,7 @@ def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -
         writes.append(functools.partial(torch._foreach_maximum_, v, t[3]))
     return [
         *writes,
-        *[functools.partial(torch.sqrt, x, out=d) for x, d in zip(v, denom, strict=True)],
+        *into(torch.sqrt, denom, v),
         functools.partial(torch._foreach_div_, denom, bias_correction2_sqrt),
         functools.partial(torch._foreach_add_, denom, eps),
         functools.partial(torch._foreach_addcdiv_, p, m, denom, value=-step_size),

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._fused import Writes, one_kernel_when, run_fused, safe_in_place
+from ._fused import Writes, into, one_kernel_when, run_fused, safe_in_place
 from ._hyper import (
     BETAS,
     EPS,
@@ -130,10 +130,7 @@ def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -
         functools.partial(torch._foreach_lerp_, m, g, 1 - beta1),
         functools.partial(torch._foreach_mul_, v, beta2),
         functools.partial(torch._foreach_addcmul_, v, g, g, value=1 - beta2),
-        *[
-            functools.partial(torch.div, x, bias_correction2, out=d)
-            for x, d in zip(v, denom, strict=True)
-        ],
+        *into(torch.div, denom, v, bias_correction2),
         functools.partial(torch._foreach_sqrt_, denom),
         functools.partial(torch._foreach_add_, denom, eps),
     ]

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._fused import Writes, one_kernel_when, run_fused, safe_in_place
+from ._fused import Writes, into, one_kernel_when, run_fused, safe_in_place
 from ._hyper import (
     NONNEGATIVE,
     UNIT,
@@ -119,10 +119,7 @@ def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -
         functools.partial(torch._foreach_lerp_, m, g, 1 - beta1),
         functools.partial(torch._foreach_mul_, v, beta2),
         functools.partial(torch._foreach_addcmul_, v, g, g, value=1 - beta2),
-        *[
-            functools.partial(torch.div, x, bias_correction1, out=u)
-            for x, u in zip(m, update, strict=True)
-        ],
+        *into(torch.div, update, m, bias_correction1),
         functools.partial(torch._foreach_mul_, update, lr),
     ]
     rho_inf = 2 / (1 - beta2) - 1
@@ -133,7 +130,7 @@ def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -
         adaptive = [torch.empty_like(x) for x in v]
         rect = (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
         writes += [
-            *[functools.partial(torch.sqrt, x, out=a) for x, a in zip(v, adaptive, strict=True)],
+            *into(torch.sqrt, adaptive, v),
             functools.partial(torch._foreach_add_, adaptive, eps),
             functools.partial(torch._foreach_reciprocal_, adaptive),
             functools.partial(torch._foreach_mul_, adaptive, bias_correction2**0.5),

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._fused import Writes, one_kernel_when, safe_in_place, write_then_count
+from ._fused import Writes, into, one_kernel_when, safe_in_place, write_then_count
 from ._hyper import (
     EPS,
     LR,
@@ -128,15 +128,10 @@ def _write_phase(t: list[list[Tensor]], group: dict[str, Any]) -> Writes:
     ]
     if grad_avg is not None:  # avg = v - grad_avg**2, its square root taken in place
         writes.append(functools.partial(torch._foreach_lerp_, grad_avg, g, 1 - alpha))
-        writes += [
-            functools.partial(torch.addcmul, v, ga, ga, value=-1, out=a)
-            for v, ga, a in zip(square_avg, grad_avg, avg, strict=True)
-        ]
+        writes += into(torch.addcmul, avg, square_avg, grad_avg, grad_avg, value=-1)
         writes.append(functools.partial(torch._foreach_sqrt_, avg))
     else:
-        writes += [
-            functools.partial(torch.sqrt, v, out=a) for v, a in zip(square_avg, avg, strict=True)
-        ]
+        writes += into(torch.sqrt, avg, square_avg)
     writes.append(functools.partial(torch._foreach_add_, avg, eps))
     if bufs is not None:
         return [

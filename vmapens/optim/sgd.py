@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .._checks import column
-from ._fused import Writes, fusable, one_kernel_when, run_fused, safe_in_place
+from ._fused import Writes, fusable, into, one_kernel_when, run_fused, safe_in_place
 from ._hyper import (
     LR,
     MOMENTUM,
@@ -156,10 +156,7 @@ def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -
     direction = bufs
     if group["nesterov"]:
         direction = [torch.empty_like(x) for x in bufs]
-        writes += [
-            functools.partial(torch.add, x, b, alpha=momentum, out=d)
-            for x, b, d in zip(g, bufs, direction, strict=True)
-        ]
+        writes += into(torch.add, direction, g, bufs, alpha=momentum)
     return [*writes, functools.partial(torch._foreach_add_, p, direction, alpha=-lr)]
 
 
