@@ -50,6 +50,16 @@ WRITE_PHASES: dict[str, Callable[[Any], StackedOptimizer]] = {
         p, lr=0.1, weight_decay=0.1, decoupled_weight_decay=True, fused=False
     ),
     "adagrad_unfused": lambda p: StackedAdagrad(p, lr=0.1, weight_decay=0.1, fused=False),
+    # per-member values (a sweep): [n, 1, ...] columns in the parameters' dtype
+    "adam_sweep": lambda p: StackedAdam(
+        p, lr=[0.1, 0.05, 0.02, 0.01], betas=(0.9, [0.99, 0.999, 0.98, 0.995]), amsgrad=True
+    ),
+    "adamw_sweep": lambda p: StackedAdam(
+        p, lr=0.1, weight_decay=[0.0, 0.1, 0.2, 0.3], decoupled_weight_decay=True
+    ),
+    "adam_tensor_lr": lambda p: StackedAdam(
+        p, lr=torch.tensor(0.01), betas=([0.8, 0.9, 0.85, 0.95], 0.999)
+    ),
     "adamax": lambda p: StackedAdamax(p, lr=0.1),
     "adamax_decay": lambda p: StackedAdamax(p, lr=0.1, weight_decay=0.1, maximize=True),
     "rmsprop": lambda p: StackedRMSprop(p, lr=0.01),

@@ -105,7 +105,9 @@ def fusable(group: dict[str, Any], lists: list[list[Tensor]], values: list[Any])
     on other members' step counts or masks, so a member's result does not depend on what
     happens to the others, bit for bit.
     """
-    return bool(group["fused"]) and safe_in_place(group, lists, values)
+    if not group["fused"] or any(isinstance(v, Tensor) for v in values):
+        return False
+    return safe_in_place(group, lists, values)  # its answer kept in group holds for these too
 
 
 def into(op: Callable[..., Any], outs: list[Tensor], *args: Any, **kwargs: Any) -> list[Any]:
@@ -128,7 +130,9 @@ def into(op: Callable[..., Any], outs: list[Tensor], *args: Any, **kwargs: Any) 
     ]
 
 
-def safe_in_place(group: dict[str, Any], lists: list[list[Tensor]], values: list[Any]) -> bool:
+def safe_in_place(
+    group: dict[str, Any], lists: list[list[Tensor]], values: list[Any], columns: bool = False
+) -> bool:
     """Whether in-place ``torch._foreach_*`` ops over ``lists`` (params, grads, state), with
     ``values`` as their scalars, can neither fail nor allocate: every value a float shared by
     the members, the tensors dense CPU tensors of one dtype (same shapes, as the optimizer
@@ -136,13 +140,16 @@ def safe_in_place(group: dict[str, Any], lists: list[list[Tensor]], values: list
     outside ``torch.no_grad()``, no inference tensor outside ``torch.inference_mode()``), the
     parameters and state contiguous, and no ``torch.compile`` trace running.
     A fused kernel takes the same (it ignores strides); a rule's write phase may then run
-    without a rollback copy (see the module). ``group`` as for :func:`fusable`."""
+    without a rollback copy (see the module). ``group`` as for :func:`fusable`. With
+    ``columns``, per-member values (tensors) are taken too, as ``[n, 1, ...]`` columns in the
+    parameters' dtype: not for float16 or bfloat16 parameters, whose columns are float32 (an
+    in-place op then allocates its result in the wider dtype)."""
     if group.get("one_kernel"):  # in_one_kernel has just checked these very tensors
         return True
-    for v in values:
-        if isinstance(v, Tensor):
-            return False
     if torch.compiler.is_compiling():
+        return False
+    tensors = any(isinstance(v, Tensor) for v in values)
+    if tensors and (not columns or lists[0][0].dtype in (torch.float16, torch.bfloat16)):
         return False
     # In-place ops refuse a leaf that requires grad outside no_grad (the optimizer steps under
     # it) and an inference tensor outside inference_mode.
@@ -261,6 +268,11 @@ def write_then_count(write: Writes, step: Tensor) -> None:
     (:func:`_interrupts_deferred`), so that it too is made whole. Inside :func:`writes_held`
     both are held back instead.
     """
+    if torch.compiler.is_compiling():  # a compiled graph runs whole or not at all
+        for op in [write] if callable(write) else write:
+            op()
+        step.add_(1)
+        return
     held = _HELD.get()
     if held is not None:
         held.append((write, step))

@@ -19,6 +19,7 @@ __all__ = [
     "weight_decayed",
     "decayed_writes",
     "moments_",
+    "moment_writes",
     "host_scalars",
     "BETAS",
     "EPS",
@@ -373,10 +374,27 @@ def moments_(
     """Adam's two moments in place, in torch's ops (Adam, NAdam, RAdam):
     ``m = lerp(m, g, 1 - beta1)``, ``v = beta2 * v + (1 - beta2) * g * g``; floats, or per-member
     tensors as columns."""
+    for write in moment_writes(exp_avg, exp_avg_sq, grads, beta1, beta2):
+        write()
+
+
+def moment_writes(
+    exp_avg: list[Tensor],
+    exp_avg_sq: list[Tensor],
+    grads: list[Tensor] | tuple[Tensor, ...],
+    beta1: Scalar,
+    beta2: Scalar,
+) -> list[Callable[[], Any]]:
+    """:func:`moments_` as a write phase's writes (``optim/_fused.py``): what they need that
+    allocates (``(1 - beta2) * g`` for per-member ``beta2``) is computed now."""
     col = functools.partial(member_columns, like=exp_avg)
-    torch._foreach_lerp_(exp_avg, grads, col(1 - beta1))
-    torch._foreach_mul_(exp_avg_sq, col(beta2))
-    if isinstance(beta2, Tensor):
-        torch._foreach_addcmul_(exp_avg_sq, grads, torch._foreach_mul(grads, col(1 - beta2)))
-    else:
-        torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - beta2)
+    g2, value = (
+        (torch._foreach_mul(grads, col(1 - beta2)), 1.0)
+        if isinstance(beta2, Tensor)
+        else (grads, 1 - beta2)
+    )
+    return [
+        functools.partial(torch._foreach_lerp_, exp_avg, grads, col(1 - beta1)),
+        functools.partial(torch._foreach_mul_, exp_avg_sq, col(beta2)),
+        functools.partial(torch._foreach_addcmul_, exp_avg_sq, grads, g2, value=value),
+    ]

@@ -13,7 +13,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._fused import Writes, fusable, into, one_kernel_when, run_fused, safe_in_place
+from ._fused import (
+    Writes,
+    fusable,
+    into,
+    one_kernel_when,
+    run_fused,
+    safe_in_place,
+    write_then_count,
+)
 from ._hyper import (
     BETAS,
     EPS,
@@ -26,9 +34,8 @@ from ._hyper import (
     host_scalars,
     like,
     member_columns,
-    moments_,
+    moment_writes,
     signed,
-    weight_decayed,
 )
 from ._keep import step_one
 from .base import StackedOptimizer
@@ -54,10 +61,11 @@ def _fused(
 def _one_go(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> bool:
-    """Whether :func:`adam_rule` writes everything in one go: the fused kernel, or with
-    ``fused=False`` the write phase of :func:`_shared_kernel` (see ``safe_in_place``)."""
+    """Whether :func:`adam_rule` writes everything in one go: the fused kernel, with
+    ``fused=False`` the write phase of :func:`_shared_kernel`, with per-member values its own
+    (see ``safe_in_place``)."""
     values = [group["lr"], group["eps"], group["weight_decay"], *group["betas"]]
-    return safe_in_place(group, _lists(params, grads, state, group), values)
+    return safe_in_place(group, _lists(params, grads, state, group), values, columns=True)
 
 
 @one_kernel_when(_one_go)
@@ -125,26 +133,29 @@ def adam_rule(
         run_fused(shared, _lists(params, grads, state, group), step, group["mask"])
         return
 
+    # Per-member values: what allocates first, then the writes (optim/_fused.py).
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
-    g = signed(grads, group)
-    g = weight_decayed(g, params, group)
-    moments_(exp_avg, exp_avg_sq, g, beta1, beta2)
-    step.add_(1)
-    t = step.double()
+    g, writes = decayed_writes(signed(grads, group), params, group)
+    t = step.double() + 1  # the counts after this step
     step_size = lr / like(lr, 1 - torch.pow(beta1, t))
     bias_correction2_sqrt = (1 - torch.pow(beta2, t)).sqrt()
+    writes += moment_writes(exp_avg, exp_avg_sq, g, beta1, beta2)
     if v_max is not None:
-        torch._foreach_maximum_(v_max, exp_avg_sq)
-    denom = torch._foreach_sqrt(exp_avg_sq if v_max is None else v_max)
-    torch._foreach_div_(denom, col(bias_correction2_sqrt))
-    torch._foreach_add_(denom, col(eps))
+        writes.append(functools.partial(torch._foreach_maximum_, v_max, exp_avg_sq))
+    denom = [torch.empty_like(v) for v in exp_avg_sq]
+    writes += into(torch.sqrt, denom, exp_avg_sq if v_max is None else v_max)
+    writes.append(functools.partial(torch._foreach_div_, denom, col(bias_correction2_sqrt)))
+    writes.append(functools.partial(torch._foreach_add_, denom, col(eps)))
     if isinstance(lr, Tensor) and lr.dim() == 0:
         # torch's `p.addcdiv_(m, denom, value=-step_size)`: (-step_size * m) / denom.
-        torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avg, col(-step_size)), denom)
-        return
-    # torch's capturable Adam folds the step size into the denominator the same way.
-    torch._foreach_div_(denom, col(-step_size))
-    torch._foreach_addcdiv_(params, exp_avg, denom)
+        scaled = [torch.empty_like(m) for m in exp_avg]
+        writes += into(torch.mul, scaled, exp_avg, col(-step_size))
+        writes.append(functools.partial(torch._foreach_addcdiv_, params, scaled, denom))
+    else:
+        # torch's capturable Adam folds the step size into the denominator the same way.
+        writes.append(functools.partial(torch._foreach_div_, denom, col(-step_size)))
+        writes.append(functools.partial(torch._foreach_addcdiv_, params, exp_avg, denom))
+    write_then_count(writes, step)
 
 
 def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -> Writes:
@@ -159,11 +170,7 @@ def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -
     step_size = lr / (1 - beta1**step)
     bias_correction2_sqrt = (1 - beta2**step) ** 0.5
     denom = [torch.empty_like(x) for x in v]
-    writes += [
-        functools.partial(torch._foreach_lerp_, m, g, 1 - beta1),
-        functools.partial(torch._foreach_mul_, v, beta2),
-        functools.partial(torch._foreach_addcmul_, v, g, g, value=1 - beta2),
-    ]
+    writes += moment_writes(m, v, g, beta1, beta2)
     if group["amsgrad"]:
         v = t[4]
         writes.append(functools.partial(torch._foreach_maximum_, v, t[3]))

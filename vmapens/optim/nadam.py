@@ -22,6 +22,7 @@ from ._hyper import (
     host_scalars,
     like,
     member_columns,
+    moment_writes,
     moments_,
     nonnegative,
     signed,
@@ -127,9 +128,7 @@ def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -
     denom = [torch.empty_like(x) for x in v]
     writes += [
         functools.partial(mu_product.copy_, product),
-        functools.partial(torch._foreach_lerp_, m, g, 1 - beta1),
-        functools.partial(torch._foreach_mul_, v, beta2),
-        functools.partial(torch._foreach_addcmul_, v, g, g, value=1 - beta2),
+        *moment_writes(m, v, g, beta1, beta2),
         *into(torch.div, denom, v, bias_correction2),
         functools.partial(torch._foreach_sqrt_, denom),
         functools.partial(torch._foreach_add_, denom, eps),

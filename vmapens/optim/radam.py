@@ -19,6 +19,7 @@ from ._hyper import (
     decayed_writes,
     host_scalars,
     member_columns,
+    moment_writes,
     moments_,
     signed,
     weight_decayed,
@@ -116,9 +117,7 @@ def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -
     bias_correction2 = 1 - beta2**step
     update = [torch.empty_like(x) for x in m]
     writes += [
-        functools.partial(torch._foreach_lerp_, m, g, 1 - beta1),
-        functools.partial(torch._foreach_mul_, v, beta2),
-        functools.partial(torch._foreach_addcmul_, v, g, g, value=1 - beta2),
+        *moment_writes(m, v, g, beta1, beta2),
         *into(torch.div, update, m, bias_correction1),
         functools.partial(torch._foreach_mul_, update, lr),
     ]
