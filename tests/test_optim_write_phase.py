@@ -57,6 +57,12 @@ WRITE_PHASES: dict[str, Callable[[Any], StackedOptimizer]] = {
     "adamw_sweep": lambda p: StackedAdam(
         p, lr=0.1, weight_decay=[0.0, 0.1, 0.2, 0.3], decoupled_weight_decay=True
     ),
+    "sgd_sweep": lambda p: StackedSGD(
+        p, lr=[0.1, 0.05, 0.02, 0.01], momentum=[0.0, 0.5, 0.9, 0.99], dampening=0.1
+    ),
+    "sgd_sweep_nesterov": lambda p: StackedSGD(
+        p, lr=[0.1, 0.05, 0.02, 0.01], momentum=0.9, nesterov=True, weight_decay=[0, 0.1, 0, 0.1]
+    ),
     "adam_tensor_lr": lambda p: StackedAdam(
         p, lr=torch.tensor(0.01), betas=([0.8, 0.9, 0.85, 0.95], 0.999)
     ),

@@ -10,7 +10,15 @@ import torch
 from torch import Tensor
 
 from .._checks import column
-from ._fused import Writes, fusable, into, one_kernel_when, run_fused, safe_in_place
+from ._fused import (
+    Writes,
+    fusable,
+    into,
+    one_kernel_when,
+    run_fused,
+    safe_in_place,
+    write_then_count,
+)
 from ._hyper import (
     LR,
     MOMENTUM,
@@ -48,10 +56,11 @@ def _fused(
 def _one_go(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> bool:
-    """Whether :func:`sgd_rule` writes everything in one go: the fused kernel, or with
-    ``fused=False`` the write phase of :func:`_shared_kernel` (see ``safe_in_place``)."""
+    """Whether :func:`sgd_rule` writes everything in one go: the fused kernel, with
+    ``fused=False`` the write phase of :func:`_shared_kernel`, with per-member values its own
+    (see ``safe_in_place``)."""
     values = [group[k] for k in ("lr", "momentum", "dampening", "weight_decay")]
-    return safe_in_place(group, _lists(params, grads, state), values)
+    return safe_in_place(group, _lists(params, grads, state), values, columns=True)
 
 
 @one_kernel_when(_one_go)
@@ -113,26 +122,48 @@ def sgd_rule(
         run_fused(shared, _lists(params, grads, state), counts, group["mask"])
         return
 
+    # Per-member values: what allocates first, then the writes (optim/_fused.py).
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
-    g = signed(grads, group)
-    g = weight_decayed(g, params, group)
+    g = weight_decayed(signed(grads, group), params, group)
+    writes: list[Callable[[], Any]] = []
     if bufs is not None:
-        kept = add_scaled(torch._foreach_mul(bufs, col(momentum)), g, 1 - dampening)
-        first = step == 0
-        for b, new, old in zip(bufs, g, kept, strict=True):
-            b.copy_(torch.where(column(first, b), new, old))
-        d = add_scaled(g, bufs, momentum) if group["nesterov"] else bufs
-        if isinstance(momentum, Tensor):
+        first = step == 0  # a member's first step with momentum starts its buffer as g
+        if torch.compiler.is_compiling() or bool(first.any()):
+            kept = add_scaled(torch._foreach_mul(bufs, col(momentum)), g, 1 - dampening)
+            new = [
+                torch.where(column(first, b), x, k) for b, x, k in zip(bufs, g, kept, strict=True)
+            ]
+            writes.append(functools.partial(torch._foreach_copy_, bufs, new))
+        else:
+            writes.append(functools.partial(torch._foreach_mul_, bufs, col(momentum)))
+            writes.append(_add_scaled_write(bufs, g, 1 - dampening))
+        d = bufs
+        if group["nesterov"]:  # d = g + momentum * b, from the new buffer
+            d = [torch.empty_like(b) for b in bufs]
+            if isinstance(momentum, Tensor):
+                writes += into(torch.addcmul, d, g, bufs, col(momentum))
+            else:
+                writes += into(torch.add, d, g, bufs, alpha=momentum)
+        uses = momentum != 0
+        if isinstance(uses, Tensor) and (torch.compiler.is_compiling() or not bool(uses.all())):
             # Members without momentum step on the plain gradient, as torch's SGD does.
-            uses = momentum != 0
-            g = [torch.where(column(uses, x), a, x) for a, x in zip(d, g, strict=True)]
+            plain, g = g, [torch.empty_like(b) for b in bufs]
+            writes += into(torch.where, g, [column(uses, x) for x in plain], d, plain)
         else:
             g = d
-    if isinstance(lr, Tensor):  # torch's `p.add_(g, alpha=-lr)`, one rounding: as addcmul
-        torch._foreach_addcmul_(params, g, col(-lr))
-    else:
-        torch._foreach_add_(params, g, alpha=-lr)
-    step.add_((momentum != 0).to(step.dtype) if isinstance(momentum, Tensor) else momentum != 0)
+    writes.append(_add_scaled_write(params, g, -lr))  # torch's `p.add_(g, alpha=-lr)`
+    # The counts of steps with momentum: the write phase counts them; its own count is scratch.
+    counted = (momentum != 0).to(step.dtype) if isinstance(momentum, Tensor) else momentum != 0
+    writes.append(functools.partial(step.add_, counted))
+    write_then_count(writes, torch.zeros_like(step))
+
+
+def _add_scaled_write(x: list[Tensor], y: Any, s: Scalar) -> Callable[[], Any]:
+    """``x += s * y`` rounded once, as a write (:func:`~vmapens.optim._hyper.add_scaled` in
+    place): a float ``s`` as ``alpha``, a tensor one as ``addcmul_`` with its columns."""
+    if isinstance(s, Tensor):
+        return functools.partial(torch._foreach_addcmul_, x, y, member_columns(s, like=x))
+    return functools.partial(torch._foreach_add_, x, y, alpha=s)
 
 
 def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -> Writes:
