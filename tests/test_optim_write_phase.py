@@ -63,6 +63,18 @@ WRITE_PHASES: dict[str, Callable[[Any], StackedOptimizer]] = {
     "sgd_sweep_nesterov": lambda p: StackedSGD(
         p, lr=[0.1, 0.05, 0.02, 0.01], momentum=0.9, nesterov=True, weight_decay=[0, 0.1, 0, 0.1]
     ),
+    "rmsprop_sweep": lambda p: StackedRMSprop(
+        p, lr=[0.01, 0.02, 0.005, 0.01], alpha=[0.9, 0.99, 0.95, 0.9], momentum=[0, 0.9, 0, 0.5]
+    ),
+    "rmsprop_sweep_centered": lambda p: StackedRMSprop(
+        p, lr=torch.tensor(0.01), centered=True, weight_decay=[0.0, 0.1, 0.0, 0.1]
+    ),
+    "adamax_sweep": lambda p: StackedAdamax(
+        p,
+        lr=[0.1, 0.05, 0.02, 0.01],
+        betas=([0.9, 0.8, 0.9, 0.8], 0.999),
+        eps=[1e-8, 1e-6, 1e-8, 1e-6],
+    ),
     "adam_tensor_lr": lambda p: StackedAdam(
         p, lr=torch.tensor(0.01), betas=([0.8, 0.9, 0.85, 0.95], 0.999)
     ),

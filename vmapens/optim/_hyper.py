@@ -16,6 +16,7 @@ from ._values import MemberValues
 
 __all__ = [
     "signed",
+    "added",
     "weight_decayed",
     "decayed_writes",
     "moments_",
@@ -124,6 +125,14 @@ def add_scaled(x: Sequence[Tensor], y: Sequence[Tensor], s: Scalar) -> list[Tens
         columns = [_column(s, t) for t in x]
         return list(torch._foreach_addcmul(list(x), list(y), columns))
     return list(torch._foreach_add(list(x), list(y), alpha=s))
+
+
+def added(x: list[Tensor], y: Any, s: Scalar) -> Callable[[], Any]:
+    """``x += s * y`` rounded once, as a write phase's write (:func:`add_scaled` in place): a
+    float ``s`` as ``alpha``, a tensor one as ``addcmul_`` with its columns."""
+    if isinstance(s, Tensor):
+        return functools.partial(torch._foreach_addcmul_, x, y, member_columns(s, like=x))
+    return functools.partial(torch._foreach_add_, x, y, alpha=s)
 
 
 def like(hyper: Scalar, value: Tensor) -> Tensor:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._fused import Writes, one_kernel_when, run_fused, safe_in_place
+from ._fused import Writes, into, one_kernel_when, run_fused, safe_in_place, write_then_count
 from ._hyper import (
     BETAS,
     EPS,
@@ -35,9 +35,8 @@ def _shared(
 ) -> bool:
     """Whether :func:`adamax_rule` writes by its write phase alone (see ``safe_in_place``)."""
     lists = [params, grads, state["exp_avg"], state["exp_inf"]]
-    return safe_in_place(
-        group, lists, [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
-    )
+    values = [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
+    return safe_in_place(group, lists, values, columns=True)
 
 
 @one_kernel_when(_shared)
@@ -87,17 +86,21 @@ def adamax_rule(
         run_fused(kernel, [params, grads, exp_avg, exp_inf], step, group["mask"])
         return
 
+    # Per-member values: what allocates first, then the writes (optim/_fused.py).
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
-    g = signed(grads, group)
-    step.add_(1)
-    g = weight_decayed(g, params, group)
-    torch._foreach_lerp_(exp_avg, g, col(1 - beta1))
-    torch._foreach_mul_(exp_inf, col(beta2))
+    g = weight_decayed(signed(grads, group), params, group)
     norm = torch._foreach_abs(g)
     torch._foreach_add_(norm, col(eps))
-    torch._foreach_maximum_(exp_inf, norm)
-    clr = lr / like(lr, 1 - torch.pow(beta1, step.double()))
-    torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avg, col(-clr)), exp_inf)
+    clr = lr / like(lr, 1 - torch.pow(beta1, step.double() + 1))  # the counts after this step
+    scaled = [torch.empty_like(m) for m in exp_avg]
+    writes = [
+        functools.partial(torch._foreach_lerp_, exp_avg, g, col(1 - beta1)),
+        functools.partial(torch._foreach_mul_, exp_inf, col(beta2)),
+        functools.partial(torch._foreach_maximum_, exp_inf, norm),
+        *into(torch.mul, scaled, exp_avg, col(-clr)),
+        functools.partial(torch._foreach_addcdiv_, params, scaled, exp_inf),
+    ]
+    write_then_count(writes, step)
 
 
 def adamax_update_(

@@ -18,6 +18,7 @@ from ._hyper import (
     Params,
     PerMember,
     Scalar,
+    added,
     member_columns,
     member_floats,
     nonnegative,
@@ -40,7 +41,7 @@ def _shared(
 ) -> bool:
     """Whether :func:`rmsprop_rule` writes by its write phase alone (see ``safe_in_place``)."""
     values = [group[k] for k in ("lr", "alpha", "eps", "weight_decay", "momentum")]
-    return safe_in_place(group, _lists(params, grads, state), values)
+    return safe_in_place(group, _lists(params, grads, state), values, columns=True)
 
 
 @one_kernel_when(_shared)
@@ -60,8 +61,8 @@ def rmsprop_rule(
         b = momentum * b + g / a;  p -= lr * b        (p -= lr * g / a without momentum)
 
     Centered when ``grad_avg`` is given. A member whose momentum is 0 gets ``b = g / a``, the
-    plain step, so per-member momenta need no branch. With shared hyperparameters on CPU,
-    everything that allocates comes first and the writes last, in place (``optim/_fused.py``).
+    plain step, so per-member momenta need no branch. Everything that allocates comes first and
+    the writes last, in place (``optim/_fused.py``).
 
     Args:
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
@@ -71,76 +72,50 @@ def rmsprop_rule(
         group: ``lr``, ``alpha``, ``eps``, ``weight_decay``, ``momentum`` (floats or float64
             [n] tensors) and ``maximize``.
     """
+    # The count is not in the arithmetic: what allocates first, then the writes
+    # (optim/_fused.py), then the count, for every member.
+    write_then_count(_write_phase(params, grads, state, group), state["step"])
+
+
+def _write_phase(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> Writes:
+    """:func:`rmsprop_rule`'s step as its write phase: what allocates first (the gradients
+    with weight decay, per-member products, the buffers ``sqrt(v)`` goes to), then the writes."""
     lr, alpha, eps = group["lr"], group["alpha"], group["eps"]
     square_avg, grad_avg, bufs = (
         state["square_avg"],
         state.get("grad_avg"),
         state.get("momentum_buffer"),
     )
-
-    if _shared(params, grads, state, group):
-        # The count is not in the arithmetic: one write phase, then the count, for every member.
-        write_then_count(_write_phase(_lists(params, grads, state), group), state["step"])
-        return
-
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
-    g = signed(grads, group)
-    state["step"].add_(1)
-    g = weight_decayed(g, params, group)
-    torch._foreach_mul_(square_avg, col(alpha))
-    if isinstance(alpha, Tensor):
-        torch._foreach_addcmul_(square_avg, g, torch._foreach_mul(g, col(1 - alpha)))
-    else:
-        torch._foreach_addcmul_(square_avg, g, g, value=1 - alpha)
-    if grad_avg is not None:
-        torch._foreach_lerp_(grad_avg, g, col(1 - alpha))
-        avg = torch._foreach_addcmul(square_avg, grad_avg, grad_avg, value=-1)
-        torch._foreach_sqrt_(avg)
-    else:
-        avg = torch._foreach_sqrt(square_avg)
-    torch._foreach_add_(avg, col(eps))
-    if bufs is not None:
-        torch._foreach_mul_(bufs, col(group["momentum"]))
-        torch._foreach_addcdiv_(bufs, g, avg)
-        if isinstance(lr, Tensor):
-            torch._foreach_addcmul_(params, bufs, col(-lr))
-        else:
-            torch._foreach_add_(params, bufs, alpha=-lr)
-    elif isinstance(lr, Tensor):
-        torch._foreach_addcdiv_(params, torch._foreach_mul(g, col(-lr)), avg)
-    else:
-        torch._foreach_addcdiv_(params, g, avg, value=-lr)
-
-
-def _write_phase(t: list[list[Tensor]], group: dict[str, Any]) -> Writes:
-    """:func:`rmsprop_rule` with float hyperparameters on ``t`` (params, grads, square_avg,
-    then momentum_buffer and grad_avg where kept): what allocates first (the gradients with
-    weight decay, the buffers ``sqrt(v)`` goes to), then the writes."""
-    lr, alpha, eps, momentum = group["lr"], group["alpha"], group["eps"], group["momentum"]
-    p, square_avg, rest = t[0], t[2], t[3:]
-    bufs = rest.pop(0) if momentum > 0 else None
-    grad_avg = rest.pop(0) if rest else None
-    g = weight_decayed(signed(t[1], group), p, group)
+    g = weight_decayed(signed(grads, group), params, group)
     avg = [torch.empty_like(v) for v in square_avg]
+    g2: Any = torch._foreach_mul(g, col(1 - alpha)) if isinstance(alpha, Tensor) else g
+    value = 1.0 if isinstance(alpha, Tensor) else 1 - alpha
     writes: list[Callable[[], Any]] = [
-        functools.partial(torch._foreach_mul_, square_avg, alpha),
-        functools.partial(torch._foreach_addcmul_, square_avg, g, g, value=1 - alpha),
+        functools.partial(torch._foreach_mul_, square_avg, col(alpha)),
+        functools.partial(torch._foreach_addcmul_, square_avg, g, g2, value=value),
     ]
     if grad_avg is not None:  # avg = v - grad_avg**2, its square root taken in place
-        writes.append(functools.partial(torch._foreach_lerp_, grad_avg, g, 1 - alpha))
+        writes.append(functools.partial(torch._foreach_lerp_, grad_avg, g, col(1 - alpha)))
         writes += into(torch.addcmul, avg, square_avg, grad_avg, grad_avg, value=-1)
         writes.append(functools.partial(torch._foreach_sqrt_, avg))
     else:
         writes += into(torch.sqrt, avg, square_avg)
-    writes.append(functools.partial(torch._foreach_add_, avg, eps))
+    writes.append(functools.partial(torch._foreach_add_, avg, col(eps)))
     if bufs is not None:
         return [
             *writes,
-            functools.partial(torch._foreach_mul_, bufs, momentum),
+            functools.partial(torch._foreach_mul_, bufs, col(group["momentum"])),
             functools.partial(torch._foreach_addcdiv_, bufs, g, avg),
-            functools.partial(torch._foreach_add_, p, bufs, alpha=-lr),
+            added(params, bufs, -lr),
         ]
-    return [*writes, functools.partial(torch._foreach_addcdiv_, p, g, avg, value=-lr)]
+    if isinstance(lr, Tensor):
+        scaled = [torch.empty_like(x) for x in g]
+        writes += into(torch.mul, scaled, g, col(-lr))
+        return [*writes, functools.partial(torch._foreach_addcdiv_, params, scaled, avg)]
+    return [*writes, functools.partial(torch._foreach_addcdiv_, params, g, avg, value=-lr)]
 
 
 def rmsprop_update_(

@@ -28,6 +28,7 @@ from ._hyper import (
     PerMember,
     Scalar,
     add_scaled,
+    added,
     host_scalars,
     member_columns,
     member_floats,
@@ -136,7 +137,7 @@ def sgd_rule(
             writes.append(functools.partial(torch._foreach_copy_, bufs, new))
         else:
             writes.append(functools.partial(torch._foreach_mul_, bufs, col(momentum)))
-            writes.append(_add_scaled_write(bufs, g, 1 - dampening))
+            writes.append(added(bufs, g, 1 - dampening))
         d = bufs
         if group["nesterov"]:  # d = g + momentum * b, from the new buffer
             d = [torch.empty_like(b) for b in bufs]
@@ -151,19 +152,11 @@ def sgd_rule(
             writes += into(torch.where, g, [column(uses, x) for x in plain], d, plain)
         else:
             g = d
-    writes.append(_add_scaled_write(params, g, -lr))  # torch's `p.add_(g, alpha=-lr)`
+    writes.append(added(params, g, -lr))  # torch's `p.add_(g, alpha=-lr)`
     # The counts of steps with momentum: the write phase counts them; its own count is scratch.
     counted = (momentum != 0).to(step.dtype) if isinstance(momentum, Tensor) else momentum != 0
     writes.append(functools.partial(step.add_, counted))
     write_then_count(writes, torch.zeros_like(step))
-
-
-def _add_scaled_write(x: list[Tensor], y: Any, s: Scalar) -> Callable[[], Any]:
-    """``x += s * y`` rounded once, as a write (:func:`~vmapens.optim._hyper.add_scaled` in
-    place): a float ``s`` as ``alpha``, a tensor one as ``addcmul_`` with its columns."""
-    if isinstance(s, Tensor):
-        return functools.partial(torch._foreach_addcmul_, x, y, member_columns(s, like=x))
-    return functools.partial(torch._foreach_add_, x, y, alpha=s)
 
 
 def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -> Writes:
