@@ -75,6 +75,9 @@ WRITE_PHASES: dict[str, Callable[[Any], StackedOptimizer]] = {
         betas=([0.9, 0.8, 0.9, 0.8], 0.999),
         eps=[1e-8, 1e-6, 1e-8, 1e-6],
     ),
+    "adadelta_sweep": lambda p: StackedAdadelta(
+        p, lr=[0.5, 1.0, 0.5, 1.0], rho=[0.9, 0.95, 0.99, 0.9], weight_decay=[0, 0.1, 0, 0.1]
+    ),
     "adam_tensor_lr": lambda p: StackedAdam(
         p, lr=torch.tensor(0.01), betas=([0.8, 0.9, 0.85, 0.95], 0.999)
     ),

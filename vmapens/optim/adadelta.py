@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ._fused import Writes, into, one_kernel_when, safe_in_place, write_then_count
-from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar, member_columns, signed
+from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar, added, member_columns, signed
 from .base import StackedOptimizer
 
 __all__ = ["StackedAdadelta", "adadelta_rule"]
@@ -21,7 +21,8 @@ def _shared(
 ) -> bool:
     """Whether :func:`adadelta_rule` writes by its write phase alone (see ``safe_in_place``)."""
     lists = [params, grads, state["square_avg"], state["acc_delta"]]
-    return safe_in_place(group, lists, [group[k] for k in ("lr", "rho", "eps", "weight_decay")])
+    values = [group[k] for k in ("lr", "rho", "eps", "weight_decay")]
+    return safe_in_place(group, lists, values, columns=True)
 
 
 @one_kernel_when(_shared)
@@ -49,65 +50,48 @@ def adadelta_rule(
         group: ``lr``, ``rho``, ``eps``, ``weight_decay`` (floats or float64 [n] tensors) and
             ``maximize``.
     """
+    # The count is not in the arithmetic: what allocates first, then the writes
+    # (optim/_fused.py), then the count, for every member.
+    write_then_count(_write_phase(params, grads, state, group), state["step"])
+
+
+def _write_phase(
+    params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
+) -> Writes:
+    """:func:`adadelta_rule`'s step as its write phase: what allocates first (the gradients
+    with weight decay, ``sqrt(u + eps)`` from the old ``u``, per-member products, the buffers
+    ``sqrt(v + eps)`` goes to), then the writes."""
     lr, rho, eps, wd = group["lr"], group["rho"], group["eps"], group["weight_decay"]
     square_avg, acc_delta = state["square_avg"], state["acc_delta"]
-
-    if _shared(params, grads, state, group):
-        # The count is not in the arithmetic: one write phase, then the count, for every member.
-        lists = [params, grads, square_avg, acc_delta]
-        write_then_count(_write_phase(lists, group), state["step"])
-        return
-
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
-
-    def decay_(avg: list[Tensor], x: list[Tensor] | tuple[Tensor, ...]) -> None:
-        torch._foreach_mul_(avg, col(rho))
-        if isinstance(rho, Tensor):
-            torch._foreach_addcmul_(avg, x, torch._foreach_mul(x, col(1 - rho)))
-        else:
-            torch._foreach_addcmul_(avg, x, x, value=1 - rho)
-
-    state["step"].add_(1)
     g = signed(grads, group)
     if isinstance(wd, Tensor) or wd != 0:
         g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
-    decay_(square_avg, g)
-    std = torch._foreach_add(square_avg, col(eps))
-    torch._foreach_sqrt_(std)
+    std = [torch.empty_like(v) for v in square_avg]
     delta = torch._foreach_add(acc_delta, col(eps))
     torch._foreach_sqrt_(delta)
-    torch._foreach_div_(delta, std)
-    torch._foreach_mul_(delta, g)
-    decay_(acc_delta, delta)
-    if isinstance(lr, Tensor):
-        torch._foreach_addcmul_(params, delta, col(-lr))
-    else:
-        torch._foreach_add_(params, delta, alpha=-lr)
-
-
-def _write_phase(t: list[list[Tensor]], group: dict[str, Any]) -> Writes:
-    """:func:`adadelta_rule` with float hyperparameters on ``t`` (params, grads, square_avg,
-    acc_delta): what allocates first (the gradients with weight decay, ``sqrt(u + eps)`` from
-    the old ``u``, the buffers ``sqrt(v + eps)`` goes to), then the writes."""
-    lr, rho, eps, wd = group["lr"], group["rho"], group["eps"], group["weight_decay"]
-    p, square_avg, acc_delta = t[0], t[2], t[3]
-    g = signed(t[1], group)
-    if wd != 0:
-        g = torch._foreach_add(g, torch._foreach_mul(p, wd))
-    std = [torch.empty_like(v) for v in square_avg]
-    delta = torch._foreach_add(acc_delta, eps)
-    torch._foreach_sqrt_(delta)
-    return [
-        functools.partial(torch._foreach_mul_, square_avg, rho),
-        functools.partial(torch._foreach_addcmul_, square_avg, g, g, value=1 - rho),
-        *into(torch.add, std, square_avg, eps),
+    per_member = isinstance(rho, Tensor)  # (1 - rho) * x * x as x * ((1 - rho) * x)
+    g2 = torch._foreach_mul(g, col(1 - rho)) if per_member else g
+    writes: list[Callable[[], Any]] = [
+        functools.partial(torch._foreach_mul_, square_avg, col(rho)),
+        functools.partial(
+            torch._foreach_addcmul_, square_avg, g, g2, value=1.0 if per_member else 1 - rho
+        ),
+        *into(torch.add, std, square_avg, col(eps)),
         functools.partial(torch._foreach_sqrt_, std),
         functools.partial(torch._foreach_div_, delta, std),
         functools.partial(torch._foreach_mul_, delta, g),
-        functools.partial(torch._foreach_mul_, acc_delta, rho),
-        functools.partial(torch._foreach_addcmul_, acc_delta, delta, delta, value=1 - rho),
-        functools.partial(torch._foreach_add_, p, delta, alpha=-lr),
+        functools.partial(torch._foreach_mul_, acc_delta, col(rho)),
     ]
+    if per_member:
+        delta2 = [torch.empty_like(d) for d in delta]
+        writes += into(torch.mul, delta2, delta, col(1 - rho))
+        writes.append(functools.partial(torch._foreach_addcmul_, acc_delta, delta, delta2))
+    else:
+        writes.append(
+            functools.partial(torch._foreach_addcmul_, acc_delta, delta, delta, value=1 - rho)
+        )
+    return [*writes, added(params, delta, -lr)]
 
 
 class StackedAdadelta(StackedOptimizer):
