@@ -78,6 +78,15 @@ WRITE_PHASES: dict[str, Callable[[Any], StackedOptimizer]] = {
     "adadelta_sweep": lambda p: StackedAdadelta(
         p, lr=[0.5, 1.0, 0.5, 1.0], rho=[0.9, 0.95, 0.99, 0.9], weight_decay=[0, 0.1, 0, 0.1]
     ),
+    "nadam_sweep": lambda p: StackedNAdam(
+        p, lr=[0.1, 0.05, 0.02, 0.01], weight_decay=0.1, decoupled_weight_decay=True
+    ),
+    "radam_sweep": lambda p: StackedRAdam(
+        p, lr=[0.1, 0.05, 0.02, 0.01], betas=(0.9, [0.999, 0.9, 0.99, 0.5])
+    ),
+    "adagrad_sweep": lambda p: StackedAdagrad(
+        p, lr=[0.1, 0.05, 0.02, 0.01], lr_decay=[0, 0.1, 0, 0.1]
+    ),
     "adam_tensor_lr": lambda p: StackedAdam(
         p, lr=torch.tensor(0.01), betas=([0.8, 0.9, 0.85, 0.95], 0.999)
     ),

@@ -9,7 +9,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._fused import Writes, fusable, into, one_kernel_when, run_fused, safe_in_place
+from ._fused import (
+    Writes,
+    fusable,
+    into,
+    one_kernel_when,
+    run_fused,
+    safe_in_place,
+    write_then_count,
+)
 from ._hyper import (
     EPS,
     LR,
@@ -45,7 +53,7 @@ def _one_go(
     """Whether :func:`adagrad_rule` writes everything in one go: the fused kernel, or with
     ``fused=False`` the write phase of :func:`_shared_kernel` (see ``safe_in_place``)."""
     values = [group[k] for k in ("lr", "lr_decay", "weight_decay", "eps")]
-    return safe_in_place(group, [params, grads, state["sum"]], values)
+    return safe_in_place(group, [params, grads, state["sum"]], values, columns=True)
 
 
 @one_kernel_when(_one_go)
@@ -98,15 +106,20 @@ def adagrad_rule(
         run_fused(shared, [params, grads, sums], step, group["mask"])
         return
 
+    # Per-member values: what allocates first, then the writes (optim/_fused.py).
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
-    step.add_(1)
-    g = signed(grads, group)
-    g = weight_decayed(g, params, group)
-    clr = lr / like(lr, 1 + (step.double() - 1) * lr_decay)
-    torch._foreach_addcmul_(sums, g, g)
-    std = torch._foreach_sqrt(sums)
-    torch._foreach_add_(std, col(eps))
-    torch._foreach_addcdiv_(params, torch._foreach_mul(g, col(-clr)), std)
+    g = weight_decayed(signed(grads, group), params, group)
+    t = step.double() + 1  # the counts after this step
+    clr = lr / like(lr, 1 + (t - 1) * lr_decay)
+    scaled = torch._foreach_mul(g, col(-clr))
+    std = [torch.empty_like(s) for s in sums]
+    writes = [
+        functools.partial(torch._foreach_addcmul_, sums, g, g),
+        *into(torch.sqrt, std, sums),
+        functools.partial(torch._foreach_add_, std, col(eps)),
+        functools.partial(torch._foreach_addcdiv_, params, scaled, std),
+    ]
+    write_then_count(writes, step)
 
 
 def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -> Writes:

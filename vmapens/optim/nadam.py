@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._fused import Writes, into, one_kernel_when, run_fused, safe_in_place
+from ._fused import Writes, into, one_kernel_when, run_fused, safe_in_place, write_then_count
 from ._hyper import (
     BETAS,
     EPS,
@@ -23,10 +23,8 @@ from ._hyper import (
     like,
     member_columns,
     moment_writes,
-    moments_,
     nonnegative,
     signed,
-    weight_decayed,
 )
 from ._keep import step_one
 from .base import StackedOptimizer
@@ -43,9 +41,12 @@ def _shared(
 ) -> bool:
     """Whether :func:`nadam_rule` writes by its write phase alone (see ``safe_in_place``)."""
     values = [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
-    if not safe_in_place(group, _lists(params, grads, state), [*values, group["momentum_decay"]]):
+    values.append(group["momentum_decay"])
+    if not safe_in_place(group, _lists(params, grads, state), values, columns=True):
         return False
-    low, high = torch.aminmax(state["mu_product"])  # else the kernel's writes allocate
+    if any(isinstance(v, Tensor) for v in values):
+        return True  # the column form
+    low, high = torch.aminmax(state["mu_product"])  # else the float kernel's writes allocate
     return bool(low == high)
 
 
@@ -89,28 +90,32 @@ def nadam_rule(
         run_fused(kernel, _lists(params, grads, state), step, group["mask"])
         return
 
-    g = signed(grads, group)
-    step.add_(1)
-    t = step.double()
+    # Per-member values: what allocates first, then the writes (optim/_fused.py).
+    g, writes = decayed_writes(signed(grads, group), params, group)
+    t = step.double() + 1  # the counts after this step
     bias_correction2 = 1 - torch.pow(beta2, t)
-    g = weight_decayed(g, params, group)
     mu = beta1 * (1.0 - 0.5 * torch.pow(0.96, t * decay))
     mu_next = beta1 * (1.0 - 0.5 * torch.pow(0.96, (t + 1) * decay))
     # torch multiplies its scalar tensor by a Python float: in the product's dtype (float32,
     # or float64 under a float64 default dtype), mu rounded to it first.
-    state["mu_product"].mul_(mu.to(state["mu_product"].dtype))
-    product = state["mu_product"].double()
-    moments_(exp_avg, exp_avg_sq, g, beta1, beta2)
-    denom = torch._foreach_div(exp_avg_sq, col(bias_correction2))
-    torch._foreach_sqrt_(denom)
-    torch._foreach_add_(denom, col(eps))
-    torch._foreach_addcdiv_(
-        params,
-        torch._foreach_mul(g, col(-lr * like(lr, 1.0 - mu) / like(lr, 1.0 - product))),
-        denom,
-    )
+    mu_product = state["mu_product"]
+    new_product = mu_product * mu.to(mu_product.dtype)
+    product = new_product.double()
+    grad_step = torch._foreach_mul(g, col(-lr * like(lr, 1.0 - mu) / like(lr, 1.0 - product)))
     step_size = (-lr * like(lr, mu_next)) / like(lr, 1.0 - product * mu_next)
-    torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avg, col(step_size)), denom)
+    denom = [torch.empty_like(v) for v in exp_avg_sq]
+    avg_step = [torch.empty_like(m) for m in exp_avg]
+    writes += [
+        functools.partial(mu_product.copy_, new_product),
+        *moment_writes(exp_avg, exp_avg_sq, g, beta1, beta2),
+        *into(torch.div, denom, exp_avg_sq, col(bias_correction2)),
+        functools.partial(torch._foreach_sqrt_, denom),
+        functools.partial(torch._foreach_add_, denom, col(eps)),
+        functools.partial(torch._foreach_addcdiv_, params, grad_step, denom),
+        *into(torch.mul, avg_step, exp_avg, col(step_size)),
+        functools.partial(torch._foreach_addcdiv_, params, avg_step, denom),
+    ]
+    write_then_count(writes, step)
 
 
 def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -> Writes:

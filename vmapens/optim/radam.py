@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._fused import Writes, into, one_kernel_when, run_fused, safe_in_place
+from ._fused import Writes, into, one_kernel_when, run_fused, safe_in_place, write_then_count
 from ._hyper import (
     NONNEGATIVE,
     UNIT,
@@ -20,9 +20,7 @@ from ._hyper import (
     host_scalars,
     member_columns,
     moment_writes,
-    moments_,
     signed,
-    weight_decayed,
 )
 from .base import StackedOptimizer
 
@@ -35,7 +33,7 @@ def _shared(
     """Whether :func:`radam_rule` writes by its write phase alone (see ``safe_in_place``)."""
     lists = [params, grads, state["exp_avg"], state["exp_avg_sq"]]
     values = [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
-    return safe_in_place(group, lists, values)
+    return safe_in_place(group, lists, values, columns=True)
 
 
 @one_kernel_when(_shared)
@@ -80,28 +78,32 @@ def radam_rule(
         )
         return
 
+    # Per-member values: what allocates first, then the writes (optim/_fused.py).
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
-    g = signed(grads, group)
-    step.add_(1)
-    t = step.double()
-    g = weight_decayed(g, params, group)
-    moments_(exp_avg, exp_avg_sq, g, beta1, beta2)
+    g, writes = decayed_writes(signed(grads, group), params, group)
+    t = step.double() + 1  # the counts after this step
     bias_correction1 = 1 - torch.pow(beta1, t)
     bias_correction2 = 1 - torch.pow(beta2, t)
     rho_inf = 2 / (1 - beta2) - 1
     rho_t = rho_inf - 2 * t * torch.pow(beta2, t) / bias_correction2
     rect = ((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)).sqrt()
-    update = torch._foreach_div(exp_avg, col(bias_correction1))
-    torch._foreach_mul_(update, col(lr))
-    denom = torch._foreach_sqrt(exp_avg_sq)
-    torch._foreach_add_(denom, col(eps))
-    adaptive = torch._foreach_div(col(bias_correction2.sqrt()), denom)
-    rectified = torch._foreach_mul(update, adaptive)
-    torch._foreach_mul_(rectified, col(rect))
-    for p, plain, rect_update, take in zip(
-        params, update, rectified, col((rho_t > 5.0).double()), strict=True
-    ):
-        p.sub_(torch.where(take.bool(), rect_update, plain))
+    takes = [c.bool() for c in col((rho_t > 5.0).double())]  # each member's own branch
+    update, denom, adaptive, rectified, chosen = (
+        [torch.empty_like(m) for m in exp_avg] for _ in range(5)
+    )
+    writes += [
+        *moment_writes(exp_avg, exp_avg_sq, g, beta1, beta2),
+        *into(torch.div, update, exp_avg, col(bias_correction1)),
+        functools.partial(torch._foreach_mul_, update, col(lr)),
+        *into(torch.sqrt, denom, exp_avg_sq),
+        functools.partial(torch._foreach_add_, denom, col(eps)),
+        *into(torch.div, adaptive, col(bias_correction2.sqrt()), denom),
+        *into(torch.mul, rectified, update, adaptive),
+        functools.partial(torch._foreach_mul_, rectified, col(rect)),
+        *into(torch.where, chosen, takes, rectified, update),
+        functools.partial(torch._foreach_sub_, params, chosen),
+    ]
+    write_then_count(writes, step)
 
 
 def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -> Writes:
