@@ -1,9 +1,9 @@
 """Steps that keep no rollback copy must still change nothing when they fail, and finish when
 interrupted (optim/_fused.py: fused kernels and write phases).
 
-With shared float hyperparameters on CPU these optimizers write their parameters and state
-only in a last phase of in-place ops that neither fail nor allocate, so a step needs no copy of
-what it writes. The truth here is not the code's own claim but what a step does, op by op, as a
+On CPU these optimizers (with shared or per-member hyperparameters, one param group or
+several) write their parameters and state only in a last phase of in-place ops that neither
+fail nor allocate, so a step needs no copy of what it writes. The truth here is not the code's own claim but what a step does, op by op, as a
 ``TorchDispatchMode`` sees it: nothing that allocates runs after the first write to a parameter
 or a state tensor (an allocation is what can fail: out of memory), and a real ``SIGINT`` that
 arrives between two writes leaves the run exactly where an uninterrupted run would be.
