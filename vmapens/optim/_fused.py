@@ -215,8 +215,7 @@ def run_fused(
     stepping = torch.ones_like(step, dtype=torch.bool) if mask is None else mask.to(step.device)
     for count in counts:
         work = [[t.clone() for t in ts] for ts in lists]
-        write = kernel(work, count)
-        for op in [write] if callable(write) else write or []:
+        for op in _ops(kernel(work, count)):
             op()
         rows = stepping & (step == count)
         news = [t for ts in [work[0], *work[2:]] for t in ts]
@@ -242,17 +241,7 @@ def writes_held() -> Any:
 
 def make_held(held: list[tuple[Writes, Tensor]]) -> None:
     """Make the held writes in order, as one write phase, then count each call's step."""
-    writes = [op for write, _ in held for op in ([write] if callable(write) else write)]
-    try:
-        _interrupts_deferred(writes)
-    except Exception:
-        raise
-    except BaseException:
-        for _, step in held:
-            step.add_(1)
-        raise
-    for _, step in held:
-        step.add_(1)
+    _make_then_count([op for write, _ in held for op in _ops(write)], [s for _, s in held])
 
 
 def write_then_count(write: Writes, step: Tensor) -> None:
@@ -269,7 +258,7 @@ def write_then_count(write: Writes, step: Tensor) -> None:
     both are held back instead.
     """
     if torch.compiler.is_compiling():  # a compiled graph runs whole or not at all
-        for op in [write] if callable(write) else write:
+        for op in _ops(write):
             op()
         step.add_(1)
         return
@@ -277,17 +266,30 @@ def write_then_count(write: Writes, step: Tensor) -> None:
     if held is not None:
         held.append((write, step))
         return
+    _make_then_count(_ops(write), [step])
+
+
+def _ops(write: Writes | None) -> list[Callable[[], Any]]:
+    """The ops of a kernel's :data:`Writes` (none when it wrote itself)."""
+    return [write] if callable(write) else write or []
+
+
+def _make_then_count(ops: list[Callable[[], Any]], steps: list[Tensor]) -> None:
+    """Make ``ops`` (one op alone; several with ``SIGINT`` deferred), then count ``steps``,
+    also when an interrupt propagates after they wrote (see :func:`write_then_count`)."""
     try:
-        if callable(write):
-            write()
+        if len(ops) == 1:
+            ops[0]()
         else:
-            _interrupts_deferred(write)
+            _interrupts_deferred(ops)
     except Exception:
         raise
     except BaseException:
-        step.add_(1)
+        for step in steps:
+            step.add_(1)
         raise
-    step.add_(1)
+    for step in steps:
+        step.add_(1)
 
 
 def _interrupts_deferred(writes: list[Callable[[], Any]]) -> None:
