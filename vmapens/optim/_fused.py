@@ -278,10 +278,11 @@ def _make_then_count(ops: list[Callable[[], Any]], steps: list[Tensor]) -> None:
     """Make ``ops`` (one op alone; several with ``SIGINT`` deferred), then count ``steps``,
     also when an interrupt propagates after they wrote (see :func:`write_then_count`)."""
     try:
-        if len(ops) == 1:
-            ops[0]()
-        else:
+        if len(ops) > 1:
             _interrupts_deferred(ops)
+        else:
+            for op in ops:
+                op()
     except Exception:
         raise
     except BaseException:

@@ -292,13 +292,13 @@ class StackedOptimizer(EagerOptimizer):
             # not when each call of the class's own rule writes all in one go (_fused.py).
             own = type(self).update_ is StackedOptimizer.update_ and mask is None
             whole = own and all(in_one_kernel(type(self).rule, *call) for call in calls)
-            if whole and len(calls) > 1:  # every call's allocations first, then all writes
+            if whole:  # every call's allocations first, then all the writes
                 with writes_held() as held:
                     for params, g, state, args in calls:
                         self.update_(params, g, state, args)
                 return make_held(held)
-            written = [] if whole else [t for p, _, s, _ in calls for t in tensors_of(p, s)]
-            saved = [] if whole else self._snapshot.take(written, mask, self._layouts)
+            written = [t for p, _, s, _ in calls for t in tensors_of(p, s)]
+            saved = self._snapshot.take(written, mask, self._layouts)
             try:
                 for params, g, state, args in calls:
                     self.update_(params, g, state, args)
