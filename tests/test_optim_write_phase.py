@@ -188,6 +188,11 @@ def test_nothing_allocates_after_the_first_write(name: str, groups: bool):
     """The step keeps no rollback copy, and once it has written a parameter or a state tensor
     nothing that can fail (allocate) runs: a failure leaves everything as it was."""
     params, opt = setup(name, 8, groups)
+    assert_writes_last(params, opt)
+
+
+def assert_writes_last(params: list[torch.Tensor], opt: StackedOptimizer) -> None:
+    """One step keeps no copy and allocates nothing after its first write."""
     with Ops(owned(params, opt)) as ops:
         opt.step()
     assert not opt._snapshot._old  # no copy held
@@ -195,6 +200,16 @@ def test_nothing_allocates_after_the_first_write(name: str, groups: bool):
     assert "write" in kinds
     late = [op for kind, op in ops.events[kinds.index("write") :] if kind == "alloc"]
     assert not late, f"allocated after the first write: {late}"
+
+
+@pytest.mark.parametrize("name", ["nadam", "nadamw"])
+def test_nadam_with_its_members_own_momentum_products_writes_last(name: str):
+    """Members that share their step count but not their momentum product (a state loaded
+    so) take per-member step sizes, computed before the writes like the rest."""
+    params, opt = setup(name, 8)
+    product = opt.state[params[0]]["mu_product"]  # shared by every parameter's state
+    product[0] *= 0.5
+    assert_writes_last(params, opt)
 
 
 class Stop(BaseException):

@@ -42,12 +42,7 @@ def _shared(
     """Whether :func:`nadam_rule` writes by its write phase alone (see ``safe_in_place``)."""
     values = [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
     values.append(group["momentum_decay"])
-    if not safe_in_place(group, _lists(params, grads, state), values, columns=True):
-        return False
-    if any(isinstance(v, Tensor) for v in values):
-        return True  # the column form
-    low, high = torch.aminmax(state["mu_product"])  # else the float kernel's writes allocate
-    return bool(low == high)
+    return safe_in_place(group, _lists(params, grads, state), values, columns=True)
 
 
 @one_kernel_when(_shared)
@@ -148,20 +143,20 @@ def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -
             functools.partial(torch._foreach_addcdiv_, p, g, denom, value=grad_size),
             functools.partial(torch._foreach_addcdiv_, p, m, denom, value=avg_size),
         ]
-    # Each member's own product (state loaded so; `_shared` then has the optimizer keep its
-    # copy, as these writes allocate): the same float64 arithmetic as a column, bit for bit (a
-    # float over a tensor would be a reciprocal and a product: two roundings).
+    # Each member's own product (state loaded so): the same float64 arithmetic as a column,
+    # bit for bit (a float over a tensor would be a reciprocal and a product: two roundings).
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=p)
     product64 = product.double()
     grad_size = torch.div(product64.new_tensor(-lr * (1.0 - mu)), 1.0 - product64)
     avg_size = torch.div(product64.new_tensor(-lr * mu_next), 1.0 - product64 * mu_next)
-    scaled = torch._foreach_mul(g, col(grad_size))
-
-    def own_sizes() -> None:
-        torch._foreach_addcdiv_(p, scaled, denom)
-        torch._foreach_addcdiv_(p, torch._foreach_mul(m, col(avg_size)), denom)
-
-    return [*writes, own_sizes]
+    grad_step = torch._foreach_mul(g, col(grad_size))
+    avg_step = [torch.empty_like(x) for x in m]
+    return [
+        *writes,
+        functools.partial(torch._foreach_addcdiv_, p, grad_step, denom),
+        *into(torch.mul, avg_step, m, col(avg_size)),
+        functools.partial(torch._foreach_addcdiv_, p, avg_step, denom),
+    ]
 
 
 def nadam_update_(
