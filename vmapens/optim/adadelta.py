@@ -16,16 +16,16 @@ from .base import StackedOptimizer
 __all__ = ["StackedAdadelta", "adadelta_rule"]
 
 
-def _shared(
+def _one_go(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> bool:
-    """Whether :func:`adadelta_rule` writes by its write phase alone (see ``safe_in_place``)."""
+    """Whether :func:`adadelta_rule` writes everything in one go, its write phase (see ``safe_in_place``)."""
     lists = [params, grads, state["square_avg"], state["acc_delta"]]
     values = [group[k] for k in ("lr", "rho", "eps", "weight_decay")]
     return safe_in_place(group, lists, values, columns=True)
 
 
-@one_kernel_when(_shared)
+@one_kernel_when(_one_go)
 def adadelta_rule(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> None:

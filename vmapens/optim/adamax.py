@@ -30,16 +30,16 @@ from .base import StackedOptimizer
 __all__ = ["StackedAdamax", "adamax_rule", "adamax_update_"]
 
 
-def _shared(
+def _one_go(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> bool:
-    """Whether :func:`adamax_rule` writes by its write phase alone (see ``safe_in_place``)."""
+    """Whether :func:`adamax_rule` writes everything in one go, its write phase (see ``safe_in_place``)."""
     lists = [params, grads, state["exp_avg"], state["exp_inf"]]
     values = [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
     return safe_in_place(group, lists, values, columns=True)
 
 
-@one_kernel_when(_shared)
+@one_kernel_when(_one_go)
 def adamax_rule(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> None:

@@ -36,16 +36,16 @@ def _lists(params: list[Tensor], grads: list[Tensor], state: dict[str, Any]) -> 
     return [params, grads, state["exp_avg"], state["exp_avg_sq"], [state["mu_product"]]]
 
 
-def _shared(
+def _one_go(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> bool:
-    """Whether :func:`nadam_rule` writes by its write phase alone (see ``safe_in_place``)."""
+    """Whether :func:`nadam_rule` writes everything in one go, its write phase (see ``safe_in_place``)."""
     values = [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
     values.append(group["momentum_decay"])
     return safe_in_place(group, _lists(params, grads, state), values, columns=True)
 
 
-@one_kernel_when(_shared)
+@one_kernel_when(_one_go)
 def nadam_rule(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> None:

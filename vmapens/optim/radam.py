@@ -27,16 +27,16 @@ from .base import StackedOptimizer
 __all__ = ["StackedRAdam", "radam_rule"]
 
 
-def _shared(
+def _one_go(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> bool:
-    """Whether :func:`radam_rule` writes by its write phase alone (see ``safe_in_place``)."""
+    """Whether :func:`radam_rule` writes everything in one go, its write phase (see ``safe_in_place``)."""
     lists = [params, grads, state["exp_avg"], state["exp_avg_sq"]]
     values = [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
     return safe_in_place(group, lists, values, columns=True)
 
 
-@one_kernel_when(_shared)
+@one_kernel_when(_one_go)
 def radam_rule(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> None:

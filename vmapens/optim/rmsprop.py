@@ -36,15 +36,15 @@ def _lists(params: list[Tensor], grads: list[Tensor], state: dict[str, Any]) -> 
     return [params, grads, *(state[k] for k in names if k in state)]
 
 
-def _shared(
+def _one_go(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> bool:
-    """Whether :func:`rmsprop_rule` writes by its write phase alone (see ``safe_in_place``)."""
+    """Whether :func:`rmsprop_rule` writes everything in one go, its write phase (see ``safe_in_place``)."""
     values = [group[k] for k in ("lr", "alpha", "eps", "weight_decay", "momentum")]
     return safe_in_place(group, _lists(params, grads, state), values, columns=True)
 
 
-@one_kernel_when(_shared)
+@one_kernel_when(_one_go)
 def rmsprop_rule(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> None:

@@ -96,6 +96,8 @@ def sgd_rule(
     """
     lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
     dampening, bufs, step = group["dampening"], state.get("momentum_buffer"), state["step"]
+    # A step without momentum leaves the count as it is (a scratch counter takes it).
+    counts = step if isinstance(momentum, Tensor) or momentum != 0 else torch.zeros_like(step)
     if _fused(params, grads, state, group):
 
         def kernel(t: list[list[Tensor]], count: float) -> Callable[[], Any]:
@@ -113,12 +115,9 @@ def sgd_rule(
                 is_first_step=count == 0,
             )
 
-        # A step without momentum leaves the count as it is (a scratch counter takes it).
-        counts = step if momentum != 0 else torch.zeros_like(step)
         run_fused(kernel, _lists(params, grads, state), counts, group["mask"])
         return
     if host_scalars(params, [lr, momentum, dampening, wd]):  # fused=False: torch's bits
-        counts = step if momentum != 0 else torch.zeros_like(step)
         shared = functools.partial(_shared_kernel, group=group)
         run_fused(shared, _lists(params, grads, state), counts, group["mask"])
         return
@@ -153,10 +152,10 @@ def sgd_rule(
         else:
             g = d
     writes.append(added(params, g, -lr))  # torch's `p.add_(g, alpha=-lr)`
-    # The counts of steps with momentum: the write phase counts them; its own count is scratch.
-    counted = (momentum != 0).to(step.dtype) if isinstance(momentum, Tensor) else momentum != 0
-    writes.append(functools.partial(step.add_, counted))
-    write_then_count(writes, torch.zeros_like(step))
+    if isinstance(momentum, Tensor):  # counted per member, as a write; the phase's is scratch
+        writes.append(functools.partial(step.add_, (momentum != 0).to(step.dtype)))
+        counts = torch.zeros_like(step)
+    write_then_count(writes, counts)
 
 
 def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -> Writes:
