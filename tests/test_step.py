@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
+from torch._inductor.utils import run_and_get_code
 from truth import assert_members_equal, train_alone, twins
 
 import vmapens
@@ -97,9 +98,16 @@ def test_compiled_step_trains_like_separate_models(monkeypatch):
         inductor_config.patch(fx_graph_cache=False),
         functorch_config.patch(enable_autograd_cache=False),
     ):
-        for _ in range(20):
+        _, code = run_and_get_code(step, x, y)
+        for _ in range(19):
             step(x, y)
     assert sum(rewrites) == 2, f"expected the forward and the gradient rewritten, got {rewrites}"
+    (source,) = code
+    # Adam's per-member bias corrections (float64 pows of the step counts) computed once per
+    # member, not inlined into every parameter's loop (8 pows); its first moment's lerp fused
+    # into the kernels, not run as a foreach call after them (docs/performance.md).
+    assert source.count("pow(") == 2, "the per-member columns were inlined into the loops"
+    assert "_foreach_lerp" not in source
     for twin in alone:  # torch.optim.Adam, lr 1e-2
         train_alone(twin, [(x, y)] * 20, nn.functional.binary_cross_entropy)
     assert_members_equal(ens, alone, **TOL)

@@ -17,6 +17,7 @@ from ._values import MemberValues
 __all__ = [
     "signed",
     "added",
+    "lerped",
     "weight_decayed",
     "decayed_writes",
     "moments_",
@@ -100,6 +101,12 @@ def member_column(x: Scalar, like: Tensor) -> Scalar:
 
 def _column(x: Tensor, like: Tensor) -> Tensor:
     x = x.to(torch.float32 if like.dtype in _LOW_PRECISION else like.dtype)
+    if torch.compiler.is_compiling() and x.dim() == 1:
+        # A view that inductor computes once, into a buffer of n values (its lowering of
+        # as_strided realizes its input): else it inlines the column's arithmetic (Adam's
+        # float64 pow of the step counts) into every vector of every loop that reads it.
+        # Workload A's compiled step at N = 1024: 1.33 -> 1.16 ms.
+        x = x.as_strided(x.shape, x.stride())
     return x.view([1] * like.dim()) if x.dim() == 0 else column(x, like)
 
 
@@ -133,6 +140,22 @@ def added(x: list[Tensor], y: Any, s: Scalar) -> Callable[[], Any]:
     if isinstance(s, Tensor):
         return functools.partial(torch._foreach_addcmul_, x, y, member_columns(s, like=x))
     return functools.partial(torch._foreach_add_, x, y, alpha=s)
+
+
+def lerped(x: list[Tensor], y: Any, weight: Any) -> Callable[[], Any]:
+    """``x.lerp_(y, weight)`` for every tensor of ``x``, as a write phase's write: one
+    ``torch._foreach_lerp_``, but one ``lerp_`` per tensor for per-member columns when
+    compiling, which inductor fuses into the step's kernels (it has no lowering for the
+    foreach form with tensor weights, and ran it as a separate call, 62 us of workload A's
+    1.3 ms step at N = 1024)."""
+    if torch.compiler.is_compiling() and isinstance(weight, list):
+        return functools.partial(_lerp_each_, x, y, weight)
+    return functools.partial(torch._foreach_lerp_, x, y, weight)
+
+
+def _lerp_each_(x: list[Tensor], y: Sequence[Tensor], weight: list[Tensor]) -> None:
+    for a, b, w in zip(x, y, weight, strict=True):
+        a.lerp_(b, w)
 
 
 def like(hyper: Scalar, value: Tensor) -> Tensor:
@@ -403,7 +426,7 @@ def moment_writes(
         else (grads, 1 - beta2)
     )
     return [
-        functools.partial(torch._foreach_lerp_, exp_avg, grads, col(1 - beta1)),
+        lerped(exp_avg, grads, col(1 - beta1)),
         functools.partial(torch._foreach_mul_, exp_avg_sq, col(beta2)),
         functools.partial(torch._foreach_addcmul_, exp_avg_sq, grads, g2, value=value),
     ]

@@ -19,6 +19,7 @@ from ._hyper import (
     PerMember,
     Scalar,
     host_scalars,
+    lerped,
     like,
     member_columns,
     signed,
@@ -94,7 +95,7 @@ def adamax_rule(
     clr = lr / like(lr, 1 - torch.pow(beta1, step.double() + 1))  # the counts after this step
     scaled = [torch.empty_like(m) for m in exp_avg]
     writes = [
-        functools.partial(torch._foreach_lerp_, exp_avg, g, col(1 - beta1)),
+        lerped(exp_avg, g, col(1 - beta1)),
         functools.partial(torch._foreach_mul_, exp_inf, col(beta2)),
         functools.partial(torch._foreach_maximum_, exp_inf, norm),
         *into(torch.mul, scaled, exp_avg, col(-clr)),

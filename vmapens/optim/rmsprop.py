@@ -19,6 +19,7 @@ from ._hyper import (
     PerMember,
     Scalar,
     added,
+    lerped,
     member_columns,
     member_floats,
     nonnegative,
@@ -98,7 +99,7 @@ def _write_phase(
         functools.partial(torch._foreach_addcmul_, square_avg, g, g2, value=value),
     ]
     if grad_avg is not None:  # avg = v - grad_avg**2, its square root taken in place
-        writes.append(functools.partial(torch._foreach_lerp_, grad_avg, g, col(1 - alpha)))
+        writes.append(lerped(grad_avg, g, col(1 - alpha)))
         writes += into(torch.addcmul, avg, square_avg, grad_avg, grad_avg, value=-1)
         writes.append(functools.partial(torch._foreach_sqrt_, avg))
     else:
