@@ -205,6 +205,10 @@ def _compile_options(device: torch.device, dtype: torch.dtype | None) -> dict[st
     if device.type == "cpu":  # a member matmul on a shared input becomes one (_matmuls)
         options["post_grad_custom_pre_pass"] = shared_operand_pass()
         options.update(_cache_keyed_options())
+        # The compiled graph calls its kernels from C++, not Python: a step of many small
+        # kernels (a recurrence, a CNN) ran 0.73-0.82x the time, the others 0.94-1.0x, and
+        # its first compile took no longer (docs/performance.md).
+        options["cpp_wrapper"] = True
     if dtype is not None:
         # Inductor otherwise keeps fused intermediates in float32 where eager rounds to bf16.
         options["emulate_precision_casts"] = True
