@@ -1,9 +1,9 @@
-"""Per-member hyperparameters: their table entries, checks, and the values an update reads."""
+"""Per-member hyperparameters: their table entries, their checks, and torch's implementation flags
+(the values an update reads from them: ``_columns.py``)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -11,18 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._checks import column
 from ._values import MemberValues
 
 __all__ = [
-    "signed",
-    "added",
-    "lerped",
-    "weight_decayed",
-    "decayed_writes",
-    "moments_",
-    "moment_writes",
-    "host_scalars",
     "BETAS",
     "EPS",
     "LR",
@@ -39,10 +30,7 @@ __all__ = [
     "check_implementation",
     "implementation_flags",
     "group_args",
-    "like",
     "local_values",
-    "member_column",
-    "member_columns",
     "member_floats",
     "leading_n",
     "nonnegative",
@@ -57,7 +45,6 @@ Scalar = float | Tensor
 PerMember = float | Sequence[float] | Tensor
 #: What a constructor's ``params`` takes.
 Params = Iterable[Tensor] | Iterable[dict[str, Any]] | nn.Module
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,81 +75,6 @@ BETAS = Hyper("beta parameter", "in [0, 1)", UNIT.ok, pair=True)
 EPS = nonnegative("epsilon value")
 WEIGHT_DECAY = nonnegative("weight_decay value")
 MOMENTUM = nonnegative("momentum value")
-
-
-def member_column(x: Scalar, like: Tensor) -> Scalar:
-    """A hyperparameter as the update rule uses it: a float, or ``[n, 1, ...]`` for ``like``.
-
-    Low-precision parameters take float32 columns: in-place ops compute in the promoted dtype.
-    A 0-d tensor becomes ``[1, 1, ...]`` (shared by every member).
-    """
-    return _column(x, like) if isinstance(x, Tensor) else x
-
-
-def _column(x: Tensor, like: Tensor) -> Tensor:
-    x = x.to(torch.float32 if like.dtype in _LOW_PRECISION else like.dtype)
-    if torch.compiler.is_compiling() and x.dim() == 1:
-        # A view that inductor computes once, into a buffer of n values (its lowering of
-        # as_strided realizes its input): else it inlines the column's arithmetic (Adam's
-        # float64 pow of the step counts) into every vector of every loop that reads it.
-        # Workload A's compiled step at N = 1024: 1.33 -> 1.16 ms.
-        x = x.as_strided(x.shape, x.stride())
-    return x.view([1] * like.dim()) if x.dim() == 0 else column(x, like)
-
-
-def member_columns(x: Scalar, like: list[Tensor]) -> float | list[Tensor]:
-    """A hyperparameter as a ``torch._foreach_*`` op takes it: a float, or one ``[n, 1, ...]``
-    column per tensor of ``like`` (see :func:`member_column`; built once per dtype and rank)."""
-    if not isinstance(x, Tensor):
-        return x
-    made: dict[tuple[torch.dtype, int], Tensor] = {}
-    out = []
-    for t in like:
-        key = (t.dtype, t.dim())
-        if key not in made:
-            made[key] = _column(x, t)
-        out.append(made[key])
-    return out
-
-
-def add_scaled(x: Sequence[Tensor], y: Sequence[Tensor], s: Scalar) -> list[Tensor]:
-    """``x + s * y`` rounded once, as torch's ``x.add(y, alpha=s)``: a float ``s`` as ``alpha``,
-    a tensor one (per member, or a 0-d ``lr``) as ``addcmul`` with its columns."""
-    if isinstance(s, Tensor):
-        columns = [_column(s, t) for t in x]
-        return list(torch._foreach_addcmul(list(x), list(y), columns))
-    return list(torch._foreach_add(list(x), list(y), alpha=s))
-
-
-def added(x: list[Tensor], y: Any, s: Scalar) -> Callable[[], Any]:
-    """``x += s * y`` rounded once, as a write phase's write (:func:`add_scaled` in place): a
-    float ``s`` as ``alpha``, a tensor one as ``addcmul_`` with its columns."""
-    if isinstance(s, Tensor):
-        return functools.partial(torch._foreach_addcmul_, x, y, member_columns(s, like=x))
-    return functools.partial(torch._foreach_add_, x, y, alpha=s)
-
-
-def lerped(x: list[Tensor], y: Any, weight: Any) -> Callable[[], Any]:
-    """``x.lerp_(y, weight)`` for every tensor of ``x``, as a write phase's write: one
-    ``torch._foreach_lerp_``, but one ``lerp_`` per tensor for per-member columns when
-    compiling, which inductor fuses into the step's kernels (it has no lowering for the
-    foreach form with tensor weights, and ran it as a separate call, 62 us of workload A's
-    1.3 ms step at N = 1024)."""
-    if torch.compiler.is_compiling() and isinstance(weight, list):
-        return functools.partial(_lerp_each_, x, y, weight)
-    return functools.partial(torch._foreach_lerp_, x, y, weight)
-
-
-def _lerp_each_(x: list[Tensor], y: Sequence[Tensor], weight: list[Tensor]) -> None:
-    for a, b, w in zip(x, y, weight, strict=True):
-        a.lerp_(b, w)
-
-
-def like(hyper: Scalar, value: Tensor) -> Tensor:
-    """A float64 per-member scalar (from the step counts) as torch's Python float meets
-    ``hyper``: in a tensor hyperparameter's dtype, where torch computes ``lr / bias_correction``
-    (a 0-d float32 ``lr``: in float32, the float rounded first), else float64 as it is."""
-    return value.to(hyper.dtype) if isinstance(hyper, Tensor) else value
 
 
 def check_hyper(
@@ -347,86 +259,3 @@ def leading_n(api: str, tensors: Sequence[Any]) -> int:
             f"{api}: all parameters must share the leading member dim n, got sizes {sizes}"
         )
     return sizes[0]
-
-
-def host_scalars(params: Sequence[Tensor], values: Sequence[Any]) -> bool:
-    """Whether a rule may take torch's foreach form with Python float scalars.
-
-    That form reads one step count on the host per call (``run_fused``: one call per count
-    over the whole tensors, so a member's bits never depend on another's count). It may when
-    every member shares the hyperparameters ``values`` (floats, not per-member tensors), the
-    parameters are CPU tensors (a host read costs no device sync) and no ``torch.compile``
-    trace is running; the choice depends on this configuration only.
-    """
-    if torch.compiler.is_compiling() or any(isinstance(v, Tensor) for v in values):
-        return False
-    return all(p.device.type == "cpu" for p in params)
-
-
-def signed(grads: list[Tensor], group: dict[str, Any]) -> list[Tensor] | tuple[Tensor, ...]:
-    """The gradients a rule descends along: negated with ``maximize``, as torch's rules do."""
-    return torch._foreach_neg(grads) if group["maximize"] else grads
-
-
-def weight_decayed(
-    grads: list[Tensor] | tuple[Tensor, ...], params: list[Tensor], group: dict[str, Any]
-) -> list[Tensor] | tuple[Tensor, ...]:
-    """The gradients after torch's weight decay, as every rule applies it: ``g + wd * p``
-    rounded once, or with ``decoupled_weight_decay`` (AdamW, NAdamW, RAdam) ``p *= 1 - lr * wd``
-    in place and ``g`` unchanged. ``lr`` and ``weight_decay`` are read from ``group``, floats
-    (torch's float arithmetic) or per-member tensors (columns)."""
-    lr, wd = group["lr"], group["weight_decay"]
-    if not isinstance(wd, Tensor) and wd == 0:
-        return grads
-    if group.get("decoupled_weight_decay", False):
-        torch._foreach_mul_(params, member_columns(1 - lr * wd, params))
-        return grads
-    return add_scaled(grads, params, wd)
-
-
-def decayed_writes(
-    grads: list[Tensor] | tuple[Tensor, ...], params: list[Tensor], group: dict[str, Any]
-) -> tuple[list[Tensor] | tuple[Tensor, ...], list[Callable[[], Any]]]:
-    """:func:`weight_decayed` for a write phase (``optim/_fused.py``): the gradients, and the
-    decoupled decay ``p *= 1 - lr * wd`` as the phase's first write instead of made here."""
-    lr, wd = group["lr"], group["weight_decay"]
-    if not group.get("decoupled_weight_decay", False) or (not isinstance(wd, Tensor) and wd == 0):
-        return weight_decayed(grads, params, group), []
-    scale = member_columns(1 - lr * wd, params)
-    return grads, [functools.partial(torch._foreach_mul_, params, scale)]
-
-
-def moments_(
-    exp_avg: list[Tensor],
-    exp_avg_sq: list[Tensor],
-    grads: list[Tensor] | tuple[Tensor, ...],
-    beta1: Scalar,
-    beta2: Scalar,
-) -> None:
-    """Adam's two moments in place, in torch's ops (Adam, NAdam, RAdam):
-    ``m = lerp(m, g, 1 - beta1)``, ``v = beta2 * v + (1 - beta2) * g * g``; floats, or per-member
-    tensors as columns."""
-    for write in moment_writes(exp_avg, exp_avg_sq, grads, beta1, beta2):
-        write()
-
-
-def moment_writes(
-    exp_avg: list[Tensor],
-    exp_avg_sq: list[Tensor],
-    grads: list[Tensor] | tuple[Tensor, ...],
-    beta1: Scalar,
-    beta2: Scalar,
-) -> list[Callable[[], Any]]:
-    """:func:`moments_` as a write phase's writes (``optim/_fused.py``): what they need that
-    allocates (``(1 - beta2) * g`` for per-member ``beta2``) is computed now."""
-    col = functools.partial(member_columns, like=exp_avg)
-    g2, value = (
-        (torch._foreach_mul(grads, col(1 - beta2)), 1.0)
-        if isinstance(beta2, Tensor)
-        else (grads, 1 - beta2)
-    )
-    return [
-        lerped(exp_avg, grads, col(1 - beta1)),
-        functools.partial(torch._foreach_mul_, exp_avg_sq, col(beta2)),
-        functools.partial(torch._foreach_addcmul_, exp_avg_sq, grads, g2, value=value),
-    ]

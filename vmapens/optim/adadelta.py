@@ -9,8 +9,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from ._columns import added, member_columns, signed
 from ._fused import Writes, into, one_kernel_when, safe_in_place, write_then_count
-from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar, added, member_columns, signed
+from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar
 from .base import StackedOptimizer
 
 __all__ = ["StackedAdadelta", "adadelta_rule"]

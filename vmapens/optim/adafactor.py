@@ -8,7 +8,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar, member_column
+from ._columns import member_column
+from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar
 from .base import StackedOptimizer
 
 __all__ = ["StackedAdafactor", "adafactor_rule"]

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._columns import host_scalars, like, member_column, member_columns, signed, weight_decayed
 from ._fused import (
     Writes,
     fusable,
@@ -18,21 +19,7 @@ from ._fused import (
     safe_in_place,
     write_then_count,
 )
-from ._hyper import (
-    EPS,
-    LR,
-    WEIGHT_DECAY,
-    Params,
-    PerMember,
-    Scalar,
-    host_scalars,
-    like,
-    member_column,
-    member_columns,
-    nonnegative,
-    signed,
-    weight_decayed,
-)
+from ._hyper import EPS, LR, WEIGHT_DECAY, Params, PerMember, Scalar, nonnegative
 from ._keep import step_one
 from .base import StackedOptimizer
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._columns import decayed_writes, host_scalars, like, member_columns, moment_writes, signed
 from ._fused import (
     Writes,
     fusable,
@@ -22,21 +23,7 @@ from ._fused import (
     safe_in_place,
     write_then_count,
 )
-from ._hyper import (
-    BETAS,
-    EPS,
-    LR,
-    WEIGHT_DECAY,
-    Params,
-    PerMember,
-    Scalar,
-    decayed_writes,
-    host_scalars,
-    like,
-    member_columns,
-    moment_writes,
-    signed,
-)
+from ._hyper import BETAS, EPS, LR, WEIGHT_DECAY, Params, PerMember, Scalar
 from ._keep import step_one
 from .base import StackedOptimizer
 

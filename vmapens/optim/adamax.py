@@ -9,22 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._columns import host_scalars, lerped, like, member_columns, signed, weight_decayed
 from ._fused import Writes, into, one_kernel_when, run_fused, safe_in_place, write_then_count
-from ._hyper import (
-    BETAS,
-    EPS,
-    LR,
-    WEIGHT_DECAY,
-    Params,
-    PerMember,
-    Scalar,
-    host_scalars,
-    lerped,
-    like,
-    member_columns,
-    signed,
-    weight_decayed,
-)
+from ._hyper import BETAS, EPS, LR, WEIGHT_DECAY, Params, PerMember, Scalar
 from ._keep import step_one
 from .base import StackedOptimizer
 

@@ -9,17 +9,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from ._columns import host_scalars, member_columns, signed, weight_decayed
 from ._fused import run_fused
-from ._hyper import (
-    NONNEGATIVE,
-    Hyper,
-    PerMember,
-    Scalar,
-    host_scalars,
-    member_columns,
-    signed,
-    weight_decayed,
-)
+from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar
 from .base import StackedOptimizer
 
 __all__ = ["StackedASGD", "asgd_rule"]

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._hyper import BETAS, LR, WEIGHT_DECAY, Params, PerMember, Scalar, member_columns
+from ._columns import member_columns
+from ._hyper import BETAS, LR, WEIGHT_DECAY, Params, PerMember, Scalar
 from ._keep import step_one
 from .base import StackedOptimizer
 

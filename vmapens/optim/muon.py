@@ -10,7 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import column
-from ._hyper import LR, NONNEGATIVE, Hyper, PerMember, Scalar, member_column
+from ._columns import member_column
+from ._hyper import LR, NONNEGATIVE, Hyper, PerMember, Scalar
 from .base import StackedOptimizer
 
 __all__ = ["StackedMuon", "muon_rule", "newton_schulz"]

@@ -9,19 +9,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from ._columns import decayed_writes, host_scalars, member_columns, moment_writes, signed
 from ._fused import Writes, into, one_kernel_when, run_fused, safe_in_place, write_then_count
-from ._hyper import (
-    NONNEGATIVE,
-    UNIT,
-    Hyper,
-    PerMember,
-    Scalar,
-    decayed_writes,
-    host_scalars,
-    member_columns,
-    moment_writes,
-    signed,
-)
+from ._hyper import NONNEGATIVE, UNIT, Hyper, PerMember, Scalar
 from .base import StackedOptimizer
 
 __all__ = ["StackedRAdam", "radam_rule"]

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._columns import added, lerped, member_columns, signed, weight_decayed
 from ._fused import Writes, into, one_kernel_when, safe_in_place, write_then_count
 from ._hyper import (
     EPS,
@@ -18,13 +19,8 @@ from ._hyper import (
     Params,
     PerMember,
     Scalar,
-    added,
-    lerped,
-    member_columns,
     member_floats,
     nonnegative,
-    signed,
-    weight_decayed,
 )
 from ._keep import step_one
 from .base import StackedOptimizer

@@ -8,16 +8,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._hyper import (
-    NONNEGATIVE,
-    Hyper,
-    PerMember,
-    Scalar,
-    member_column,
-    member_columns,
-    member_floats,
-    signed,
-)
+from ._columns import member_column, member_columns, signed
+from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar, member_floats
 from .base import StackedOptimizer
 
 __all__ = ["StackedRprop", "rprop_rule"]

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from .._checks import column
+from ._columns import add_scaled, added, host_scalars, member_columns, signed, weight_decayed
 from ._fused import (
     Writes,
     fusable,
@@ -19,22 +20,7 @@ from ._fused import (
     safe_in_place,
     write_then_count,
 )
-from ._hyper import (
-    LR,
-    MOMENTUM,
-    WEIGHT_DECAY,
-    Hyper,
-    Params,
-    PerMember,
-    Scalar,
-    add_scaled,
-    added,
-    host_scalars,
-    member_columns,
-    member_floats,
-    signed,
-    weight_decayed,
-)
+from ._hyper import LR, MOMENTUM, WEIGHT_DECAY, Hyper, Params, PerMember, Scalar, member_floats
 from ._keep import step_one
 from .base import StackedOptimizer
 
