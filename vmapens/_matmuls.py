@@ -141,7 +141,6 @@ def _one_matmul(
         else:
             # out[i] = a[i] @ b[0]: the rows of every a[i] stacked, times b[0].
             shared = _op(graph, _aten.select.int, b, 0, 0)
-            t = _aten.permute.default
             if w <= _NARROW:
                 # A few columns (a weight gradient on few input features): transposed, as in
                 # _transposed, b[0]^T @ [a[0]^T | a[1]^T | ...]. Compiled step, bmm rewritten
@@ -149,6 +148,7 @@ def _one_matmul(
                 # at 256, 1.0x at 15. The columns are copied row-major ([k, n * m]): MKL on an
                 # AVX-512 Xeon ran the column-major [k, n * m] view of the stacked rows 34x
                 # slower (320 vs 9.4 us for workload A's [2, 5] @ [5, 20480]).
+                t = _aten.permute.default
                 columns = _contiguous(graph, _op(graph, t, a, [2, 0, 1]))
                 product = _op(graph, _aten.mm.default, _op(graph, t, shared, [1, 0]),
                               _op(graph, _aten.view.default, columns, [k, n * m]))  # fmt: skip
