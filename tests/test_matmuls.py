@@ -137,6 +137,11 @@ def test_merged_products_of_few_columns_run_transposed_and_equal_bmm(w, transpos
     assert tuple(mm.meta["val"].shape) == ((w, n * m) if transposed else (n * m, w))
     # Row-major columns: MKL ran the column-major view of the rows 34x slower (_matmuls).
     assert mm.args[1].meta["val"].is_contiguous()
+    if transposed:  # turned back into rows in a buffer of its own, which inductor realizes
+        (realized,) = [
+            node for node in gm.graph.nodes if node.target is torch.ops.aten.as_strided.default
+        ]
+        assert realized.args[0].args[0].args[0] is mm  # as_strided(clone(permute(mm)))
     out = gm(*args)
     assert out.is_contiguous() and out.shape == (n, m, w)
     torch.testing.assert_close(out, fn(*args), **TOL)

@@ -108,6 +108,10 @@ def test_compiled_step_trains_like_separate_models(monkeypatch):
     # into the kernels, not run as a foreach call after them (docs/performance.md).
     assert source.count("pow(") == 2, "the per-member columns were inlined into the loops"
     assert "_foreach_lerp" not in source
+    # The weight gradient of the first layer, computed transposed ([2, 5 * N]), is turned back
+    # into rows in a buffer of its own: inlined into Adam's loops, it was read by a gather of
+    # the 2 input features into each vector (inductor's `tmpbuf`), 20% of the step at N = 1024.
+    assert "tmpbuf" not in source, "the transposed weight gradient was gathered in the loops"
     for twin in alone:  # torch.optim.Adam, lr 1e-2
         train_alone(twin, [(x, y)] * 20, nn.functional.binary_cross_entropy)
     assert_members_equal(ens, alone, **TOL)
