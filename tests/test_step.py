@@ -117,6 +117,47 @@ def test_compiled_step_trains_like_separate_models(monkeypatch):
     assert_members_equal(ens, alone, **TOL)
 
 
+@pytest.mark.parametrize("name", ["lr", "betas"])
+def test_compiled_step_bakes_shared_floats_until_one_changes(name):
+    """Without a scheduler, shared floats are constants of the graph (cheaper per step); the
+    first value set by hand recompiles once and makes them inputs, so later values recompile
+    nothing (dynamo would recompile at each, failing at the 9th). Members follow the values
+    as torch.optim.Adam alone does."""
+    ens = vmapens.Ensemble(models.MLP, N, seed=0).double()
+    alone = twins(ens.unstack())
+    opt = vmapens.StackedAdam(ens, lr=0.05)
+    step = vmapens.make_step(ens, nn.MSELoss(), opt, compile=True)
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(6, 4, generator=g, dtype=torch.float64),
+         torch.randn(6, 3, generator=g, dtype=torch.float64))
+        for _ in range(14)
+    ]  # fmt: skip
+
+    def value(k: int):  # what the user sets before step k (k >= 3), the same for each twin
+        return 0.05 * 0.8**k if name == "lr" else (0.9 - 0.01 * k, 0.999)
+
+    counts = []
+    for k, (x, y) in enumerate(batches):
+        if k >= 3:
+            opt.param_groups[0][name] = value(k)
+        step(x, y)
+        counts.append(graphs())
+    assert counts[1] == counts[2], "a call with the same floats recompiled"
+    assert counts[3] == counts[2] + 1, "the first changed value should recompile once"
+    assert counts[-1] == counts[3], "a later value recompiled the step"
+    assert opt.param_groups[0][name] == value(13)
+    for twin in alone:
+        member_opt = torch.optim.Adam(twin.parameters(), lr=0.05)
+
+        def set_value(k: int, o=member_opt) -> None:  # after step k: the value of step k + 1
+            if k + 1 >= 3:
+                o.param_groups[0][name] = value(k + 1)
+
+        train_alone(twin, batches, nn.functional.mse_loss, member_opt, after_step=set_value)
+    assert_members_equal(ens, alone, **TOL)
+
+
 def test_eager_step_with_plain_torch_optimizer():
     ens = vmapens.Ensemble(models.MLP, N, seed=0)
     before = copy.deepcopy(ens.state_dict())

@@ -25,12 +25,14 @@ from .optim.clip import clip_norms_, clip_values_
 __all__ = [
     "PRECISIONS",
     "Update",
+    "attached_scheduler",
     "build_update",
     "check_call",
     "check_optimizer",
     "frozen_buffers",
     "graph_hyperparameters",
     "optimizer_errors",
+    "shared_floats",
     "trainable",
     "undo_point",
 ]
@@ -216,6 +218,31 @@ def frozen_buffers(ens: Ensemble, mask: torch.Tensor | None) -> Iterator[None]:
             keep_masked_(buffers, saved, mask)
 
 
+def attached_scheduler(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a torch LR scheduler was built on ``optimizer``.
+
+    ``torch.optim.lr_scheduler.LRScheduler.__init__`` wraps ``optimizer.step`` once, in a
+    function it marks ``_wrapped_by_lr_sched`` (torch >= 2.0; also what it tests itself to warn
+    about a wrong call order), so the mark stays however many schedulers share the optimizer.
+    """
+    return bool(getattr(optimizer.step, "_wrapped_by_lr_sched", False))
+
+
+def shared_floats(optimizer: StackedOptimizer) -> tuple:
+    """The shared float hyperparameters of every param group (None where a value is not a
+    float: per-member values), in a fixed order: what a compiled step bakes into its graph."""
+    return tuple(
+        tuple(_float(v) for v in value) if hyper.pair else _float(value)
+        for group in optimizer.param_groups
+        for name, hyper in optimizer.hyperparameters.items()
+        for value in [group[name]]
+    )
+
+
+def _float(v: Any) -> float | None:
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
 @contextlib.contextmanager
 def graph_hyperparameters(optimizer: StackedOptimizer, made: dict[tuple, Any]) -> Iterator[None]:
     """Shared float hyperparameters as :class:`MemberValues` while a compiled step runs.
@@ -229,7 +256,7 @@ def graph_hyperparameters(optimizer: StackedOptimizer, made: dict[tuple, Any]) -
     n, swapped = optimizer.num_members, []
 
     def graph(v: Any, slot: tuple) -> Any:
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
+        if _float(v) is None:
             return v
         if slot not in made or made[slot][0] != v:
             made[slot] = (v, MemberValues([v] * n))

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from .._checks import check_choice
+from .._step_parts import attached_scheduler
 from ..optim import ReduceLROnPlateau
 from .base import Callback, Context
 
@@ -132,13 +133,3 @@ def build_scheduler(
                 "validation loss and needs `val_data`, got None"
             )
     return scheduler
-
-
-def attached_scheduler(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a torch LR scheduler was built on ``optimizer``.
-
-    ``torch.optim.lr_scheduler.LRScheduler.__init__`` wraps ``optimizer.step`` once, in a
-    function it marks ``_wrapped_by_lr_sched`` (torch >= 2.0; also what it tests itself to warn
-    about a wrong call order), so the mark stays however many schedulers share the optimizer.
-    """
-    return bool(getattr(optimizer.step, "_wrapped_by_lr_sched", False))
