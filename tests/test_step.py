@@ -25,6 +25,16 @@ def graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+def mlp_batches(k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`k` float64 batches of 6 for `models.MLP` (4 inputs, 3 outputs)."""
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(6, 4, generator=g, dtype=torch.float64),
+         torch.randn(6, 3, generator=g, dtype=torch.float64))
+        for _ in range(k)
+    ]  # fmt: skip
+
+
 def twin_steps(factory, loss_fn, *, in_dims=None, **opt_kw):
     """The same ensemble twice: one trained by the eager step, one by the compiled step."""
     eager = vmapens.Ensemble(factory, N, seed=0).double()
@@ -127,12 +137,7 @@ def test_compiled_step_bakes_shared_floats_until_one_changes(name):
     alone = twins(ens.unstack())
     opt = vmapens.StackedAdam(ens, lr=0.05)
     step = vmapens.make_step(ens, nn.MSELoss(), opt, compile=True)
-    g = torch.Generator().manual_seed(0)
-    batches = [
-        (torch.randn(6, 4, generator=g, dtype=torch.float64),
-         torch.randn(6, 3, generator=g, dtype=torch.float64))
-        for _ in range(14)
-    ]  # fmt: skip
+    batches = mlp_batches(14)
 
     def value(k: int):  # what the user sets before step k (k >= 3), the same for each twin
         return 0.05 * 0.8**k if name == "lr" else (0.9 - 0.01 * k, 0.999)
@@ -293,12 +298,7 @@ def test_compiled_step_follows_a_scheduler_on_a_shared_lr(make_opt, torch_opt):
     opt = make_opt(ens)
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.8)
     step = vmapens.make_step(ens, nn.MSELoss(), opt, compile=True)
-    g = torch.Generator().manual_seed(0)
-    batches = [
-        (torch.randn(6, 4, generator=g, dtype=torch.float64),
-         torch.randn(6, 3, generator=g, dtype=torch.float64))
-        for _ in range(12)
-    ]  # fmt: skip
+    batches = mlp_batches(12)
     step(*batches[0])  # compiles
     sched.step()
     before = graphs()
