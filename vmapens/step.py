@@ -67,7 +67,9 @@ def make_step(
     ``compile=True`` the whole step goes through ``torch.compile(fullgraph=True)`` as one
     graph: per-member gradients come from ``torch.func.grad_and_value`` and the stacked
     optimizer's update runs inside the same graph. On CUDA it uses
-    ``mode="reduce-overhead"``.
+    ``mode="reduce-overhead"``. Shared float hyperparameters are constants of the graph until
+    one changes or a torch LR scheduler is attached; then they become inputs (one recompile),
+    so a schedule does not recompile every step.
 
     A step is all or nothing: its arguments are checked before anything changes, and if the
     forward, the loss or the optimizer raises, parameters, buffers, gradients and optimizer
