@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +29,7 @@ from vmapens.optim import (
     StackedRMSprop,
     StackedSGD,
 )
+from vmapens.step import _own_code
 
 # float64 elementwise optimizer arithmetic against torch's: only the order of a few operations
 # differs (~1e-16); held on every CPU setting of docs/semantics.md's hardware section.
@@ -354,12 +354,6 @@ def test_state_dict_round_trip_is_bit_identical(spec: Spec, kwargs: dict) -> Non
         assert rig.opt.state[ref].keys() == fresh.state[ours].keys()
         for key, value in rig.opt.state[ref].items():
             assert torch.equal(fresh.state[ours][key], value), key
-
-
-def _own_code(fn: Callable) -> Callable:
-    """``fn`` with a code object of its own: dynamo caches compiled graphs per code object."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{id(fn)}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, None, fn.__closure__)
 
 
 #: One case per optimizer for the compiled test: its first flag, on top of everything per member.
