@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from .._checks import check_mask
 from ._buckets import buckets, counter_dtype, layout, share_counts
-from ._eager import EagerOptimizer
+from ._eager import EagerOptimizer, hooked_step
 from ._fused import in_one_kernel, make_held, writes_held
 from ._handoff import check_state_dict, copy_rows, member_state_dict, select_parts
 from ._hyper import (
@@ -308,6 +308,7 @@ class StackedOptimizer(EagerOptimizer):
             if mask is not None:
                 keep_masked_(written, saved, mask)
 
+    @hooked_step
     def step(  # type: ignore[override]
         self, mask: Tensor | None = None, closure: Callable[[], Any] | None = None
     ) -> Any:
