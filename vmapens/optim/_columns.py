@@ -5,6 +5,7 @@ write phase's writes (``optim/_fused.py``)."""
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ from ._hyper import Scalar
 __all__ = [
     "add_scaled",
     "added",
+    "cpu_scalar",
     "decayed_writes",
     "host_scalars",
     "lerped",
@@ -121,6 +123,38 @@ def host_scalars(params: Sequence[Tensor], values: Sequence[Any]) -> bool:
     return all(p.device.type == "cpu" for p in params)
 
 
+def cpu_scalar(value: Any, like: Tensor) -> Any:
+    """``value`` as a ``torch._foreach_*`` op over tensors like ``like`` takes it fastest: a
+    shared float as a float64 0-d tensor when ``like`` is a float32 or float64 CPU tensor,
+    anything else (per-member columns, other dtypes and devices) as it is.
+
+    The same bits as the Python float, ~1 us a tensor faster: the op wraps a float into just
+    such a double tensor for every tensor of the list (a 0-d tensor does not promote the list's
+    dtype) and casts it as it casts this one. Not so for float16 and bfloat16, whose kernels
+    read a wrapped float apart (``x * 0.1`` differs there), nor for ``lerp``, whose tensor
+    weight takes another kernel. Cached by value and sign (constant hyperparameters are built
+    once); never written. Not while ``torch.compile`` traces (the float is a graph constant).
+
+    Example:
+        >>> x = torch.tensor([1.0, 3.0])
+        >>> torch.equal(x * cpu_scalar(0.1, x), x * 0.1)
+        True
+    """
+    if (
+        not isinstance(value, (int, float))
+        or like.dtype not in (torch.float32, torch.float64)
+        or not like.is_cpu
+        or torch.compiler.is_compiling()
+    ):
+        return value
+    return _cpu_scalar(value, math.copysign(1.0, value))
+
+
+@functools.lru_cache(maxsize=256)
+def _cpu_scalar(value: float, sign: float) -> Tensor:  # the sign tells 0.0 from -0.0
+    return torch.scalar_tensor(value, dtype=torch.float64)
+
+
 def signed(grads: list[Tensor], group: dict[str, Any]) -> list[Tensor] | tuple[Tensor, ...]:
     """The gradients a rule descends along: negated with ``maximize``, as torch's rules do."""
     return torch._foreach_neg(grads) if group["maximize"] else grads
@@ -185,6 +219,6 @@ def moment_writes(
     )
     return [
         lerped(exp_avg, grads, col(1 - beta1)),
-        functools.partial(torch._foreach_mul_, exp_avg_sq, col(beta2)),
+        functools.partial(torch._foreach_mul_, exp_avg_sq, cpu_scalar(col(beta2), exp_avg_sq[0])),
         functools.partial(torch._foreach_addcmul_, exp_avg_sq, grads, g2, value=value),
     ]

@@ -62,6 +62,7 @@ def adafactor_rule(
     t = step.double()
     weight = torch.pow(t, decay)
     rho = torch.minimum(torch.as_tensor(lr, dtype=torch.float64, device=t.device), 1 / t**0.5)
+    floor = torch.as_tensor(eps2)
     for k, (p, grad) in enumerate(zip(params, grads, strict=True)):
         size = p[0].numel()
         if size == 0:
@@ -72,7 +73,7 @@ def adafactor_rule(
 
         g = -grad if group["maximize"] else grad
         small = torch.finfo(p.dtype).eps if eps1 is None else eps1
-        alpha = torch.maximum(_per_member_norm(p) / size**0.5, torch.as_tensor(eps2)) * rho
+        alpha = torch.maximum(_per_member_norm(p) / size**0.5, floor) * rho
         if isinstance(wd, Tensor) or wd != 0:
             p.mul_(col(1 - lr * wd))
         if p.dim() > 2:

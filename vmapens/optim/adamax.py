@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._columns import host_scalars, lerped, like, member_columns, signed, weight_decayed
+from ._columns import cpu_scalar, host_scalars, lerped, like, member_columns, signed, weight_decayed
 from ._fused import Writes, into, one_kernel_when, run_fused, safe_in_place, write_then_count
 from ._hyper import BETAS, EPS, LR, WEIGHT_DECAY, Params, PerMember, Scalar
 from ._keep import step_one
@@ -62,11 +62,11 @@ def adamax_rule(
             g = signed(t[1], group)
             g = weight_decayed(g, p, group)
             norm = torch._foreach_abs(g)
-            torch._foreach_add_(norm, eps)
+            torch._foreach_add_(norm, cpu_scalar(eps, p[0]))
             clr = lr / (1 - beta1 ** (count + 1))
             return [  # the write phase: nothing in it allocates
                 functools.partial(torch._foreach_lerp_, m, g, 1 - beta1),
-                functools.partial(torch._foreach_mul_, u, beta2),
+                functools.partial(torch._foreach_mul_, u, cpu_scalar(beta2, p[0])),
                 functools.partial(torch._foreach_maximum_, u, norm),
                 functools.partial(torch._foreach_addcdiv_, p, m, u, value=-clr),
             ]

@@ -9,7 +9,14 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._columns import decayed_writes, host_scalars, member_columns, moment_writes, signed
+from ._columns import (
+    cpu_scalar,
+    decayed_writes,
+    host_scalars,
+    member_columns,
+    moment_writes,
+    signed,
+)
 from ._fused import Writes, into, one_kernel_when, run_fused, safe_in_place, write_then_count
 from ._hyper import NONNEGATIVE, UNIT, Hyper, PerMember, Scalar
 from .base import StackedOptimizer
@@ -103,6 +110,7 @@ def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -
     then the writes (``optim/_fused.py``)."""
     lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
     p, m, v = t[0], t[2], t[3]
+    scalar = functools.partial(cpu_scalar, like=p[0])
     g, writes = decayed_writes(signed(t[1], group), p, group)
     step = count + 1
     bias_correction1 = 1 - beta1**step
@@ -110,8 +118,8 @@ def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -
     update = [torch.empty_like(x) for x in m]
     writes += [
         *moment_writes(m, v, g, beta1, beta2),
-        *into(torch.div, update, m, bias_correction1),
-        functools.partial(torch._foreach_mul_, update, lr),
+        *into(torch.div, update, m, scalar(bias_correction1)),
+        functools.partial(torch._foreach_mul_, update, scalar(lr)),
     ]
     rho_inf = 2 / (1 - beta2) - 1
     rho_t = rho_inf - 2 * step * (beta2**step) / bias_correction2
@@ -122,11 +130,11 @@ def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -
         rect = (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
         writes += [
             *into(torch.sqrt, adaptive, v),
-            functools.partial(torch._foreach_add_, adaptive, eps),
+            functools.partial(torch._foreach_add_, adaptive, scalar(eps)),
             functools.partial(torch._foreach_reciprocal_, adaptive),
-            functools.partial(torch._foreach_mul_, adaptive, bias_correction2**0.5),
+            functools.partial(torch._foreach_mul_, adaptive, scalar(bias_correction2**0.5)),
             functools.partial(torch._foreach_mul_, update, adaptive),
-            functools.partial(torch._foreach_mul_, update, rect**0.5),
+            functools.partial(torch._foreach_mul_, update, scalar(rect**0.5)),
         ]
     return [*writes, functools.partial(torch._foreach_add_, p, update, alpha=-1.0)]
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._columns import added, lerped, member_columns, signed, weight_decayed
+from ._columns import added, cpu_scalar, lerped, member_columns, signed, weight_decayed
 from ._fused import Writes, into, one_kernel_when, safe_in_place, write_then_count
 from ._hyper import (
     EPS,
@@ -91,7 +91,7 @@ def _write_phase(
     g2: Any = torch._foreach_mul(g, col(1 - alpha)) if isinstance(alpha, Tensor) else g
     value = 1.0 if isinstance(alpha, Tensor) else 1 - alpha
     writes: list[Callable[[], Any]] = [
-        functools.partial(torch._foreach_mul_, square_avg, col(alpha)),
+        functools.partial(torch._foreach_mul_, square_avg, cpu_scalar(col(alpha), params[0])),
         functools.partial(torch._foreach_addcmul_, square_avg, g, g2, value=value),
     ]
     if grad_avg is not None:  # avg = v - grad_avg**2, its square root taken in place
@@ -100,11 +100,13 @@ def _write_phase(
         writes.append(functools.partial(torch._foreach_sqrt_, avg))
     else:
         writes += into(torch.sqrt, avg, square_avg)
-    writes.append(functools.partial(torch._foreach_add_, avg, col(eps)))
+    writes.append(functools.partial(torch._foreach_add_, avg, cpu_scalar(col(eps), params[0])))
     if bufs is not None:
         return [
             *writes,
-            functools.partial(torch._foreach_mul_, bufs, col(group["momentum"])),
+            functools.partial(
+                torch._foreach_mul_, bufs, cpu_scalar(col(group["momentum"]), params[0])
+            ),
             functools.partial(torch._foreach_addcdiv_, bufs, g, avg),
             added(params, bufs, -lr),
         ]
