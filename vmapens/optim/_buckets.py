@@ -42,8 +42,11 @@ def buckets(
     """
     given = [g for g in grads if g is not None]
     first = states[0] if states else {}
+    # Not while dynamo traces: there this path gave a compiled step a wrong result once a
+    # frozen layer was unfrozen (tests/test_modes.py); why is not known yet.
     if (
         states
+        and not torch.compiler.is_compiling()
         and len(given) == len(params)
         and all([s[k] is first[k] for s in states for k in counters])
     ):  # the usual step: one bucket of everything, as below, without the grouping (~2 us)
