@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from truth import TOL64, assert_members_equal, train_alone, train_each, twins
+from truth import TOL64, assert_members_equal, float64_batches, train_alone, train_each, twins
 
 import vmapens
 
@@ -30,12 +30,7 @@ def frozen_bn() -> nn.Sequential:
 
 
 def _batches(steps: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    return [
-        (torch.randn(8, 4, generator=g, dtype=torch.float64),
-         torch.randn(8, 2, generator=g, dtype=torch.float64))
-        for _ in range(steps)
-    ]  # fmt: skip
+    return float64_batches(steps, 8, 4, 2)
 
 
 def _sgd(i: int, m: nn.Module) -> torch.optim.Optimizer:

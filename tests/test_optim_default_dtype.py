@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from truth import assert_members_equal, train_alone, train_each, twins
+from truth import assert_members_equal, float64_batches, train_alone, train_each, twins
 
 import vmapens
 from vmapens import optim
@@ -70,9 +70,7 @@ def net() -> nn.Module:
 
 
 def batches(count: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    f64 = dict(generator=g, dtype=torch.float64)
-    return [(torch.randn(6, 3, **f64), torch.randn(6, 2, **f64)) for _ in range(count)]
+    return float64_batches(count, 6, 3, 2, seed)
 
 
 def member(kwargs: dict[str, Any], i: int) -> dict[str, Any]:

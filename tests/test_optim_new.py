@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 from torch.optim._muon import _zeropower_via_newtonschulz
-from truth import train_alone
+from truth import float64_batches, train_alone
 
 import vmapens
 import vmapens.optim as vo
@@ -53,14 +53,7 @@ class Net(nn.Module):
 
 
 def batches(steps: int = STEPS, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (
-            torch.randn(8, 3, generator=g, dtype=torch.float64),
-            torch.randn(8, 2, generator=g, dtype=torch.float64),
-        )
-        for _ in range(steps)
-    ]
+    return float64_batches(steps, 8, 3, 2, seed)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ from torch import nn
 from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
 from torch._inductor.utils import run_and_get_code
-from truth import assert_members_equal, train_alone, twins
+from truth import assert_members_equal, float64_batches, train_alone, twins
 
 import vmapens
 from vmapens import _matmuls
@@ -27,12 +27,7 @@ def graphs() -> int:
 
 def mlp_batches(k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`k` float64 batches of 6 for `models.MLP` (4 inputs, 3 outputs)."""
-    g = torch.Generator().manual_seed(0)
-    return [
-        (torch.randn(6, 4, generator=g, dtype=torch.float64),
-         torch.randn(6, 3, generator=g, dtype=torch.float64))
-        for _ in range(k)
-    ]  # fmt: skip
+    return float64_batches(k, 6, 4, 3)
 
 
 def twin_steps(factory, loss_fn, *, in_dims=None, **opt_kw):

@@ -64,6 +64,17 @@ def batch_plan(
     return out
 
 
+def float64_batches(count: int, rows: int, inputs: int, outputs: int, seed: int = 0) -> list[Batch]:
+    """``count`` batches ``(x [rows, inputs], y [rows, outputs])`` of float64 standard normals,
+    drawn in that order, batch after batch, from one generator seeded ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(rows, inputs, generator=g, dtype=torch.float64),
+         torch.randn(rows, outputs, generator=g, dtype=torch.float64))
+        for _ in range(count)
+    ]  # fmt: skip
+
+
 def adam(lr: float = 1e-2, **kw: Any) -> MakeOpt:
     """A `make_opt` for `train_alone`: torch.optim.Adam over the module's parameters."""
     return lambda m: torch.optim.Adam(m.parameters(), lr=lr, **kw)
