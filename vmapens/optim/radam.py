@@ -17,7 +17,15 @@ from ._columns import (
     moment_writes,
     signed,
 )
-from ._fused import Writes, into, one_kernel_when, run_fused, safe_in_place, write_then_count
+from ._fused import (
+    Writes,
+    into,
+    joined_empty,
+    one_kernel_when,
+    run_fused,
+    safe_in_place,
+    write_then_count,
+)
 from ._hyper import NONNEGATIVE, UNIT, Hyper, PerMember, Scalar
 from .base import StackedOptimizer
 
@@ -107,36 +115,36 @@ def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -
     """``torch.optim.RAdam``'s single-tensor step at step ``count + 1``, op for op, on whole
     stacked tensors ``t`` (params, grads, exp_avg, exp_avg_sq) with shared float
     hyperparameters: the same roundings as each member alone. What allocates comes first,
-    then the writes (``optim/_fused.py``)."""
+    then the writes (``optim/_fused.py``); the step's scratch is one flat buffer each
+    (``joined_empty``), so that its ops are one call each."""
     lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
     p, m, v = t[0], t[2], t[3]
-    scalar = functools.partial(cpu_scalar, like=p[0])
     g, writes = decayed_writes(signed(t[1], group), p, group)
     step = count + 1
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    update = [torch.empty_like(x) for x in m]
+    update, updates = joined_empty(m)
     writes += [
         *moment_writes(m, v, g, beta1, beta2),
-        *into(torch.div, update, m, scalar(bias_correction1)),
-        functools.partial(torch._foreach_mul_, update, scalar(lr)),
+        *into(torch.div, updates, m, cpu_scalar(bias_correction1, p[0])),
+        functools.partial(update.mul_, lr),
     ]
     rho_inf = 2 / (1 - beta2) - 1
     rho_t = rho_inf - 2 * step * (beta2**step) / bias_correction2
     if rho_t > 5.0:
         # torch: m_hat * lr * (bc2**0.5 / (sqrt(v) + eps)) * rect; a float over a tensor is
         # its reciprocal times the float.
-        adaptive = [torch.empty_like(x) for x in v]
+        adaptive, adaptives = joined_empty(v)
         rect = (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
         writes += [
-            *into(torch.sqrt, adaptive, v),
-            functools.partial(torch._foreach_add_, adaptive, scalar(eps)),
-            functools.partial(torch._foreach_reciprocal_, adaptive),
-            functools.partial(torch._foreach_mul_, adaptive, scalar(bias_correction2**0.5)),
-            functools.partial(torch._foreach_mul_, update, adaptive),
-            functools.partial(torch._foreach_mul_, update, scalar(rect**0.5)),
+            *into(torch.sqrt, adaptives, v),
+            functools.partial(adaptive.add_, eps),
+            adaptive.reciprocal_,
+            functools.partial(adaptive.mul_, bias_correction2**0.5),
+            functools.partial(update.mul_, adaptive),
+            functools.partial(update.mul_, rect**0.5),
         ]
-    return [*writes, functools.partial(torch._foreach_add_, p, update, alpha=-1.0)]
+    return [*writes, functools.partial(torch._foreach_add_, p, updates, alpha=-1.0)]
 
 
 class StackedRAdam(StackedOptimizer):
