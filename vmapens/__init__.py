@@ -18,6 +18,7 @@ from . import rl as rl
 from . import seeds as seeds
 from . import selection as selection
 from . import sweep as sweep
+from ._mkl import warm_vml
 from ._precision import LossScale
 from .callbacks import Callback
 from .checkpoint import load, restore, save
@@ -47,6 +48,9 @@ from .predict import predict
 from .selfcheck import check
 from .sharding import gather, gather_history
 from .step import make_step
+
+# MKL's vector math picks its kernels before any op runs it on several threads (_mkl.py).
+warm_vml()
 
 __all__ = [
     "Callback",
