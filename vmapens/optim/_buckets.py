@@ -42,8 +42,11 @@ def buckets(
     """
     given = [g for g in grads if g is not None]
     first = states[0] if states else {}
-    # Not while dynamo traces: there this path gave a compiled step a wrong result once a
-    # frozen layer was unfrozen (tests/test_modes.py); why is not known yet.
+    # Not while dynamo traces: torch 2.13's dynamo folds `is` between optimizer state tensors
+    # to a constant without guarding their identity (torch issue 196173), so a step traced
+    # with shared counters ran again after a frozen layer got counters of its own, and stepped
+    # every parameter with that layer's count (tests/test_modes.py, a layer frozen and
+    # unfrozen). The grouping below reads `id()`, which dynamo guards.
     if (
         states
         and not torch.compiler.is_compiling()
