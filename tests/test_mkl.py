@@ -19,9 +19,6 @@ import torch
 
 from vmapens._mkl import VML_OPS
 
-# vml.h's MKL names for torch's functions where they differ
-_TORCH_NAMES = {"Ln": "log", "ErfInv": "erfinv"}
-
 
 def _header_ops() -> set[str]:
     header = Path(torch.__file__).parent / "include" / "ATen" / "cpu" / "vml.h"
@@ -29,7 +26,8 @@ def _header_ops() -> set[str]:
         pytest.skip(f"torch ships no {header} here to read the list from")
     ops = set()
     for line in header.read_text().splitlines():
-        found = re.match(r"\s*IMPLEMENT_VML_MKL\((\w+),\s*(\w+)\)", line)  # not the //-ed ones
+        # IMPLEMENT_VML_MKL(torch's name, MKL's name); the lines commented out do not match
+        found = re.match(r"\s*IMPLEMENT_VML_MKL\((\w+),\s*(\w+)\)", line)
         if found:
             ops.add(found.group(1))
     return ops
