@@ -48,7 +48,8 @@ def time_rounds(
 
     Returns:
         By name: ``ms`` (median over rounds of ms/step), ``min_ms`` (fastest batch: the steadier
-        figure on a shared machine), ``first_ms`` (the first call: compile time for a compiled
+        figure on a shared machine), ``rounds_ms`` (each round's ms/step, in round order: for
+        ratios paired by round, see :func:`paired_ratio`), ``first_ms`` (the first call: compile time for a compiled
         step), ``steps`` per batch and ``repeats``.
 
     Example:
@@ -80,6 +81,7 @@ def time_rounds(
         name: {
             "ms": statistics.median(batches[name]),
             "min_ms": min(batches[name]),
+            "rounds_ms": batches[name],
             "first_ms": first[name] * 1e3,
             "steps": sizes[name],
             "repeats": repeats,
@@ -124,6 +126,25 @@ def cell(row: dict) -> str:
 def ratio(num: float | None, den: float | None) -> str:
     """``num / den`` to three significant digits, ``n/a`` when either is missing."""
     return f"{num / den:.3g}" if num and den else "n/a"
+
+
+def paired_ratio(num: dict | None, den: dict | None) -> str:
+    """The median over rounds of ``num``'s ms/step over ``den``'s in the same round
+    (:func:`time_rounds` rows), three significant digits; ``n/a`` when either is missing or
+    has no ``rounds_ms`` (rows written before it was kept).
+
+    Load on a shared machine that changes between rounds moves both steps of a round alike, so
+    this ratio is steadier than the ratio of the two medians, which may come from different
+    rounds.
+
+    Example:
+        >>> paired_ratio({"rounds_ms": [2.0, 4.0, 3.0]}, {"rounds_ms": [1.0, 4.0, 2.0]})
+        '1.5'
+    """
+    a, b = (num or {}).get("rounds_ms"), (den or {}).get("rounds_ms")
+    if not a or not b or len(a) != len(b):
+        return "n/a"
+    return f"{statistics.median(x / y for x, y in zip(a, b, strict=True)):.3g}"
 
 
 def grid(header: list[str], body: list[list[str]]) -> list[str]:

@@ -39,7 +39,7 @@ from vmapens.optim import (
     StackedSGD,
 )
 
-from ._tools import Step, grid, ratio, time_rounds
+from ._tools import Step, grid, paired_ratio, ratio, time_rounds
 from .workloads import StepFactory, _graded_ensemble
 
 #: Per optimizer: the stacked class, its torch twin (None: none) and the arguments both get.
@@ -175,14 +175,19 @@ def format_optimizers(rows: list[dict]) -> str:
         den = by.get((*key, "foreach")) or by.get((*key, "loop"))
         return ratio(num[field] if num else None, den[field] if den else None)
 
-    head = ["optimizer", "N", "stacked ms", "foreach ms", "stacked/foreach"]
+    def paired(key: tuple) -> str:
+        den = by.get((*key, "foreach")) or by.get((*key, "loop"))
+        return paired_ratio(by.get((*key, "stacked")), den)
+
+    head = ["optimizer", "N", "stacked ms", "foreach ms", "stacked/foreach", "paired"]
     body = [
         [name, str(n), timing((name, n), "stacked"), timing((name, n), "foreach")]
-        + [f"{quotient((name, n), 'ms')} ({quotient((name, n), 'min_ms')})"]
+        + [f"{quotient((name, n), 'ms')} ({quotient((name, n), 'min_ms')})", paired((name, n))]
         for name, n in keys
     ]
     note = (
-        "optimizer step alone, median (min) over rounds; target: stacked/foreach <= 1.3 "
+        "optimizer step alone, median (min) over rounds; paired: median over rounds of the "
+        "round's stacked/foreach; target: stacked/foreach <= 1.3 "
         "(muon: foreach ms is N torch Muons in a loop)"
     )
     return "\n".join([note, *grid(head, body)])

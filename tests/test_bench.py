@@ -214,3 +214,23 @@ def test_training_memory_table_shows_the_ratio_with_glibc_fixed_too():
 def test_compile_time_rejects_unknown_names(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_the_optimizer_table_pairs_each_round_with_its_twin():
+    # Two rounds in which the machine ran slow for both steps alike: the ratio of the medians
+    # mixes rounds, the paired column divides within each round.
+    from bench.optimizers import format_optimizers
+
+    stacked = [1.0, 3.0, 1.1, 3.3, 1.2]
+    twin = [0.9, 2.9, 1.0, 3.0, 0.8]
+    rows = [
+        {"optimizer": "radam", "n": 256, "impl": impl, "ms": sorted(r)[2], "min_ms": min(r)}
+        | {"rounds_ms": r}
+        for impl, r in (("stacked", stacked), ("foreach", twin))
+    ]
+    line = next(x for x in format_optimizers(rows).splitlines() if x.split()[0] == "radam")
+    per_round = sorted(s / t for s, t in zip(stacked, twin, strict=True))
+    assert line.split()[-1] == f"{per_round[2]:.3g}"
+    rows[0].pop("rounds_ms")  # a row saved before rounds were kept
+    line = next(x for x in format_optimizers(rows).splitlines() if x.split()[0] == "radam")
+    assert line.split()[-1] == "n/a"
