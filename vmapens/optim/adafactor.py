@@ -20,6 +20,16 @@ def _per_member_norm(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1)
 
 
+def _lerp_(x: Tensor, end: Tensor, weight: Any) -> None:
+    """``x.lerp_(end, weight)`` with a member column ``weight`` as torch's Adafactor takes a
+    float weight: float16 and bfloat16 ``x`` compute in float32 (the kernels' opmath for a
+    float weight; their tensor-weight form wants the weight in ``x``'s dtype) and round once."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x.copy_(torch.lerp(x.float(), end.float(), weight))
+    else:
+        x.lerp_(end, weight)
+
+
 def adafactor_rule(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> None:
@@ -63,6 +73,14 @@ def adafactor_rule(
     weight = torch.pow(t, decay)
     rho = torch.minimum(torch.as_tensor(lr, dtype=torch.float64, device=t.device), 1 / t**0.5)
     floor = torch.as_tensor(eps2)
+    weights: dict[tuple[torch.dtype, int], Any] = {}  # `weight`'s column per dtype and rank
+
+    def weight_like(like: Tensor) -> Any:
+        key = (like.dtype, like.dim())
+        if key not in weights:
+            weights[key] = member_column(weight, like)
+        return weights[key]
+
     for k, (p, grad) in enumerate(zip(params, grads, strict=True)):
         size = p[0].numel()
         if size == 0:
@@ -78,17 +96,18 @@ def adafactor_rule(
             p.mul_(col(1 - lr * wd))
         if p.dim() > 2:
             row_var, col_var = state["row_var"][k], state["col_var"][k]
-            row_mean = torch.norm(g, dim=-1, keepdim=True).square_().div_(g.size(-1))
-            row_var.lerp_(row_mean, col(weight, row_var))
-            col_mean = torch.norm(g, dim=-2, keepdim=True).square_().div_(g.size(-2))
-            col_var.lerp_(col_mean, col(weight, col_var))
+            # torch.norm(g, dim=-1, keepdim=True), which calls this, without its Python wrapper
+            row_mean = torch.linalg.vector_norm(g, 2, -1, True).square_().div_(g.size(-1))
+            _lerp_(row_var, row_mean, weight_like(row_var))
+            col_mean = torch.linalg.vector_norm(g, 2, -2, True).square_().div_(g.size(-2))
+            _lerp_(col_var, col_mean, weight_like(col_var))
             # torch writes `row_var @ col_var`: an outer product, one rounded product per
             # element either way, which a matmul with inner size 1 runs ~10x slower.
             estimate = row_var * col_var
             estimate.div_(torch.clamp(row_var.mean(dim=-2, keepdim=True), min=col(small)))
         else:
             variance = state["variance"][k]
-            variance.lerp_(g * g, col(weight))
+            _lerp_(variance, g * g, weight_like(variance))
             estimate = variance  # torch clones it to clamp in place; clamp below makes a new one
         update = torch.clamp(estimate, min=col(small * small)).rsqrt_()
         update.mul_(g)
