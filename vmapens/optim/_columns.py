@@ -18,10 +18,12 @@ from ._hyper import Scalar
 __all__ = [
     "add_scaled",
     "added",
+    "alpha_columns",
     "cpu_scalar",
     "decayed_writes",
     "host_scalars",
     "lerped",
+    "lerp_column_",
     "like",
     "member_column",
     "member_columns",
@@ -69,37 +71,81 @@ def member_columns(x: Scalar, like: list[Tensor]) -> float | list[Tensor]:
     return out
 
 
+def alpha_columns(x: Scalar, like: Sequence[Tensor]) -> float | list[Tensor]:
+    """A hyperparameter as torch takes an ``alpha`` (``x.add(y, alpha=s)``): a float, or one
+    column per tensor of ``like`` (:func:`member_columns`), rounded first to the dtype of
+    float16 and bfloat16 tensors, as torch rounds an ``alpha`` there (a factor of ``mul``,
+    ``addcmul`` or ``addcdiv``, or a ``lerp`` weight, it keeps in float32).
+
+    Example:
+        >>> like = [torch.zeros(2, 3, dtype=torch.bfloat16)]
+        >>> alpha_columns(torch.tensor([0.3, 0.1], dtype=torch.float64), like)[0].flatten()
+        tensor([0.3008, 0.1001])
+    """
+    if not isinstance(x, Tensor):
+        return x
+    return [
+        _column(x.to(torch.float32).to(t.dtype), t) if t.dtype in _LOW_PRECISION else _column(x, t)
+        for t in like
+    ]
+
+
 def add_scaled(x: Sequence[Tensor], y: Sequence[Tensor], s: Scalar) -> list[Tensor]:
     """``x + s * y`` rounded once, as torch's ``x.add(y, alpha=s)``: a float ``s`` as ``alpha``,
-    a tensor one (per member, or a 0-d ``lr``) as ``addcmul`` with its columns."""
+    a tensor one (per member, or a 0-d ``lr``) as ``addcmul`` with its columns
+    (:func:`alpha_columns`). float16 and bfloat16 ``x`` keep their dtype (the float32 columns
+    would promote the result)."""
     if isinstance(s, Tensor):
-        columns = [_column(s, t) for t in x]
-        return list(torch._foreach_addcmul(list(x), list(y), columns))
+        columns = alpha_columns(s, x)
+        assert isinstance(columns, list)
+        out = torch._foreach_addcmul(list(x), list(y), columns)
+        return [o if o.dtype == t.dtype else o.to(t.dtype) for o, t in zip(out, x, strict=True)]
     return list(torch._foreach_add(list(x), list(y), alpha=s))
 
 
 def added(x: list[Tensor], y: Any, s: Scalar) -> Callable[[], Any]:
     """``x += s * y`` rounded once, as a write phase's write (:func:`add_scaled` in place): a
-    float ``s`` as ``alpha``, a tensor one as ``addcmul_`` with its columns."""
+    float ``s`` as ``alpha``, a tensor one as ``addcmul_`` with its columns
+    (:func:`alpha_columns`)."""
     if isinstance(s, Tensor):
-        return functools.partial(torch._foreach_addcmul_, x, y, member_columns(s, like=x))
+        return functools.partial(torch._foreach_addcmul_, x, y, alpha_columns(s, x))
     return functools.partial(torch._foreach_add_, x, y, alpha=s)
 
 
 def lerped(x: list[Tensor], y: Any, weight: Any) -> Callable[[], Any]:
     """``x.lerp_(y, weight)`` for every tensor of ``x``, as a write phase's write: one
-    ``torch._foreach_lerp_``, but one ``lerp_`` per tensor for per-member columns when
-    compiling, which inductor fuses into the step's kernels (it has no lowering for the
+    ``torch._foreach_lerp_``, but one :func:`lerp_column_` per tensor for per-member columns
+    when compiling, which inductor fuses into the step's kernels (it has no lowering for the
     foreach form with tensor weights, and ran it as a separate call, 62 us of workload A's
-    1.3 ms step at N = 1024)."""
-    if torch.compiler.is_compiling() and isinstance(weight, list):
+    1.3 ms step at N = 1024), and on float16/bfloat16 tensors (whose columns are float32)."""
+    if isinstance(weight, list) and (
+        torch.compiler.is_compiling() or any(t.dtype in _LOW_PRECISION for t in x)
+    ):
         return functools.partial(_lerp_each_, x, y, weight)
     return functools.partial(torch._foreach_lerp_, x, y, weight)
 
 
 def _lerp_each_(x: list[Tensor], y: Sequence[Tensor], weight: list[Tensor]) -> None:
     for a, b, w in zip(x, y, weight, strict=True):
-        a.lerp_(b, w)
+        lerp_column_(a, b, w)
+
+
+def lerp_column_(x: Tensor, end: Tensor, weight: Any) -> None:
+    """``x.lerp_(end, weight)`` with a member column ``weight`` (:func:`member_column`) as
+    torch's optimizers lerp with a float weight: float16 and bfloat16 ``x`` in float32 (the
+    kernels' opmath for a float weight; their tensor-weight form wants the weight in ``x``'s
+    dtype), rounded once to ``x``'s dtype.
+
+    Example:
+        >>> x = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+        >>> lerp_column_(x, torch.zeros(2, dtype=torch.bfloat16), torch.tensor([0.1]))
+        >>> torch.equal(x, torch.tensor([1.0, 2.0], dtype=torch.bfloat16).lerp_(torch.zeros(2, dtype=torch.bfloat16), 0.1))
+        True
+    """
+    if x.dtype in _LOW_PRECISION:
+        x.copy_(torch.lerp(x.float(), end.float(), weight))
+    else:
+        x.lerp_(end, weight)
 
 
 def like(hyper: Scalar, value: Tensor) -> Tensor:

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._columns import member_column
+from ._columns import lerp_column_, member_column
 from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar
 from .base import StackedOptimizer
 
@@ -18,16 +18,6 @@ __all__ = ["StackedAdafactor", "adafactor_rule"]
 def _per_member_norm(x: Tensor) -> Tensor:
     """The 2-norm of each member's slice ``x[i]``, as ``[n]``."""
     return torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1)
-
-
-def _lerp_(x: Tensor, end: Tensor, weight: Any) -> None:
-    """``x.lerp_(end, weight)`` with a member column ``weight`` as torch's Adafactor takes a
-    float weight: float16 and bfloat16 ``x`` compute in float32 (the kernels' opmath for a
-    float weight; their tensor-weight form wants the weight in ``x``'s dtype) and round once."""
-    if x.dtype in (torch.float16, torch.bfloat16):
-        x.copy_(torch.lerp(x.float(), end.float(), weight))
-    else:
-        x.lerp_(end, weight)
 
 
 def adafactor_rule(
@@ -98,16 +88,16 @@ def adafactor_rule(
             row_var, col_var = state["row_var"][k], state["col_var"][k]
             # torch.norm(g, dim=-1, keepdim=True), which calls this, without its Python wrapper
             row_mean = torch.linalg.vector_norm(g, 2, -1, True).square_().div_(g.size(-1))
-            _lerp_(row_var, row_mean, weight_like(row_var))
+            lerp_column_(row_var, row_mean, weight_like(row_var))
             col_mean = torch.linalg.vector_norm(g, 2, -2, True).square_().div_(g.size(-2))
-            _lerp_(col_var, col_mean, weight_like(col_var))
+            lerp_column_(col_var, col_mean, weight_like(col_var))
             # torch writes `row_var @ col_var`: an outer product, one rounded product per
             # element either way, which a matmul with inner size 1 runs ~10x slower.
             estimate = row_var * col_var
             estimate.div_(torch.clamp(row_var.mean(dim=-2, keepdim=True), min=col(small)))
         else:
             variance = state["variance"][k]
-            _lerp_(variance, g * g, weight_like(variance))
+            lerp_column_(variance, g * g, weight_like(variance))
             estimate = variance  # torch clones it to clamp in place; clamp below makes a new one
         update = torch.clamp(estimate, min=col(small * small)).rsqrt_()
         update.mul_(g)

@@ -10,7 +10,15 @@ import torch
 from torch import Tensor
 
 from .._checks import column
-from ._columns import add_scaled, added, host_scalars, member_columns, signed, weight_decayed
+from ._columns import (
+    add_scaled,
+    added,
+    alpha_columns,
+    host_scalars,
+    member_columns,
+    signed,
+    weight_decayed,
+)
 from ._fused import (
     Writes,
     fusable,
@@ -126,8 +134,8 @@ def sgd_rule(
         d = bufs
         if group["nesterov"]:  # d = g + momentum * b, from the new buffer
             d = [torch.empty_like(b) for b in bufs]
-            if isinstance(momentum, Tensor):
-                writes += into(torch.addcmul, d, g, bufs, col(momentum))
+            if isinstance(momentum, Tensor):  # torch: g.add(b, alpha=momentum)
+                writes += into(torch.addcmul, d, g, bufs, alpha_columns(momentum, bufs))
             else:
                 writes += into(torch.add, d, g, bufs, alpha=momentum)
         uses = momentum != 0
