@@ -23,6 +23,10 @@ STEPS = 5
 #: Measured at most 4.1 ulps (Adadelta; on AVX2 and on ATen's default kernels too); 10 leaves room.
 ULPS = 10.0
 
+LRS = [1e-3, 3e-3, 1e-2, 3e-2]
+BETAS = ([0.0, 0.5, 0.9, 0.95], [0.5, 0.9, 0.99, 0.999])
+DECAYS = [0.0, 1e-3, 1e-2, 0.1]
+
 #: name -> (stacked class, torch class, fixed options, per-member values)
 CASES: dict[str, tuple[type[vo.StackedOptimizer], type, dict[str, Any], dict[str, Any]]] = {
     "Adam": (
@@ -30,17 +34,17 @@ CASES: dict[str, tuple[type[vo.StackedOptimizer], type, dict[str, Any], dict[str
         torch.optim.Adam,
         {"amsgrad": True},
         {
-            "lr": [1e-3, 3e-3, 1e-2, 3e-2],
-            "betas": ([0.0, 0.5, 0.9, 0.95], [0.5, 0.9, 0.99, 0.999]),
+            "lr": LRS,
+            "betas": BETAS,
             "eps": [1e-8, 1e-6, 1e-3, 1e-1],
-            "weight_decay": [0.0, 1e-3, 1e-2, 0.1],
+            "weight_decay": DECAYS,
         },
     ),
     "AdamW": (
         vo.StackedAdam,
         torch.optim.Adam,
         {"decoupled_weight_decay": True},
-        {"lr": [1e-3, 3e-3, 1e-2, 3e-2], "weight_decay": [0.0, 1e-3, 1e-2, 0.1]},
+        {"lr": LRS, "weight_decay": DECAYS},
     ),
     "SGD": (
         vo.StackedSGD,
@@ -50,7 +54,7 @@ CASES: dict[str, tuple[type[vo.StackedOptimizer], type, dict[str, Any], dict[str
             "lr": [0.01, 0.03, 0.1, 0.3],
             "momentum": [0.0, 0.5, 0.9, 0.99],
             "dampening": [0.0, 0.1, 0.5, 0.0],
-            "weight_decay": [0.0, 1e-3, 1e-2, 0.1],
+            "weight_decay": DECAYS,
         },
     ),
     "SGD-nesterov": (
@@ -66,7 +70,7 @@ CASES: dict[str, tuple[type[vo.StackedOptimizer], type, dict[str, Any], dict[str
         {
             "lr": [0.01, 0.03, 0.1, 0.3],
             "lr_decay": [0.0, 1e-3, 1e-2, 0.1],
-            "weight_decay": [0.0, 1e-3, 1e-2, 0.1],
+            "weight_decay": DECAYS,
             "eps": [1e-10, 1e-8, 1e-6, 1e-3],
         },
     ),
@@ -75,10 +79,10 @@ CASES: dict[str, tuple[type[vo.StackedOptimizer], type, dict[str, Any], dict[str
         torch.optim.RMSprop,
         {"centered": True},
         {
-            "lr": [1e-3, 3e-3, 1e-2, 3e-2],
+            "lr": LRS,
             "alpha": [0.5, 0.9, 0.99, 0.999],
             "momentum": [0.0, 0.5, 0.9, 0.1],
-            "weight_decay": [0.0, 1e-3, 1e-2, 0.1],
+            "weight_decay": DECAYS,
         },
     ),
     "Adamax": (
@@ -86,9 +90,9 @@ CASES: dict[str, tuple[type[vo.StackedOptimizer], type, dict[str, Any], dict[str
         torch.optim.Adamax,
         {},
         {
-            "lr": [1e-3, 3e-3, 1e-2, 3e-2],
-            "betas": ([0.0, 0.5, 0.9, 0.95], [0.5, 0.9, 0.99, 0.999]),
-            "weight_decay": [0.0, 1e-3, 1e-2, 0.1],
+            "lr": LRS,
+            "betas": BETAS,
+            "weight_decay": DECAYS,
         },
     ),
     "NAdam": (
@@ -96,9 +100,9 @@ CASES: dict[str, tuple[type[vo.StackedOptimizer], type, dict[str, Any], dict[str
         torch.optim.NAdam,
         {},
         {
-            "lr": [1e-3, 3e-3, 1e-2, 3e-2],
-            "betas": ([0.0, 0.5, 0.9, 0.95], [0.5, 0.9, 0.99, 0.999]),
-            "weight_decay": [0.0, 1e-3, 1e-2, 0.1],
+            "lr": LRS,
+            "betas": BETAS,
+            "weight_decay": DECAYS,
             "momentum_decay": [4e-3, 1e-3, 1e-2, 0.1],
         },
     ),
@@ -107,9 +111,9 @@ CASES: dict[str, tuple[type[vo.StackedOptimizer], type, dict[str, Any], dict[str
         torch.optim.RAdam,
         {},
         {
-            "lr": [1e-3, 3e-3, 1e-2, 3e-2],
-            "betas": ([0.0, 0.5, 0.9, 0.95], [0.5, 0.9, 0.99, 0.999]),
-            "weight_decay": [0.0, 1e-3, 1e-2, 0.1],
+            "lr": LRS,
+            "betas": BETAS,
+            "weight_decay": DECAYS,
         },
     ),
     "Adadelta": (
@@ -126,7 +130,7 @@ CASES: dict[str, tuple[type[vo.StackedOptimizer], type, dict[str, Any], dict[str
         vo.StackedRprop,
         torch.optim.Rprop,
         {},
-        {"lr": [1e-3, 3e-3, 1e-2, 3e-2], "etas": ([0.1, 0.5, 0.6, 0.9], [1.1, 1.2, 1.5, 2.0])},
+        {"lr": LRS, "etas": ([0.1, 0.5, 0.6, 0.9], [1.1, 1.2, 1.5, 2.0])},
     ),
     "ASGD": (
         vo.StackedASGD,
@@ -142,7 +146,7 @@ CASES: dict[str, tuple[type[vo.StackedOptimizer], type, dict[str, Any], dict[str
         vo.StackedAdafactor,
         torch.optim.Adafactor,
         {},
-        {"lr": [1e-3, 3e-3, 1e-2, 3e-2], "beta2_decay": [-0.5, -0.8, -1.0, 0.0]},
+        {"lr": LRS, "beta2_decay": [-0.5, -0.8, -1.0, 0.0]},
     ),
 }
 
