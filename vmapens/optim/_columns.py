@@ -137,9 +137,10 @@ def lerp_column_(x: Tensor, end: Tensor, weight: Any) -> None:
     dtype), rounded once to ``x``'s dtype.
 
     Example:
-        >>> x = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
-        >>> lerp_column_(x, torch.zeros(2, dtype=torch.bfloat16), torch.tensor([0.1]))
-        >>> torch.equal(x, torch.tensor([1.0, 2.0], dtype=torch.bfloat16).lerp_(torch.zeros(2, dtype=torch.bfloat16), 0.1))
+        >>> x, end = torch.tensor([1.0, 2.0], dtype=torch.bfloat16), torch.zeros(2).bfloat16()
+        >>> want = x.clone().lerp_(end, 0.1)  # torch's, with a float weight
+        >>> lerp_column_(x, end, torch.tensor([0.1]))
+        >>> torch.equal(x, want)
         True
     """
     if x.dtype in _LOW_PRECISION:
