@@ -202,21 +202,31 @@ def test_per_member_values_on_low_precision_follow_torch_alone(name: str, dtype:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_a_per_member_learning_rate_rounds_as_torchs_alpha(dtype: torch.dtype):
-    # torch's float16/bfloat16 `p.add_(g, alpha=-lr)` rounds alpha to the tensor's dtype in its
-    # vector loops (its scalar loops, and ATen's default kernels, keep it in float32): members
-    # of 1024 elements, a multiple of every vector width, run there alone and stacked, so each
-    # member takes torch's bits alone. On the default kernels, within a rounding of alpha.
+@pytest.mark.parametrize(
+    ("cls", "twin_cls", "name", "values"),
+    [
+        (vo.StackedSGD, torch.optim.SGD, "lr", [0.01, 0.03, 0.1, 0.3]),  # p.add_(g, alpha=-lr)
+        (vo.StackedAdagrad, torch.optim.Adagrad, "eps", [1e-3, 1e-2, 3e-2, 0.1]),  # + eps
+    ],
+    ids=["SGD-lr", "Adagrad-eps"],
+)
+def test_a_per_member_alpha_or_added_value_rounds_as_torchs(
+    cls: type, twin_cls: type, name: str, values: list[float], dtype: torch.dtype
+):
+    # torch's float16/bfloat16 kernels round an `alpha` (`p.add_(g, alpha=-lr)`) and an added
+    # float (`std.add_(eps)`) to the tensor's dtype in their vector loops (their scalar loops,
+    # and ATen's default kernels, keep an alpha in float32): members of 1024 elements, a
+    # multiple of every vector width, run there alone and stacked, so each member takes
+    # torch's bits alone. On the default kernels, within a rounding of the value.
     g = torch.Generator().manual_seed(0)
-    lrs = [0.01, 0.03, 0.1, 0.3]
     start = (0.1 * torch.randn(N, 1024, generator=g)).to(dtype)
     stacked = start.clone().requires_grad_()
     alone = [start[i].clone().requires_grad_() for i in range(N)]
-    opt = vo.StackedSGD([stacked], lr=lrs)
-    twins = [torch.optim.SGD([alone[i]], lr=lrs[i]) for i in range(N)]
+    opt = cls([stacked], **{name: values})
+    twins = [twin_cls([alone[i]], **{name: values[i]}) for i in range(N)]
     travelled = torch.zeros(N, 1024)
     for _ in range(STEPS):
-        stacked.grad = torch.randn(stacked.shape, generator=g).to(dtype)
+        stacked.grad = (0.1 * torch.randn(stacked.shape, generator=g)).to(dtype)
         opt.step()
         before = torch.stack([leaf.detach() for leaf in alone]).float()
         for i, twin in enumerate(twins):
@@ -226,7 +236,7 @@ def test_a_per_member_learning_rate_rounds_as_torchs_alpha(dtype: torch.dtype):
     want = torch.stack([leaf.detach() for leaf in alone])
     if torch.backends.cpu.get_cpu_capability() != "DEFAULT":
         assert torch.equal(stacked.detach(), want)
-    else:  # an ulp of the value per step at most, or of alpha (2**-9 of a step in bf16)
+    else:  # an ulp of the value per step at most, or of the rounded value's share of a step
         err = (stacked.detach().float() - want.float()).abs()
         scale = STEPS * want.float().abs() + travelled
         assert (err <= torch.finfo(dtype).eps * scale).all()

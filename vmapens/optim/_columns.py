@@ -72,10 +72,11 @@ def member_columns(x: Scalar, like: list[Tensor]) -> float | list[Tensor]:
 
 
 def alpha_columns(x: Scalar, like: Sequence[Tensor]) -> float | list[Tensor]:
-    """A hyperparameter as torch takes an ``alpha`` (``x.add(y, alpha=s)``): a float, or one
-    column per tensor of ``like`` (:func:`member_columns`), rounded first to the dtype of
-    float16 and bfloat16 tensors, as torch rounds an ``alpha`` there (a factor of ``mul``,
-    ``addcmul`` or ``addcdiv``, or a ``lerp`` weight, it keeps in float32).
+    """A hyperparameter as torch takes an ``alpha`` (``x.add(y, alpha=s)``) or an added float
+    (``x.add(s)``): a float, or one column per tensor of ``like`` (:func:`member_columns`),
+    rounded first to the dtype of float16 and bfloat16 tensors, as torch's vector kernels round
+    those there (a factor of ``mul``, ``addcmul`` or ``addcdiv``, or a ``lerp`` weight, they
+    keep in float32).
 
     Example:
         >>> like = [torch.zeros(2, 3, dtype=torch.bfloat16)]
@@ -84,10 +85,15 @@ def alpha_columns(x: Scalar, like: Sequence[Tensor]) -> float | list[Tensor]:
     """
     if not isinstance(x, Tensor):
         return x
-    return [
-        _column(x.to(torch.float32).to(t.dtype), t) if t.dtype in _LOW_PRECISION else _column(x, t)
-        for t in like
-    ]
+    made: dict[tuple[torch.dtype, int], Tensor] = {}  # one column per dtype and rank
+    out = []
+    for t in like:
+        key = (t.dtype, t.dim())
+        if key not in made:
+            low = t.dtype in _LOW_PRECISION
+            made[key] = _column(x.to(torch.float32).to(t.dtype) if low else x, t)
+        out.append(made[key])
+    return out
 
 
 def add_scaled(x: Sequence[Tensor], y: Sequence[Tensor], s: Scalar) -> list[Tensor]:

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._columns import added, member_columns, signed
+from ._columns import added, alpha_columns, member_columns, signed
 from ._fused import Writes, into, one_kernel_when, safe_in_place, write_then_count
 from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar
 from .base import StackedOptimizer
@@ -69,7 +69,7 @@ def _write_phase(
     if isinstance(wd, Tensor) or wd != 0:
         g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
     std = [torch.empty_like(v) for v in square_avg]
-    delta = torch._foreach_add(acc_delta, col(eps))
+    delta = torch._foreach_add(acc_delta, alpha_columns(eps, acc_delta))
     torch._foreach_sqrt_(delta)
     per_member = isinstance(rho, Tensor)  # (1 - rho) * x * x as x * ((1 - rho) * x)
     g2 = torch._foreach_mul(g, col(1 - rho)) if per_member else g
@@ -78,7 +78,7 @@ def _write_phase(
         functools.partial(
             torch._foreach_addcmul_, square_avg, g, g2, value=1.0 if per_member else 1 - rho
         ),
-        *into(torch.add, std, square_avg, col(eps)),
+        *into(torch.add, std, square_avg, alpha_columns(eps, square_avg)),
         functools.partial(torch._foreach_sqrt_, std),
         functools.partial(torch._foreach_div_, delta, std),
         functools.partial(torch._foreach_mul_, delta, g),

@@ -9,7 +9,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._columns import host_scalars, like, member_column, member_columns, signed, weight_decayed
+from ._columns import (
+    alpha_columns,
+    host_scalars,
+    like,
+    member_column,
+    member_columns,
+    signed,
+    weight_decayed,
+)
 from ._fused import (
     Writes,
     fusable,
@@ -103,7 +111,7 @@ def adagrad_rule(
     writes = [
         functools.partial(torch._foreach_addcmul_, sums, g, g),
         *into(torch.sqrt, std, sums),
-        functools.partial(torch._foreach_add_, std, col(eps)),
+        functools.partial(torch._foreach_add_, std, alpha_columns(eps, std)),
         functools.partial(torch._foreach_addcdiv_, params, scaled, std),
     ]
     write_then_count(writes, step)

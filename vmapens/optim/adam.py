@@ -13,7 +13,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._columns import decayed_writes, host_scalars, like, member_columns, moment_writes, signed
+from ._columns import (
+    alpha_columns,
+    decayed_writes,
+    host_scalars,
+    like,
+    member_columns,
+    moment_writes,
+    signed,
+)
 from ._fused import (
     Writes,
     fusable,
@@ -132,7 +140,7 @@ def adam_rule(
     denom = [torch.empty_like(v) for v in exp_avg_sq]
     writes += into(torch.sqrt, denom, exp_avg_sq if v_max is None else v_max)
     writes.append(functools.partial(torch._foreach_div_, denom, col(bias_correction2_sqrt)))
-    writes.append(functools.partial(torch._foreach_add_, denom, col(eps)))
+    writes.append(functools.partial(torch._foreach_add_, denom, alpha_columns(eps, denom)))
     if isinstance(lr, Tensor) and lr.dim() == 0:
         # torch's `p.addcdiv_(m, denom, value=-step_size)`: (-step_size * m) / denom.
         scaled = [torch.empty_like(m) for m in exp_avg]

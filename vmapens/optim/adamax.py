@@ -9,7 +9,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._columns import cpu_scalar, host_scalars, lerped, like, member_columns, signed, weight_decayed
+from ._columns import (
+    alpha_columns,
+    cpu_scalar,
+    host_scalars,
+    lerped,
+    like,
+    member_columns,
+    signed,
+    weight_decayed,
+)
 from ._fused import Writes, into, one_kernel_when, run_fused, safe_in_place, write_then_count
 from ._hyper import BETAS, EPS, LR, WEIGHT_DECAY, Params, PerMember, Scalar
 from ._keep import step_one
@@ -78,7 +87,7 @@ def adamax_rule(
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     g = weight_decayed(signed(grads, group), params, group)
     norm = torch._foreach_abs(g)
-    torch._foreach_add_(norm, col(eps))
+    torch._foreach_add_(norm, alpha_columns(eps, norm))
     clr = lr / like(lr, 1 - torch.pow(beta1, step.double() + 1))  # the counts after this step
     scaled = [torch.empty_like(m) for m in exp_avg]
     writes = [

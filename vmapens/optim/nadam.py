@@ -9,7 +9,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._columns import decayed_writes, host_scalars, like, member_columns, moment_writes, signed
+from ._columns import (
+    alpha_columns,
+    decayed_writes,
+    host_scalars,
+    like,
+    member_columns,
+    moment_writes,
+    signed,
+)
 from ._fused import Writes, into, one_kernel_when, run_fused, safe_in_place, write_then_count
 from ._hyper import BETAS, EPS, LR, WEIGHT_DECAY, Params, PerMember, Scalar, nonnegative
 from ._keep import step_one
@@ -91,7 +99,7 @@ def nadam_rule(
         *moment_writes(exp_avg, exp_avg_sq, g, beta1, beta2),
         *into(torch.div, denom, exp_avg_sq, col(bias_correction2)),
         functools.partial(torch._foreach_sqrt_, denom),
-        functools.partial(torch._foreach_add_, denom, col(eps)),
+        functools.partial(torch._foreach_add_, denom, alpha_columns(eps, denom)),
         functools.partial(torch._foreach_addcdiv_, params, grad_step, denom),
         *into(torch.mul, avg_step, exp_avg, col(step_size)),
         functools.partial(torch._foreach_addcdiv_, params, avg_step, denom),

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ._columns import (
+    alpha_columns,
     cpu_scalar,
     decayed_writes,
     host_scalars,
@@ -101,7 +102,7 @@ def radam_rule(
         *into(torch.div, update, exp_avg, col(bias_correction1)),
         functools.partial(torch._foreach_mul_, update, col(lr)),
         *into(torch.sqrt, denom, exp_avg_sq),
-        functools.partial(torch._foreach_add_, denom, col(eps)),
+        functools.partial(torch._foreach_add_, denom, alpha_columns(eps, denom)),
         *into(torch.div, adaptive, col(bias_correction2.sqrt()), denom),
         *into(torch.mul, rectified, update, adaptive),
         functools.partial(torch._foreach_mul_, rectified, col(rect)),

@@ -9,7 +9,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._columns import added, cpu_scalar, lerped, member_columns, signed, weight_decayed
+from ._columns import (
+    added,
+    alpha_columns,
+    cpu_scalar,
+    lerped,
+    member_columns,
+    signed,
+    weight_decayed,
+)
 from ._fused import Writes, into, one_kernel_when, safe_in_place, write_then_count
 from ._hyper import (
     EPS,
@@ -100,7 +108,9 @@ def _write_phase(
         writes.append(functools.partial(torch._foreach_sqrt_, avg))
     else:
         writes += into(torch.sqrt, avg, square_avg)
-    writes.append(functools.partial(torch._foreach_add_, avg, cpu_scalar(col(eps), params[0])))
+    writes.append(
+        functools.partial(torch._foreach_add_, avg, cpu_scalar(alpha_columns(eps, avg), params[0]))
+    )
     if bufs is not None:
         return [
             *writes,
