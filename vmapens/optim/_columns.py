@@ -59,14 +59,19 @@ def _column(x: Tensor, like: Tensor) -> Tensor:
 def member_columns(x: Scalar, like: list[Tensor]) -> float | list[Tensor]:
     """A hyperparameter as a ``torch._foreach_*`` op takes it: a float, or one ``[n, 1, ...]``
     column per tensor of ``like`` (see :func:`member_column`; built once per dtype and rank)."""
-    if not isinstance(x, Tensor):
-        return x
+    return _columns(x, like, _column) if isinstance(x, Tensor) else x
+
+
+def _columns(
+    x: Tensor, like: Sequence[Tensor], make: Callable[[Tensor, Tensor], Tensor]
+) -> list[Tensor]:
+    """``make(x, t)`` for each tensor ``t`` of ``like``, built once per dtype and rank."""
     made: dict[tuple[torch.dtype, int], Tensor] = {}
     out = []
     for t in like:
         key = (t.dtype, t.dim())
         if key not in made:
-            made[key] = _column(x, t)
+            made[key] = make(x, t)
         out.append(made[key])
     return out
 
@@ -83,17 +88,12 @@ def alpha_columns(x: Scalar, like: Sequence[Tensor]) -> float | list[Tensor]:
         >>> alpha_columns(torch.tensor([0.3, 0.1], dtype=torch.float64), like)[0].flatten()
         tensor([0.3008, 0.1001])
     """
-    if not isinstance(x, Tensor):
-        return x
-    made: dict[tuple[torch.dtype, int], Tensor] = {}  # one column per dtype and rank
-    out = []
-    for t in like:
-        key = (t.dtype, t.dim())
-        if key not in made:
-            low = t.dtype in _LOW_PRECISION
-            made[key] = _column(x.to(torch.float32).to(t.dtype) if low else x, t)
-        out.append(made[key])
-    return out
+    return _columns(x, like, _alpha_column) if isinstance(x, Tensor) else x
+
+
+def _alpha_column(x: Tensor, like: Tensor) -> Tensor:
+    low = like.dtype in _LOW_PRECISION
+    return _column(x.to(torch.float32).to(like.dtype) if low else x, like)
 
 
 def add_scaled(x: Sequence[Tensor], y: Sequence[Tensor], s: Scalar) -> list[Tensor]:
@@ -102,9 +102,7 @@ def add_scaled(x: Sequence[Tensor], y: Sequence[Tensor], s: Scalar) -> list[Tens
     (:func:`alpha_columns`). float16 and bfloat16 ``x`` keep their dtype (the float32 columns
     would promote the result)."""
     if isinstance(s, Tensor):
-        columns = alpha_columns(s, x)
-        assert isinstance(columns, list)
-        out = torch._foreach_addcmul(list(x), list(y), columns)
+        out = torch._foreach_addcmul(list(x), list(y), _columns(s, x, _alpha_column))
         return [o if o.dtype == t.dtype else o.to(t.dtype) for o, t in zip(out, x, strict=True)]
     return list(torch._foreach_add(list(x), list(y), alpha=s))
 

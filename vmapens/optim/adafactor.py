@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
 
-from ._columns import lerp_column_, member_column
+from ._columns import lerp_column_, member_column, member_columns
 from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar
 from .base import StackedOptimizer
 
@@ -63,14 +63,8 @@ def adafactor_rule(
     weight = torch.pow(t, decay)
     rho = torch.minimum(torch.as_tensor(lr, dtype=torch.float64, device=t.device), 1 / t**0.5)
     floor = torch.as_tensor(eps2)
-    weights: dict[tuple[torch.dtype, int], Any] = {}  # `weight`'s column per dtype and rank
-
-    def weight_like(like: Tensor) -> Any:
-        key = (like.dtype, like.dim())
-        if key not in weights:
-            weights[key] = member_column(weight, like)
-        return weights[key]
-
+    # `weight`'s column per parameter, made once per dtype and rank (the state shares both)
+    weights = cast(list[Tensor], member_columns(weight, params))  # `weight` is a tensor
     for k, (p, grad) in enumerate(zip(params, grads, strict=True)):
         size = p[0].numel()
         if size == 0:
@@ -88,16 +82,16 @@ def adafactor_rule(
             row_var, col_var = state["row_var"][k], state["col_var"][k]
             # torch.norm(g, dim=-1, keepdim=True), which calls this, without its Python wrapper
             row_mean = torch.linalg.vector_norm(g, 2, -1, True).square_().div_(g.size(-1))
-            lerp_column_(row_var, row_mean, weight_like(row_var))
+            lerp_column_(row_var, row_mean, weights[k])
             col_mean = torch.linalg.vector_norm(g, 2, -2, True).square_().div_(g.size(-2))
-            lerp_column_(col_var, col_mean, weight_like(col_var))
+            lerp_column_(col_var, col_mean, weights[k])
             # torch writes `row_var @ col_var`: an outer product, one rounded product per
             # element either way, which a matmul with inner size 1 runs ~10x slower.
             estimate = row_var * col_var
             estimate.div_(torch.clamp(row_var.mean(dim=-2, keepdim=True), min=col(small)))
         else:
             variance = state["variance"][k]
-            lerp_column_(variance, g * g, weight_like(variance))
+            lerp_column_(variance, g * g, weights[k])
             estimate = variance  # torch clones it to clamp in place; clamp below makes a new one
         update = torch.clamp(estimate, min=col(small * small)).rsqrt_()
         update.mul_(g)
