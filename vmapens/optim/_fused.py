@@ -148,10 +148,10 @@ def joined_empty(like: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
     flat = torch.empty(sum(sizes), dtype=like[0].dtype, device=like[0].device)
     views, start = [], 0
     for t, size in zip(like, sizes, strict=True):
-        # A contiguous tensor's strides are its shape's (as_strided: 1 us, a slice's view: 4)
-        contiguous = t.is_contiguous()
-        view = flat.as_strided(t.shape, t.stride(), start) if contiguous else None
-        views.append(flat[start : start + size].view(t.shape) if view is None else view)
+        if t.is_contiguous():  # its strides are its shape's (as_strided: 1 us, a slice's view: 4)
+            views.append(flat.as_strided(t.shape, t.stride(), start))
+        else:
+            views.append(flat[start : start + size].view(t.shape))
         start += size
     return flat, views
 
