@@ -77,6 +77,10 @@ MODELS = {
         lambda: nn.GRU(4, 6, num_layers=2, bidirectional=True, batch_first=True), 12
     ),
     "lstm-proj": lambda: Seq(lambda: nn.LSTM(4, 6, proj_size=3, batch_first=True), 3),
+    # The eager step's fused recurrence (vmapens/_lstm_fused.py), both directions.
+    "lstm-2layer-bidirectional": lambda: Seq(
+        lambda: nn.LSTM(4, 6, num_layers=2, bidirectional=True, batch_first=True), 12
+    ),
     "rnn-relu-no-bias": lambda: Seq(
         lambda: nn.RNN(4, 6, nonlinearity="relu", bias=False, batch_first=True), 6
     ),

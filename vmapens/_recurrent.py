@@ -5,11 +5,13 @@ dynamo refuses ``nn.RNN``/``nn.GRU``/``nn.LSTM`` in ``fullgraph`` mode, so an en
 members holding them cannot be batched as they are. ``vmapens._batchable.batchable``
 re-classes those layers (and the three cells) to subclasses whose ``forward`` writes the same
 maths in ops that ``vmap`` batches and dynamo traces: one matmul projects every time step's
-input at once, and a Python loop over time steps runs only the recurrent part. Parameter
-names, shapes and ``state_dict`` keys stay the original ones, so
+input at once, and a Python loop over time steps runs only the recurrent part. An eager LSTM
+layer (no ``proj_size``) runs its whole recurrence as one autograd node instead
+(``_lstm_fused.py``), where that node is known to give the loop's results. Parameter names,
+shapes and ``state_dict`` keys stay the original ones, so
 ``functional_call(batchable(m), m.state_dict(), ...)`` works.
 
-This file imports only torch: it sits at the bottom of the package.
+This file imports only torch and its two helpers: it sits at the bottom of the package.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
+from ._lstm_fused import fused_direction
 from ._recurrent_steps import gru_step, lstm_step, lstm_weights, project, rnn_step
 
 __all__ = [
@@ -161,6 +164,13 @@ class _Recurrent(nn.RNNBase):
                 outs.append(h)
         elif c is not None:  # LSTM, the one mode with a cell state
             w_hr_t = getattr(self, "weight_hr" + suffix).t() if self.proj_size > 0 else None
+            if w_hr_t is None:
+                # Time first inside; a batch_first output is a transposed view, as torch's.
+                x_t = x.transpose(0, time_dim)
+                fused = fused_direction(x_t, w_ih, b_ih, w_hh_t, h, c, bool(direction))
+                if fused is not None:
+                    out, h, c = fused
+                    return out.transpose(0, time_dim), h, c
             steps = _projected_steps(x, w_ih, b_ih, b_hh, time_dim)
             for gi_t in steps[::-1] if direction else steps:
                 h, c = lstm_step(gi_t, h, c, w_hh_t, w_hr_t)
