@@ -127,14 +127,22 @@ class _Recurrence(torch.autograd.Function):
         tanh_c = torch.empty_like(cs)
         result = x.new_empty(*lead, steps, batch, hidden)  # not a view: the caller may change it
         out = _flat(result, 3)
-        i, f, g, o = gates.chunk(4, -1)
+        # Every step's views made at once (unbind): per-step indexing costs ~1 us a view.
+        i, f, g, o = (t.unbind(0) for t in gates.chunk(4, -1))
+        rows, gate_rows, c_rows, tanh_rows = (
+            xh.unbind(1),
+            gates.unbind(0),
+            cs.unbind(0),
+            tanh_c.unbind(0),
+        )
+        h_rows, out_rows = xh[..., inner:].unbind(1), out.unbind(1)
         for step, k in enumerate(order):
-            torch.bmm(xh[:, k], weight, out=gates[k]).sigmoid_()
+            torch.bmm(rows[k], weight, out=gate_rows[k]).sigmoid_()
             # f c + i tanh(g), with tanh(g) = 2 sigmoid(2 g) - 1 from the doubled g rows
-            c = torch.mul(f[k], c, out=cs[k]).sub_(i[k]).addcmul_(i[k], g[k], value=2)
-            h = torch.mul(o[k], torch.tanh(c, out=tanh_c[k]), out=out[:, k])
+            c = torch.mul(f[k], c, out=c_rows[k]).sub_(i[k]).addcmul_(i[k], g[k], value=2)
+            h = torch.mul(o[k], torch.tanh(c, out=tanh_rows[k]), out=out_rows[k])
             if step + 1 < steps:
-                xh[:, order[step + 1], :, inner:] = h
+                h_rows[order[step + 1]].copy_(h)
         c_last = c.reshape(*lead, batch, hidden).clone()
         return result, c_last, xh, weight, gates, cs, tanh_c
 
@@ -162,26 +170,35 @@ class _Recurrence(torch.autograd.Function):
         if d_c_last is not None:
             dc += _flat(d_c_last, 2)
         d_gates = x.new_empty(m, steps, batch, four)
-        i, f, g, o = gates.chunk(4, -1)
-        di, df, dg, do = d_gates.chunk(4, -1)
+        i, f, g, o = (t.unbind(0) for t in gates.chunk(4, -1))
+        di, df, dg, do = (t.unbind(1) for t in d_gates.chunk(4, -1))
+        gate_rows, d_rows, c_rows, tanh_rows = (
+            gates.unbind(0),
+            d_gates.unbind(1),
+            cs.unbind(0),
+            tanh_c.unbind(0),
+        )
+        d_out_rows = None if d_out is None else d_out.unbind(1)
+        c_first = _flat(c0, 2)
         w_hh = weight[:, inner:].transpose(1, 2)
         order = _order(steps, ctx.reverse)
         dh = None
-        for step, k in reversed(list(enumerate(order))):
-            c_prev = _flat(c0, 2) if step == 0 else cs[order[step - 1]]
-            if d_out is None:
+        for step in range(steps - 1, -1, -1):
+            k = order[step]
+            c_prev = c_first if step == 0 else c_rows[order[step - 1]]
+            if d_out_rows is None:
                 dh_k = torch.zeros_like(dc) if dh is None else dh
             else:
-                dh_k = d_out[:, k] if dh is None else d_out[:, k] + dh
-            torch.mul(dh_k, tanh_c[k], out=do[:, k])
-            dc.add_(_tanh_backward(dh_k * o[k], tanh_c[k]))
-            torch.mul(dc, g[k], out=di[:, k]).mul_(2).sub_(dc)  # dc (2 sigmoid(2g) - 1)
-            torch.mul(dc, c_prev, out=df[:, k])
-            torch.mul(dc, i[k], out=dg[:, k]).mul_(2)
+                dh_k = d_out_rows[k] if dh is None else d_out_rows[k] + dh
+            torch.mul(dh_k, tanh_rows[k], out=do[k])
+            dc.add_(_tanh_backward(dh_k * o[k], tanh_rows[k]))
+            torch.mul(dc, g[k], out=di[k]).mul_(2).sub_(dc)  # dc (2 sigmoid(2g) - 1)
+            torch.mul(dc, c_prev, out=df[k])
+            torch.mul(dc, i[k], out=dg[k]).mul_(2)
             dc.mul_(f[k])
-            _sigmoid_backward(d_gates[:, k], gates[k], grad_input=d_gates[:, k])
+            _sigmoid_backward(d_rows[k], gate_rows[k], grad_input=d_rows[k])
             if step or need[4]:
-                dh = torch.bmm(d_gates[:, k], w_hh)
+                dh = torch.bmm(d_rows[k], w_hh)
         rows = d_gates.view(m, steps * batch, four)
         d_x = d_w_ih = d_bias = d_w_hh_t = None
         if need[0]:
