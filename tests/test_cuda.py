@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.func import functional_call, stack_module_state, vmap
 
 import vmapens
+from vmapens._batchable import batchable
 from vmapens.step import LossScale
 
 pytestmark = [
@@ -122,3 +124,29 @@ def test_fp16_loss_scale_matches_one_grad_scaler_per_member_on_cuda() -> None:
     want = torch.tensor([s.get_scale() for s in scalers])
     torch.testing.assert_close(scale.scale.cpu(), want, rtol=0, atol=0)
     assert want[1] < want[0]
+
+
+def test_fused_lstm_recurrence_matches_each_lstm_alone_on_cuda() -> None:
+    """The eager LSTM's one-node recurrence (vmapens/_lstm_fused.py) on CUDA, float64, against
+    each member as torch's own nn.LSTM alone (cuDNN off: its float64 path is not the truth)."""
+    torch.manual_seed(0)
+    members = [nn.LSTM(3, 5, num_layers=2, bidirectional=True).double().cuda() for _ in range(N)]
+    template = batchable(nn.LSTM(3, 5, num_layers=2, bidirectional=True).to("meta"))
+    params, _ = stack_module_state(members)
+    x = torch.randn(6, 2, 3, dtype=torch.float64, device="cuda")
+    out, _ = vmap(lambda p, x: functional_call(template, p, (x,)), in_dims=(0, None))(params, x)
+    seen, todo = set(), [out.grad_fn]  # every autograd node behind the output
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(f for f, _ in node.next_functions)
+    assert "_RecurrenceBackward" in {type(node).__name__ for node in seen}
+    grads = torch.autograd.grad(out.square().sum(), list(params.values()))
+    with torch.backends.cudnn.flags(enabled=False):
+        for k, m in enumerate(members):
+            m_out, _ = m(x)
+            torch.testing.assert_close(out[k], m_out, rtol=1e-10, atol=1e-10)
+            m_grads = torch.autograd.grad(m_out.square().sum(), list(m.parameters()))
+            for g, m_g in zip(grads, m_grads, strict=True):
+                torch.testing.assert_close(g[k], m_g, rtol=1e-10, atol=1e-10)

@@ -72,14 +72,22 @@ def _usable(tensors: list[Tensor]) -> bool:
         return False
     if torch._C._is_torch_function_mode_enabled():
         return False
-    if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
-        return False
     if any(level.key() != _VMAP for level in retrieve_all_functorch_interpreters()):
         return False
     dtype, device = tensors[0].dtype, tensors[0].device
+    if _autocast(device.type):
+        return False
     if dtype not in _DTYPES or any(t.dtype != dtype or t.device != device for t in tensors):
         return False
     return all(unpack_dual(t).tangent is None for t in tensors)  # no forward-mode AD
+
+
+def _autocast(device_type: str) -> bool:
+    """Whether autocast is on for the tensors' device: the loop runs its casts there."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type without autocast (meta, ...)
+        return False
 
 
 class _Recurrence(torch.autograd.Function):
