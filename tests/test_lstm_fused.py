@@ -295,3 +295,19 @@ def test_traced_forward_runs_the_per_step_loop():
     x = torch.randn(4, 2, FEATURES, dtype=torch.float64)
     compiled = torch.compile(converted, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(x)[0], member(x)[0], **TOL)
+
+
+def test_shared_weights_mapped_inputs_equal_the_lstm_run_on_each():
+    """vmap over inputs with one set of weights (in_dims=None): the weights' gradient is the
+    sum over the mapped inputs, as running the LSTM on each input and adding the losses."""
+    (member,) = _members(CASES["2layers-bidirectional"])[:1]
+    converted = batchable(member)
+    params = dict(member.named_parameters())
+    xs = torch.randn(N, 5, 2, FEATURES, dtype=torch.float64)
+    out = vmap(lambda p, x: functional_call(converted, p, (x,))[0], in_dims=(None, 0))(params, xs)
+    assert FUSED in _nodes(out)
+    got = torch.autograd.grad(out.square().sum(), list(params.values()))
+    alone = torch.stack([member(x)[0] for x in xs])
+    torch.testing.assert_close(out, alone, **TOL)
+    want = torch.autograd.grad(alone.square().sum(), list(params.values()))
+    torch.testing.assert_close(got, want, **TOL)
