@@ -15,8 +15,9 @@ runs the same maths on the stacked ``[n, ...]`` tensors:
 It runs only where it is known to equal the per-step loop (:func:`fused_direction` returns
 None otherwise, and the caller runs the loop): eager (not traced by dynamo or export), under
 ``vmap`` alone or no functorch transform, float32/float64, no autocast, no
-``TorchFunctionMode``, no forward-mode AD, no ``proj_size``. A gradient of the gradient (``create_graph=True``)
-differentiates the per-step loop, recomputed from the saved inputs (:func:`_twice`).
+``TorchFunctionMode``, no forward-mode AD, no ``proj_size``. A gradient of the gradient
+(``create_graph=True``) differentiates the per-step loop, recomputed from the saved inputs
+(:func:`_twice`).
 
 This file imports only torch.
 """
@@ -164,7 +165,9 @@ class _Recurrence(torch.autograd.Function):
         ctx.reverse = reverse
 
     @staticmethod
-    def backward(ctx: Any, d_out: Tensor | None, d_c_last: Tensor | None, *_: Any) -> Any:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx: Any, d_out: Tensor | None, d_c_last: Tensor | None, *_: Any
+    ) -> Any:
         x, w_ih, bias, w_hh_t, h0, c0, xh, weight, gates, cs, tanh_c = ctx.saved_tensors
         need = ctx.needs_input_grad[:6]
         if torch.is_grad_enabled():  # create_graph=True: a graph for a gradient of gradients
