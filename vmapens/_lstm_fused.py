@@ -17,9 +17,9 @@ None otherwise, and the caller runs the loop): eager (not traced by dynamo or ex
 ``vmap`` alone or no functorch transform, float32/float64, no autocast, no
 ``TorchFunctionMode``, no forward-mode AD, no ``proj_size``. A gradient of the gradient
 (``create_graph=True``) differentiates the per-step loop, recomputed from the saved inputs
-(:func:`_twice`).
+(``_fused_node.twice``).
 
-This file imports only torch.
+This file imports only torch and ``_fused_node``, what it shares with ``_gru_fused``.
 """
 
 from __future__ import annotations
@@ -28,13 +28,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-from torch.autograd.forward_ad import unpack_dual
+
+from ._fused_node import flat, member_first, order, twice, usable
 
 __all__ = ["fused_direction"]
 
-_VMAP = torch._C._functorch.TransformType.Vmap
-_DTYPES = (torch.float32, torch.float64)
 _sigmoid_backward = torch.ops.aten.sigmoid_backward.grad_input
 _tanh_backward = torch.ops.aten.tanh_backward
 
@@ -61,34 +59,10 @@ def fused_direction(
     Returns:
         ``(out [T, B, H], h_last [B, H], c_last [B, H])``, as the per-step loop.
     """
-    tensors = [t for t in (x, w_ih, bias, w_hh_t, h0, c0) if t is not None]
-    if not _usable(tensors):
+    if not usable((x, w_ih, bias, w_hh_t, h0, c0)):
         return None
     out, c_last, *_ = _Recurrence.apply(x, w_ih, bias, w_hh_t, h0, c0, reverse)
     return out, out[0 if reverse else -1], c_last
-
-
-def _usable(tensors: list[Tensor]) -> bool:
-    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
-        return False
-    if torch._C._is_torch_function_mode_enabled():
-        return False
-    if any(level.key() != _VMAP for level in retrieve_all_functorch_interpreters()):
-        return False
-    dtype, device = tensors[0].dtype, tensors[0].device
-    if _autocast(device.type):
-        return False
-    if dtype not in _DTYPES or any(t.dtype != dtype or t.device != device for t in tensors):
-        return False
-    return all(unpack_dual(t).tangent is None for t in tensors)  # no forward-mode AD
-
-
-def _autocast(device_type: str) -> bool:
-    """Whether autocast is on for the tensors' device: the loop runs its casts there."""
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except RuntimeError:  # a device type without autocast (meta, ...)
-        return False
 
 
 class _Recurrence(torch.autograd.Function):
@@ -116,26 +90,26 @@ class _Recurrence(torch.autograd.Function):
         reverse: bool,
     ) -> Any:
         lead = x.shape[:-3]
-        x, w_ih, w_hh_t = _flat(x, 3), _flat(w_ih, 2), _flat(w_hh_t, 2)
-        h, c = _flat(h0, 2), _flat(c0, 2)
+        x, w_ih, w_hh_t = flat(x, 3), flat(w_ih, 2), flat(w_hh_t, 2)
+        h, c = flat(h0, 2), flat(c0, 2)
         m, steps, batch, features = x.shape
         hidden = w_hh_t.size(-2)
         inner = features + (bias is not None)  # where h starts in a row of xh
         weight = x.new_empty(m, inner + hidden, 4 * hidden)  # [w_ih^T; b; w_hh^T]
         weight[:, :features] = w_ih.transpose(1, 2)
         if bias is not None:
-            weight[:, features] = _flat(bias, 1)
+            weight[:, features] = flat(bias, 1)
         weight[:, inner:] = w_hh_t
         xh = x.new_empty(m, steps, batch, inner + hidden)
         xh[..., :features] = x
         xh[..., features:inner] = 1
-        order = _order(steps, reverse)
-        xh[:, order[0], :, inner:] = h
+        run = order(steps, reverse)
+        xh[:, run[0], :, inner:] = h
         gates = x.new_empty(steps, m, batch, 4 * hidden)
         cs = x.new_empty(steps, m, batch, hidden)
         tanh_c = torch.empty_like(cs)
         result = x.new_empty(*lead, steps, batch, hidden)  # not a view: the caller may change it
-        out = _flat(result, 3)
+        out = flat(result, 3)
         # Every step's views made at once (unbind): per-step indexing costs ~1 us a view.
         i, f, g, o = (t.unbind(0) for t in gates.chunk(4, -1))
         rows, gate_rows, c_rows, tanh_rows = (
@@ -145,13 +119,13 @@ class _Recurrence(torch.autograd.Function):
             tanh_c.unbind(0),
         )
         h_rows, out_rows = xh[..., inner:].unbind(1), out.unbind(1)
-        for step, k in enumerate(order):
+        for step, k in enumerate(run):
             torch.bmm(rows[k], weight, out=gate_rows[k]).sigmoid_()
             # f c + i tanh(g), with tanh(g) = 2 sigmoid(2 g) - 1 from the doubled g rows
             c = torch.mul(f[k], c, out=c_rows[k]).sub_(i[k]).addcmul_(i[k], g[k], value=2)
             h = torch.mul(o[k], torch.tanh(c, out=tanh_rows[k]), out=out_rows[k])
             if step + 1 < steps:
-                h_rows[order[step + 1]].copy_(h)
+                h_rows[run[step + 1]].copy_(h)
         c_last = c.reshape(*lead, batch, hidden).clone()
         return result, c_last, xh, weight, gates, cs, tanh_c
 
@@ -172,14 +146,14 @@ class _Recurrence(torch.autograd.Function):
         need = ctx.needs_input_grad[:6]
         if torch.is_grad_enabled():  # create_graph=True: a graph for a gradient of gradients
             inputs = (x, w_ih, bias, w_hh_t, h0, c0)
-            return (*_twice(need, inputs, ctx.reverse, d_out, d_c_last), None)
+            return (*twice(_loop, need, inputs, ctx.reverse, (d_out, d_c_last)), None)
         steps, m, batch, four = gates.shape
         hidden, features = four // 4, x.size(-1)
         inner = weight.size(1) - hidden
-        d_out = None if d_out is None else _flat(d_out, 3)
+        d_out = None if d_out is None else flat(d_out, 3)
         dc = cs.new_zeros(m, batch, hidden)
         if d_c_last is not None:
-            dc += _flat(d_c_last, 2)
+            dc += flat(d_c_last, 2)
         d_gates = x.new_empty(m, steps, batch, four)
         i, f, g, o = (t.unbind(0) for t in gates.chunk(4, -1))
         di, df, dg, do = (t.unbind(1) for t in d_gates.chunk(4, -1))
@@ -190,13 +164,13 @@ class _Recurrence(torch.autograd.Function):
             tanh_c.unbind(0),
         )
         d_out_rows = None if d_out is None else d_out.unbind(1)
-        c_first = _flat(c0, 2)
+        c_first = flat(c0, 2)
         w_hh = weight[:, inner:].transpose(1, 2)
-        order = _order(steps, ctx.reverse)
+        run = order(steps, ctx.reverse)
         dh = None
         for step in range(steps - 1, -1, -1):
-            k = order[step]
-            c_prev = c_first if step == 0 else c_rows[order[step - 1]]
+            k = run[step]
+            c_prev = c_first if step == 0 else c_rows[run[step - 1]]
             if d_out_rows is None:
                 dh_k = torch.zeros_like(dc) if dh is None else dh
             else:
@@ -225,23 +199,7 @@ class _Recurrence(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, *args: Any) -> Any:
-        def member_first(t: Tensor | None, dim: int | None) -> Tensor | None:
-            if t is None or dim is not None:
-                return t if t is None else t.movedim(dim, 0)  # type: ignore[arg-type]
-            return t.expand(info.batch_size, *t.shape)
-
-        tensors = [member_first(t, d) for t, d in zip(args[:6], in_dims[:6], strict=True)]
-        outs = _Recurrence.apply(*tensors, args[6])
-        return outs, (0,) * len(outs)
-
-
-def _flat(t: Tensor, rank: int) -> Tensor:
-    """``t`` with its leading (member) dims as one: ``[m, *core]``, ``m = 1`` without any."""
-    return t.reshape(-1, *t.shape[t.dim() - rank :])
-
-
-def _order(steps: int, reverse: bool) -> list[int]:
-    return list(range(steps - 1, -1, -1)) if reverse else list(range(steps))
+        return member_first(_Recurrence.apply, info, in_dims, 6, args)
 
 
 def _loop(
@@ -258,7 +216,7 @@ def _loop(
     if bias is not None:
         gi = gi + bias.unsqueeze(-2).unsqueeze(-2)
     outs: list[Tensor] = []
-    for k in _order(x.size(-3), reverse):
+    for k in order(x.size(-3), reverse):
         i, f, g, o = torch.sigmoid(gi.select(-3, k) + h @ w_hh_t).chunk(4, -1)
         c = f * c + i * (2 * g - 1)
         h = o * torch.tanh(c)
@@ -266,27 +224,3 @@ def _loop(
     if reverse:
         outs.reverse()
     return torch.stack(outs, -3), c
-
-
-def _twice(
-    need: tuple[bool, ...],
-    inputs: tuple[Tensor | None, ...],
-    reverse: bool,
-    d_out: Tensor | None,
-    d_c: Tensor | None,
-) -> tuple[Tensor | None, ...]:
-    """The backward as a graph (``create_graph=True``): the per-step loop, differentiated."""
-    x, w_ih, bias, w_hh_t, h0, c0 = inputs
-    assert x is not None and w_ih is not None and w_hh_t is not None
-    assert h0 is not None and c0 is not None
-    wanted = [t for t, n in zip(inputs, need, strict=True) if n and t is not None]
-    with torch.enable_grad():
-        results = _loop(x, w_ih, bias, w_hh_t, h0, c0, reverse)
-        outs = [(t, d) for t, d in zip(results, (d_out, d_c)) if d is not None]
-        if not outs or not wanted:
-            return (None,) * len(inputs)
-        found = torch.autograd.grad(
-            [t for t, _ in outs], wanted, [d for _, d in outs], create_graph=True, allow_unused=True
-        )
-    grads = iter(found)
-    return tuple(next(grads) if n and t is not None else None for t, n in zip(inputs, need))
