@@ -5,13 +5,13 @@ dynamo refuses ``nn.RNN``/``nn.GRU``/``nn.LSTM`` in ``fullgraph`` mode, so an en
 members holding them cannot be batched as they are. ``vmapens._batchable.batchable``
 re-classes those layers (and the three cells) to subclasses whose ``forward`` writes the same
 maths in ops that ``vmap`` batches and dynamo traces: one matmul projects every time step's
-input at once, and a Python loop over time steps runs only the recurrent part. An eager GRU or
-LSTM layer (no ``proj_size``) runs its whole recurrence as one autograd node instead
-(``_gru_fused.py``, ``_lstm_fused.py``), where that node is known to give the loop's results. Parameter names,
+input at once, and a Python loop over time steps runs only the recurrent part. An eager LSTM
+layer (no ``proj_size``) runs its whole recurrence as one autograd node instead
+(``_lstm_fused.py``), where that node is known to give the loop's results. Parameter names,
 shapes and ``state_dict`` keys stay the original ones, so
 ``functional_call(batchable(m), m.state_dict(), ...)`` works.
 
-This file imports only torch and its helpers: it sits at the bottom of the package.
+This file imports only torch and its two helpers: it sits at the bottom of the package.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from ._gru_fused import fused_gru_direction
 from ._lstm_fused import fused_direction
 from ._recurrent_steps import gru_step, lstm_step, lstm_weights, project, rnn_step
 
@@ -150,12 +149,6 @@ class _Recurrent(nn.RNNBase):
             b_hh = None
         outs: list[Tensor] = []
         if self.mode == "GRU":
-            x_t = x.transpose(0, time_dim)  # time first inside, as for the LSTM below
-            w_hh = getattr(self, "weight_hh" + suffix)
-            fused_gru = fused_gru_direction(x_t, w_ih, b_ih, w_hh, b_hh, h, bool(direction))
-            if fused_gru is not None:
-                out, h = fused_gru
-                return out.transpose(0, time_dim), h, None
             # The r, z gates and the n gate projected apart, not one projection split: the
             # backward then stacks each part's per-step gradients for its own matmul, where a
             # split's backward copies both stacks into one (a step takes 0.83-0.93x eager,

@@ -1,10 +1,9 @@
-"""vmapens._lstm_fused, _gru_fused: an eager recurrence as one autograd node, against torch.
+"""vmapens._lstm_fused: the eager LSTM recurrence as one autograd node, against nn.LSTM alone.
 
-The truth is each member as torch's own ``nn.LSTM`` / ``nn.GRU``, run alone: outputs, and the
-gradients of every input that asks for one (weights, input sequence, initial state), with the
-loss on any subset of the outputs. Each case also checks that the fused node ran (a test that
-passed on the per-step loop would prove nothing about it), and the fallbacks check that it did
-not.
+The truth is each member as torch's own ``nn.LSTM``, run alone: outputs, and the gradients
+of every input that asks for one (weights, input sequence, initial state), with the loss on
+any subset of the outputs. Each case also checks that the fused node ran (a test that passed
+on the per-step loop would prove nothing about it), and the fallbacks check that it did not.
 """
 
 from __future__ import annotations
@@ -18,13 +17,12 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, stack_module_state, vmap
 from torch.overrides import TorchFunctionMode
 
-from vmapens import _gru_fused, _lstm_fused
+from vmapens import _lstm_fused
 from vmapens._batchable import batchable
 
 TOL = dict(atol=1e-10, rtol=1e-10)  # float64: the same maths, summed in another order
 N, FEATURES, HIDDEN = 3, 3, 4
 FUSED = "_RecurrenceBackward"
-KINDS = {"lstm": nn.LSTM, "gru": nn.GRU}
 
 
 def _nodes(t: Tensor) -> set[str]:
@@ -40,7 +38,7 @@ def _nodes(t: Tensor) -> set[str]:
     return names
 
 
-def _members(make: Callable[[], nn.RNNBase], dtype: torch.dtype = torch.float64) -> list:
+def _members(make: Callable[[], nn.LSTM], dtype: torch.dtype = torch.float64) -> list[nn.LSTM]:
     members = []
     for k in range(N):
         torch.manual_seed(10 + k)
@@ -48,55 +46,33 @@ def _members(make: Callable[[], nn.RNNBase], dtype: torch.dtype = torch.float64)
     return members
 
 
-def _inputs(rnn: nn.RNNBase, steps: int, batch: int, dtype: torch.dtype, hx: bool):
-    """The input sequence, and the stacked initial states (one per member) or None."""
+def _inputs(lstm: nn.LSTM, steps: int, batch: int, dtype: torch.dtype, hx: bool):
     g = torch.Generator().manual_seed(0)
-    shape = (batch, steps, FEATURES) if rnn.batch_first else (steps, batch, FEATURES)
+    shape = (batch, steps, FEATURES) if lstm.batch_first else (steps, batch, FEATURES)
     x = torch.randn(shape, generator=g, dtype=dtype)
     if not hx:
-        return x, ()
-    rows = rnn.num_layers * (2 if rnn.bidirectional else 1)
+        return x, None
+    rows = lstm.num_layers * (2 if lstm.bidirectional else 1)
     h = torch.randn(N, rows, batch, HIDDEN, generator=g, dtype=dtype)
-    return x, (h, torch.randn_like(h)) if isinstance(rnn, nn.LSTM) else (h,)
+    return x, (h, torch.randn_like(h))
 
 
-def _leaves(result: tuple) -> tuple[Tensor, ...]:
-    """``(out, h_n)`` or ``(out, h_n, c_n)`` from a GRU's or an LSTM's result."""
-    out, state = result
-    return (out, *state) if isinstance(state, tuple) else (out, state)
-
-
-def _state_arg(states: tuple, k: int | None = None):
-    """The ``hx`` argument: member ``k``'s rows (all rows if None), a tuple for an LSTM."""
-    rows = [s if k is None else s[k] for s in states]
-    return tuple(rows) if len(rows) == 2 else rows[0]
-
-
-# Which outputs reach the loss: out, h_n, c_n (None: left out; c_n: LSTMs only).
+# Which outputs reach the loss: out, h_n, c_n (None: left out).
 WEIGHTS = {"all": (1.0, 2.0, 3.0), "out": (1.0, None, None), "h_n": (None, 1.0, None)}
 WEIGHTS["c_n"] = (None, None, 1.0)
 
 
-def _loss(outputs: tuple[Tensor, ...], weights: tuple) -> Tensor:
+def _loss(outputs: tuple[Tensor, Tensor, Tensor], weights: tuple) -> Tensor:
     parts = [((t * t).sum() + t.sum()) * w for t, w in zip(outputs, weights) if w is not None]
     return torch.stack(parts).sum()
 
 
-def _cases() -> dict[str, Callable[[], nn.RNNBase]]:
-    cases = {}
-    for kind, cls in KINDS.items():
-        cases[f"{kind}"] = lambda cls=cls: cls(FEATURES, HIDDEN)
-        cases[f"{kind}-batch_first"] = lambda cls=cls: cls(FEATURES, HIDDEN, batch_first=True)
-        cases[f"{kind}-2layers-bidirectional"] = lambda cls=cls: cls(
-            FEATURES, HIDDEN, 2, bidirectional=True
-        )
-        cases[f"{kind}-no-bias"] = lambda cls=cls: cls(
-            FEATURES, HIDDEN, bias=False, batch_first=True
-        )
-    return cases
-
-
-CASES = _cases()
+CASES = {
+    "plain": lambda: nn.LSTM(FEATURES, HIDDEN),
+    "batch_first": lambda: nn.LSTM(FEATURES, HIDDEN, batch_first=True),
+    "2layers-bidirectional": lambda: nn.LSTM(FEATURES, HIDDEN, 2, bidirectional=True),
+    "no-bias": lambda: nn.LSTM(FEATURES, HIDDEN, bias=False, batch_first=True),
+}
 
 
 def _check_vmapped(make, weights, steps=5, batch=2, hx=True, grad_input=True, frozen=()):
@@ -105,16 +81,15 @@ def _check_vmapped(make, weights, steps=5, batch=2, hx=True, grad_input=True, fr
     params, _ = stack_module_state(members)
     for name in frozen:
         params[name] = params[name].detach()
-    x, states = _inputs(members[0], steps, batch, torch.float64, hx)
+    x, hxs = _inputs(members[0], steps, batch, torch.float64, hx)
     x.requires_grad_(grad_input)
-    states = tuple(t.requires_grad_() for t in states)
+    states = () if hxs is None else tuple(t.requires_grad_() for t in hxs)
 
     def run(p, x, *hx):
-        return functional_call(template, p, (x, _state_arg(hx)) if hx else (x,))
+        return functional_call(template, p, (x, hx) if hx else (x,))
 
-    result = vmap(run, in_dims=(0, None, *(0 for _ in states)))(params, x, *states)
-    outputs = _leaves(result)
-    loss = _loss(outputs, weights)
+    out, (h_n, c_n) = vmap(run, in_dims=(0, None, *(0 for _ in states)))(params, x, *states)
+    loss = _loss((out, h_n, c_n), weights)
     assert FUSED in _nodes(loss)
     wrt = [t for t in (*params.values(), x, *states) if t.requires_grad]
     got = torch.autograd.grad(loss, wrt, allow_unused=True)
@@ -123,12 +98,12 @@ def _check_vmapped(make, weights, steps=5, batch=2, hx=True, grad_input=True, fr
     for k, member in enumerate(members):
         for name, p in member.named_parameters():
             p.requires_grad_(name not in frozen)
-        alone = _leaves(member(x, _state_arg(states, k) if states else None))
-        torch.testing.assert_close(tuple(t[k] for t in outputs), alone, **TOL)
+        member_hx = None if not states else (states[0][k], states[1][k])
+        m_out, (m_h, m_c) = member(x, member_hx)
+        torch.testing.assert_close((out[k], h_n[k], c_n[k]), (m_out, m_h, m_c), **TOL)
+        m_loss = _loss((m_out, m_h, m_c), weights)
         m_wrt = [p for p in member.parameters() if p.requires_grad] + [x] * grad_input
-        wants.append(
-            torch.autograd.grad(_loss(alone, weights), [*m_wrt, *states], allow_unused=True)
-        )
+        wants.append(torch.autograd.grad(m_loss, [*m_wrt, *states], allow_unused=True))
     n_params = sum(p.requires_grad for p in params.values())
     for j, g in enumerate(got[:n_params]):  # stacked weights: member k's row is its own
         for k in range(N):
@@ -139,44 +114,32 @@ def _check_vmapped(make, weights, steps=5, batch=2, hx=True, grad_input=True, fr
         torch.testing.assert_close(got[s], sum(w[s] for w in wants), **TOL)
 
 
-# Every case with every subset of outputs it has (a GRU has no cell state).
-LOSSES = [(c, w) for c in CASES for w in WEIGHTS if not (w == "c_n" and c.startswith("gru"))]
-
-
-@pytest.mark.parametrize(("case", "weights"), LOSSES)
-def test_vmapped_layer_equals_each_layer_alone(case, weights):
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_vmapped_layer_equals_each_lstm_alone(case, weights):
     _check_vmapped(CASES[case], WEIGHTS[weights])
 
 
-@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(("steps", "batch"), [(1, 1), (1, 4), (9, 1), (4, 7)])
-def test_sizes(kind, steps, batch):
-    case = CASES[f"{kind}-2layers-bidirectional"]
-    _check_vmapped(case, WEIGHTS["all"], steps=steps, batch=batch)
+def test_sizes(steps, batch):
+    _check_vmapped(CASES["2layers-bidirectional"], WEIGHTS["all"], steps=steps, batch=batch)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_without_initial_state_or_input_gradient(kind):
-    _check_vmapped(CASES[f"{kind}-batch_first"], WEIGHTS["all"], hx=False, grad_input=False)
+def test_without_initial_state_or_input_gradient():
+    _check_vmapped(CASES["batch_first"], WEIGHTS["all"], hx=False, grad_input=False)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_frozen_weights_get_no_gradient_and_the_rest_are_right(kind):
+def test_frozen_weights_get_no_gradient_and_the_rest_are_right():
     frozen = ("weight_hh_l0", "bias_ih_l0")
-    _check_vmapped(CASES[kind], WEIGHTS["all"], frozen=frozen)
+    _check_vmapped(CASES["plain"], WEIGHTS["all"], frozen=frozen)
 
 
-def _vmapped(members: list) -> Callable:
+def test_float32_equals_each_lstm_alone():
+    members = _members(CASES["batch_first"], torch.float32)
     template = batchable(copy.deepcopy(members[0]).to("meta"))
-    return vmap(lambda p, x: functional_call(template, p, (x,))[0], in_dims=(0, None))
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_float32_equals_each_layer_alone(kind):
-    members = _members(CASES[f"{kind}-batch_first"], torch.float32)
     params, _ = stack_module_state(members)
     x, _ = _inputs(members[0], 20, 8, torch.float32, hx=False)
-    out = _vmapped(members)(params, x)
+    out, _ = vmap(lambda p, x: functional_call(template, p, (x,)), in_dims=(0, None))(params, x)
     loss = out[:, :, -1].square().sum()
     assert FUSED in _nodes(loss)
     grads = torch.autograd.grad(loss, list(params.values()))
@@ -188,9 +151,8 @@ def test_float32_equals_each_layer_alone(kind):
             torch.testing.assert_close(g[k], m_g, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_outside_vmap_equals_the_layer_itself(kind):
-    (member,) = _members(CASES[f"{kind}-2layers-bidirectional"])[:1]
+def test_outside_vmap_equals_the_lstm_itself():
+    (member,) = _members(CASES["2layers-bidirectional"])[:1]
     converted = batchable(member)
     x = torch.randn(6, 2, FEATURES, dtype=torch.float64)
     out = converted(x)[0]
@@ -201,13 +163,13 @@ def test_outside_vmap_equals_the_layer_itself(kind):
     torch.testing.assert_close(got, want, **TOL)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_gradient_of_gradient_equals_each_layer_alone(kind):
+def test_gradient_of_gradient_equals_each_lstm_alone():
     """create_graph=True (a gradient penalty): the node differentiates the per-step loop."""
-    members = _members(CASES[kind])
+    members = _members(CASES["plain"])
+    template = batchable(copy.deepcopy(members[0]).to("meta"))
     params, _ = stack_module_state(members)
     x = torch.randn(5, 2, FEATURES, dtype=torch.float64)
-    out = _vmapped(members)(params, x)
+    out, _ = vmap(lambda p, x: functional_call(template, p, (x,)), in_dims=(0, None))(params, x)
     assert FUSED in _nodes(out)
     first = torch.autograd.grad(out.square().sum(), list(params.values()), create_graph=True)
     penalty = sum(g.square().sum() for g in first)
@@ -221,9 +183,8 @@ def test_gradient_of_gradient_equals_each_layer_alone(kind):
             torch.testing.assert_close(g[k], m_g, **TOL)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_nested_vmap_equals_each_layer_alone(kind):
-    members = _members(CASES[f"{kind}-batch_first"])[:2] * 2  # a [2, 2] grid of members
+def test_nested_vmap_equals_each_lstm_alone():
+    members = _members(CASES["batch_first"])[:2] * 2  # a [2, 2] grid of members
     template = batchable(copy.deepcopy(members[0]).to("meta"))
     params, _ = stack_module_state(members)
     grid = {k: v.unflatten(0, (2, 2)) for k, v in params.items()}
@@ -246,45 +207,43 @@ class _Spy(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _vmapped_loss(kind: str, dtype=torch.float64) -> Tensor:
-    members = _members(CASES[kind], dtype)
+def _vmapped_loss(dtype=torch.float64) -> Tensor:
+    members = _members(CASES["plain"], dtype)
+    template = batchable(copy.deepcopy(members[0]).to("meta"))
     params, _ = stack_module_state(members)
     x = torch.randn(4, 2, FEATURES, dtype=dtype)
-    return _vmapped(members)(params, x).float().square().sum()
+    out, _ = vmap(lambda p, x: functional_call(template, p, (x,)), in_dims=(0, None))(params, x)
+    return out.float().square().sum()
 
 
 FALLBACKS = {
-    "float16": lambda kind: _vmapped_loss(kind, torch.float16),
-    "bfloat16": lambda kind: _vmapped_loss(kind, torch.bfloat16),
-    "autocast": lambda kind: _with(torch.autocast("cpu", dtype=torch.bfloat16), kind),
-    "torch-function-mode": lambda kind: _with(_Spy(), kind),
+    "float16": lambda: _vmapped_loss(torch.float16),
+    "bfloat16": lambda: _vmapped_loss(torch.bfloat16),
+    "autocast": lambda: _with(torch.autocast("cpu", dtype=torch.bfloat16), _vmapped_loss),
+    "torch-function-mode": lambda: _with(_Spy(), _vmapped_loss),
 }
 
 
-def _with(context, kind: str) -> Tensor:
+def _with(context, fn):
     with context:
-        return _vmapped_loss(kind)
+        return fn()
 
 
-@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", FALLBACKS)
-def test_per_step_loop_where_the_node_is_not_known_to_equal_it(kind, name):
-    loss = FALLBACKS[name](kind)
+def test_per_step_loop_where_the_node_is_not_known_to_equal_it(name):
+    loss = FALLBACKS[name]()
     assert torch.isfinite(loss)
     assert FUSED not in _nodes(loss)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_grad_transform_runs_the_per_step_loop(kind, monkeypatch):
+def test_grad_transform_runs_the_per_step_loop(monkeypatch):
     """Under torch.func.grad the node is not used: it is only known under vmap and autograd."""
     calls = []
-
-    def spy(forward: Callable) -> staticmethod:
-        return staticmethod(lambda *args: calls.append(1) or forward(*args))
-
-    for module in (_lstm_fused, _gru_fused):
-        monkeypatch.setattr(module._Recurrence, "forward", spy(module._Recurrence.forward))
-    (member,) = _members(CASES[kind])[:1]
+    forward = _lstm_fused._Recurrence.forward
+    monkeypatch.setattr(
+        _lstm_fused._Recurrence, "forward", staticmethod(lambda *a: calls.append(1) or forward(*a))
+    )
+    (member,) = _members(CASES["plain"])[:1]
     converted = batchable(member)
     params = {k: v.detach() for k, v in member.named_parameters()}
     x = torch.randn(4, 2, FEATURES, dtype=torch.float64)
@@ -300,13 +259,12 @@ def test_grad_transform_runs_the_per_step_loop(kind, monkeypatch):
     assert calls  # the spy sees the node where it runs
 
 
-# torch's own recurrent layers reach torch.jit.script for their forward-mode derivative.
+# torch's own LSTM reaches torch.jit.script for its forward-mode derivative.
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
-@pytest.mark.parametrize("kind", KINDS)
-def test_forward_mode_ad_runs_the_per_step_loop(kind):
+def test_forward_mode_ad_runs_the_per_step_loop():
     import torch.autograd.forward_ad as fwAD
 
-    (member,) = _members(CASES[kind])[:1]
+    (member,) = _members(CASES["plain"])[:1]
     converted = batchable(member)
     x = torch.randn(4, 2, FEATURES, dtype=torch.float64)
     with fwAD.dual_level():
@@ -316,10 +274,9 @@ def test_forward_mode_ad_runs_the_per_step_loop(kind):
     torch.testing.assert_close(got, want, **TOL)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_output_changed_in_place_keeps_the_gradient_right(kind):
+def test_output_changed_in_place_keeps_the_gradient_right():
     """The backward reads its own copies of every h, not the output the caller may change."""
-    (member,) = _members(CASES[kind])[:1]
+    (member,) = _members(CASES["plain"])[:1]
     converted = batchable(member)
     x = torch.randn(4, 2, FEATURES, dtype=torch.float64)
     got_out = converted(x)[0]
@@ -331,51 +288,26 @@ def test_output_changed_in_place_keeps_the_gradient_right(kind):
     torch.testing.assert_close(got, want, **TOL)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_traced_forward_runs_the_per_step_loop(kind):
+def test_traced_forward_runs_the_per_step_loop():
     """dynamo cannot trace the node's checks (functorch's interpreter stack): it sees the loop."""
-    (member,) = _members(CASES[kind])[:1]
+    (member,) = _members(CASES["plain"])[:1]
     converted = batchable(member)
     x = torch.randn(4, 2, FEATURES, dtype=torch.float64)
     compiled = torch.compile(converted, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(x)[0], member(x)[0], **TOL)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_shared_weights_mapped_inputs_equal_the_layer_run_on_each(kind):
+def test_shared_weights_mapped_inputs_equal_the_lstm_run_on_each():
     """vmap over inputs with one set of weights (in_dims=None): the weights' gradient is the
-    sum over the mapped inputs, as running the layer on each input and adding the losses.
-    The inputs are mapped along dim 1: the node's vmap rule moves it first."""
-    (member,) = _members(CASES[f"{kind}-2layers-bidirectional"])[:1]
+    sum over the mapped inputs, as running the LSTM on each input and adding the losses."""
+    (member,) = _members(CASES["2layers-bidirectional"])[:1]
     converted = batchable(member)
     params = dict(member.named_parameters())
-    xs = torch.randn(5, N, 2, FEATURES, dtype=torch.float64)
-    out = vmap(lambda p, x: functional_call(converted, p, (x,))[0], in_dims=(None, 1))(params, xs)
+    xs = torch.randn(N, 5, 2, FEATURES, dtype=torch.float64)
+    out = vmap(lambda p, x: functional_call(converted, p, (x,))[0], in_dims=(None, 0))(params, xs)
     assert FUSED in _nodes(out)
     got = torch.autograd.grad(out.square().sum(), list(params.values()))
-    alone = torch.stack([member(xs[:, k])[0] for k in range(N)])
+    alone = torch.stack([member(x)[0] for x in xs])
     torch.testing.assert_close(out, alone, **TOL)
     want = torch.autograd.grad(alone.square().sum(), list(params.values()))
     torch.testing.assert_close(got, want, **TOL)
-
-
-def test_vmap_rule_takes_the_mapped_dim_where_it_is():
-    """The nodes' vmap rule on an input mapped along dim 1 (vmap's own batching rules hand it
-    dim 0 inside the layers): the same as calling the node on each slice without vmap, which
-    the tests above hold to torch's layers."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(5, N, 2, FEATURES, generator=g, dtype=torch.float64)  # mapped along dim 1
-    w_ih = torch.randn(4 * HIDDEN, FEATURES, generator=g, dtype=torch.float64)
-    w_hh = torch.randn(4 * HIDDEN, HIDDEN, generator=g, dtype=torch.float64)
-    bias = torch.randn(4 * HIDDEN, generator=g, dtype=torch.float64)
-    h0 = torch.randn(2, HIDDEN, generator=g, dtype=torch.float64)
-    lstm = (w_ih, bias, w_hh.t(), h0, torch.zeros_like(h0))
-    gru = (w_ih[: 3 * HIDDEN], bias[: 3 * HIDDEN], w_hh[: 3 * HIDDEN], bias[HIDDEN:], h0)
-    for node, weights in (
-        (_lstm_fused.fused_direction, lstm),
-        (_gru_fused.fused_gru_direction, gru),
-    ):
-        dims = (1, *(None for _ in weights), None)
-        got = vmap(lambda *a, node=node: node(*a)[0], in_dims=dims)(x, *weights, False)
-        want = torch.stack([node(x[:, k], *weights, False)[0] for k in range(N)])
-        torch.testing.assert_close(got, want, **TOL)
