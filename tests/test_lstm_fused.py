@@ -299,15 +299,35 @@ def test_traced_forward_runs_the_per_step_loop():
 
 def test_shared_weights_mapped_inputs_equal_the_lstm_run_on_each():
     """vmap over inputs with one set of weights (in_dims=None): the weights' gradient is the
-    sum over the mapped inputs, as running the LSTM on each input and adding the losses."""
+    sum over the mapped inputs, as running the LSTM on each input and adding the losses.
+    The inputs are mapped along dim 1."""
     (member,) = _members(CASES["2layers-bidirectional"])[:1]
     converted = batchable(member)
     params = dict(member.named_parameters())
-    xs = torch.randn(N, 5, 2, FEATURES, dtype=torch.float64)
-    out = vmap(lambda p, x: functional_call(converted, p, (x,))[0], in_dims=(None, 0))(params, xs)
+    xs = torch.randn(5, N, 2, FEATURES, dtype=torch.float64)
+    out = vmap(lambda p, x: functional_call(converted, p, (x,))[0], in_dims=(None, 1))(params, xs)
     assert FUSED in _nodes(out)
     got = torch.autograd.grad(out.square().sum(), list(params.values()))
-    alone = torch.stack([member(x)[0] for x in xs])
+    alone = torch.stack([member(xs[:, k])[0] for k in range(N)])
     torch.testing.assert_close(out, alone, **TOL)
     want = torch.autograd.grad(alone.square().sum(), list(params.values()))
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_vmap_rule_takes_the_mapped_dim_where_it_is():
+    """The node's vmap rule on an input mapped along dim 1 (vmap's own batching rules hand it
+    dim 0 inside the layer): the same as calling the node on each slice without vmap, which
+    the tests above hold to torch's LSTM."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, N, 2, FEATURES, generator=g, dtype=torch.float64)  # mapped along dim 1
+    w_ih = torch.randn(4 * HIDDEN, FEATURES, generator=g, dtype=torch.float64)
+    w_hh_t = torch.randn(HIDDEN, 4 * HIDDEN, generator=g, dtype=torch.float64)
+    bias = torch.randn(4 * HIDDEN, generator=g, dtype=torch.float64)
+    h0, c0 = torch.randn(2, 2, HIDDEN, generator=g, dtype=torch.float64)
+    weights = (w_ih, bias, w_hh_t, h0, c0)
+    node = _lstm_fused.fused_direction
+    got = vmap(lambda *a: node(*a)[0], in_dims=(1, *(None for _ in weights), None))(
+        x, *weights, False
+    )
+    want = torch.stack([node(x[:, k], *weights, False)[0] for k in range(N)])
     torch.testing.assert_close(got, want, **TOL)

@@ -1,6 +1,6 @@
-"""What the eager recurrent layers' one-node recurrences share (``_lstm_fused``, ``_gru_fused``).
+"""What an eager one-node recurrence needs besides its maths (``_lstm_fused`` today).
 
-Each of them is a ``torch.autograd.Function`` that runs a whole layer direction on the
+Such a node is a ``torch.autograd.Function`` that runs a whole layer direction on the
 stacked ``[n, ...]`` tensors, with its backward through time written out. This file holds
 when such a node may run at all (:func:`usable`), the ``vmap`` rule that hands it the stacked
 tensors (:func:`member_first`), and the gradient of its gradient, which differentiates the

@@ -19,7 +19,7 @@ None otherwise, and the caller runs the loop): eager (not traced by dynamo or ex
 (``create_graph=True``) differentiates the per-step loop, recomputed from the saved inputs
 (``_fused_node.twice``).
 
-This file imports only torch and ``_fused_node``, what it shares with ``_gru_fused``.
+This file imports only torch and ``_fused_node`` (when the node may run, its vmap rule).
 """
 
 from __future__ import annotations
