@@ -17,21 +17,25 @@ None otherwise, and the caller runs the loop): eager (not traced by dynamo or ex
 ``vmap`` alone or no functorch transform, float32/float64, no autocast, no
 ``TorchFunctionMode``, no forward-mode AD, no ``proj_size``. A gradient of the gradient
 (``create_graph=True``) differentiates the per-step loop, recomputed from the saved inputs
-(``_fused_node.twice``).
+(:func:`_twice`).
 
-This file imports only torch and ``_fused_node`` (when the node may run, its vmap rule).
+This file imports only torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
-
-from ._fused_node import flat, member_first, order, twice, usable
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch.autograd.forward_ad import unpack_dual
 
 __all__ = ["fused_direction"]
+
+_VMAP = torch._C._functorch.TransformType.Vmap
+_DTYPES = (torch.float32, torch.float64)
 
 _sigmoid_backward = torch.ops.aten.sigmoid_backward.grad_input
 _tanh_backward = torch.ops.aten.tanh_backward
@@ -59,10 +63,40 @@ def fused_direction(
     Returns:
         ``(out [T, B, H], h_last [B, H], c_last [B, H])``, as the per-step loop.
     """
-    if not usable((x, w_ih, bias, w_hh_t, h0, c0)):
+    if not _usable((x, w_ih, bias, w_hh_t, h0, c0)):
         return None
     out, c_last, *_ = _Recurrence.apply(x, w_ih, bias, w_hh_t, h0, c0, reverse)
     return out, out[0 if reverse else -1], c_last
+
+
+def _usable(tensors: Sequence[Tensor | None]) -> bool:
+    """Whether the node may run on ``tensors``: where it is known to equal the per-step loop.
+
+    That is eager (not traced by dynamo or export), under ``vmap`` alone or no functorch
+    transform, float32/float64 on one device, no autocast, no ``TorchFunctionMode`` (vmapens's
+    per-member autocast is one) and no forward-mode AD.
+    """
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return False
+    if torch._C._is_torch_function_mode_enabled():
+        return False
+    if any(level.key() != _VMAP for level in retrieve_all_functorch_interpreters()):
+        return False
+    present = [t for t in tensors if t is not None]
+    dtype, device = present[0].dtype, present[0].device
+    if _autocast(device.type):
+        return False
+    if dtype not in _DTYPES or any(t.dtype != dtype or t.device != device for t in present):
+        return False
+    return all(unpack_dual(t).tangent is None for t in present)  # no forward-mode AD
+
+
+def _autocast(device_type: str) -> bool:
+    """Whether autocast is on for the tensors' device: the loop runs its casts there."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type without autocast (meta, ...)
+        return False
 
 
 class _Recurrence(torch.autograd.Function):
@@ -90,26 +124,26 @@ class _Recurrence(torch.autograd.Function):
         reverse: bool,
     ) -> Any:
         lead = x.shape[:-3]
-        x, w_ih, w_hh_t = flat(x, 3), flat(w_ih, 2), flat(w_hh_t, 2)
-        h, c = flat(h0, 2), flat(c0, 2)
+        x, w_ih, w_hh_t = _flat(x, 3), _flat(w_ih, 2), _flat(w_hh_t, 2)
+        h, c = _flat(h0, 2), _flat(c0, 2)
         m, steps, batch, features = x.shape
         hidden = w_hh_t.size(-2)
         inner = features + (bias is not None)  # where h starts in a row of xh
         weight = x.new_empty(m, inner + hidden, 4 * hidden)  # [w_ih^T; b; w_hh^T]
         weight[:, :features] = w_ih.transpose(1, 2)
         if bias is not None:
-            weight[:, features] = flat(bias, 1)
+            weight[:, features] = _flat(bias, 1)
         weight[:, inner:] = w_hh_t
         xh = x.new_empty(m, steps, batch, inner + hidden)
         xh[..., :features] = x
         xh[..., features:inner] = 1
-        run = order(steps, reverse)
+        run = _order(steps, reverse)
         xh[:, run[0], :, inner:] = h
         gates = x.new_empty(steps, m, batch, 4 * hidden)
         cs = x.new_empty(steps, m, batch, hidden)
         tanh_c = torch.empty_like(cs)
         result = x.new_empty(*lead, steps, batch, hidden)  # not a view: the caller may change it
-        out = flat(result, 3)
+        out = _flat(result, 3)
         # Every step's views made at once (unbind): per-step indexing costs ~1 us a view.
         i, f, g, o = (t.unbind(0) for t in gates.chunk(4, -1))
         rows, gate_rows, c_rows, tanh_rows = (
@@ -146,14 +180,14 @@ class _Recurrence(torch.autograd.Function):
         need = ctx.needs_input_grad[:6]
         if torch.is_grad_enabled():  # create_graph=True: a graph for a gradient of gradients
             inputs = (x, w_ih, bias, w_hh_t, h0, c0)
-            return (*twice(_loop, need, inputs, ctx.reverse, (d_out, d_c_last)), None)
+            return (*_twice(need, inputs, ctx.reverse, (d_out, d_c_last)), None)
         steps, m, batch, four = gates.shape
         hidden, features = four // 4, x.size(-1)
         inner = weight.size(1) - hidden
-        d_out = None if d_out is None else flat(d_out, 3)
+        d_out = None if d_out is None else _flat(d_out, 3)
         dc = cs.new_zeros(m, batch, hidden)
         if d_c_last is not None:
-            dc += flat(d_c_last, 2)
+            dc += _flat(d_c_last, 2)
         d_gates = x.new_empty(m, steps, batch, four)
         i, f, g, o = (t.unbind(0) for t in gates.chunk(4, -1))
         di, df, dg, do = (t.unbind(1) for t in d_gates.chunk(4, -1))
@@ -164,9 +198,9 @@ class _Recurrence(torch.autograd.Function):
             tanh_c.unbind(0),
         )
         d_out_rows = None if d_out is None else d_out.unbind(1)
-        c_first = flat(c0, 2)
+        c_first = _flat(c0, 2)
         w_hh = weight[:, inner:].transpose(1, 2)
-        run = order(steps, ctx.reverse)
+        run = _order(steps, ctx.reverse)
         dh = None
         for step in range(steps - 1, -1, -1):
             k = run[step]
@@ -199,7 +233,26 @@ class _Recurrence(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, *args: Any) -> Any:
-        return member_first(_Recurrence.apply, info, in_dims, 6, args)
+        """The tensors with the mapped dim first (shared ones expanded); outputs mapped along 0."""
+
+        def moved(t: Tensor | None, dim: int | None) -> Tensor | None:
+            if t is None:
+                return None
+            return t.expand(info.batch_size, *t.shape) if dim is None else t.movedim(dim, 0)
+
+        stacked = [moved(t, d) for t, d in zip(args[:6], in_dims[:6], strict=True)]
+        outs = _Recurrence.apply(*stacked, args[6])
+        return outs, (0,) * len(outs)
+
+
+def _flat(t: Tensor, rank: int) -> Tensor:
+    """``t`` with its leading (member) dims as one: ``[m, *core]``, ``m = 1`` without any."""
+    return t.reshape(-1, *t.shape[t.dim() - rank :])
+
+
+def _order(steps: int, reverse: bool) -> list[int]:
+    """The time steps in the order a direction runs them."""
+    return list(range(steps - 1, -1, -1)) if reverse else list(range(steps))
 
 
 def _loop(
@@ -216,7 +269,7 @@ def _loop(
     if bias is not None:
         gi = gi + bias.unsqueeze(-2).unsqueeze(-2)
     outs: list[Tensor] = []
-    for k in order(x.size(-3), reverse):
+    for k in _order(x.size(-3), reverse):
         i, f, g, o = torch.sigmoid(gi.select(-3, k) + h @ w_hh_t).chunk(4, -1)
         c = f * c + i * (2 * g - 1)
         h = o * torch.tanh(c)
@@ -224,3 +277,31 @@ def _loop(
     if reverse:
         outs.reverse()
     return torch.stack(outs, -3), c
+
+
+def _twice(
+    need: Sequence[bool],
+    inputs: tuple[Tensor | None, ...],
+    reverse: bool,
+    grads_out: Sequence[Tensor | None],
+) -> tuple[Tensor | None, ...]:
+    """The backward as a graph (``create_graph=True``): :func:`_loop`, the same maths in
+    differentiable ops, recomputed and differentiated.
+
+    Returns:
+        One gradient per input (None where ``need`` is False or no output depends on it).
+    """
+    wanted = [t for t, n in zip(inputs, need, strict=True) if n and t is not None]
+    with torch.enable_grad():
+        x, w_ih, bias, w_hh_t, h0, c0 = inputs
+        assert x is not None and w_ih is not None and w_hh_t is not None
+        assert h0 is not None and c0 is not None
+        results = _loop(x, w_ih, bias, w_hh_t, h0, c0, reverse)
+        outs = [(t, d) for t, d in zip(results, grads_out, strict=True) if d is not None]
+        if not outs or not wanted:
+            return (None,) * len(inputs)
+        found = torch.autograd.grad(
+            [t for t, _ in outs], wanted, [d for _, d in outs], create_graph=True, allow_unused=True
+        )
+    grads = iter(found)
+    return tuple(next(grads) if n and t is not None else None for t, n in zip(inputs, need))
