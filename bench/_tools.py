@@ -166,6 +166,30 @@ def reset_peak_rss() -> int:
     return rss_bytes()
 
 
+def tensor_peak_bytes(run: Callable[[], object]) -> int:
+    """The peak of the bytes torch's CPU allocator holds for tensors while ``run()`` runs, over
+    what it held at the start: the CPU's ``torch.cuda.max_memory_allocated``.
+
+    Read from the profiler's memory events (``profile_memory=True``): every allocation and
+    free, in order, summed. Tensors only, so neither the C library's heap nor other libraries'
+    buffers count.
+
+    Example:
+        >>> tensor_peak_bytes(lambda: torch.empty(1000, dtype=torch.float64)) >= 8000
+        True
+    """
+    cpu = torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[cpu], profile_memory=True) as prof:
+        run()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    level = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        if str(e.device_type()) == "DeviceType.CPU":
+            level += e.nbytes()
+            peak = max(peak, level)
+    return peak
+
+
 def child_json(code: str, api: str, env: Mapping[str, str] | None = None) -> dict:
     """Run ``code`` in a fresh ``sys.executable`` and return the JSON on its last output line.
 

@@ -20,7 +20,7 @@ from vmapens.ensemble import Ensemble
 from vmapens.optim import StackedAdam
 from vmapens.step import make_step
 
-from ._tools import NOT_AVAILABLE, child_json, reset_peak_rss, rss_bytes
+from ._tools import NOT_AVAILABLE, child_json, reset_peak_rss, rss_bytes, tensor_peak_bytes
 from .workloads import mlp as a_mlp
 
 
@@ -76,6 +76,23 @@ def _train_memory_here(n: int, chunk_size: int | None, batch: int, steps: int) -
             "losses": losses.tolist(), "digest": digest}  # fmt: skip
 
 
+def _tensor_memory_here(n: int, chunk_size: int | None, batch: int, steps: int) -> dict:
+    """Child side of :func:`train_memory`'s tensor figure: the same build, steps and
+    evaluation, the peak of torch's tensor bytes over the build (:func:`tensor_peak_bytes`)."""
+    ens = Ensemble(mnist_cnn, n, seed=0, chunk_size=chunk_size)
+    step = make_step(ens, nn.CrossEntropyLoss(), StackedAdam(ens))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+    def run() -> None:
+        for _ in range(steps):
+            step(x, y)
+        with torch.no_grad():
+            ens(x)
+
+    return {"peak_mb": tensor_peak_bytes(run) / 2**20}
+
+
 def train_memory(
     n: int = TRAIN_N,
     chunk_size: int = TRAIN_CHUNK,
@@ -89,7 +106,8 @@ def train_memory(
     ``no_grad`` forward; each variant in its own ``sys.executable`` so that neither sees the
     other's freed memory. Both variants run twice: with glibc's defaults, and with its mmap
     threshold fixed (:data:`FIXED_MMAP`), where RSS follows the live tensors instead of what
-    the heap keeps of freed chunk buffers.
+    the heap keeps of freed chunk buffers; then once more under the profiler, for the peak of
+    the tensors themselves.
 
     Args:
         n: Number of members.
@@ -107,9 +125,12 @@ def train_memory(
         build: steps and evaluation), ``total_mb`` (the process's peak RSS, ``import torch``
         included), ``losses`` of the last step and ``digest`` (the sum of all parameters after
         training); ``ratio`` (chunked / unchunked ``peak_mb``), ``step_ratio`` (of
-        ``step_mb``), ``same`` (losses and digests agree to 1e-6: float32 round-off), and
+        ``step_mb``), ``same`` (losses and digests agree to 1e-6: float32 round-off),
         ``fixed``: ``unchunked``, ``chunked``, ``ratio`` and ``step_ratio`` with
-        :data:`FIXED_MMAP`; ``batch``.
+        :data:`FIXED_MMAP`; ``tensors``: ``unchunked`` and ``chunked`` (each ``peak_mb``:
+        the peak of torch's tensor bytes over the build, the same phases, glibc's defaults:
+        what ``torch.cuda.max_memory_allocated`` measures on a GPU) and their ``ratio``;
+        ``batch``.
 
     Raises:
         RuntimeError: If a subprocess fails.
@@ -135,7 +156,15 @@ def train_memory(
         for u, v in ((a, b), (a, runs["fixed"]["unchunked"]), (a, runs["fixed"]["chunked"]))
     )
     fixed = {**runs["fixed"], **ratios(runs["fixed"]["unchunked"], runs["fixed"]["chunked"])}
-    return {**runs["default"], **ratios(a, b), "same": same, "fixed": fixed, "batch": batch}
+    code = code.replace("_train_memory_here", "_tensor_memory_here")
+    tensors: dict = {
+        name: child_json(code.format(f"_tensor_memory_here({n}, {size}, {batch}, {steps})"),
+            "train_memory")
+        for name, size in (("unchunked", None), ("chunked", chunk_size))
+    }  # fmt: skip
+    tensors["ratio"] = tensors["chunked"]["peak_mb"] / tensors["unchunked"]["peak_mb"]
+    return {**runs["default"], **ratios(a, b), "same": same, "fixed": fixed, "tensors": tensors,
+            "batch": batch}  # fmt: skip
 
 
 def _build_memory_here(n: int, hidden: int) -> dict:

@@ -194,9 +194,16 @@ def _train_memory_block(t: dict) -> list[str]:
             f"{r['ratio']:.2f}x; one later step: {c['step_mb']:.0f} / {u['step_mb']:.0f} MB = "
             f"{r['step_ratio']:.2f}x; process peak {c['total_mb']:.0f} / {u['total_mb']:.0f} MB"
         )
-    verdicts = (_verdict(r["ratio"], r["ratio"] <= 0.5) for r in (t, t["fixed"]))
+    runs = [t, t["fixed"]]
+    if "tensors" in t:  # results saved before session 18 have no tensor figure
+        tu, tc = (t["tensors"][k]["peak_mb"] for k in ("unchunked", "chunked"))
+        out.append("  tensors only (torch's allocator, as max_memory_allocated on a GPU):")
+        out.append(f"    peak over the build: {tc:.0f} / {tu:.0f} MB = {tc / tu:.2f}x")
+        runs.append(t["tensors"])
+    verdicts = [_verdict(r["ratio"], r["ratio"] <= 0.5) for r in runs]
     out.append(f"  same results: {t['same']}; target <= 0.5x (peak over the build): ")
     out[-1] += "glibc's defaults {}, glibc fixed {}".format(*verdicts)
+    out[-1] += f", tensors {verdicts[2]}" if len(verdicts) == 3 else ""
     return out
 
 

@@ -188,6 +188,8 @@ def test_training_memory_table_shows_the_ratio_with_glibc_fixed_too():
               "chunked": _memory_run(32, 8, 240.0, 100.0), "ratio": 240 / 375,
               "step_ratio": 100 / 265, "same": True, "fixed": fixed}  # fmt: skip
     memory["batch"] = 48
+    memory["tensors"] = {"unchunked": {"peak_mb": 306.0}, "chunked": {"peak_mb": 120.0},
+                         "ratio": 120 / 306}  # fmt: skip
     lines = bench.format_table({"meta": _META, "train_memory": memory}).splitlines()
     assert any("batch 48)" in line for line in lines), "the heading names the run's batch"
     labels = [k for k, line in enumerate(lines) if line.strip().startswith("glibc")]
@@ -197,7 +199,12 @@ def test_training_memory_table_shows_the_ratio_with_glibc_fixed_too():
     assert "240 / 375 MB = 0.64x" in defaults and "100 / 265 MB = 0.38x" in defaults
     assert "glibc fixed (MALLOC_MMAP_THRESHOLD_=131072" in glibc_fixed
     assert "181 / 368 MB = 0.49x" in glibc_fixed and "80 / 267 MB = 0.30x" in glibc_fixed
-    assert "glibc's defaults missed, glibc fixed met" in lines[-1]
+    tensors = next(k for k, line in enumerate(lines) if "tensors only" in line)
+    assert "120 / 306 MB = 0.39x" in lines[tensors + 1]
+    assert "glibc's defaults missed, glibc fixed met, tensors met" in lines[-1]
+    del memory["tensors"]  # results saved before the tensor figure still print
+    lines = bench.format_table({"meta": _META, "train_memory": memory}).splitlines()
+    assert "glibc's defaults missed, glibc fixed met" in lines[-1] and "tensors" not in lines[-1]
 
 
 @pytest.mark.parametrize(
