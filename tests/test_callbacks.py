@@ -170,3 +170,63 @@ def test_fit_keeps_at_most_15_keywords_and_moved_ones_give_the_new_spelling():
         with pytest.raises(TypeError, match=rf"^fit: `{old}` moved in vmapens 0.3.0: pass "):
             vmapens.fit(build(), (X, Y), nn.MSELoss(), progress=False, **{old: None})
         assert "vmapens.callbacks." in new or "in_dims" in new
+
+
+class _EpochLog(vmapens.Callback):
+    """State that grows: empty at the start of a run, one entry per epoch."""
+
+    def __init__(self) -> None:
+        self.log: dict[str, float] = {}
+
+    def on_epoch_end(self, ctx: vmapens.callbacks.Context) -> None:
+        self.log[f"epoch{ctx.epoch}"] = float(ctx.history.train_loss[-1].sum())
+
+    def state_dict(self) -> dict[str, float]:
+        return dict(self.log)
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.log = dict(state)
+
+
+class _Interrupt(vmapens.Callback):
+    """Raises at the end of epoch `at`, after the callbacks before it, before the checkpoint."""
+
+    def __init__(self, at: int | None) -> None:
+        self.at = at
+
+    def on_epoch_end(self, ctx: vmapens.callbacks.Context) -> None:
+        if ctx.epoch == self.at:
+            raise KeyboardInterrupt
+
+
+def _fit_resumable(path, callbacks: list, epochs: int = 3) -> vmapens.Ensemble:
+    ens = build()
+    vmapens.fit(ens, (X, Y), nn.MSELoss(), epochs=epochs, batch_size=4, seed=0, progress=False,
+                checkpoint=path, callbacks=callbacks)  # fmt: skip
+    return ens
+
+
+def test_callback_whose_state_starts_empty_resumes(tmp_path):
+    # Truth: the uninterrupted run's log. The callback defines state_dict, so it is stateful
+    # even while its state is empty (at the start of the resumed run, before loading).
+    straight = _EpochLog()
+    _fit_resumable(tmp_path / "straight.pt", [straight])
+    first = _EpochLog()
+    with pytest.raises(KeyboardInterrupt):
+        _fit_resumable(tmp_path / "ck.pt", [first, _Interrupt(1)])
+    resumed = _EpochLog()
+    _fit_resumable(tmp_path / "ck.pt", [resumed, _Interrupt(None)])
+    assert resumed.log == straight.log and len(straight.log) == 3
+
+
+def test_csv_logger_logs_each_epoch_once_across_a_resume(tmp_path):
+    # The interrupting callback runs after the logger and before the checkpoint: epoch 1 was
+    # logged but not checkpointed, and the resumed run redoes it. Truth: the file of the
+    # uninterrupted run, row for row.
+    straight, log = tmp_path / "straight.csv", tmp_path / "log.csv"
+    _fit_resumable(tmp_path / "s.pt", [vmapens.callbacks.CSVLogger(straight)])
+    with pytest.raises(KeyboardInterrupt):
+        _fit_resumable(tmp_path / "ck.pt", [vmapens.callbacks.CSVLogger(log), _Interrupt(1)])
+    assert [row.split(",")[0] for row in log.read_text().splitlines()[1:]].count("1") == N
+    _fit_resumable(tmp_path / "ck.pt", [vmapens.callbacks.CSVLogger(log), _Interrupt(None)])
+    assert log.read_text() == straight.read_text()

@@ -367,3 +367,69 @@ def test_shuffling_dataloader_resumed_mid_pass_sees_the_uninterrupted_batches(tm
     assert len(resumed_seen.seen) == len(tail)
     for k, (got, want) in enumerate(zip(resumed_seen.seen, tail, strict=True)):
         assert torch.equal(got, want), f"resumed step {k}"
+
+
+@pytest.mark.parametrize("own_generator", [False, True], ids=["torch-rng", "own-generator"])
+def test_shuffling_dataloader_gives_fit_the_order_a_plain_loop_sees(own_generator):
+    # Truth: each member alone, trained by a plain loop over the same DataLoader from the same
+    # RNG state. fit draws nothing from the RNG the loader shuffles with (torch's, or its own
+    # generator) but what each pass's iterator draws: before, checking that `data` is
+    # re-iterable made an iterator, one draw, and the first pass saw another order.
+    def loader() -> DataLoader:
+        g = torch.Generator().manual_seed(3) if own_generator else None
+        return DataLoader(TensorDataset(X, Y), batch_size=BATCH, shuffle=True, generator=g)
+
+    ens, plain = ensemble_and_truth(0)
+    torch.manual_seed(11)
+    vmapens.fit(ens, loader(), nn.MSELoss(), epochs=3, lr=LRS, progress=False, seed=0)
+    for i, model in enumerate(plain):
+        torch.manual_seed(11)
+        data = loader()
+        batches = [batch for _ in range(3) for batch in data]  # MLP: no draws in training
+        train_alone(model, batches, make_opt=adam(LRS[i]))
+    assert_members_equal(ens, plain)
+
+
+@pytest.mark.parametrize(("steps", "stop"), [(STEPS, 4), (None, 5)], ids=["mid-pass", "pass-end"])
+def test_dataloader_with_its_own_generator_resumes_exactly(tmp_path, steps, stop):
+    # DataLoader(shuffle=True, generator=g), the usual way to make shuffling reproducible,
+    # draws every pass's order from g: the checkpoint keeps g's state (and the state g had when
+    # the pass began, for a pass cut by `steps`), or a resumed run replays other orders.
+    def loader() -> DataLoader:
+        g = torch.Generator().manual_seed(3)  # a new process makes a new loader
+        return DataLoader(TensorDataset(X, Y), batch_size=BATCH, shuffle=True, generator=g)
+
+    # With `steps`, the checkpoint after epoch 0 is 3 batches into a pass of 4; without, at a
+    # pass's end.
+    options = dict(epochs=EPOCHS, steps=steps, lr=LRS, progress=False, seed=0, check=False)
+    first, _ = ensemble_and_truth(0)
+    with pytest.raises(KeyboardInterrupt):
+        vmapens.fit(first, loader(), nn.MSELoss(), callbacks=[StopAt(stop)],
+                    checkpoint=tmp_path / "ck.pt", **options)  # fmt: skip
+    resumed, _ = ensemble_and_truth(0)
+    vmapens.fit(resumed, loader(), nn.MSELoss(), checkpoint=tmp_path / "ck.pt", **options)
+    straight, plain = ensemble_and_truth(0)
+    vmapens.fit(straight, loader(), nn.MSELoss(), checkpoint=tmp_path / "s.pt", **options)
+    torch.testing.assert_close(resumed.state_dict(), straight.state_dict(), rtol=0, atol=0)
+    data = loader()  # the truth: a plain loop, one pass after another
+    batches = [batch for _ in range(EPOCHS) for batch in data][: EPOCHS * (steps or 4)]
+    for i, model in enumerate(plain):
+        train_alone(model, batches, make_opt=adam(LRS[i]))
+    assert_members_equal(straight, plain)
+
+
+def test_resume_refuses_data_with_other_generators(tmp_path):
+    # The checkpoint's loader drew from its own generator, this run's from torch's RNG: the
+    # resumed orders could not be the uninterrupted run's. Refused, nothing restored.
+    def loader(g: torch.Generator | None) -> DataLoader:
+        return DataLoader(TensorDataset(X, Y), batch_size=BATCH, shuffle=True, generator=g)
+
+    options = dict(epochs=3, lr=LRS, progress=False, seed=0, check=False)
+    first, _ = ensemble_and_truth(0)
+    with pytest.raises(KeyboardInterrupt):  # 4 steps a pass: after the first checkpoint
+        vmapens.fit(first, loader(torch.Generator().manual_seed(3)), nn.MSELoss(),
+                    callbacks=[StopAt(6)], checkpoint=tmp_path / "ck.pt", **options)  # fmt: skip
+    again, plain = ensemble_and_truth(0)
+    with pytest.raises(ValueError, match=r"generator\(s\) of its own"):
+        vmapens.fit(again, loader(None), nn.MSELoss(), checkpoint=tmp_path / "ck.pt", **options)
+    assert_members_equal(again, plain, rtol=0, atol=0)

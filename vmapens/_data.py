@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Sequence, Sized
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any
 
 import optree
@@ -20,6 +20,7 @@ __all__ = [
     "Stream",
     "TensorSource",
     "check_member_dim",
+    "data_generators",
     "is_tensor_data",
     "oob_mask",
     "rows_of",
@@ -121,37 +122,82 @@ class TensorSource:
         return optree.tree_map(lambda t: t[pick], self.x), self.y[pick]
 
 
+def data_generators(data: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects ``fit``'s ``data`` draws its order from, each once: a
+    DataLoader's ``generator=``, its sampler's and its batch sampler's sampler's (one per
+    DataLoader of a per-member list, in order). Tensor data: none (it shuffles from ``seed``).
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> g = torch.Generator()
+        >>> data_generators(DataLoader(range(4), shuffle=True, generator=g)) == [g]
+        True
+    """
+    if is_tensor_data(data):
+        return []
+    if isinstance(data, (list, tuple)):
+        return [g for item in data for g in data_generators(item)]
+    batch_sampler = getattr(data, "batch_sampler", None)
+    owners = (data, getattr(data, "sampler", None), getattr(batch_sampler, "sampler", None))
+    found: dict[int, torch.Generator] = {}
+    for owner in owners:
+        g = getattr(owner, "generator", None)
+        if isinstance(g, torch.Generator):
+            found.setdefault(id(g), g)
+    return list(found.values())
+
+
+def rng_state(generators: Sequence[torch.Generator]) -> Any:
+    """torch's global RNG state, with the states of ``generators`` when there are any."""
+    now = torch.get_rng_state()
+    return {"global": now, "generators": [g.get_state() for g in generators]} if generators else now
+
+
+def set_rng_state(state: Any, generators: Sequence[torch.Generator]) -> None:
+    """Undo to :func:`rng_state`'s ``state`` (a bare tensor sets the global RNG only)."""
+    if isinstance(state, dict):
+        torch.set_rng_state(state["global"])
+        for g, saved in zip(generators, state["generators"], strict=True):
+            g.set_state(saved)
+    else:
+        torch.set_rng_state(state)
+
+
 class IterableSource:
     """Any re-iterable of (inputs, targets) batches: a DataLoader, a list."""
 
     def __init__(self, data: Iterable, api: str):
-        if iter(data) is data:
+        # Not ``iter(data) is data``: a DataLoader's iterator draws a seed from the RNG (and
+        # starts its workers) when it is made, so the first pass would see another order.
+        if isinstance(data, Iterator):
             raise TypeError(
                 f"{api}: `data` must be re-iterable (a DataLoader, a list of batches or an "
                 "(X, Y) tuple of tensors), got a one-shot iterator"
             )
         self.data = data
         self.length = len(data) if isinstance(data, Sized) else None
+        self.generators = data_generators(data)
         self._it: Any = None
         self._at = (-1, 0)
-        # torch's RNG state when this pass's iterator was made: a shuffling DataLoader draws
-        # its order (and its workers' seeds) from it then, so a resumed pass needs it back.
-        self.pass_rng: Tensor | None = None
+        # The RNG states when this pass's iterator was made (torch's, and the DataLoader's own
+        # generator's): a shuffling DataLoader draws its order (and its workers' seeds) from
+        # them then, so a resumed pass needs them back.
+        self.pass_rng: Any = None
 
     def get(self, pass_: int, pos: int) -> tuple[Any, Tensor] | None:
         if self._at != (pass_, pos):
             # A fresh pass, or resuming mid-pass: start over and skip what was already used,
-            # from the RNG state the pass began with; then the RNG is where it was (resumed).
-            now = torch.get_rng_state()
+            # from the RNG states the pass began with; then they are where they were (resumed).
+            now = rng_state(self.generators)
             if pos > 0 and self.pass_rng is not None:
-                torch.set_rng_state(self.pass_rng)
+                set_rng_state(self.pass_rng, self.generators)
             else:
                 self.pass_rng = now
             self._it = iter(self.data)
             for _ in range(pos):
                 next(self._it, None)
             if pos > 0:
-                torch.set_rng_state(now)
+                set_rng_state(now, self.generators)
         self._at = (pass_, pos + 1)
         batch = next(self._it, None)
         if batch is None:
@@ -183,11 +229,11 @@ class MemberIterables:
         self.length = self.sources[0].length
 
     @property
-    def pass_rng(self) -> list[Tensor | None]:
+    def pass_rng(self) -> list[Any]:
         return [src.pass_rng for src in self.sources]
 
     @pass_rng.setter
-    def pass_rng(self, states: list[Tensor | None]) -> None:
+    def pass_rng(self, states: list[Any]) -> None:
         for src, state in zip(self.sources, states, strict=True):
             src.pass_rng = state
 

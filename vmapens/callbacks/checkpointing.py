@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .._checks import check_writable_dir
+from .._data import data_generators
 from .._resume import NOT_COMPARED, fingerprint, hyperparameters_of, read_checkpoint
 from ..checkpoint import apply_parts, check_owner, members_of, write
 from ..distributed import broadcast_object, rank, world_size
@@ -60,7 +61,9 @@ class Checkpoint(Callback):
         # last: a file there that is neither was written by another run.
         self.run: str | None = None
         self.seen: tuple[int, ...] | None = None
-        self.rng: tuple[Any, list[Any]] | None = None  # read, set just before the first step
+        # Read, set just before the first step: torch's CPU and CUDA RNG states and those of
+        # the generators the data draws from (``DataLoader(generator=...)``).
+        self.rng: tuple[Any, list[Any], list[Any]] | None = None
 
     def on_fit_start(self, ctx: Context) -> None:
         schedulers = [cb for cb in ctx.callbacks if isinstance(cb, LRScheduler)]
@@ -99,6 +102,8 @@ class Checkpoint(Callback):
             torch.set_rng_state(self.rng[0])
             if self.rng[1]:
                 torch.cuda.set_rng_state_all(self.rng[1])
+            for g, state in zip(data_generators(ctx.arguments.get("data")), self.rng[2]):
+                g.set_state(state)
             self.rng = None
 
     def on_epoch_end(self, ctx: Context) -> None:
@@ -161,8 +166,16 @@ def _keyed(ctx: Context) -> dict[str, Callback]:
 
 
 def _listed(ctx: Context) -> list[Callback]:
+    """The callbacks whose states go in the checkpoint's list: those that define
+    ``state_dict`` (their state may still be empty at the start, as a log's is) or return one.
+    """
     keyed = set(map(id, _keyed(ctx).values()))
-    return [cb for cb in ctx.callbacks if id(cb) not in keyed and cb.state_dict()]
+    return [
+        cb
+        for cb in ctx.callbacks
+        if id(cb) not in keyed
+        and (type(cb).state_dict is not Callback.state_dict or cb.state_dict())
+    ]
 
 
 class _FitState:
@@ -178,6 +191,7 @@ class _FitState:
             **ctx.state_dict(),
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+            "data_rng": [g.get_state() for g in data_generators(ctx.arguments.get("data"))],
             **({} if merged is None else merged.state_dict()),
             "options": {**self.owner.options, "seed": ctx.seed},
             "run": self.owner.run,
@@ -185,6 +199,17 @@ class _FitState:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # None in checkpoints written before the data's own generators were kept.
+        data_rng = state.get("data_rng")
+        if data_rng is not None:
+            ours = len(data_generators(self.ctx.arguments.get("data")))
+            if len(data_rng) != ours and "data" not in self.owner.override:
+                raise ValueError(
+                    f"the checkpoint's data drew its order from {len(data_rng)} generator(s) "
+                    f"of its own (DataLoader(generator=...)), this run's from {ours}; pass "
+                    "the same DataLoader to resume"
+                )
+            data_rng = data_rng if len(data_rng) == ours else None
         stateful = _listed(self.ctx)
         names = [type(cb).__name__ for cb in stateful]
         stored = [name for name, _ in state.get("callbacks", [])]
@@ -200,4 +225,4 @@ class _FitState:
             cb.load_state_dict(s)
         self.ctx.load_state_dict(state)
         self.owner.run, self.owner.seen = state.get("run"), state.get("seen")
-        self.owner.rng = (state["rng"], state["cuda_rng"])
+        self.owner.rng = (state["rng"], state["cuda_rng"], data_rng or [])

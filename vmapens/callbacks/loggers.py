@@ -39,7 +39,8 @@ class CSVLogger(Callback):
     Columns: ``epoch``, ``member`` (global index), then the scalars of :func:`epoch_scalars`
     (``train_loss``, ``val_loss``, metrics, ``lr``, ``ensemble_<metric>``, the last the same
     on every row of an epoch). Stopped members' losses are empty cells. A run that starts at
-    epoch 0 writes a new file; a resumed run appends to it.
+    epoch 0 writes a new file; a resumed run appends to it, after dropping any rows of the
+    epochs it redoes (logged by the interrupted run after its last checkpoint).
 
     Args:
         path: the CSV file.
@@ -60,6 +61,22 @@ class CSVLogger(Callback):
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
+
+    def on_train_start(self, ctx: Context) -> None:
+        # A resumed run redoes the epochs after its checkpoint. The interrupted run may have
+        # logged some of them already (a callback raised after this one, before the
+        # checkpoint was written): drop those rows so that no epoch is logged twice.
+        first = ctx.history.epochs
+        if first == 0 or not os.path.exists(self.path):
+            return
+        with open(self.path, newline="") as f:
+            rows = list(csv.reader(f))
+        kept = rows[:1] + [row for row in rows[1:] if row and int(row[0]) < first]
+        if len(kept) < len(rows):
+            partial = self.path + ".partial"
+            with open(partial, "w", newline="") as f:
+                csv.writer(f).writerows(kept)
+            os.replace(partial, self.path)
 
     def on_epoch_end(self, ctx: Context) -> None:
         per, whole = epoch_scalars(ctx)
