@@ -230,3 +230,40 @@ def test_csv_logger_logs_each_epoch_once_across_a_resume(tmp_path):
     assert [row.split(",")[0] for row in log.read_text().splitlines()[1:]].count("1") == N
     _fit_resumable(tmp_path / "ck.pt", [vmapens.callbacks.CSVLogger(log), _Interrupt(None)])
     assert log.read_text() == straight.read_text()
+
+
+@pytest.mark.parametrize(
+    ("changed", "shown"),
+    [(nn.HuberLoss(delta=2.0), "delta=2.0"), (nn.HuberLoss(reduction="sum"), "reduction='sum'")],
+)
+def test_resume_refuses_a_loss_with_other_settings(tmp_path, changed, shown):
+    # A loss's repr leaves its settings out (both print "HuberLoss()"): a resumed run that
+    # changed them would go on training another objective without a word.
+    ens = build()
+    with pytest.raises(KeyboardInterrupt):
+        vmapens.fit(
+            ens,
+            (X, Y),
+            nn.HuberLoss(),
+            epochs=3,
+            batch_size=4,
+            seed=0,
+            progress=False,
+            checkpoint=tmp_path / "ck.pt",
+            callbacks=[_Interrupt(1)],
+        )
+    held = copy.deepcopy(ens.state_dict())
+    with pytest.raises(ValueError, match=rf"loss_fn.*{shown}"):
+        vmapens.fit(ens, (X, Y), changed, epochs=3, batch_size=4, seed=0, progress=False,
+                    checkpoint=tmp_path / "ck.pt")  # fmt: skip
+    torch.testing.assert_close(ens.state_dict(), held, rtol=0, atol=0)
+    vmapens.fit(
+        ens,
+        (X, Y),
+        nn.HuberLoss(),
+        epochs=3,
+        batch_size=4,
+        seed=0,
+        progress=False,
+        checkpoint=tmp_path / "ck.pt",
+    )  # fmt: skip  (the same settings resume)

@@ -3,8 +3,8 @@ the checkpoint's.
 
 Every argument of ``fit`` is compared unless :data:`NOT_COMPARED` says why not, so an option
 added to ``fit`` is compared without anyone listing it. Values that cannot be compared as they
-are become fingerprints: tensors by shape, dtype and a SHA-256 of their bytes, callables by
-qualified name, the optimizer (its hyperparameters included) and schedulers by the settings
+are become fingerprints: tensors by shape, dtype and a SHA-256 of their bytes, modules (a loss)
+by their repr, plain attributes and tensors, callables by qualified name, the optimizer (its hyperparameters included) and schedulers by the settings
 they were built with.
 """
 
@@ -49,7 +49,16 @@ def fingerprint(value: Any) -> Any:
     if isinstance(value, (int, float, str, bool)) or value is None:
         return value
     if isinstance(value, torch.nn.Module):
-        return repr(value)  # e.g. "CrossEntropyLoss()": settings, no address
+        # A loss's repr leaves its settings out: CrossEntropyLoss(label_smoothing=0.3) prints
+        # "CrossEntropyLoss()". Its plain attributes and tensors (a class weight) go in too.
+        plain = (int, float, str, bool, type(None))
+        settings = [
+            f"{k}={v!r}"
+            for k, v in sorted(vars(value).items())
+            if not k.startswith("_") and k != "training" and isinstance(v, plain)
+        ]
+        settings += [f"{k}={fingerprint(t)}" for k, t in value.state_dict().items()]
+        return repr(value) + (f" with {', '.join(settings)}" if settings else "")
     text = repr(value)
     if " at 0x" not in text and "object at" not in text:
         return text
