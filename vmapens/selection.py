@@ -44,7 +44,7 @@ def member_scores(history: History, metric: str = "val_loss", mode: str = "min")
         ``[n]`` scores.
 
     Raises:
-        ValueError: ``metric`` was not recorded, or a bad ``mode``.
+        ValueError: ``metric`` was not recorded, ``history`` has no epochs, or a bad ``mode``.
 
     Example:
         >>> h = History.empty([0, 1], validated=True)
@@ -52,9 +52,15 @@ def member_scores(history: History, metric: str = "val_loss", mode: str = "min")
         >>> member_scores(h)
         tensor([2., 1.], dtype=torch.float64)
     """
-    api = "member_scores"
+    return _scores(history, metric, mode, "member_scores", "history")
+
+
+def _scores(history: History, metric: str, mode: str, api: str, arg: str) -> Tensor:
+    """:func:`member_scores`, its errors in the words of ``api`` (``history`` is its ``arg``)."""
     check_choice(api, "mode", mode, ("min", "max"))
     table = metric_table(history, metric, api, "metric")
+    if table.shape[0] == 0:
+        raise ValueError(f"{api}: `{arg}` has no epochs recorded, so no member has a score")
     finite = torch.isfinite(table)
     fill = torch.inf if mode == "min" else -torch.inf
     values = table.masked_fill(~finite, fill)
@@ -90,7 +96,8 @@ def best_k(
         ``optimizer``.
 
     Raises:
-        ValueError: ``k`` out of range, scores of the wrong shape, an unknown metric.
+        ValueError: ``k`` out of range, scores of the wrong shape, an unknown metric, a History
+            with no epochs or of other members (its ``member_ids`` are not ``ens.member_ids``).
         TypeError: ``optimizer`` is not a StackedOptimizer.
 
     Example:
@@ -105,7 +112,13 @@ def best_k(
         raise ValueError(f"{api}: `k` must be <= the number of members ({n}), got {k}")
     check_choice(api, "mode", mode, ("min", "max"))
     if isinstance(history_or_scores, History):
-        scores = member_scores(history_or_scores, metric, mode)
+        ids, own = list(history_or_scores.member_ids), list(ens.member_ids)
+        if ids != own:
+            raise ValueError(
+                f"{api}: `history_or_scores` is a History of members {ids}, but `ens` holds "
+                f"members {own}; pass the History of this ensemble's training"
+            )
+        scores = _scores(history_or_scores, metric, mode, api, "history_or_scores")
     elif isinstance(history_or_scores, Tensor):
         scores = history_or_scores.detach().double().cpu()
     else:

@@ -158,7 +158,8 @@ class Sweep:
             random backend's draws and fit's ``seed`` (shuffling) unless given to ``run``.
         optimizer: ``optimizer(ens, **per_member_hyperparameters)``, e.g. ``StackedAdam``.
         monitor: ``"val_loss"``, ``"train_loss"`` or ``"val_<metric>"`` (a metric given to
-            ``run`` through ``fit``'s ``metrics``): what trials are judged by.
+            ``run`` through ``fit``'s ``metrics``): what trials are judged by. ``run`` checks
+            that ``fit`` will record it (``val_data``, ``metrics``) before asking for a trial.
         mode: ``"min"`` or ``"max"``.
 
     Example:
@@ -192,8 +193,15 @@ class Sweep:
         check_int(api, "seed", seed)
         if not callable(space):
             raise TypeError(f"{api}: `space` must be callable, got {type(space).__name__}")
+        if not isinstance(monitor, str):
+            raise TypeError(f"{api}: `monitor` must be a str, got {type(monitor).__name__}")
         if (grid is None) != (backend != "grid"):
             raise ValueError(f"{api}: `grid` is needed with backend='grid', and only there")
+        empty = sorted(k for k, v in (grid or {}).items() if len(v) == 0)
+        if empty:
+            raise ValueError(
+                f"{api}: `grid` needs at least one value per name, got none for {empty}"
+            )
         if study is not None and backend != "optuna":
             raise ValueError(f"{api}: `study` needs backend='optuna', got {backend!r}")
         self.factory, self.space, self.backend, self.seed = factory, space, backend, seed
@@ -249,12 +257,21 @@ class Sweep:
             **fit_options: passed to ``fit`` (``epochs``, ``batch_size``, ``val_data``,
                 ``metrics``, ``callbacks``, ...; not ``optimizer`` or ``lr``).
 
+        Before any trial is asked, ``run`` checks its arguments, that ``fit`` will record the
+        sweep's ``monitor`` with these options, and the names ``space`` returns (called once on
+        a stand-in trial that offers the three ``suggest_*`` methods). If it raises anyway (in
+        ``fit``, say), the random and grid backends are left as before the call: the next
+        ``run`` numbers and seeds its trials as this one would have. With optuna, the trials
+        of the failing round are told ``FAIL`` (none is left ``RUNNING``); earlier rounds' stay
+        told.
+
         Returns:
             A :class:`SweepResult`.
 
         Raises:
-            ValueError: bad counts, ``fit`` options the sweep sets itself, hyperparameters
-                the optimizer does not take, ``bootstrap=True`` over several rounds.
+            ValueError: bad counts, ``fit`` options the sweep sets itself, a ``monitor`` that
+                ``fit`` will not record, hyperparameters the optimizer does not take,
+                ``bootstrap=True`` over several rounds.
         """
         api = "Sweep.run"
         if n_trials is None:
@@ -274,6 +291,8 @@ class Sweep:
                 f"or >= n_trials), got per_ensemble={per_ensemble} for {n_trials} trials: "
                 "later rounds would reuse the first round's resamples"
             )
+        self._check_monitor(api, fit_options)
+        names = self._probe(api)
         given = list(fit_options.get("callbacks", ()))
         watched = self.monitor.startswith("val_") and fit_options.get("val_data") is not None
         if watched and not any(isinstance(cb, EarlyStopping) for cb in given):
@@ -283,27 +302,76 @@ class Sweep:
             fit_options = {**fit_options, "callbacks": [stop, *given]}
         fit_options.setdefault("seed", self.seed)
         result = SweepResult([], mode=self.mode)
-        for start in range(0, n_trials, per):
-            self._round(data, loss_fn, min(per, n_trials - start), fit_options, result)
+        asked = self._asked
+        try:
+            for start in range(0, n_trials, per):
+                self._round(data, loss_fn, min(per, n_trials - start), fit_options, names, result)
+        except BaseException:
+            self._asked = asked  # the plain backends' trial numbers (and seeds) are not used up
+            raise
         return result
 
+    def _check_monitor(self, api: str, options: dict[str, Any]) -> None:
+        """Raise unless ``fit`` will record the monitor, given its options."""
+        metrics = options.get("metrics")
+        names = list(metrics) if isinstance(metrics, Mapping) else []
+        recorded = ["train_loss"]
+        if options.get("val_data") is not None:
+            recorded += ["val_loss", *names, *(f"val_{k}" for k in names)]
+        if self.monitor not in recorded:
+            raise ValueError(
+                f"{api}: the sweep's `monitor` {self.monitor!r} is not recorded by fit with "
+                f"these options; it records {recorded}. Pass `val_data` (and `metrics` for "
+                "'val_<name>'), or build the Sweep with one of those as `monitor`"
+            )
+
+    def _probe(self, api: str) -> list[str]:
+        """The hyperparameter names ``space`` returns, from a stand-in trial (no backend's)."""
+        grid = None if self.grid is None else {k: v[0] for k, v in self.grid.items()}
+        names = list(dict(self.space(_PlainTrial(-1, random.Random(self.seed), grid))))
+        hypers = getattr(self.optimizer, "hyperparameters", None)
+        unknown = [k for k in names if isinstance(hypers, dict) and k not in hypers]
+        if unknown:
+            raise ValueError(
+                f"{api}: `space` returned {unknown}, which "
+                f"{getattr(self.optimizer, '__name__', 'the optimizer')} does not take; "
+                f"per-member hyperparameters: {sorted(hypers or ())}"
+            )
+        return names
+
     def _round(
-        self, data: Any, loss_fn: Any, count: int, options: dict[str, Any], result: SweepResult
+        self,
+        data: Any,
+        loss_fn: Any,
+        count: int,
+        options: dict[str, Any],
+        names: list[str],
+        result: SweepResult,
     ) -> None:
-        trials = [self._ask() for _ in range(count)]
-        params = [dict(self.space(t)) for t in trials]
-        numbers = [t.number for t in trials]
-        ens = Ensemble(self.factory, count, seeds=[member_seed(self.seed, k) for k in numbers])
-        names = list(params[0])
-        if any(list(p) != names for p in params):
-            raise ValueError("Sweep: `space` must return the same hyperparameter names every time")
-        hyper = {k: _per_member([p[k] for p in params], self.optimizer, k) for k in names}
-        optimizer = self.optimizer(ens, **hyper)
-        report = _Report(trials, self.monitor, self.backend == "optuna")
-        callbacks = [*options.get("callbacks", ()), report]
-        history = fit(
-            ens, data, loss_fn, optimizer=optimizer, **{**options, "callbacks": callbacks}
-        )
+        trials: list[Any] = []
+        try:
+            for _ in range(count):
+                trials.append(self._ask())
+            params = [dict(self.space(t)) for t in trials]
+            if any(list(p) != names for p in params):
+                raise ValueError(
+                    f"Sweep: `space` must return the same hyperparameter names every time: "
+                    f"{names} first, then {[list(p) for p in params]}"
+                )
+            seeds = [member_seed(self.seed, t.number) for t in trials]
+            ens = Ensemble(self.factory, count, seeds=seeds)
+            hyper = {k: _per_member([p[k] for p in params], self.optimizer, k) for k in names}
+            optimizer = self.optimizer(ens, **hyper)
+            report = _Report(trials, self.monitor, self.backend == "optuna")
+            callbacks = [*options.get("callbacks", ()), report]
+            history = fit(
+                ens, data, loss_fn, optimizer=optimizer, **{**options, "callbacks": callbacks}
+            )
+        except BaseException:
+            if self.backend == "optuna":
+                for trial in trials:
+                    self._tell(trial, "failed", math.nan)  # leave none RUNNING
+            raise
         best = member_scores(history, self.monitor, self.mode)
         table = metric_table(history, self.monitor, "Sweep", "monitor")
         for j, trial in enumerate(trials):
@@ -332,11 +400,6 @@ class Sweep:
 def _per_member(values: list[Any], optimizer: Any, name: str) -> Any:
     """One hyperparameter's per-member values as the optimizer takes them (pairs as two)."""
     hypers = getattr(optimizer, "hyperparameters", None)
-    if isinstance(hypers, dict) and name not in hypers:
-        raise ValueError(
-            f"Sweep: `space` returned {name!r}, which {optimizer.__name__} does not take; "
-            f"per-member hyperparameters: {sorted(hypers)}"
-        )
     if isinstance(hypers, dict) and hypers[name].pair:
         return tuple(list(v) for v in zip(*values, strict=True))
     return values
