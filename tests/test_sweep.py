@@ -162,15 +162,22 @@ def assert_same_results(got, fresh):
         torch.testing.assert_close(torch.tensor(a.values), torch.tensor(b.values), **TOL)
 
 
-@pytest.mark.parametrize("backend", ["random", "grid", "optuna"])
 @pytest.mark.parametrize(
-    ("sweep_kwargs", "bad", "good", "message"),
-    [case[1:] for case in EARLY_ERRORS],
-    ids=[case[0] for case in EARLY_ERRORS],
+    ("backend", "sweep_kwargs", "bad", "good", "message"),
+    [
+        (backend, *case[1:])
+        for case in EARLY_ERRORS
+        for backend in ("random", "grid", "optuna")
+        if backend == "grid" or "grid" not in case[-1]  # only the grid backend has a grid
+    ],
+    ids=[
+        f"{backend}-{case[0]}"
+        for case in EARLY_ERRORS
+        for backend in ("random", "grid", "optuna")
+        if backend == "grid" or "grid" not in case[-1]
+    ],
 )
 def test_bad_monitor_or_space_fails_before_any_trial(backend, sweep_kwargs, bad, good, message):
-    if "grid" in message and backend != "grid":
-        pytest.skip("only the grid backend has a grid")
     built, steps = [], Steps()
     sweep = sweep_of(backend, built, **sweep_kwargs)
     with pytest.raises(ValueError, match=message):
