@@ -389,3 +389,19 @@ def test_bad_state_dict_changes_nothing():
     with pytest.raises(RuntimeError, match="Missing key"):
         ens.load_state_dict(partial)
     torch.testing.assert_close(ens.state_dict(), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "index",
+    [slice(None, None, -1), slice(None, None, -2), slice(3, 0, -1), slice(1, None, 2)],
+    ids=["reversed", "step-minus-2", "3-down-to-1", "odd"],
+)
+def test_slices_pick_the_members_a_list_slice_picks(index):
+    # Truth: Python's own slicing of the member list, as nn.Sequential's slicing follows it.
+    ens = vmapens.Ensemble(lambda: nn.Linear(3, 2), n=5, seed=0)
+    alone = ens.unstack()[index]
+    picked = ens[index]
+    assert len(picked) == len(alone)
+    for k, module in enumerate(alone):
+        for name, value in module.state_dict().items():
+            assert torch.equal(picked[k].state_dict()[name], value), (k, name)
