@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import pickle
 import sys
@@ -278,3 +279,97 @@ def test_save_members_without_safetensors_says_how_to_get_it(monkeypatch, tmp_pa
     assert os.listdir(tmp_path) == []
     with pytest.raises(ValueError, match=r"`format` must be 'pt' or 'safetensors', got 'npz'"):
         vmapens.save_members(ens, tmp_path, format="npz")
+
+
+# -- a part that does not fit ----------------------------------------------------------------
+
+
+def _trained_elsewhere() -> tuple[vmapens.Ensemble, vmapens.StackedAdam]:
+    """An ensemble and optimizer with state of their own, unlike the checkpoint's."""
+    ens = vmapens.Ensemble(models.MLP, n=3, seed=1).double()
+    opt = vmapens.StackedAdam(ens, lr=1e-2)
+    ens(XV).sum().backward()
+    opt.step()
+    return ens, opt
+
+
+def _part_optimizer(path, ens, opt):  # same class, over two of the four parameters
+    vmapens.restore(path, ens, vmapens.StackedAdam(list(ens.parameters())[:2], lr=1e-2))
+
+
+def _part_history(path, ens, opt):  # a History of 5 members for 3
+    vmapens.restore(path, ens, opt, History.empty(range(5), False))
+
+
+def _part_fit(path, ens, opt):  # the loop state of a run without validation
+    resume = vmapens.callbacks.Checkpoint(path, override=("val_data",))
+    vmapens.fit(ens, (X, Y), nn.MSELoss(), epochs=2, seed=0, progress=False, val_data=(XV, YV),
+                callbacks=[resume])  # fmt: skip
+
+
+PARTS = [(_part_optimizer, "optimizer"), (_part_history, "history"), (_part_fit, "fit")]
+
+
+@pytest.mark.parametrize(("attempt", "part"), PARTS, ids=[p for _, p in PARTS])
+def test_the_part_that_does_not_fit_is_named_and_the_parts_before_it_roll_back(
+    attempt, part, tmp_path
+):
+    path = tmp_path / "ck.pt"
+    vmapens.fit(vmapens.Ensemble(models.MLP, n=3, seed=0).double(), (X, Y), nn.MSELoss(),
+                epochs=1, seed=0, progress=False, checkpoint=path)  # fmt: skip
+    ens, opt = _trained_elsewhere()
+    before = copy.deepcopy((ens.state_dict(), opt.state_dict()))
+    with pytest.raises(ValueError, match=rf"ck\.pt: the {part} state does not fit: "):
+        attempt(path, ens, opt)
+    torch.testing.assert_close((ens.state_dict(), opt.state_dict()), before, **EXACT)
+
+
+# -- sub-ensembles of members of several sizes ------------------------------------------------
+
+WIDTHS = (4, 8, 16)
+SCORES = torch.tensor([0.3, 0.1, 0.2])  # best_k(k=2): rows [1, 2]
+
+
+@pytest.mark.parametrize("rows", [[2, 0], [0, 1], [1, 0], [1], "best_k"], ids=str)
+def test_a_sub_ensemble_of_several_sizes_loads_its_own_members(rows, tmp_path):
+    factories = [functools.partial(models.MLP, hidden=h) for h in WIDTHS]
+    ens = vmapens.Ensemble.from_factories(factories, seed=0)  # float32: load does not cast
+    opt = vmapens.StackedAdam(ens, lr=[1e-2, 2e-2, 3e-2])
+    step = vmapens.make_step(ens, nn.MSELoss(), opt)
+    for _ in range(2):
+        step(X.float(), Y.float())
+    if rows == "best_k":
+        sub, sub_opt = vmapens.selection.best_k(ens, SCORES, 2, optimizer=opt)
+        rows = [1, 2]
+    else:
+        sub = ens.select(rows)
+        sub_opt = opt.select(rows, sub)
+    path = tmp_path / "sub.pt"
+    vmapens.save(sub, path, sub_opt)
+    kept = [factories[r] for r in rows]
+
+    loaded = vmapens.load(path, kept)
+    assert list(loaded.member_ids) == rows and loaded.n_total == len(WIDTHS)
+    for mine, saved in zip(loaded.unstack(), sub.unstack(), strict=True):
+        torch.testing.assert_close(mine.state_dict(), saved.state_dict(), **EXACT)
+    if loaded._padding is not None:  # what no member holds is zero, as in a fresh build
+        params = loaded.stacked_params()
+        for name, mask in loaded._padding.masks(params).items():
+            assert not params[name].detach()[mask == 0].any(), name
+    loaded_opt = vmapens.StackedAdam(loaded, lr=0.5)
+    vmapens.restore(path, loaded, loaded_opt)
+    for i in range(len(rows)):
+        torch.testing.assert_close(
+            loaded_opt.member_state_dict(i), sub_opt.member_state_dict(i), **EXACT
+        )
+    if len(rows) == 1:  # one member: one factory is enough
+        torch.testing.assert_close(
+            vmapens.load(path, kept[0]).state_dicts(), sub.state_dicts(), **EXACT
+        )
+
+    with pytest.raises(ValueError, match=r"holds members of other sizes .* \(member by member\)"):
+        vmapens.load(path, [factories[(r + 1) % len(WIDTHS)] for r in rows])
+    with pytest.raises(
+        ValueError, match=rf"holds {len(rows)} members, `factory` gives 3 factories"
+    ):
+        vmapens.load(path, factories)

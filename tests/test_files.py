@@ -361,3 +361,45 @@ def test_a_second_run_writing_the_same_path_is_refused(tmp_path: Path, when: int
     else:
         assert len(ours_and_theirs) == 2  # ... and this one
     assert theirs["epoch"] == 3 - (when == 1)  # the other run's file was left alone
+
+
+# -- arguments are checked before anything is written ----------------------------------------
+
+
+def _other_optimizer() -> vmapens.StackedAdam:
+    return vmapens.StackedAdam(vmapens.Ensemble(lambda: nn.Linear(2, 2), n=5, seed=0))
+
+
+BAD_ARGS = [
+    ("save_members-ens", lambda ens, d: vmapens.save_members(nn.Linear(2, 1), d / "members"), TypeError, r"^save_members: `ens` must be a vmapens\.Ensemble, got Linear"),
+    ("save_members-directory", lambda ens, d: vmapens.save_members(ens, 3), TypeError, r"^save_members: `directory` must be a str or os\.PathLike, got int"),
+    ("save-path", lambda ens, d: vmapens.save(ens, 3.5), TypeError, r"^save: `path` must be a str or os\.PathLike, got float"),
+    ("save-optimizer-type", lambda ens, d: vmapens.save(ens, d / "o.pt", optimizer="adam"), TypeError, r"^save: `optimizer` must be a torch\.optim\.Optimizer, got str"),
+    ("save-history-type", lambda ens, d: vmapens.save(ens, d / "h.pt", history={}), TypeError, r"^save: `history` must be a vmapens\.History, got dict"),
+    ("save-other-optimizer", lambda ens, d: vmapens.save(ens, d / "o.pt", optimizer=_other_optimizer()), ValueError, r"^save: `optimizer` parameter 0 \(shape \[5, 2, 2\]\) is not a parameter of this ensemble"),
+    ("save-other-history", lambda ens, d: vmapens.save(ens, d / "h.pt", history=vmapens.History.empty(range(5), False)), ValueError, r"^save: `history` must be the History of `ens`'s members \(member ids \[0, 1\]\), got one of member ids \[0, 1, 2, 3, 4\]"),
+    ("restore-ens", lambda ens, d: vmapens.restore(d / "ok.pt", nn.Linear(2, 1)), TypeError, r"^restore: `ens` must be a vmapens\.Ensemble, got Linear"),
+    ("restore-optimizer-type", lambda ens, d: vmapens.restore(d / "ok.pt", ens, "adam"), TypeError, r"^restore: `optimizer` must be a torch\.optim\.Optimizer, got str"),
+    ("restore-history-type", lambda ens, d: vmapens.restore(d / "ok.pt", ens, history={}), TypeError, r"^restore: `history` must be a vmapens\.History, got dict"),
+    ("restore-other-optimizer", lambda ens, d: vmapens.restore(d / "ok.pt", ens, _other_optimizer()), ValueError, r"^restore: `optimizer` parameter 0 .* is not a parameter of this ensemble"),
+    ("restore-path", lambda ens, d: vmapens.restore(None, ens), TypeError, r"^restore: `path` must be a str or os\.PathLike, got NoneType"),
+    ("load-path", lambda ens, d: vmapens.load(7, lambda: nn.Linear(2, 1)), TypeError, r"^load: `path` must be a str or os\.PathLike, got int"),
+    ("load_member-path", lambda ens, d: vmapens.load_member(7), TypeError, r"^load_member: `path` must be a str or os\.PathLike, got int"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"), [b[1:] for b in BAD_ARGS], ids=[b[0] for b in BAD_ARGS]
+)
+def test_file_apis_check_their_arguments_before_writing(tmp_path: Path, call, error, match):
+    def files() -> dict[Path, bytes | None]:
+        return {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")}
+
+    ens = tiny()
+    vmapens.save(ens, tmp_path / "ok.pt")
+    before = files()
+    state = {k: v.clone() for k, v in ens.state_dict().items()}
+    with pytest.raises(error, match=match):
+        call(ens, tmp_path)
+    assert files() == before  # no file or directory created, none changed
+    torch.testing.assert_close(ens.state_dict(), state, **EXACT)

@@ -33,6 +33,7 @@ import torch
 __all__ = [
     "DIGEST_KEY",
     "atomic_write",
+    "check_path",
     "open_checked",
     "read_bytes",
     "remove_stale_temps",
@@ -94,13 +95,21 @@ def seal_torch(obj: Any) -> Callable[[IO[bytes]], None]:
     return write_to
 
 
+def check_path(api: str, name: str, path: Any) -> None:
+    """Raise TypeError unless ``path`` is a ``str`` or ``os.PathLike``, naming argument ``name``."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{api}: `{name}` must be a str or os.PathLike, got {type(path).__name__}")
+
+
 def open_checked(path: str | os.PathLike, api: str, what: str = "file") -> IO[bytes]:
     """``path`` opened for reading once its digest matches its bytes (a ``.pt`` zip).
 
     Raises:
+        TypeError: ``path`` is not a path.
         FileNotFoundError: no file at ``path``.
         ValueError: unreadable, truncated, no digest, or a digest that does not match.
     """
+    check_path(api, "path", path)
     where = os.fspath(path)
     try:
         f = open(where, "rb")  # noqa: SIM115  # returned open, or closed below
@@ -118,6 +127,7 @@ def open_checked(path: str | os.PathLike, api: str, what: str = "file") -> IO[by
 
 def read_bytes(path: str | os.PathLike, api: str) -> bytes:
     """The bytes of ``path``; FileNotFoundError when missing, ValueError when unreadable."""
+    check_path(api, "path", path)
     where = os.fspath(path)
     try:
         with open(where, "rb") as f:
@@ -220,9 +230,11 @@ def atomic_write(
         The :func:`signature` of the file written (what ``path`` is until someone replaces it).
 
     Raises:
+        TypeError: ``path`` is not a path (nothing is written).
         OSError: the directory is missing or read-only, the disk is full, or the file is over
             the size limit; the message says which and that the previous file is intact.
     """
+    check_path(api, "path", path)
     path = Path(path)
     if path.parent.is_dir():
         _remove_unowned(path.parent.glob(f".{path.name}.*.tmp"))

@@ -23,6 +23,8 @@ from ._files import (
     signature,
     torch_load,
 )
+from ._padding import corner, gates_of
+from ._step_parts import check_optimizer
 from .ensemble import Ensemble
 from .history import History
 
@@ -35,6 +37,7 @@ __all__ = [
     "load",
     "members_of",
     "read",
+    "relaid",
     "remove_stale_temps",
     "restore",
     "save",
@@ -87,14 +90,15 @@ def read(path: str | os.PathLike, api: str) -> dict[str, Any]:
     """Read a checkpoint written by :func:`write`: digest, format and version checked.
 
     Raises:
+        TypeError: ``path`` is not a str or os.PathLike.
         FileNotFoundError: no file at ``path``.
         ValueError: a truncated, corrupt or changed file (its digest does not match),
             objects other than tensors and plain containers (possibly code), another format
             or version; the message names the file.
     """
+    with open_checked(path, api, "checkpoint") as f:  # checks `path` first
+        payload = torch_load(f, os.fspath(path), api)
     where = os.fspath(path)
-    with open_checked(path, api, "checkpoint") as f:
-        payload = torch_load(f, where, api)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"{api}: {where} is not a vmapens checkpoint (no `{FORMAT}` marker)")
     if payload.get("version") != VERSION:
@@ -121,8 +125,8 @@ def apply_parts(payload: Mapping[str, Any], parts: Mapping[str, Any], api: str, 
             part.load_state_dict(payload[name])
             done.append(name)
     except (ValueError, RuntimeError, KeyError, TypeError, IndexError) as err:
-        for name in done:
-            parts[name].load_state_dict(before[name])
+        for loaded in done:  # not `name`: the message names the part that failed
+            parts[loaded].load_state_dict(before[loaded])
         raise ValueError(f"{api}: {where}: the {name} state does not fit: {err}") from err
 
 
@@ -164,18 +168,81 @@ def _is_int(value: Any) -> bool:
 
 
 def check_members(payload: Mapping[str, Any], ens: Ensemble, api: str, where: str) -> None:
-    """The file must hold this ensemble's members: same class and global ids."""
+    """The file must hold this ensemble's members: same class and global ids, and every
+    member the same shapes (however each side pads them: see :func:`relaid`)."""
     held, ours = payload.get("members"), members_of(ens)
-    same_but_sizes = isinstance(held, dict) and {**held, "sizes": None} == {**ours, "sizes": None}
-    if same_but_sizes and held != ours:
+    if not isinstance(held, dict) or {**held, "sizes": None} != {**ours, "sizes": None}:
+        raise ValueError(
+            f"{api}: {where} holds {_describe(held)}, this ensemble has {_describe(ours)}"
+        )
+    sized = "sizes" in held or "sizes" in ours
+    if sized and _held_shapes(held, payload.get("ensemble"), ens) != _own_shapes(ens):
         raise ValueError(
             f"{api}: {where} holds members of other sizes than this ensemble's (member by "
             "member): build it from the same factories, in the same order"
         )
-    if held != ours:
-        raise ValueError(
-            f"{api}: {where} holds {_describe(held)}, this ensemble has {_describe(ours)}"
-        )
+
+
+def _own_shapes(ens: Ensemble) -> list[dict[str, tuple[int, ...]]]:
+    """Every member's own shape of every stored tensor, by stacked name."""
+    padding, state, names = ens._padding, ens.stacked_state(), set(ens._state_keys.values())
+    if padding is None:
+        return [{name: tuple(state[name].shape[1:]) for name in names}] * len(ens)
+    return [{name: padding.shape(name, row) for name in names} for row in range(len(ens))]
+
+
+def _held_shapes(held: Any, state: Any, ens: Ensemble) -> list[dict[str, tuple]] | None:
+    """:func:`_own_shapes` of a file's members (None: it does not say). A file of one size
+    records no ``sizes``: its tensors have its members' shapes."""
+    try:
+        sizes, names = held.get("sizes"), ens._state_keys
+        if sizes is None:
+            return [{name: tuple(state[k].shape[1:]) for k, name in names.items()}] * len(ens)
+        kinds = [{name: tuple(kind[name]) for name in names.values()} for kind in sizes["shapes"]]
+        return [kinds[kind] for kind in sizes["kind_of"]]
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return None
+
+
+def relaid(payload: dict[str, Any], ens: Ensemble, optimizer: Any = None) -> dict[str, Any]:
+    """``payload`` with its ensemble (and optimizer) tensors padded as ``ens`` pads them.
+
+    A sub-ensemble (``select``, ``selection.best_k``) keeps the storage of the ensemble it
+    came from, padded to that one's largest member, where ``from_factories`` of the same
+    members pads to the largest of them: each member's own corner moves over, the rest is
+    zero, and so does optimizer state shaped like its parameter (a padded ensemble's optimizer
+    is elementwise). Unchanged unless the members' shapes match (:func:`check_members`).
+    """
+    state, rows = payload.get("ensemble"), _own_shapes(ens)
+    if not isinstance(state, dict) or _held_shapes(payload.get("members"), state, ens) != rows:
+        return payload
+    names, ours, gates = ens._state_keys, ens.stacked_state(), gates_of(ens.template)
+    full = {names[k]: v.shape for k, v in state.items() if k in names and hasattr(v, "shape")}
+
+    def move(held: Any, name: str) -> Any:  # if shaped like the file's tensor `name`
+        if getattr(held, "shape", 0) != full.get(name) or held.shape == ours[name].shape:
+            return held
+        shape = ours[name].shape
+        big = any(a > b for own in rows for a, b in zip(own[name], held.shape[1:], strict=True))
+        if held.dim() != len(shape) or held.shape[0] != shape[0] or big:
+            return held  # not what vmapens writes: check_ensemble_state names it
+        out, count = held.new_zeros(shape), gates.get(name, 1)
+        for row, own in enumerate(rows):
+            corner(out[row], own[name], count).copy_(corner(held[row], own[name], count))
+        return out
+
+    out = {**payload, "ensemble": {k: move(v, names.get(k, "")) for k, v in state.items()}}
+    saved = payload.get("optimizer")
+    if optimizer is not None and isinstance(saved, dict) and isinstance(saved.get("state"), dict):
+        of = {id(p): name for name, p in ens.stacked_params().items()}
+        at = dict(enumerate(of.get(id(p), "") for g in optimizer.param_groups for p in g["params"]))
+        entries = saved["state"].items()
+        moved = {
+            k: {s: move(v, at.get(k, "")) for s, v in e.items()} if isinstance(e, dict) else e
+            for k, e in entries
+        }
+        out["optimizer"] = {**saved, "state": moved}
+    return out
 
 
 def check_ensemble_state(state: Any, ens: Ensemble, api: str, where: str) -> None:
@@ -217,7 +284,12 @@ def save(
         ens: the ensemble.
         path: the checkpoint file.
         optimizer: an optimizer over ``ens.parameters()`` whose state to store.
-        history: a ``vmapens.History`` to store.
+        history: the ``vmapens.History`` of ``ens``'s members (``fit``'s) to store.
+
+    Raises:
+        TypeError: ``ens``, ``optimizer``, ``history`` or ``path`` of the wrong type.
+        ValueError: ``optimizer`` over another ensemble's parameters, ``history`` of others.
+        OSError: see :func:`write`.
 
     Example:
         >>> ens = Ensemble(lambda: nn.Linear(3, 1), n=4, seed=0)
@@ -225,19 +297,29 @@ def save(
         >>> load("ens.pt", lambda: nn.Linear(3, 1)).n_total
         4
     """
-    if not isinstance(ens, Ensemble):
-        raise TypeError(f"save: `ens` must be a vmapens.Ensemble, got {type(ens).__name__}")
-    write(path, _parts_state(ens, optimizer, history), "save")
-
-
-def _parts_state(ens: Ensemble, optimizer: Any, history: Any) -> dict[str, Any]:
-    return {
+    _check_parts("save", ens, optimizer, history)
+    if history is not None and list(history.member_ids) != list(ens.member_ids):
+        raise ValueError(
+            f"save: `history` must be the History of `ens`'s members (member ids "
+            f"{list(ens.member_ids)!r:.60}), got one of member ids {history.member_ids!r:.60}"
+        )
+    parts = {
         "members": members_of(ens),
         "ensemble": {k: v.detach().cpu() for k, v in ens.state_dict().items()},
         "optimizer": None if optimizer is None else optimizer.state_dict(),
         "optimizer_class": None if optimizer is None else type(optimizer).__name__,
         "history": None if history is None else history.state_dict(),
     }
+    write(path, parts, "save")
+
+
+def _check_parts(api: str, ens: Any, optimizer: Any, history: Any) -> None:
+    if not isinstance(ens, Ensemble):
+        raise TypeError(f"{api}: `ens` must be a vmapens.Ensemble, got {type(ens).__name__}")
+    if optimizer is not None:
+        check_optimizer(api, ens, optimizer)
+    if history is not None and not isinstance(history, History):
+        raise TypeError(f"{api}: `history` must be a vmapens.History, got {type(history).__name__}")
 
 
 def load(
@@ -282,7 +364,7 @@ def load(
         if len(factory) != len(ids):
             raise ValueError(
                 f"load: {where} holds {len(ids)} members, `factory` gives {len(factory)} "
-                "factories; give the factories the ensemble was built from"
+                "factories; give one per stored member, in order (a sub-ensemble's own)"
             )
         ens = Ensemble.from_factories(factory, seed=0)
     else:
@@ -304,9 +386,12 @@ def restore(
     """Load a checkpoint into an existing ensemble (and optimizer, History), all or nothing.
 
     Raises:
-        ValueError: as for ``load``, or the optimizer/History is missing from the file or
-            does not match; ``ens``, ``optimizer`` and ``history`` are then unchanged.
+        TypeError: ``ens``, ``optimizer``, ``history`` or ``path`` of the wrong type.
+        ValueError: as for ``load``, an optimizer over another ensemble's parameters, or the
+            optimizer/History is missing from the file or does not match; ``ens``,
+            ``optimizer`` and ``history`` are then unchanged.
     """
+    _check_parts("restore", ens, optimizer, history)
     _restore(read(path, "restore"), path, ens, optimizer, history, "restore")
 
 
@@ -315,6 +400,7 @@ def _restore(
 ) -> None:
     where = os.fspath(path)
     check_members(payload, ens, api, where)
+    payload = relaid(payload, ens, optimizer)
     check_ensemble_state(payload.get("ensemble"), ens, api, where)
     if optimizer is not None and payload.get("optimizer_class") not in (
         None,

@@ -15,6 +15,7 @@ import torch
 
 from ._files import (
     atomic_write,
+    check_path,
     open_checked,
     read_bytes,
     seal_safetensors,
@@ -43,8 +44,10 @@ def save_members(ens: Ensemble, directory: str | os.PathLike, format: str = "pt"
         The paths written, in member order.
 
     Raises:
+        TypeError: ``ens`` is not an Ensemble, ``directory`` not a path.
         ValueError: unknown ``format``.
         ImportError: ``format="safetensors"`` without the safetensors package.
+        OSError: ``directory`` cannot be created or written.
 
     Example:
         >>> from torch import nn
@@ -54,6 +57,9 @@ def save_members(ens: Ensemble, directory: str | os.PathLike, format: str = "pt"
         >>> nn.Linear(3, 1).load_state_dict(torch.load(paths[1]))
         <All keys matched successfully>
     """
+    if not isinstance(ens, Ensemble):
+        raise TypeError(f"save_members: `ens` must be a vmapens.Ensemble, got {type(ens).__name__}")
+    check_path("save_members", "directory", directory)
     if format not in ("pt", "safetensors"):
         raise ValueError(f"save_members: `format` must be 'pt' or 'safetensors', got {format!r}")
     if format == "safetensors":
@@ -100,6 +106,7 @@ def load_member(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         The member's state_dict (on CPU), for ``model.load_state_dict``.
 
     Raises:
+        TypeError: ``path`` is not a path.
         FileNotFoundError: no file at ``path``.
         ValueError: a truncated, corrupt or changed file, or one that holds something other
             than a dict of tensors; the message names the file.
@@ -111,6 +118,7 @@ def load_member(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         >>> nn.Linear(3, 1).load_state_dict(load_member(paths[1]))
         <All keys matched successfully>
     """
+    check_path("load_member", "path", path)
     where = os.fspath(path)
     if where.endswith(".safetensors"):
         try:
