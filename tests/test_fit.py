@@ -20,6 +20,7 @@ import vmapens
 from bench import mlp
 from vmapens import History
 from vmapens.callbacks import EarlyStopping
+from vmapens.callbacks.scheduler import attached_scheduler
 
 # One tolerance for every member-vs-twin comparison (float64 throughout).
 TOL = dict(rtol=1e-9, atol=1e-10)
@@ -299,6 +300,164 @@ def test_bad_arguments_raise_clearly_and_change_nothing(options, exc, match):
     with pytest.raises(exc, match=match):
         vmapens.fit(ens, options.pop("data"), nn.MSELoss(), **options)
     torch.testing.assert_close(ens.state_dict(), before, rtol=0, atol=0)
+
+
+def assert_bits_equal(got: Any, expected: Any, where: str = "") -> None:
+    """Nested dicts, sequences and tensors (dtype, shape and bits) equal; other leaves ==."""
+    assert type(got) is type(expected), where
+    if isinstance(got, dict):
+        assert got.keys() == expected.keys(), where
+        for k in got:
+            assert_bits_equal(got[k], expected[k], f"{where}[{k!r}]")
+    elif isinstance(got, (list, tuple)):
+        assert len(got) == len(expected), where
+        for k, (a, b) in enumerate(zip(got, expected, strict=True)):
+            assert_bits_equal(a, b, f"{where}[{k}]")
+    elif isinstance(got, torch.Tensor):
+        assert (got.dtype, got.shape) == (expected.dtype, expected.shape), where
+        bits = [
+            t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in (got, expected)
+        ]
+        assert torch.equal(*bits), where
+    else:
+        assert got == expected, where
+
+
+def trained(lr: Any = 1e-2) -> tuple[vmapens.Ensemble, vmapens.StackedAdam]:
+    """An ensemble and its optimizer after one epoch: optimizer state to keep."""
+    ens = vmapens.Ensemble(models.MLP, n=N, seed=0).double()
+    opt = vmapens.StackedAdam(ens, lr=lr)
+    vmapens.fit(ens, (X, Y), nn.MSELoss(), optimizer=opt, batch_size=5, progress=False, seed=0)
+    return ens, opt
+
+
+def loaders(*rows: int) -> list[DataLoader]:
+    return [DataLoader(TensorDataset(X[:r], Y[:r]), batch_size=4, shuffle=True) for r in rows]
+
+
+# Calls refused by a check of `data` or `val_data` that ran after the scheduler was built on the
+# optimizer and the seed drawn; the last, by a callback once fit has taken in a DataLoader.
+REFUSED = [
+    ("ragged-data", dict(data=(X, Y[:19])), ValueError, r"same number of samples \(dim 0\)"),
+    ("no-samples", dict(data=(X[:0], Y[:0])), ValueError, r"`data` has no samples"),
+    ("val-too-narrow", dict(val_data=(XV[:, :3], YV)), ValueError, r"`val_data` does not fit"),
+    ("one-shot-iterator", dict(data=one_shot()), TypeError, r"must be re-iterable"),
+    ("member-loaders-differ", dict(data=loaders(20, 20, 12, 20), in_dims=0), ValueError,
+     r"same number of batches per pass"),
+    ("loader-then-callback-refuses", dict(data=loaders(20)[0], callbacks=[EarlyStopping()]),
+     ValueError, r"`EarlyStopping` \(monitor 'val_loss'\) needs `val_data`"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("options,exc,match", [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED])
+def test_refused_fit_leaves_optimizer_and_global_rng_as_they_were(options, exc, match):
+    """docs/fit.md, Failure semantics: bad arguments change nothing. Here a scheduler builder
+    (which sets the lr and adds `initial_lr`) and `seed=None` (a seed drawn from the global
+    RNG) must not have run when the call is refused."""
+    ens, opt = trained(lr=[1e-3, 2e-3, 3e-3, 4e-3])
+    ens_before, opt_before = copy.deepcopy(ens.state_dict()), copy.deepcopy(opt.state_dict())
+    rng = torch.get_rng_state()
+    options = {"data": (X, Y), "batch_size": 4, **options}
+    with pytest.raises(exc, match=f"^fit: .*{match}"):
+        vmapens.fit(ens, options.pop("data"), nn.MSELoss(), optimizer=opt, epochs=2,
+                    scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.1),
+                    seed=None, progress=False, **options)  # fmt: skip
+    assert_bits_equal(opt.state_dict(), opt_before)  # param_groups (lr, no initial_lr), state
+    assert not attached_scheduler(opt)  # else a later fit(checkpoint=...) would refuse it
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert_bits_equal(ens.state_dict(), ens_before)
+
+
+def mae(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out - target).abs().mean()
+
+
+class PerColumn:
+    """A metric object (reset/update/compute) giving one value per output column."""
+
+    def reset(self) -> None:
+        self.value = torch.zeros(0)
+
+    def update(self, out: torch.Tensor, target: torch.Tensor) -> None:
+        self.value = (out - target).abs().mean(0)
+
+    def compute(self) -> torch.Tensor:
+        return self.value
+
+
+# A metric that cannot give one real scalar per member, the error, and what it chains.
+BAD_METRICS = [
+    ("bool-mean", lambda o, t: (o > t).mean(), ValueError,
+     r"failed on `val_data` .*mean\(\): could not infer output dtype", RuntimeError),
+    ("raises-type-error", lambda o, t: o.argmax(-1, "last"), TypeError,
+     r"failed on `val_data`", TypeError),
+    ("python-float", lambda o, t: float((o - t).abs().mean()), ValueError,
+     r"failed on `val_data`", RuntimeError),
+    ("vector-per-member", lambda o, t: (o - t).abs().mean(0), ValueError,
+     r"must return a real scalar .*, got a torch.float64 tensor of shape \(3,\) for each member",
+     None),
+    ("complex", lambda o, t: (o - t).abs().mean().to(torch.complex128), ValueError,
+     r"must return a real scalar .*, got a torch.complex128 tensor of shape \(\)", None),
+    ("object-vector", PerColumn(), ValueError,
+     r"must return .* tensor of shape \(3,\) for each member", None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "metric,exc,match,cause", [b[1:] for b in BAD_METRICS], ids=[b[0] for b in BAD_METRICS]
+)
+def test_a_metric_that_cannot_run_fails_before_training_naming_it(metric, exc, match, cause):
+    """fit checks every metric on val_data with the loss, before the first step: an error that
+    names it (not torch's, after an epoch), and the ensemble and optimizer unchanged."""
+    ens, opt = trained()
+    ens_before, opt_before = copy.deepcopy(ens.state_dict()), copy.deepcopy(opt.state_dict())
+    steps = []
+
+    class CountSteps(vmapens.Callback):
+        def on_step_end(self, ctx):
+            steps.append(ctx.step)
+
+    with pytest.raises(exc, match=rf"^fit: `metrics\['bad'\]` {match}") as caught:
+        vmapens.fit(ens, (X, Y), nn.MSELoss(), optimizer=opt, epochs=2, batch_size=5,
+                    val_data=(XV, YV), metrics={"mae": mae, "bad": metric},
+                    callbacks=[CountSteps()], seed=0, progress=False)  # fmt: skip
+    assert type(caught.value.__cause__) is (cause or type(None))
+    assert steps == []
+    assert_bits_equal(ens.state_dict(), ens_before)
+    assert_bits_equal(opt.state_dict(), opt_before)
+
+
+def test_metrics_of_a_real_dtype_are_recorded_per_member_and_for_the_mean():
+    """What the check lets through still runs: float, int and bool scalars, as float64."""
+    metrics = {
+        "mae": mae,
+        "hits": lambda o, t: ((o - t).abs() < 1).sum(),
+        "bounded": lambda o, t: (o.abs() < 1e3).all(),
+    }
+    ens, opt = trained()
+    history = vmapens.fit(
+        ens,
+        (X, Y),
+        nn.MSELoss(),
+        optimizer=opt,
+        epochs=2,
+        batch_size=5,
+        val_data=(XV, YV),
+        metrics=metrics,
+        seed=0,
+        progress=False,
+        callbacks=[EarlyStopping(restore_best=False)],  # the last epoch's members
+    )
+    with torch.no_grad():
+        out = ens(XV)
+    for name, fn in metrics.items():
+        members = torch.stack([fn(o, YV) for o in out]).double()
+        assert history.metrics[name].shape == (2, N) and history.metrics[name].dtype == F64["dtype"]
+        torch.testing.assert_close(history.metrics[name][-1], members, **TOL)
+        torch.testing.assert_close(
+            history.ensemble_metrics[name][-1], fn(out.mean(0), YV).double(), **TOL
+        )
+    assert history.metrics["hits"][-1].sum() > 0 and bool(history.metrics["bounded"].all())
 
 
 def test_compiled_fit_equals_eager_fit():

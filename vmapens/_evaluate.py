@@ -51,17 +51,25 @@ class Evaluator:
         self.oob = mask.to(data[1].device)
 
     def check(self, api: str) -> None:
-        """One eval-mode forward and loss on the validation data (nothing changes); a
-        ValueError when they fail. Out-of-bag validation runs on the training data: no check."""
+        """One eval-mode forward, the loss and every metric on the validation data (nothing
+        changes; out-of-bag validation runs on the training data: no check).
+
+        Raises:
+            ValueError: the forward or the loss fails; a metric fails (``TypeError`` when it
+                raised one) or does not give a real scalar per member.
+        """
         if self.val is None or self.oob is not None:
             return
         try:
-            self._forward(lambda out, y: self.val_loss(out, y))
+            out, _ = self._forward(lambda out, y: (out, self.val_loss(out, y)))
         except (RuntimeError, ValueError, TypeError, IndexError) as err:
             raise ValueError(
                 f"{api}: `val_data` does not fit the ensemble (one forward and `loss_fn` in eval "
                 f"mode failed): {err}"
             ) from err
+        with torch.no_grad():
+            for name, metric in self.metrics.items():
+                _check_metric(api, name, metric, out, self.val[1])
 
     def record(self, h: History, mean_loss: Tensor, running: Tensor, diverged: Tensor) -> None:
         """Append this epoch's row to ``h``: NaN for members that did not train (``running``
@@ -104,6 +112,33 @@ class Evaluator:
         rows = vmap(vmap(row), in_dims=(0, self.dims))(out, y).double()
         kept = mask.to(rows.dtype)
         return (rows * kept).sum(1) / kept.sum(1)
+
+
+def _check_metric(api: str, name: str, metric: Metric, out: Any, y: Tensor) -> None:
+    """``metric`` run as ``record`` runs it, on the members' outputs and on their mean: a real
+    scalar for each, or an error naming it."""
+    members, one = metric
+    try:
+        per, whole = members(out, y), torch.as_tensor(one(out.mean(0), y))
+    except Exception as err:
+        kind = TypeError if isinstance(err, TypeError) else ValueError
+        raise kind(
+            f"{api}: `metrics[{name!r}]` failed on `val_data` (a metric maps one member's "
+            f"output and the targets to a real scalar tensor; a callable runs under vmap): "
+            f"{type(err).__name__}: {err}"
+        ) from err
+    for value, where in ((per, "for each member"), (whole, "for the averaged output")):
+        if not isinstance(value, Tensor):
+            got = type(value).__name__
+        else:
+            shape = tuple(value.shape[1:] if value is per else value.shape)  # per: [n, ...]
+            if shape == () and not value.is_complex():
+                continue
+            got = f"a {value.dtype} tensor of shape {shape}"
+        raise ValueError(
+            f"{api}: `metrics[{name!r}]` must return a real scalar (a 0-dim tensor) from one "
+            f"member's output and the targets, got {got} {where}"
+        )
 
 
 def to_device(tree: Any, device: torch.device) -> Any:

@@ -144,7 +144,10 @@ def fit(
 
     Raises:
         ValueError: bad option values, options that need others (``patience`` without
-            ``val_data``, ``bootstrap`` without tensor data), a checkpoint from another run.
+            ``val_data``, ``bootstrap`` without tensor data), a checkpoint from another run,
+            ``data`` or ``val_data`` that does not fit, a metric that fails on ``val_data`` or
+            gives no real scalar per member (``TypeError`` when it raised one); all before
+            the first step.
         TypeError: a keyword that moved in 0.3.0 (the message gives the new spelling),
             ``patience`` with an optimizer that is not a StackedOptimizer, one-shot iterators,
             non-callable ``loss_fn`` or callbacks.
@@ -175,10 +178,14 @@ def fit(
     arguments = {k: v for k, v in args.items() if k != "options"} | c.step_options
     ctx = Context(ens, opt, history, objects, arguments, step_options["loss_scale"])
     evaluator = Evaluator(ens, loss_fn, c.val, c.val_dims, c.metrics)
+    # `val_data`, the metrics and the data are checked before the callbacks start (they check
+    # their settings, then build on the optimizer, a scheduler, and resume), so a refused call
+    # changes nothing; the seed is drawn after them, as a resume gives it.
+    evaluator.check(api)  # one forward, loss and metrics: fails now, not after an epoch
+    source = _source(api, ctx, data, c)  # draws nothing: a DataLoader is not iterated yet
     for cb in objects:
         cb.on_fit_start(ctx)  # checks, then a resume (Checkpoint runs last)
-    ctx.stream.source = _source(api, ctx, data, c, evaluator)
-    evaluator.check(api)  # data that does not fit fails now, not after an epoch
+    ctx.stream.source = _seeded(api, ctx, source, data, c, evaluator)
     ctx.steps_per_epoch = steps if steps is not None else ctx.stream.source.length
     if compile == "auto":
         per_epoch = ctx.steps_per_epoch
@@ -279,17 +286,29 @@ def _first(kinds: tuple[type, ...], cb: Callback) -> int:
     return order[0] if order else kinds.index(Callback)
 
 
-def _source(api: str, ctx: Context, data: Any, c: Checked, evaluator: Evaluator) -> Any:
-    """The batches of the run: its seed drawn now unless given or resumed."""
+def _source(api: str, ctx: Context, data: Any, c: Checked) -> Any:
+    """The batches of the run, checked. Tensor data is cut here for its checks only: its order
+    and resamples need the run's seed, which a resume may give (``_seeded`` cuts it again)."""
+    ens, args = ctx.ensemble, ctx.arguments
+    if not is_tensor_data(data):
+        return (
+            MemberIterables(data, len(ens), api) if c.data_dims == 0 else IterableSource(data, api)
+        )
+    return TensorSource(data, args["batch_size"], args["shuffle"], 0, None, api, c.data_dims == 0)
+
+
+def _seeded(
+    api: str, ctx: Context, source: Any, data: Any, c: Checked, evaluator: Evaluator
+) -> Any:
+    """``source`` keyed by the run's seed, drawn now unless given or resumed: tensor data
+    shuffled and, with ``bootstrap``, resampled by it."""
     ens, args = ctx.ensemble, ctx.arguments
     if ctx.seed is None:
         if world_size() > 1 and (args["bootstrap"] or args["shuffle"]):
             raise ValueError(f"{api}: a sharded ensemble needs an int `seed` (same on every rank)")
         ctx.seed = int(torch.randint(2**62, ()).item())
-    if not is_tensor_data(data):
-        return (
-            MemberIterables(data, len(ens), api) if c.data_dims == 0 else IterableSource(data, api)
-        )
+    if not isinstance(source, TensorSource):
+        return source
     boot = None
     if args["bootstrap"]:
         size = rows_of(data[0], c.data_dims == 0)
