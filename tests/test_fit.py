@@ -509,3 +509,24 @@ def test_compiled_fit_follows_a_per_step_scheduler_on_a_shared_lr():
     compiled, opt_c = run(True)
     torch.testing.assert_close(compiled.state_dict(), eager.state_dict(), **TOL)
     assert opt_c.param_groups[0]["lr"] == opt_e.param_groups[0]["lr"] == 0.05 * 0.8**12
+
+
+@pytest.mark.parametrize("lr", [1e-3, torch.tensor(1e-3)], ids=["float-lr", "tensor-lr"])
+def test_refused_resume_leaves_the_optimizer_as_it_was(tmp_path, lr):
+    # The scheduler is built on the optimizer before the resume check can refuse the run (it
+    # compares the built scheduler's settings): what it set is given back. A tensor `lr` is
+    # the same tensor afterwards, with its value (torch's schedulers fill_ it).
+    ck = tmp_path / "ck.pt"
+    vmapens.fit(vmapens.Ensemble(models.MLP, n=N, seed=0).double(), (X, Y), nn.MSELoss(),
+                batch_size=5, seed=0, progress=False, checkpoint=ck)  # fmt: skip
+    ens = vmapens.Ensemble(models.MLP, n=N, seed=0).double()
+    opt = vmapens.StackedAdam(ens, lr=lr)
+    held, opt_before = copy.deepcopy(ens.state_dict()), copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"batch_size"):
+        vmapens.fit(ens, (X, Y), nn.MSELoss(), optimizer=opt, batch_size=4, seed=0,
+                    scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.1),
+                    progress=False, checkpoint=ck)  # fmt: skip
+    assert_bits_equal(opt.state_dict(), opt_before)  # lr, no initial_lr
+    assert opt.param_groups[0]["lr"] is lr or not isinstance(lr, torch.Tensor)
+    assert not attached_scheduler(opt)  # opt.step is the optimizer's own again
+    assert_bits_equal(ens.state_dict(), held)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -183,8 +185,9 @@ def fit(
     # changes nothing; the seed is drawn after them, as a resume gives it.
     evaluator.check(api)  # one forward, loss and metrics: fails now, not after an epoch
     source = _source(api, ctx, data, c)  # draws nothing: a DataLoader is not iterated yet
-    for cb in objects:
-        cb.on_fit_start(ctx)  # checks, then a resume (Checkpoint runs last)
+    with _kept_on_error(opt):  # a scheduler is built, then a resume can still be refused
+        for cb in objects:
+            cb.on_fit_start(ctx)  # checks, then a resume (Checkpoint runs last)
     ctx.stream.source = _seeded(api, ctx, source, data, c, evaluator)
     ctx.steps_per_epoch = steps if steps is not None else ctx.stream.source.length
     if compile == "auto":
@@ -284,6 +287,34 @@ def _first(kinds: tuple[type, ...], cb: Callback) -> int:
     every user callback; the sort keeps their order)."""
     order = [k for k, kind in enumerate(kinds) if isinstance(cb, kind) and kind is not Callback]
     return order[0] if order else kinds.index(Callback)
+
+
+@contextlib.contextmanager
+def _kept_on_error(opt: torch.optim.Optimizer) -> Iterator[None]:
+    """Give ``opt``'s hyperparameters and ``step`` back if the block raises: a torch scheduler
+    built on it sets ``lr`` (``fill_`` for a tensor ``lr``), adds ``initial_lr`` and wraps
+    ``opt.step``, and the resume check that follows may refuse the run."""
+    groups = [
+        {k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups
+    ]
+    step = vars(opt).get("step")
+    try:
+        yield
+    except BaseException:
+        with torch.no_grad():
+            for group, saved in zip(opt.param_groups, groups, strict=True):
+                for k in [k for k in group if k != "params" and k not in saved]:
+                    del group[k]
+                for k, v in saved.items():
+                    if isinstance(group[k], Tensor) and isinstance(v, Tensor):
+                        group[k].copy_(v)  # the tensor itself: a scheduler holds on to it
+                    else:
+                        group[k] = v
+        if step is None:
+            vars(opt).pop("step", None)
+        else:
+            opt.step = step  # type: ignore[method-assign]
+        raise
 
 
 def _source(api: str, ctx: Context, data: Any, c: Checked) -> Any:
