@@ -10,6 +10,14 @@ walks the template's modules to find (and untie) the tensors it swaps in. At wor
 * ``call_member`` swaps the tensors into the slots that ``functional_call`` would (tied
   aliases included), planned once per module and set of names, and puts the old ones back.
 
+A buffer the forward *reassigns* (``self.ema = 0.9 * self.ema + ...``: plain torch keeps the
+new tensor in the module) would land in the per-call state dict and be lost. ``call_member``,
+and ``tracked`` around a function that calls ``functional_call`` itself, write it into the
+tensor it replaced, in place, as BatchNorm writes its statistics: into the member's row of the
+stacked storage, with either backend, under ``vmap``, ``grad`` or ``torch.compile``. What the
+storage cannot hold as the member alone would is refused (``Reassigned``). ``no_random_ops`` is
+``randomness="error"`` for the loop backend.
+
 Anything outside the plain case is handed to torch.func, which then does what it always does
 (including raising its own errors): tracing by ``torch.compile``/``torch.export``, ``chunk_size``,
 a mapped argument that is not a tensor or a tuple of tensors, a mapped size that is not ``n``,
@@ -25,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -36,19 +45,40 @@ from torch._C._functorch import (
     _remove_batch_dim,
     _vmap_decrement_nesting,
     _vmap_increment_nesting,
+    get_unwrapped,
+    is_functorch_wrapped_tensor,
 )
 from torch._functorch.vmap import _maybe_remove_batch_dim, lazy_load_decompositions
 from torch.func import functional_call, vmap
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["call_member", "vmap_members"]
+__all__ = [
+    "WRITTEN",
+    "Reassigned",
+    "call_member",
+    "forget_writes",
+    "no_random_ops",
+    "tracked",
+    "vmap_members",
+]
 
-#: (slots dict, name in it, state key, whether that key was given) per tensor to swap in.
-_Plan = list[tuple[dict, str, str, bool]]
+#: (slots dict, name in it, state key, its full name: the key, or a tied alias of it) per
+#: tensor to swap in.
+_Plan = list[tuple[dict, str, str, str]]
 #: Per module: the plan for each tuple of state names (None: hand the call to functional_call).
 _PLANS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, ...], _Plan | None]] = (
     weakref.WeakKeyDictionary()
 )
+#: The buffers ``write_back_`` wrote since the member map last started (``forget_writes``):
+#: what explains autograd's "modified by an inplace operation" in a backward after it.
+WRITTEN: list[str] = []
+
+
+def forget_writes() -> None:
+    """A member map starts: ``WRITTEN`` is about its forward from now on."""
+    if WRITTEN and not _traced():
+        WRITTEN.clear()
 
 
 def _traced() -> bool:
@@ -134,22 +164,29 @@ def call_member(
         kwargs: Keyword inputs.
 
     Returns:
-        What ``module(*args, **kwargs)`` returns with ``state`` in place of its tensors.
+        What ``module(*args, **kwargs)`` returns with ``state`` in place of its tensors; a
+        buffer it reassigns is written into its ``state`` tensor (``write_back_``).
+
+    Raises:
+        Reassigned: the forward reassigned a tensor the stacked storage cannot take.
     """
     plan = None if _traced() else _plan(module, tuple(state))
     if plan is None:
-        return functional_call(module, state, args, kwargs)
+        return tracked(lambda st: functional_call(module, st, args, kwargs), module)(state)
     old = [slots[name] for slots, name, _, _ in plan]
+    put = [state[key] for _, _, key, _ in plan]
     try:
-        for slots, name, key, _ in plan:
-            slots[name] = state[key]
-        return module(*args, **(kwargs or {}))
+        for (slots, name, _, _), t in zip(plan, put, strict=True):
+            slots[name] = t
+        out = module(*args, **(kwargs or {}))
     finally:
-        for (slots, name, key, given), was in zip(plan, old, strict=True):
-            now = slots[name]
+        now = [slots[name] for slots, name, _, _ in plan]
+        for (slots, name, _, _), was in zip(plan, old, strict=True):
             slots[name] = was
-            if given:  # as functional_call: a tensor the forward reassigned goes to `state`
-                state[key] = now
+    for (_, _, key, full), t, new in zip(plan, put, now, strict=True):
+        if new is not t:  # the forward reassigned it (self.ema = ...)
+            write_back_(full, t, new, [k for _, _, k, _ in plan].count(key) > 1)
+    return out
 
 
 def _plan(module: nn.Module, keys: tuple[str, ...]) -> _Plan | None:
@@ -181,9 +218,117 @@ def _make_plan(module: nn.Module, keys: tuple[str, ...]) -> _Plan | None:
             except AttributeError:
                 return None
             if attr in owner._parameters:
-                plan.append((owner._parameters, attr, key, name == key))
+                plan.append((owner._parameters, attr, key, name))
             elif attr in owner._buffers:
-                plan.append((owner._buffers, attr, key, name == key))
+                plan.append((owner._buffers, attr, key, name))
             else:
                 return None
     return plan
+
+
+class Reassigned(RuntimeError):
+    """A forward reassigned a tensor that the stacked storage cannot take as the member alone
+    would; the message says which and why (``_unbatchable.explain_failure`` words it)."""
+
+
+def tracked(fn: Callable[..., Any], module: nn.Module | None = None) -> Callable[..., Any]:
+    """``fn(state, *args)`` that writes what its forward reassigned back into the tensors
+    ``state`` held (``functional_call`` puts it into ``state`` in their place).
+
+    Args:
+        fn: ``(state, *args) -> output``, calling ``functional_call`` with ``state``.
+        module: the module ``fn`` runs, if known: a reassigned buffer it holds under several
+            names is refused (a tie the stacked storage keeps).
+    """
+
+    def run(state: dict[str, torch.Tensor], *args: Any) -> Any:
+        given = list(state.items())
+        out = fn(state, *args)
+        for key, t in given:
+            new = state.get(key)
+            if new is not t:
+                state[key] = t
+                write_back_(key, t, new, module is not None and _tied(module, key))
+        return out
+
+    return run
+
+
+def _tied(module: nn.Module, key: str) -> bool:
+    try:
+        mine = module.get_buffer(key)
+    except AttributeError:  # not a buffer
+        return False
+    return sum(b is mine for _, b in module.named_buffers(remove_duplicate=False)) > 1
+
+
+def write_back_(key: str, old: torch.Tensor, new: Any, tied: bool = False) -> None:
+    """Write ``new``, which a member's forward assigned in place of its tensor ``old``, into
+    ``old``: in place, so into the member's row of the stacked storage, whose identity the
+    step's masks and rollbacks and compiled graphs hold. ``WRITTEN`` gets ``key``.
+
+    Raises:
+        Reassigned: a parameter or a tied buffer reassigned, a buffer set to a non-tensor or
+            to another shape, dtype or device (one per buffer in the storage), or to a tensor
+            with autograd history (alone, the buffer would carry that graph into the next
+            forward).
+    """
+    if isinstance(new, nn.Parameter) or (tied and isinstance(new, torch.Tensor)):
+        what = "parameter" if isinstance(new, nn.Parameter) else "buffer"
+        why = "the optimizer steps it" if what == "parameter" else "its names share one tensor"
+        raise Reassigned(
+            f"reassigns {what} `{key}`, which the stacked storage cannot replace ({why}); "
+            "change its values in place under torch.no_grad() instead (.copy_(...))"
+        )
+    if not isinstance(new, torch.Tensor):
+        raise Reassigned(
+            f"sets `{key}` to {type(new).__name__}, where the stacked storage keeps a tensor; "
+            "keep it a tensor"
+        )
+    if (new.shape, new.dtype, new.device) != (old.shape, old.dtype, old.device):
+        raise Reassigned(
+            f"reassigns buffer `{key}` ({_kind(old)}) to a tensor of {_kind(new)}; the stacked "
+            "storage keeps each buffer's shape, dtype and device: give the buffer its final "
+            "ones when it is registered, or convert the new value (.to(self.<buffer>))"
+        )
+    if _history(new):
+        raise Reassigned(
+            f"reassigns buffer `{key}` to a tensor with autograd history (alone, the buffer "
+            "would carry that graph into the next forward, whose backward then fails); "
+            "assign a detached value (.detach())"
+        )
+    with torch.no_grad():
+        old.copy_(new.clone())  # a view of `old` itself (self.m = self.m.t()) is a new value
+    if not _traced():
+        WRITTEN.append(key)
+
+
+def _kind(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, {t.dtype}, on {t.device}"
+
+
+def _history(t: torch.Tensor) -> bool:
+    """Whether ``t`` requires grad, at its own level or below vmap's wrappers (a batched
+    tensor reports ``requires_grad=False`` whatever it wraps)."""
+    while not t.requires_grad:
+        if _traced() or not is_functorch_wrapped_tensor(t):
+            return False
+        t = get_unwrapped(t)
+    return True
+
+
+class _NoRandomOps(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            raise RuntimeError(
+                f"loop: called random operation {func} while in randomness error mode "
+                "(randomness='error')"
+            )
+        return func(*args, **(kwargs or {}))
+
+
+def no_random_ops(active: bool = True) -> contextlib.AbstractContextManager:
+    """``randomness="error"`` for members run one at a time (``active``): a random op raises,
+    as under ``torch.func.vmap(..., randomness="error")`` (random ops carry torch's
+    ``nondeterministic_seeded`` tag)."""
+    return _NoRandomOps() if active and not _traced() else contextlib.nullcontext()

@@ -3,30 +3,39 @@
 from __future__ import annotations
 
 import copy
+import enum
+import functools
+import types
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ._checks import check_int
-from ._fastcall import vmap_members
+from ._fastcall import forget_writes, no_random_ops, vmap_members
 from ._precision import autocast_members
 from .distributed import member_block
 from .seeds import member_seed
 
 __all__ = [
     "Factory",
+    "Names",
     "build_members",
     "check_member",
     "check_seeds",
     "check_same",
+    "class_name",
+    "class_of",
     "looped",
     "member_ids_for",
     "meta_copy",
     "named_tensors",
     "non_persistent_buffers",
+    "own_settings",
+    "Signature",
     "signature",
     "vmapped",
 ]
@@ -102,31 +111,35 @@ def named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from module.named_buffers()
 
 
-def signature(module: nn.Module) -> tuple[type, dict[str, tuple], dict[str, bool]]:
+#: class, tensors (shape, dtype, device, requires_grad), modes and settings, by name.
+Signature = tuple[Any, dict[str, tuple], dict[str, bool], tuple]
+
+
+def signature(module: nn.Module) -> Signature:
     """What members must share: class, each tensor's name, shape, dtype, device, grad flag,
-    and each submodule's train/eval mode (a BatchNorm frozen in eval mode stays frozen)."""
+    each submodule's train/eval mode (a BatchNorm frozen in eval mode stays frozen), and
+    every submodule's name, class and settings (``own_settings``; cheap: mostly ints)."""
     tensors = {
         name: (tuple(t.shape), t.dtype, t.device, t.requires_grad)
         for name, t in named_tensors(module)
     }
-    return type(module), tensors, {name: m.training for name, m in module.named_modules()}
+    modules, names = list(module.named_modules()), Names(module)
+    settings = tuple((n, class_of(m), own_settings(m, names)) for n, m in modules)
+    return class_of(module), tensors, {n: m.training for n, m in modules}, settings
 
 
 def check_same(
-    reference: tuple[type, dict[str, tuple], dict[str, bool]],
-    other: nn.Module,
-    i: int,
-    api: str,
-    shapes: bool = True,
-) -> None:
+    reference: Signature, other: nn.Module, i: int, api: str, shapes: bool = True
+) -> Signature:
     """Raise ValueError naming the first tensor or submodule mode where ``other`` differs from
-    member 0 (in anything but its shape with ``shapes=False``)."""
-    ref_type, ref, ref_modes = reference
-    got_type, got, got_modes = signature(other)
-    if got_type is not ref_type:
+    member 0 (in anything but its shape with ``shapes=False``); ``other``'s signature if none
+    (its settings are compared by ``_stacking.check_settings``)."""
+    ref_type, ref, ref_modes, _ = reference
+    got_type, got, got_modes, _ = theirs = signature(other)
+    if got_type != ref_type:
         raise ValueError(
-            f"{api}: member {i} is a {got_type.__name__}, member 0 is a {ref_type.__name__}; "
-            "all members must be of one class"
+            f"{api}: member {i} is a {class_name(got_type)}, member 0 is a "
+            f"{class_name(ref_type)}; all members must be of one class"
         )
     for key in [*ref, *(k for k in got if k not in ref)]:
         if key not in got or key not in ref:
@@ -145,20 +158,146 @@ def check_same(
                 f"training={got_modes[name]} vs {mode}; put every member in the same modes "
                 "(call .train() / .eval() the same way on each) before building the ensemble"
             )
+    return theirs
 
 
-#: Plain values a module keeps as attributes (BatchNorm's ``momentum``, Dropout's ``p``...).
-_PLAIN = (bool, int, float, str, type(None), tuple)
+#: nn.Module's own bookkeeping (registries, hooks, mode) and the RNNs' lists of their own
+#: parameters: in every module's ``__dict__``, never a setting.
+_INTERNAL = frozenset(vars(nn.Module())) | {"_flat_weights", "_flat_weight_refs"}
+#: Values compared as they are.
+_ATOMS = {bool, int, float, str, bytes, complex, type(None), torch.dtype, torch.device}
+_DEPTH = 3  # how deep settings are followed into plain objects, closures, containers
 
 
-def settings(module: nn.Module) -> dict[str, Any]:
-    """Every submodule's plain attributes by ``"submodule.attribute"`` (modes excluded)."""
-    return {
-        f"{name}.{key}" if name else key: value
-        for name, m in module.named_modules()
-        for key, value in vars(m).items()
-        if key != "training" and not key.startswith("_") and isinstance(value, _PLAIN)
-    }
+def class_of(module: nn.Module) -> Any:
+    """What members' classes must share. ``torch.nn.utils.parametrize`` gives every
+    parametrized module a class of its own: those compare by the class they extend and their
+    parametrized tensors' names (the parametrizations are submodules, compared as such)."""
+    cls = type(module)
+    if "parametrizations" in module._modules and parametrize.is_parametrized(module):
+        return cls.__bases__, tuple(module._modules["parametrizations"]._modules)  # type: ignore[union-attr]
+    return cls
+
+
+def class_name(key: Any) -> str:  # of a class_of
+    if isinstance(key, tuple):
+        return f"{key[0][0].__name__} with parametrized {', '.join(key[1])}"
+    return key.__name__
+
+
+class Names:
+    """A member's tensors and submodules by ``id``, named on first need (seldom needed)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root, self.names = root, cast("dict[int, str] | None", None)
+
+    def __call__(self, obj: Any) -> str | None:
+        if self.names is None:
+            self.names = {id(m): f"module `{n}`" for n, m in self.root.named_modules()}
+            self.names.update((id(t), f"tensor `{n}`") for n, t in named_tensors(self.root))
+        return self.names.get(id(obj))
+
+
+class _Same:
+    """A setting compared by ``key`` (what the forward reads of it), shown as itself."""
+
+    def __init__(self, raw: Any, key: Any) -> None:
+        self.raw, self.key = raw, key
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return False
+        try:
+            same = self.key == other.key  # type: ignore[attr-defined]
+            return bool(same.all() if hasattr(same, "all") else same)
+        except Exception:  # a value without one truth value is not ours to judge
+            return True
+
+    def __repr__(self) -> str:
+        name = getattr(self.raw, "__qualname__", None)
+        return name if isinstance(name, str) else repr(self.raw)[:200]
+
+
+class _Tensor(_Same):
+    """A tensor attribute that is not a parameter or buffer, compared by value; the same
+    tensor by its version (``apply``: changed in place or not)."""
+
+    def __init__(self, raw: torch.Tensor) -> None:
+        super().__init__(raw, (raw.shape, raw.dtype, raw.device))
+        self.version = raw._version
+        plain = raw.layout == torch.strided and not raw.is_meta
+        self.head = raw.detach().flatten()[:3].tolist() if plain else []  # as it was
+
+    def __eq__(self, other: object) -> bool:
+        if not (isinstance(other, _Tensor) and self.key == other.key):
+            return False
+        a, b = self.raw, other.raw
+        if a.is_meta or a is b:
+            return a.is_meta or self.version == other.version
+        try:  # NaN equals NaN; a tensor torch cannot compare is not ours to judge
+            if a.layout != torch.strided or b.layout != torch.strided:
+                a, b = a.to_dense(), b.to_dense()
+            nan = a.is_floating_point() or a.is_complex()
+            return torch.equal(a, b) or nan and bool(torch.isclose(a, b, 0, 0, True).all())
+        except Exception:
+            return True
+
+    def __repr__(self) -> str:
+        head = ", ".join(f"{v:.4g}" for v in self.head)
+        return f"a tensor of shape {tuple(self.raw.shape)} ({self.raw.dtype}) [{head}, ...]"
+
+
+def _value(v: Any, names: Names, depth: int = 0) -> Any:
+    """``v`` as members compare it (plain values as they are, copies of containers)."""
+    kind = type(v)
+    if kind in _ATOMS:
+        return "nan" if kind is float and v != v else v
+    if isinstance(v, (torch.Tensor, nn.Module)) and names(v) is not None:
+        return _Same(v, names(v))  # the member's own tensor or submodule, by name
+    if depth >= _DEPTH:
+        return _Same(v, v)
+    deeper = depth + 1
+    if isinstance(v, torch.Tensor):
+        return _Tensor(v)
+    if isinstance(v, (tuple, list)):
+        if all(type(x) in _ATOMS for x in v):
+            return v if isinstance(v, tuple) else list(v)
+        return _Same(v, (kind, [_value(x, names, deeper) for x in v]))
+    if isinstance(v, dict):
+        return _Same(v, (kind, {k: _value(x, names, deeper) for k, x in v.items()}))
+    if isinstance(v, (set, frozenset)):
+        return frozenset(v)
+    if isinstance(v, types.FunctionType):  # a lambda made in __init__ is one per member
+        cells = [c.cell_contents for c in v.__closure__ or () if c.cell_contents is not v]
+        parts = (v.__defaults__, v.__kwdefaults__, cells)
+        return _Same(v, (v.__code__, _value(parts, names, deeper)))
+    if isinstance(v, types.MethodType):
+        return _Same(v, (_value(v.__func__, names, deeper), _value(v.__self__, names, deeper)))
+    if isinstance(v, functools.partial):
+        return _Same(v, _value((v.func, v.args, v.keywords), names, deeper))
+    plain = kind.__eq__ is object.__eq__ and not isinstance(v, (type, enum.Enum, nn.Module))
+    if plain and hasattr(v, "__dict__"):  # a config object without __eq__: by its contents
+        return _Same(v, (kind, {k: _value(x, names, deeper) for k, x in vars(v).items()}))
+    return _Same(v, v)
+
+
+def own_settings(module: nn.Module, names: Names) -> dict[str, Any]:
+    """A module's own non-tensor state: every attribute but its parameters, buffers,
+    submodules, hooks and mode. A tensor that a forward pre-hook sets before every call
+    (``weight_norm``, ``spectral_norm``) compares by shape and dtype only."""
+    own = vars(module)
+    if own.keys() <= _INTERNAL:  # a set operation: most modules have no or a few settings
+        return {}
+    found = {k: own[k] for k in sorted(own.keys() - _INTERNAL)}
+    for key, v in found.items():
+        if type(v) in _ATOMS and v == v:  # most settings: ints, floats, strings (no NaN)
+            continue
+        if isinstance(v, torch.Tensor) and names(v) is None:
+            hooks = module._forward_pre_hooks.values()
+            if any(getattr(h, "name", None) == key for h in hooks):
+                v = torch.empty_like(v, device="meta")
+        found[key] = _value(v, names)
+    return found
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
@@ -196,10 +335,12 @@ def check_seeds(api: str, seeds: Any, n: int, seed: int | None) -> list[int]:
 
 
 def looped(n: int, randomness: str, fn: Callable[..., Any], in_dims: tuple) -> Callable:
-    """The loop backend: ``fn`` once per member on its slices, outputs stacked."""
+    """The loop backend: ``fn`` once per member on its slices, outputs stacked; a random op
+    raises with ``randomness="error"``, as under vmap."""
 
     def looped(state: dict[str, torch.Tensor], *args: Any) -> Any:
         rng = torch.get_rng_state() if randomness == "same" else None
+        forget_writes()
         outputs = []
         for i in range(n):
             if rng is not None:
@@ -208,7 +349,8 @@ def looped(n: int, randomness: str, fn: Callable[..., Any], in_dims: tuple) -> C
                 a if d is None else optree.tree_map(lambda t, d=d, i=i: t.select(d, i), a)
                 for a, d in zip(args, in_dims, strict=True)
             ]
-            outputs.append(fn({k: v[i] for k, v in state.items()}, *member_args))
+            with no_random_ops(randomness == "error"):
+                outputs.append(fn({k: v[i] for k, v in state.items()}, *member_args))
         return optree.tree_map(lambda *xs: torch.stack(xs), *outputs)
 
     return looped
@@ -223,6 +365,7 @@ def vmapped(
         # torch.autocast would cast vmap's decompositions, not the member's own ops.
         device = next(iter(state.values()), torch.empty(0)).device.type
         member = autocast_members(fn, device)
+        forget_writes()
 
         def stateless(_: Any, *a: Any) -> Any:
             return member({}, *a)

@@ -31,9 +31,9 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ._members import named_tensors
+from ._members import Names, class_name, class_of, named_tensors, own_settings
 
-__all__ = ["Padding", "check_pair", "gates_of", "masked"]
+__all__ = ["Padding", "check_pair", "gates_of", "masked", "setting_advice"]
 
 #: Layer attributes that may differ between members of one padded ensemble: the sizes the
 #: padding covers. Any other attribute of a torch layer must be equal in all members.
@@ -96,19 +96,6 @@ def _sizes_of(module: nn.Module) -> tuple[str, ...]:
     return ()
 
 
-def _settings(module: nn.Module) -> dict[str, Any]:
-    """A module's own non-tensor attributes: what its forward reads besides its tensors."""
-    skip = {"training", "_flat_weights", "_flat_weight_refs"}
-    return {
-        k: v
-        for k, v in vars(module).items()
-        if k not in skip
-        and not k.endswith("hooks")
-        and k not in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
-        and not isinstance(v, Tensor)
-    }
-
-
 def check_pair(
     api: str, template: nn.Module, member: nn.Module, i: int, padded: bool = True
 ) -> None:
@@ -128,15 +115,24 @@ def check_pair(
         ValueError: Ensemble: members 1 and 0 cannot be padded to one size: LayerNorm normalises over the padded dimension: the padded zeros would enter its mean and variance (normalized_shape (4,) vs (8,)); give every member the same normalized_shape
     """
     ours, theirs = dict(template.named_modules()), dict(member.named_modules())
+    names = Names(template), Names(member)
     for path in [*ours, *(p for p in theirs if p not in ours)]:
-        if path not in ours or path not in theirs or type(ours[path]) is not type(theirs[path]):
+        kinds = [class_name(class_of(m[path])) if path in m else "none" for m in (theirs, ours)]
+        if kinds[0] != kinds[1] or path not in ours or path not in theirs:
             raise ValueError(
-                f"{api}: member {i} has another structure than member 0 at "
-                f"`{path}`: members of different sizes must have the same layers, only "
-                "narrower or wider"
+                f"{api}: member {i} has another structure than member 0 at `{path}` "
+                f"({' vs '.join(kinds)}): members of different sizes must have the same layers, "
+                "only narrower or wider"
             )
         ref, other = ours[path], theirs[path]
-        mine, yours = _settings(ref), _settings(other)
+        shapes = [[t.shape for _, t in named_tensors(m)] for m in (ref, other)]
+        if isinstance(class_of(ref), tuple) and shapes[0] != shapes[1]:
+            raise ValueError(
+                f"{api}: members {i} and 0 cannot be padded to one size: `{path}` "
+                f"({type(ref).__name__}) computes its parametrized tensors from padded ones (a "
+                "norm over padded zeros divides by zero); give every member the same size there"
+            )
+        mine, yours = own_settings(ref, names[0]), own_settings(other, names[1])
         allowed = _sizes_of(ref)
         torch_layer = type(ref).__module__.startswith("torch.")
         for key in sorted(set(mine) | set(yours)):
@@ -154,8 +150,8 @@ def check_pair(
             if not sized:
                 raise ValueError(
                     f"{api}: member {i} differs from member 0 at {where}: `{key}` is "
-                    f"{b!r} vs {a!r}; members of one ensemble share everything but their sizes "
-                    "(one forward runs them all)"
+                    f"{b!r} vs {a!r}; members of one ensemble share everything but their "
+                    f"sizes, and {setting_advice(key, a)}"
                 )
         if isinstance(ref, nn.RNNBase) and _size_differs(ref, other, ("hidden_size",)):
             for key in ("bidirectional", "proj_size"):
@@ -172,6 +168,21 @@ def check_pair(
                 f"with groups={ref.groups} mixes padded channels into the groups; give "
                 "every member the same channels"
             )
+
+
+def setting_advice(key: str, value: Any, first: int = 0) -> str:
+    """What to do about a setting (``_members.own_settings``) that differs between members."""
+    if isinstance(getattr(value, "raw", None), Tensor):
+        return (
+            f"only parameters and buffers are stacked, every member runs with member {first}'s "
+            f"`{key}`: register it as a buffer (self.register_buffer({key!r}, ...)) so that "
+            "each member keeps its own"
+        )
+    return (
+        f"one forward runs every member with member {first}'s settings: give every member the "
+        "same value, or pass a per-member hyperparameter another way (a buffer the forward "
+        "reads, or one ensemble per value)"
+    )
 
 
 def _same(a: Any, b: Any) -> bool:

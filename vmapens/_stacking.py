@@ -14,10 +14,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._members import check_member, check_same, meta_copy, named_tensors, signature
-from ._padding import Padding, check_pair, gates_of, largest
+from ._members import (
+    check_member,
+    check_same,
+    class_name,
+    meta_copy,
+    named_tensors,
+    signature,
+)
+from ._padding import Padding, check_pair, gates_of, largest, setting_advice
 
-__all__ = ["Stacked", "check_factories", "check_modules", "stack_one_size", "stack_sizes"]
+__all__ = [
+    "Stacked",
+    "check_extra_state",
+    "check_factories",
+    "check_modules",
+    "check_settings",
+    "first_difference",
+    "stack_one_size",
+    "stack_sizes",
+]
 
 
 @dataclass
@@ -41,13 +57,15 @@ def stack_one_size(members: Iterable[nn.Module], member_ids: Sequence[int], api:
     for member in members:
         if reference is None:
             reference, training = signature(member), member.training
+            check_extra_state(api, member)
             template = meta_copy(member)
             stacked = {
                 name: torch.empty((len(member_ids), *t.shape), dtype=t.dtype, device=t.device)
                 for name, t in named_tensors(member)
             }
         else:
-            check_same(reference, member, member_ids[slot], api)
+            theirs = check_same(reference, member, member_ids[slot], api)
+            check_settings(reference[3], theirs[3], member_ids[slot], api, member_ids[0])
         with torch.no_grad():
             for name, t in named_tensors(member):
                 stacked[name][slot].copy_(t)
@@ -66,13 +84,19 @@ def stack_sizes(members: list[nn.Module], api: str) -> Stacked:
     """
     kinds: dict[tuple, int] = {}
     kind_of = [kinds.setdefault(_shapes_key(m), len(kinds)) for m in members]
-    reference = signature(members[0])
+    signatures = [signature(members[0])]
     for i, member in enumerate(members[1:], start=1):
         check_pair(api, members[0], member, i, padded=len(kinds) > 1)
-        check_same(reference, member, i, api, shapes=False)
+        signatures.append(check_same(signatures[0], member, i, api, shapes=False))
     if len(kinds) == 1:
         return stack_one_size(members, range(len(members)), api)
+    check_extra_state(api, members[0])
     firsts = [members[kind_of.index(k)] for k in range(len(kinds))]
+    # Every member runs as the largest one, and the self-check runs the first of each size:
+    # the others of that size must share its settings (an int that is not a size, say).
+    for i, kind in enumerate(kind_of):
+        first = kind_of.index(kind)
+        check_settings(signatures[first][3], signatures[i][3], i, api, first)
     big = firsts[largest(api, [dict(_shapes_key(m)) for m in firsts])]
     gates = gates_of(big)
     for name, count in gates.items():
@@ -93,6 +117,65 @@ def stack_sizes(members: list[nn.Module], api: str) -> Stacked:
             for name, t in named_tensors(member):
                 padding.put_(name, stacked[name][row], t, row)
     return Stacked(stacked, meta_copy(big), big.training, padding)
+
+
+def first_difference(ours: tuple, theirs: tuple) -> tuple[str, Any, str | None, Any, Any] | None:
+    """``(path, class name, attribute, ours, theirs)`` at the first difference between two
+    ``settings``; the attribute is None where the submodules' classes differ (then ours and
+    theirs are class names, None for a missing submodule)."""
+    a, b = {n: (c, s) for n, c, s in ours}, {n: (c, s) for n, c, s in theirs}
+    for path in [*a, *(p for p in b if p not in a)]:
+        (ca, sa), (cb, sb) = a.get(path, (None, {})), b.get(path, (None, {}))
+        names = [None if c is None else class_name(c) for c in (ca, cb)]
+        if ca != cb:
+            return path, names[0] or names[1], None, *names
+        for key in [*sa, *(k for k in sb if k not in sa)]:
+            if key not in sa or key not in sb or sa[key] != sb[key]:
+                return path, names[0], key, sa.get(key, _UNSET), sb.get(key, _UNSET)
+    return None
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "(unset)"
+
+
+_UNSET = _Unset()
+
+
+def check_settings(ours: tuple, theirs: tuple, i: int, api: str, first: int = 0) -> None:
+    """Raise ValueError naming the first submodule or attribute where member ``i``'s settings
+    (``_members.signature``) differ from ``ours``, member ``first``'s: one forward runs every
+    member with those."""
+    found = None if theirs == ours else first_difference(ours, theirs)
+    if found is None:
+        return
+    path, cls, key, a, b = found
+    if key is None:
+        where = f"`{path}`" if path else "the module itself"
+        got = f"has a {b} at {where}" if b else f"lacks the submodule {where}"
+        raise ValueError(
+            f"{api}: member {i} {got} where member {first} has {f'a {a}' if a else 'none'}; "
+            f"members must have the same layers (one forward runs them all as member {first})"
+        )
+    where = f"`{path}` ({cls})" if path else cls
+    raise ValueError(
+        f"{api}: member {i} differs from member {first} at {where}: `{key}` is {b!r} vs "
+        f"{a!r}; {setting_advice(key, a, first)}"
+    )
+
+
+def check_extra_state(api: str, member: nn.Module) -> None:
+    """Refuse a member with extra state (``get_extra_state``): not a tensor, it cannot be
+    stacked, and a state_dict without it would not load into the member alone."""
+    for path, m in member.named_modules():
+        if type(m).get_extra_state is not nn.Module.get_extra_state:
+            where = f"`{path}` ({type(m).__name__})" if path else type(m).__name__
+            raise ValueError(
+                f"{api}: {where} has extra state (it defines get_extra_state), which an "
+                "ensemble cannot stack per member: keep that state in buffers "
+                "(self.register_buffer) or in settings shared by all members"
+            )
 
 
 def check_factories(api: str, factories: Any) -> None:

@@ -18,12 +18,15 @@ import torch
 from torch import nn
 
 from ._checks import as_ids, index_rows
-from ._members import check_same, named_tensors, non_persistent_buffers, settings, signature
+from ._members import check_same, named_tensors, non_persistent_buffers, signature
 from ._padding import Padding
+from ._stacking import first_difference
 
 __all__ = ["StackedModule"]
 
 _M = TypeVar("_M", bound="StackedModule")
+#: nn.Module's hook registries: hooks that ``apply``'s ``fn`` registers cannot carry over.
+_HOOKS = tuple(k for k, v in vars(nn.Module()).items() if isinstance(v, dict) and "hook" in k)
 
 
 class StackedModule(nn.Module):
@@ -215,13 +218,14 @@ class StackedModule(nn.Module):
         Members are visited in order, so a custom initialisation that draws from the global
         RNG gives member ``i`` what ``models[i].apply(fn)`` gives after members ``0..i-1``.
         Train/eval modes and ``requires_grad`` flags that ``fn`` sets carry over (the same on
-        every member); any other change to the members' structure is refused.
+        every member); any other change to the members' structure is refused. Members of
+        different sizes each run ``fn`` at their own size.
 
         Raises:
             TypeError: ``fn`` is not callable.
-            ValueError: ``fn`` changed a tensor's shape, dtype or device, or a plain attribute
-                (BatchNorm's ``momentum``...), or did not treat every member alike. Nothing
-                changes then.
+            ValueError: ``fn`` changed a tensor's shape, dtype or device, an attribute
+                (BatchNorm's ``momentum``, an activation function), a submodule's class, or
+                hooks, or did not treat every member alike. Nothing changes then.
 
         Example:
             >>> from vmapens import Ensemble
@@ -240,12 +244,12 @@ class StackedModule(nn.Module):
             with torch.no_grad():
                 for i in range(len(self)):
                     member = self[i]
-                    before = (signature(member), settings(member))
+                    before, hooks = signature(member), _hooks(member)
                     member.apply(fn)
                     after = signature(member)
-                    _check_applied(api, before, after, settings(member))
+                    _check_applied(api, before, after, hooks, _hooks(member))
                     reference = reference or after
-                    check_same(reference, member, i, api)
+                    check_same(reference, member, i, api, shapes=self._padding is None)
                     state = dict(named_tensors(member))
                     for name, t in stacked.items():
                         if self._padding is None:
@@ -257,7 +261,7 @@ class StackedModule(nn.Module):
                 for name, t in stacked.items():
                     t.copy_(saved[name])
             raise
-        _, grads, modes = reference
+        _, grads, modes, _ = reference
         self.training = modes[""]
         for name, m in self._template.named_modules():
             m.training = modes[name]
@@ -339,9 +343,26 @@ class StackedModule(nn.Module):
                 target.copy_(value)
 
 
-def _check_applied(api: str, before: tuple, after: tuple, now: dict[str, Any]) -> None:
+def _hooks(module: nn.Module) -> list[tuple[str, list[list]]]:
+    return [(n, [list(getattr(m, k)) for k in _HOOKS]) for n, m in module.named_modules()]
+
+
+def _check_applied(api: str, before: tuple, after: tuple, hooks_before: list, hooks: list) -> None:
     """Refuse what ``apply``'s ``fn`` changed beyond values, modes and grad flags."""
-    (_, tensors, _), settings_before = before
+    tensors, settings_before, now = before[1], before[3], after[3]
+    found = None if now == settings_before else first_difference(settings_before, now)
+    if found is not None:
+        path, _, key, a, b = found
+        if key is None:
+            change = "replaced" if a and b else "removed" if a else "added"
+            what = f"{change} `{path}` ({' -> '.join(c for c in (a, b) if c)})"
+        else:
+            what = f"changed `{f'{path}.{key}' if path else key}` ({a!r} -> {b!r})"
+        raise ValueError(
+            f"{api}: `fn` {what}; the ensemble keeps one structure for all members and carries "
+            "over only tensor values, train/eval modes and requires_grad: build the members "
+            "with it instead"
+        )
     for name, (shape, dtype, device, _) in after[1].items():
         if name not in tensors or tensors[name][:3] != (shape, dtype, device):
             raise ValueError(
@@ -349,10 +370,9 @@ def _check_applied(api: str, before: tuple, after: tuple, now: dict[str, Any]) -
                 "members share one structure: use ens.to(...) / ens.double(), or build the "
                 "members that way"
             )
-    for key in sorted(set(settings_before) | set(now)):
-        if settings_before.get(key) != now.get(key):
+    for (path, ours), (_, theirs) in zip(hooks_before, hooks, strict=True):
+        if ours != theirs:
             raise ValueError(
-                f"{api}: `fn` changed `{key}` ({settings_before.get(key)!r} -> {now.get(key)!r}); "
-                "the ensemble keeps one structure for all members and carries over only tensor "
-                "values, train/eval modes and requires_grad: build the members with it instead"
+                f"{api}: `fn` registered or removed a hook on `{path}`; the members are not "
+                "modules a hook could run on: register it in the member's __init__ instead"
             )

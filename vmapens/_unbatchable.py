@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ._attention import batched_attention
+from ._fastcall import WRITTEN, Reassigned
 
 __all__ = ["explain_failure", "guarded", "refuse_template_hooks", "unchunked"]
 
@@ -28,6 +29,11 @@ _UNBATCHABLE = (
     "We could not generate a fallback",
     "under vmap transform",  # `.data` of a batched tensor
 )
+#: What torch.func.vmap (and ``_fastcall.no_random_ops``) says of a random op under
+#: ``randomness="error"``.
+_RANDOM = "randomness error mode"
+#: What autograd says of a tensor changed in place after it was saved for backward.
+_SAVED = "modified by an inplace operation"
 #: The hooks ``nn.Module`` runs around a forward or backward, by attribute name.
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _CHECKPOINT = os.path.normcase(os.path.join("torch", "utils", "checkpoint.py"))
@@ -38,7 +44,8 @@ def explain_failure(api: str, name: str, backend: str, err: BaseException) -> Ex
     """What went wrong in a member's forward or backward, and the way out; None if unknown.
 
     Activation checkpointing and ``torch.autograd.grad`` inside the forward are recognised by
-    where in torch the error was raised.
+    where in torch the error was raised; a buffer the forward reassigns (``_fastcall``), and
+    a random op under ``randomness="error"``, with either backend.
 
     Args:
         api: the calling function's name, for the message.
@@ -49,6 +56,27 @@ def explain_failure(api: str, name: str, backend: str, err: BaseException) -> Ex
     Returns:
         The error to raise instead (chain ``err`` to it), or None for an ordinary failure.
     """
+    if isinstance(err, Reassigned):
+        return RuntimeError(
+            f"{api}: the forward of {name} {err}. (Either backend refuses it; nothing was changed)"
+        )
+    if _SAVED in str(err) and WRITTEN:
+        written = ", ".join(f"`{k}`" for k in dict.fromkeys(WRITTEN))
+        return RuntimeError(
+            f"{api}: the forward of {name} reassigns buffer {written} after using its old "
+            "value in something its backward needs. The ensemble writes a reassigned buffer "
+            "into its stacked storage in place (with either backend), and autograd refuses a "
+            "tensor changed after it was saved for backward; where the forward uses the old "
+            f"value, use a copy (self.<buffer>.clone()). ({err})"
+        )
+    if _RANDOM in str(err):
+        return RuntimeError(
+            f"{api}: the forward of {name} draws random numbers (dropout...), and the ensemble "
+            "was built with randomness='error', which refuses them, with either backend. "
+            "Build it with randomness='different' (each member its own draws, as separate "
+            "models) or 'same' (one draw for all members), or put the random layers in eval "
+            f"mode. ({err})"
+        )
     frames = [
         (os.path.normcase(f.filename), f.name) for f in traceback.extract_tb(err.__traceback__)
     ]

@@ -13,7 +13,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from ._batchable import batchable
 from ._checks import check_choice, check_int, expand_in_dims, to_index
-from ._fastcall import call_member
+from ._fastcall import call_member, tracked
 from ._members import (
     Factory,
     build_members,
@@ -254,7 +254,9 @@ class Ensemble(StackedModule):
 
         Raises:
             ValueError: a per-member input whose size along its ``in_dims`` is not ``len(ens)``.
-            RuntimeError: the member's forward cannot be batched by ``vmap``.
+            RuntimeError: the member's forward cannot be batched by ``vmap``, draws random
+                numbers with ``randomness="error"``, or reassigns a buffer to a value the
+                stacked storage cannot hold (a buffer it reassigns is kept, as alone).
         """
 
         packed = [a for a in (*args, *kwargs.values()) if isinstance(a, PackedSequence)]
@@ -310,15 +312,18 @@ class Ensemble(StackedModule):
             says which members ``stacked_state`` holds when it holds a chunk of them.
         """
         padding = self._padding
+        # A buffer the forward reassigns goes into the stacked storage (with a padded
+        # member's masked state too), as it stays in the member alone.
+        member = tracked(fn)
         if padding is None:
-            plain = self._lifted(fn, in_dims)
+            plain = self._lifted(member, in_dims)
 
             def run(state: dict[str, torch.Tensor], *args: Any, rows: Any = None) -> Any:
                 return plain(state, *args)
 
             return run
 
-        return padding.member_map(self._lifted, fn, in_dims, set(self._parameters))
+        return padding.member_map(self._lifted, member, in_dims, set(self._parameters))
 
     def _lifted(self, fn: Callable[..., Any], in_dims: tuple) -> Callable[..., Any]:
         if self.backend == "loop":
