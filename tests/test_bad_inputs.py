@@ -175,6 +175,8 @@ CASES: list[tuple[str, Callable[[World], Any], type[BaseException], str]] = [
     ("index-out-of-range", lambda w: w.ens[N], IndexError, r"^Ensemble: member index 4 out of range"),
     ("index-float", lambda w: w.ens[1.5], TypeError, r"^Ensemble(\.select)?: index must be"),
     ("select-empty", lambda w: w.ens.select([]), IndexError, r"^Ensemble: selecting no members"),
+    ("select-empty-slice", lambda w: w.ens[2:2], IndexError, r"^Ensemble: selecting no members"),
+    ("select-all-false", lambda w: w.ens[torch.zeros(N, dtype=torch.bool)], IndexError, r"^Ensemble: selecting no members"),
     ("select-mask-shape", lambda w: w.ens.select(_mask(N + 1)), IndexError, r"^Ensemble: a bool mask must have shape \[4\]"),
     ("apply-not-callable", lambda w: w.ens.apply(3), TypeError, r"^Ensemble.apply: `fn` must be callable"),
     ("apply-raises-midway", lambda w: w.ens.apply(_raise_at_member_two()), RuntimeError, r"boom in member 2"),

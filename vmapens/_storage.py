@@ -195,6 +195,8 @@ class StackedModule(nn.Module):
             (2, [4, 1])
         """
         rows = index_rows("Ensemble", index, len(self))
+        if not len(rows):  # an empty slice or an all-False mask (a list is refused above)
+            raise IndexError("Ensemble: selecting no members; an Ensemble needs at least one")
         self._follow_template()
         sub = copy.copy(self)
         nn.Module.__init__(sub)  # fresh registries; the options are shared
