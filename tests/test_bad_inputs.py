@@ -296,3 +296,21 @@ def test_issue_14_masked_step_keeps_batchnorm_buffers_and_gradients(world: World
         assert torch.equal(world.ens.stacked_buffers()[key], bn[key]), key
     for p, g in zip(world.ens.parameters(), grads, strict=True):
         assert torch.equal(p.grad, g)
+
+
+def test_sparse_gradients_are_refused_before_any_step():
+    # nn.Embedding(sparse=True) trains alone (a sparse gradient); stacked, neither backend can
+    # compute it, and the step failed inside autograd with torch's bare error.
+    def member() -> nn.Module:
+        return nn.Sequential(nn.Embedding(6, 4, sparse=True), nn.Flatten(), nn.Linear(12, 1))
+
+    ens = vmapens.Ensemble(member, n=3, seed=0)
+    before = copy.deepcopy(ens.state_dict())
+    with pytest.raises(
+        ValueError, match=r"^make_step: `0` \(Embedding\) is built with sparse=True"
+    ):
+        vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedSGD(ens, lr=0.1))
+    torch.testing.assert_close(ens.state_dict(), before, rtol=0, atol=0)
+    ens.stacked_params()["0.weight"].requires_grad_(False)  # frozen: no gradient, no refusal
+    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedSGD(ens, lr=0.1))
+    step(torch.tensor([[0, 1, 2]]), torch.zeros(1, 1))

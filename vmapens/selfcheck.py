@@ -47,13 +47,24 @@ MEMBER = 0
 
 
 def check_step_arguments(api: str, ens: Any, loss_fn: Any, in_dims: Any) -> None:
-    """What ``check`` and ``make_step`` take first: an Ensemble, a callable loss, ``in_dims``."""
+    """What ``check`` and ``make_step`` take first: an Ensemble, a callable loss, ``in_dims``,
+    and no trained layer built with ``sparse=True`` (``nn.Embedding``: a sparse gradient)."""
     if not isinstance(ens, Ensemble):
         raise TypeError(f"{api}: `ens` must be a vmapens.Ensemble, got {type(ens).__name__}")
     if in_dims not in (None, 0):
         raise ValueError(f"{api}: `in_dims` must be None or 0, got {in_dims!r}")
     if not callable(loss_fn):
         raise TypeError(f"{api}: `loss_fn` must be callable, got {type(loss_fn).__name__}")
+    params = ens.stacked_params()
+    for name, module in ens.template.named_modules():
+        weight = params.get(f"{name}.weight" if name else "weight")
+        if getattr(module, "sparse", False) is True and weight is not None and weight.requires_grad:
+            raise ValueError(
+                f"{api}: {f'`{name}`' if name else 'the member'} ({type(module).__name__}) is "
+                "built with sparse=True: its gradient would be a sparse tensor, which neither "
+                "backend computes for stacked members; build it with sparse=False (the same "
+                "values, a dense gradient)"
+            )
 
 
 def check(
