@@ -20,7 +20,9 @@ __all__ = [
     "added",
     "alpha_columns",
     "cpu_scalar",
+    "decay_factor",
     "decayed_writes",
+    "in_lr_dtype",
     "host_scalars",
     "lerped",
     "lerp_column_",
@@ -160,16 +162,34 @@ def like(hyper: Scalar, value: Tensor) -> Tensor:
     return value.to(hyper.dtype) if isinstance(hyper, Tensor) else value
 
 
-def host_scalars(params: Sequence[Tensor], values: Sequence[Any]) -> bool:
+def in_lr_dtype(lr: Scalar, value: Scalar) -> Scalar:
+    """``value`` as torch's Python float meets a 0-d tensor ``lr``: a per-member (float64)
+    tensor cast to ``lr``'s dtype, as torch casts a float that it multiplies with the tensor
+    (``lr * weight_decay``: in float32 for a float32 ``lr``); anything else as it is."""
+    if isinstance(lr, Tensor) and lr.dim() == 0 and isinstance(value, Tensor):
+        return value.to(lr.dtype)
+    return value
+
+
+def decay_factor(lr: Scalar, wd: Scalar) -> Scalar:
+    """Decoupled weight decay's ``1 - lr * wd``, as torch computes it: in a 0-d tensor
+    ``lr``'s dtype (also each member's ``wd``, :func:`in_lr_dtype`), else in float64."""
+    return 1 - lr * in_lr_dtype(lr, wd)
+
+
+def host_scalars(params: Sequence[Tensor], values: Sequence[Any], lr: Scalar = 0.0) -> bool:
     """Whether a rule may take torch's foreach form with Python float scalars.
 
     That form reads one step count on the host per call (``run_fused``: one call per count
     over the whole tensors, so a member's bits never depend on another's count). It may when
     every member shares the hyperparameters ``values`` (floats, not per-member tensors), the
     parameters are CPU tensors (a host read costs no device sync) and no ``torch.compile``
-    trace is running; the choice depends on this configuration only.
+    trace is running; the choice depends on this configuration only. ``lr``, given apart by a
+    rule whose foreach form computes with a 0-d tensor ``lr`` as torch's loop does, may also
+    be that tensor (shared by every member).
     """
-    if torch.compiler.is_compiling() or any(isinstance(v, Tensor) for v in values):
+    per_member = isinstance(lr, Tensor) and lr.dim() > 0
+    if per_member or torch.compiler.is_compiling() or any(isinstance(v, Tensor) for v in values):
         return False
     return all(p.device.type == "cpu" for p in params)
 
@@ -222,7 +242,7 @@ def weight_decayed(
     if not isinstance(wd, Tensor) and wd == 0:
         return grads
     if group.get("decoupled_weight_decay", False):
-        torch._foreach_mul_(params, member_columns(1 - lr * wd, params))
+        torch._foreach_mul_(params, member_columns(decay_factor(lr, wd), params))
         return grads
     return add_scaled(grads, params, wd)
 
@@ -235,7 +255,7 @@ def decayed_writes(
     lr, wd = group["lr"], group["weight_decay"]
     if not group.get("decoupled_weight_decay", False) or (not isinstance(wd, Tensor) and wd == 0):
         return weight_decayed(grads, params, group), []
-    scale = member_columns(1 - lr * wd, params)
+    scale = member_columns(decay_factor(lr, wd), params)
     return grads, [functools.partial(torch._foreach_mul_, params, scale)]
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from .._checks import index_rows
-from ._hyper import params_of, pick_group
+from ._hyper import IMPLEMENTATION, group_args, params_of, pick_group
 
 __all__ = ["check_state_dict", "copy_rows", "member_state_dict", "select_parts"]
 
@@ -93,20 +94,81 @@ def copy_rows(opt: Any, new: Any, rows: Tensor) -> None:
             }
 
 
-def check_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
-    """What ``opt.load_state_dict`` checks before loading: known parameters, ``[n, ...]`` state.
+def check_state_dict(opt: Any, state_dict: Any) -> None:
+    """What ``opt.load_state_dict`` checks before anything changes: the param groups (their
+    count and sizes, every hyperparameter and flag of ``opt``'s, valid as the constructor
+    checks them) and the state (known parameters, per-member counters ``[n]``, tensors shaped
+    as ``opt`` makes them).
 
     Raises:
-        ValueError: state for unknown parameters, or tensors whose leading dim is not n.
+        ValueError: a state dict that does not fit ``opt`` (another optimizer's, say).
+        TypeError: a hyperparameter of the wrong type.
     """
-    api, n = f"{opt._api}.load_state_dict", opt.num_members
-    count = sum(len(g["params"]) for g in opt.param_groups)
-    for k, state in dict(state_dict.get("state", {})).items():
-        if not isinstance(k, int) or not 0 <= k < count:
+    api = f"{opt._api}.load_state_dict"
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+        raise ValueError(
+            f"{api}: `state_dict` must be a dict with `state` and `param_groups`, as "
+            f"state_dict() returns, got {type(state_dict).__name__} "
+            f"{sorted(state_dict) if isinstance(state_dict, dict) else ''}"
+        )
+    saved = list(state_dict["param_groups"])
+    sizes = [len(g["params"]) for g in opt.param_groups]
+    if [len(g.get("params", ())) for g in saved] != sizes:
+        raise ValueError(
+            f"{api}: the state dict's param groups hold "
+            f"{[len(g.get('params', ())) for g in saved]} parameters, this optimizer's {sizes}"
+        )
+    needed = [k for k in opt.defaults if k not in IMPLEMENTATION]  # hyperparameters, flags
+    options, where = [], {}
+    for j, group in enumerate(saved):
+        missing = [k for k in needed if k not in group]
+        if missing:
+            others = sorted(k for k in group if k not in opt.defaults and k != "params")
+            raise ValueError(
+                f"{api}: param group {j} has no {', '.join(f'`{k}`' for k in missing)}: "
+                f"not a state dict of {opt._api} (it has {others or 'no others'})"
+            )
+        checked = {k: v for k, v in group.items() if k != "params"}
+        try:
+            opt._normalise(checked)
+        except (TypeError, ValueError) as e:
+            why = str(e).removeprefix(f"{opt._api}: ")
+            raise type(e)(f"{api}: param group {j}: {why}") from e
+        options.append(checked)
+        where.update({k: j for k in group["params"]})
+    params = [p for g in opt.param_groups for p in g["params"]]
+    ids = dict(zip([k for g in saved for k in g["params"]], range(len(params)), strict=True))
+    for k, state in dict(state_dict["state"]).items():
+        if k not in ids:
             raise ValueError(f"{api}: state for unknown parameter {k!r}")
-        for name, v in state.items():
-            if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] != n:
+        _check_state(opt, api, k, state, params[ids[k]], options[where[k]])
+
+
+def _check_state(
+    opt: Any, api: str, k: Any, state: dict[str, Any], p: Tensor, options: dict[str, Any]
+) -> None:
+    """Parameter ``k``'s state: counters ``[n]`` tensors, the rest as ``opt`` makes it (the
+    shapes of its ``initial_state``, built on the meta device: no memory)."""
+    n, counters, names = opt.num_members, opt.scalar_state(options), opt.state_names(options)
+    meta = torch.device("meta")
+    args = group_args(options, opt.hyperparameters, meta, **opt._who) if names else {}
+    for name, v in state.items():
+        if name in counters:
+            if not isinstance(v, Tensor) or tuple(v.shape) != (n,):
+                got = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
+                raise ValueError(
+                    f"{api}: `{name}` of parameter {k} must be a tensor of shape [n={n}] (one "
+                    f"count per member), got {got}"
+                )
+        elif isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] != n:
+            raise ValueError(
+                f"{api}: `{name}` of parameter {k} has shape {tuple(v.shape)}, expected "
+                f"[n={n}, ...]"
+            )
+        elif name in names and isinstance(v, Tensor):
+            want = opt.initial_state(name, torch.empty_like(p, device=meta), args).shape
+            if v.shape != want:
                 raise ValueError(
                     f"{api}: `{name}` of parameter {k} has shape {tuple(v.shape)}, expected "
-                    f"[n={n}, ...]"
+                    f"{tuple(want)}"
                 )

@@ -21,6 +21,8 @@ __all__ = [
     "NONNEGATIVE",
     "UNIT",
     "WEIGHT_DECAY",
+    "any_nonzero",
+    "any_positive",
     "Hyper",
     "Params",
     "PerMember",
@@ -228,6 +230,21 @@ def check_implementation(api: str, flags: tuple[str, ...], given: dict[str, Any]
             raise ValueError(f"{api}: `{flag}={value}` is not supported: {why}")
     if given.get("foreach") is True and given.get("fused") is True:
         raise ValueError(f"{api}: `fused` and `foreach` cannot both be True (torch refuses it too)")
+
+
+def any_nonzero(v: Any) -> bool:
+    """Whether any member's value of a hyperparameter is != 0.
+
+    Read from ``MemberValues.nonzero``, not from the values: a compiled step then guards on
+    that bool alone, and a schedule that changes the values (OneCycleLR's momentum) does not
+    recompile it every step.
+    """
+    return v.nonzero if isinstance(v, MemberValues) else v != 0
+
+
+def any_positive(v: Any) -> bool:
+    """Whether any member's value of a hyperparameter is > 0 (as :func:`any_nonzero`)."""
+    return v.positive if isinstance(v, MemberValues) else v > 0
 
 
 def member_floats(v: Any) -> list[float]:

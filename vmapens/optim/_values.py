@@ -23,16 +23,22 @@ class MemberValues:
         values: One float per member.
     """
 
-    __slots__ = ("tensor", "values")
+    __slots__ = ("nonzero", "positive", "tensor", "values")
 
     values: tuple[float, ...]
     tensor: Tensor
+    #: Whether any value is != 0 (> 0): what an optimizer's state depends on (a momentum
+    #: buffer). One bool, so that a compiled step guards on it, not on every value.
+    nonzero: bool
+    positive: bool
 
     def __init__(self, values: Iterable[float]) -> None:
         object.__setattr__(self, "values", tuple(float(v) for v in values))
         # What the optimizer reads: a compiled step sees a tensor input, not n constants, so a
         # scheduler changing the values does not trigger a recompile.
         object.__setattr__(self, "tensor", torch.tensor(self.values, dtype=torch.float64))
+        object.__setattr__(self, "nonzero", any(v != 0 for v in self.values))
+        object.__setattr__(self, "positive", any(v > 0 for v in self.values))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("MemberValues is immutable")

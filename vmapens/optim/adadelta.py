@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from ._columns import added, alpha_columns, member_columns, signed
 from ._fused import Writes, into, one_kernel_when, safe_in_place, write_then_count
-from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar
+from ._hyper import LR, NONNEGATIVE, Hyper, PerMember, Scalar
 from .base import StackedOptimizer
 
 __all__ = ["StackedAdadelta", "adadelta_rule"]
@@ -48,8 +48,8 @@ def adadelta_rule(
         grads: Their gradients (not modified).
         state: ``square_avg`` (``v``), ``acc_delta`` (``u``), one per parameter, and ``step``
             ([n] counts, counted; Adadelta does not read it).
-        group: ``lr``, ``rho``, ``eps``, ``weight_decay`` (floats or float64 [n] tensors) and
-            ``maximize``.
+        group: ``lr``, ``rho``, ``eps``, ``weight_decay`` (floats or float64 [n] tensors;
+            ``lr`` also a 0-d tensor) and ``maximize``.
     """
     # The count is not in the arithmetic: what allocates first, then the writes
     # (optim/_fused.py), then the count, for every member.
@@ -103,7 +103,8 @@ class StackedAdadelta(StackedOptimizer):
 
     Args:
         params: Stacked tensors [n, ...], param-group dicts, or an Ensemble.
-        lr: Coefficient of the delta, a float or one per member.
+        lr: Coefficient of the delta: a float, a 0-d tensor (kept, and computed with as torch
+            does), or one per member.
         rho: Decay of the running averages, a float or one per member.
         eps: Term inside both square roots, a float or one per member.
         weight_decay: L2 penalty, a float or one per member.
@@ -125,7 +126,7 @@ class StackedAdadelta(StackedOptimizer):
     """
 
     hyperparameters: ClassVar[dict[str, Hyper]] = {
-        "lr": Hyper("learning rate", ">= 0", NONNEGATIVE.ok),
+        "lr": LR,
         "rho": Hyper("rho value", "in [0, 1]", lambda v: 0 <= v <= 1),
         "eps": Hyper("epsilon value", ">= 0", NONNEGATIVE.ok),
         "weight_decay": Hyper("weight_decay value", ">= 0", NONNEGATIVE.ok),

@@ -8,8 +8,8 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import Tensor, nn
 
-from ._columns import lerp_column_, member_column, member_columns
-from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar
+from ._columns import decay_factor, lerp_column_, member_column, member_columns
+from ._hyper import LR, NONNEGATIVE, Hyper, PerMember, Scalar
 from .base import StackedOptimizer
 
 __all__ = ["StackedAdafactor", "adafactor_rule"]
@@ -48,7 +48,8 @@ def adafactor_rule(
         state: ``row_var``, ``col_var`` (factored parameters) or ``variance`` (the others)
             per parameter (the unused ones zero-size ``[n, 0]``), and ``step`` ([n] counts).
         group: ``lr``, ``beta2_decay``, ``eps`` (a pair; its first may be None), ``d``,
-            ``weight_decay`` (floats or float64 [n] tensors) and ``maximize``.
+            ``weight_decay`` (floats or float64 [n] tensors; ``lr`` also a 0-d tensor) and
+            ``maximize``.
     """
     lr, decay, (eps1, eps2), d, wd = (
         group["lr"],
@@ -61,8 +62,13 @@ def adafactor_rule(
     step.add_(1)
     t = step.double()
     weight = torch.pow(t, decay)
-    rho = torch.minimum(torch.as_tensor(lr, dtype=torch.float64, device=t.device), 1 / t**0.5)
-    floor = torch.as_tensor(eps2)
+    inv = 1 / t**0.5
+    rho = torch.minimum(torch.as_tensor(lr, dtype=torch.float64, device=t.device), inv)
+    # torch's min(lr, 1 / sqrt(t)) keeps a 0-d tensor lr where it is the smaller (compared in
+    # lr's dtype); alpha, its product with a float, and -alpha / denom are then in lr's dtype.
+    lr0 = lr if isinstance(lr, Tensor) and lr.dim() == 0 else None
+    picks = None if lr0 is None else lr0 <= inv.to(lr0.dtype)
+    floor = torch.as_tensor(eps2, dtype=torch.float64)
     # `weight`'s column per parameter, made once per dtype and rank (the state shares both)
     weights = cast(list[Tensor], member_columns(weight, params))  # `weight` is a tensor
     for k, (p, grad) in enumerate(zip(params, grads, strict=True)):
@@ -75,9 +81,10 @@ def adafactor_rule(
 
         g = -grad if group["maximize"] else grad
         small = torch.finfo(p.dtype).eps if eps1 is None else eps1
-        alpha = torch.maximum(_per_member_norm(p) / size**0.5, floor) * rho
+        # max(eps2, RMS(p)), and eps2 in float64 as torch's Python float
+        rms = torch.maximum(_per_member_norm(p) / size**0.5, floor)
         if isinstance(wd, Tensor) or wd != 0:
-            p.mul_(col(1 - lr * wd))
+            p.mul_(col(decay_factor(lr, wd)))
         if p.dim() > 2:
             row_var, col_var = state["row_var"][k], state["col_var"][k]
             # torch.norm(g, dim=-1, keepdim=True), which calls this, without its Python wrapper
@@ -96,7 +103,12 @@ def adafactor_rule(
         update = torch.clamp(estimate, min=col(small * small)).rsqrt_()
         update.mul_(g)
         denom = torch.clamp(_per_member_norm(update) / (size**0.5 * d), min=1.0)
-        p.add_(update * col(-alpha / denom))
+        scale = -(rms * rho) / denom  # torch's alpha=-alpha / denom
+        if lr0 is not None and picks is not None:
+            scale = torch.where(
+                picks, (-(rms.to(lr0.dtype) * lr0) / denom.to(lr0.dtype)).double(), scale
+            )
+        p.add_(update * col(scale))
 
 
 class StackedAdafactor(StackedOptimizer):
@@ -110,7 +122,8 @@ class StackedAdafactor(StackedOptimizer):
 
     Args:
         params: Stacked tensors [n, ...], param-group dicts, or an Ensemble.
-        lr: Learning rate, a float or one per member.
+        lr: Learning rate: a float, a 0-d tensor (kept, and computed with as torch does), or
+            one per member.
         beta2_decay: Decay of the second-moment rate (``<= 0``), a float or one per member.
         eps: ``(eps1, eps2)``: eps1 None (the dtype's eps) or a float or one per member;
             eps2 a float or one per member.
@@ -134,7 +147,7 @@ class StackedAdafactor(StackedOptimizer):
     """
 
     hyperparameters: ClassVar[dict[str, Hyper]] = {
-        "lr": Hyper("learning rate", ">= 0", NONNEGATIVE.ok),
+        "lr": LR,
         "beta2_decay": Hyper("beta2_decay value", "<= 0", lambda v: v <= 0),
         "eps": Hyper("epsilon value", ">= 0", NONNEGATIVE.ok, pair=True),
         "d": Hyper("clipping threshold d", ">= 1", lambda v: v >= 1),

@@ -9,9 +9,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._columns import host_scalars, member_columns, signed, weight_decayed
+from ._columns import host_scalars, in_lr_dtype, member_columns, signed, weight_decayed
 from ._fused import run_fused
-from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar
+from ._hyper import LR, NONNEGATIVE, Hyper, PerMember, Scalar
 from .base import StackedOptimizer
 
 __all__ = ["StackedASGD", "asgd_rule"]
@@ -50,11 +50,12 @@ def asgd_rule(
         state: ``ax`` (one per parameter), ``step``, ``eta`` and ``mu`` (float32 or float64
             [n], one dtype).
         group: ``lr``, ``lambd``, ``alpha``, ``t0``, ``weight_decay`` (floats or float64 [n]
-            tensors) and ``maximize``.
+            tensors; ``lr`` also a 0-d tensor, in whose dtype torch computes the new ``eta``)
+            and ``maximize``.
     """
     lr, lambd, alpha, t0 = group["lr"], group["lambd"], group["alpha"], group["t0"]
     ax, step, eta, mu = state["ax"], state["step"], state["eta"], state["mu"]
-    if host_scalars(params, [lr, lambd, alpha, t0, group["weight_decay"]]):
+    if host_scalars(params, [lambd, alpha, t0, group["weight_decay"]], lr=lr):
         mask = group["mask"]
 
         def kernel(t: list[list[Tensor]], count: float) -> None:
@@ -66,7 +67,8 @@ def asgd_rule(
                 etas.fill_(lr)
             eta_now = _shared(etas, step, mask, count)
             _apply(t[0], t[1], t[2], eta_now, _shared(mus, step, mask, count), group)
-            # torch.as_tensor of a Python float, copied into eta: rounded to eta's dtype.
+            # torch.as_tensor of a Python float, copied into eta: rounded to eta's dtype; with
+            # a 0-d tensor lr, torch's expression is tensor arithmetic in lr's dtype, as here.
             etas.fill_(lr / ((1 + lambd * lr * (count + 1)) ** alpha))
             mus.fill_(1 / max(1, count + 1 - t0))
 
@@ -78,7 +80,13 @@ def asgd_rule(
     step.add_(1)
     _apply(params, grads, ax, eta.double(), mu.double(), group)
     t = step.double()
-    eta.copy_(lr / torch.pow(1 + lambd * lr * t, alpha))
+    if isinstance(lr, Tensor) and lr.dim() == 0:
+        # torch's expression with a tensor lr is tensor arithmetic in lr's dtype, its floats
+        # cast to it, but for pow's exponent: one element's pow runs in double, then rounds.
+        base = 1 + in_lr_dtype(lr, lambd) * lr * t.to(lr.dtype)
+        eta.copy_(lr / torch.pow(base.double(), alpha).to(lr.dtype))
+    else:
+        eta.copy_(lr / torch.pow(1 + lambd * lr * t, alpha))
     mu.copy_(1 / torch.clamp(t - t0, min=1))
 
 
@@ -138,7 +146,8 @@ class StackedASGD(StackedOptimizer):
 
     Args:
         params: Stacked tensors [n, ...], param-group dicts, or an Ensemble.
-        lr: Learning rate, a float or one per member.
+        lr: Learning rate: a float, a 0-d tensor (kept, and computed with as torch does), or
+            one per member.
         lambd: Decay term, a float or one per member.
         alpha: Power of the ``eta`` schedule, a float or one per member.
         t0: Step at which averaging starts, a float or one per member.
@@ -161,7 +170,7 @@ class StackedASGD(StackedOptimizer):
     """
 
     hyperparameters: ClassVar[dict[str, Hyper]] = {
-        "lr": Hyper("learning rate", ">= 0", NONNEGATIVE.ok),
+        "lr": LR,
         "lambd": _ANY,
         "alpha": _ANY,
         "t0": _ANY,

@@ -251,13 +251,18 @@ class StackedOptimizer(EagerOptimizer):
                 self._layouts += 1  # tells the snapshot that tensors may have changed in place
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict saved by ``state_dict()`` (checked first).
+        """Load a state dict saved by ``state_dict()``, checked whole first: one that does not
+        fit (another optimizer's, say) raises and changes nothing.
 
         Raises:
-            ValueError: state for unknown parameters, or tensors whose leading dim is not n.
+            ValueError: param groups or state that do not fit this optimizer (missing or
+                invalid hyperparameters, unknown parameters, tensors of other shapes).
+            TypeError: a hyperparameter of the wrong type.
         """
         check_state_dict(self, state_dict)
         super().load_state_dict(state_dict)
+        for group in self.param_groups:  # as checked: e.g. a list of n values -> MemberValues
+            self._normalise(group)
         self._ready = [None] * len(self.param_groups)
         if self.state:
             self.prepare()

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import column
-from ._columns import member_column
+from ._columns import decay_factor, member_column
 from ._hyper import LR, NONNEGATIVE, Hyper, PerMember, Scalar
 from .base import StackedOptimizer
 
@@ -160,7 +160,7 @@ def muon_rule(
             ratio = math.sqrt(max(1, rows / cols))
         else:
             ratio = 0.2 * math.sqrt(max(rows, cols))
-        p.mul_(col(1 - lr * wd))
+        p.mul_(col(decay_factor(lr, wd)))
         if isinstance(lr, Tensor):
             p.add_(ortho.to(p.dtype).mul_(col(-(lr * ratio))))
         else:

@@ -27,7 +27,7 @@ from ._fused import (
     safe_in_place,
     write_then_count,
 )
-from ._hyper import NONNEGATIVE, UNIT, Hyper, PerMember, Scalar
+from ._hyper import LR, NONNEGATIVE, UNIT, Hyper, PerMember, Scalar
 from .base import StackedOptimizer
 
 __all__ = ["StackedRAdam", "radam_rule"]
@@ -63,19 +63,20 @@ def radam_rule(
 
     With shared hyperparameters on CPU, torch's single-tensor arithmetic with Python float
     step sizes and branch, over the whole stacked tensors, one call per step count (see
-    ``run_fused``); per-member values take ``[n, 1, ...]`` columns, and each member its own
-    branch (``torch.where`` on its ``rho_t``).
+    ``run_fused``), a 0-d tensor ``lr`` entering its ops as torch's does; per-member values
+    take ``[n, 1, ...]`` columns, and each member its own branch (``torch.where`` on its
+    ``rho_t``).
 
     Args:
         params: Stacked parameters [n, ...] sharing one step count, updated in place.
         grads: Their gradients (not modified).
         state: ``exp_avg``, ``exp_avg_sq`` (one per parameter) and ``step`` ([n] counts).
-        group: ``lr``, ``betas``, ``eps``, ``weight_decay`` (floats or float64 [n] tensors),
-            ``decoupled_weight_decay`` and ``maximize``.
+        group: ``lr``, ``betas``, ``eps``, ``weight_decay`` (floats or float64 [n] tensors;
+            ``lr`` also a 0-d tensor), ``decoupled_weight_decay`` and ``maximize``.
     """
     lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     exp_avg, exp_avg_sq, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
-    if host_scalars(params, [lr, beta1, beta2, eps, wd]):
+    if host_scalars(params, [beta1, beta2, eps, wd], lr=lr):
         run_fused(
             functools.partial(_shared_kernel, group=group),
             [params, grads, exp_avg, exp_avg_sq],
@@ -157,7 +158,8 @@ class StackedRAdam(StackedOptimizer):
 
     Args:
         params: Stacked tensors [n, ...], param-group dicts, or an Ensemble.
-        lr: Learning rate, a float or one per member.
+        lr: Learning rate: a float, a 0-d tensor (kept, and computed with as torch does), or
+            one per member.
         betas: ``(beta1, beta2)``, each a float or one per member.
         eps: Denominator term, a float or one per member.
         weight_decay: Weight decay, a float or one per member.
@@ -180,7 +182,7 @@ class StackedRAdam(StackedOptimizer):
     """
 
     hyperparameters: ClassVar[dict[str, Hyper]] = {
-        "lr": Hyper("learning rate", ">= 0", NONNEGATIVE.ok),
+        "lr": LR,
         "betas": Hyper("beta parameter", "in [0, 1)", UNIT.ok, pair=True),
         "eps": Hyper("epsilon value", ">= 0", NONNEGATIVE.ok),
         "weight_decay": Hyper("weight_decay value", ">= 0", NONNEGATIVE.ok),

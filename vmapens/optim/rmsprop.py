@@ -27,6 +27,7 @@ from ._hyper import (
     Params,
     PerMember,
     Scalar,
+    any_positive,
     member_floats,
     nonnegative,
 )
@@ -233,7 +234,8 @@ class StackedRMSprop(StackedOptimizer):
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         names: tuple[str, ...] = ("square_avg",)
-        names += ("momentum_buffer",) if max(member_floats(group["momentum"])) > 0 else ()
+        # any_positive: a compiled step guards on its answer, not on the momenta (sgd.py).
+        names += ("momentum_buffer",) if any_positive(group["momentum"]) else ()
         return (*names, "grad_avg") if group["centered"] else names
 
     def member_state(

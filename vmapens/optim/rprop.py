@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from ._columns import member_column, member_columns, signed
-from ._hyper import NONNEGATIVE, Hyper, PerMember, Scalar, member_floats
+from ._hyper import LR, NONNEGATIVE, Hyper, PerMember, Scalar, member_floats
 from .base import StackedOptimizer
 
 __all__ = ["StackedRprop", "rprop_rule"]
@@ -68,7 +68,9 @@ def rprop_rule(
         factor = torch.where(s.gt(0), plus, s)
         factor = torch.where(negative, minus, factor)
         factor = torch.where(factor.eq(0), 1.0, factor)
-        size.copy_(torch.clamp(size * factor, lo, hi))
+        # torch's clamp_(lo, hi), as max then min: clamp takes two floats or two tensors,
+        # and one bound may be shared (a float) while the other is per member (a column).
+        size.copy_(torch.clamp_max(torch.clamp_min(size * factor, lo), hi))
         kept.append(torch.where(negative, 0.0, grad))
     torch._foreach_addcmul_(params, torch._foreach_sign(kept), step_sizes, value=-1)
     torch._foreach_copy_(prevs, kept)
@@ -82,7 +84,8 @@ class StackedRprop(StackedOptimizer):
 
     Args:
         params: Stacked tensors [n, ...], param-group dicts, or an Ensemble.
-        lr: Initial step size, a float or one per member.
+        lr: Initial step size: a float, a 0-d tensor (kept, as torch keeps it; the step sizes
+            start at its value at the first step), or one per member.
         etas: ``(etaminus, etaplus)``, each a float or one per member, with
             ``0 < etaminus < 1 < etaplus``.
         step_sizes: ``(min, max)`` step sizes, each a float or one per member.
@@ -105,7 +108,7 @@ class StackedRprop(StackedOptimizer):
     """
 
     hyperparameters: ClassVar[dict[str, Hyper]] = {
-        "lr": Hyper("learning rate", ">= 0", NONNEGATIVE.ok),
+        "lr": LR,
         "etas": Hyper("eta value", "> 0", lambda v: v > 0, pair=True),
         "step_sizes": Hyper("step size", ">= 0", NONNEGATIVE.ok, pair=True),
     }

@@ -28,7 +28,17 @@ from ._fused import (
     safe_in_place,
     write_then_count,
 )
-from ._hyper import LR, MOMENTUM, WEIGHT_DECAY, Hyper, Params, PerMember, Scalar, member_floats
+from ._hyper import (
+    LR,
+    MOMENTUM,
+    WEIGHT_DECAY,
+    Hyper,
+    Params,
+    PerMember,
+    Scalar,
+    any_nonzero,
+    member_floats,
+)
 from ._keep import step_one
 from .base import StackedOptimizer
 
@@ -285,7 +295,9 @@ class StackedSGD(StackedOptimizer):
                 )
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return ("momentum_buffer",) if max(member_floats(group["momentum"])) != 0 else ()
+        # Called while a compiled step traces: the question is asked so that dynamo guards on
+        # its answer only, not on the momenta a schedule changes every step.
+        return ("momentum_buffer",) if any_nonzero(group["momentum"]) else ()
 
     def member_state(
         self, state: dict[str, Tensor], group: dict[str, Any], i: int

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from ._hyper import Params, PerMember
 from .adadelta import StackedAdadelta
 from .adafactor import StackedAdafactor
 from .adagrad import StackedAdagrad
@@ -21,13 +22,54 @@ from .rmsprop import StackedRMSprop
 from .rprop import StackedRprop
 from .sgd import StackedSGD
 
-__all__ = ["REFUSED", "TWINS", "stacked"]
+__all__ = ["REFUSED", "TWINS", "stacked", "stacked_adamw"]
 
-#: torch.optim class -> its stacked twin (AdamW: StackedAdam with decoupled weight decay).
+
+def stacked_adamw(
+    params: Params,
+    lr: PerMember = 1e-3,
+    betas: tuple[PerMember, PerMember] = (0.9, 0.999),
+    eps: PerMember = 1e-8,
+    weight_decay: PerMember = 1e-2,
+    amsgrad: bool = False,
+    *,
+    maximize: bool = False,
+    **implementation: Any,
+) -> StackedAdam:
+    """``torch.optim.AdamW``'s twin: :class:`StackedAdam` with decoupled weight decay, called
+    as ``AdamW`` is, with its defaults (``weight_decay=1e-2``, where Adam's is 0).
+
+    Args:
+        params, lr, betas, eps, weight_decay, amsgrad, maximize, **implementation: As for
+            :class:`StackedAdam` (each hyperparameter a float or one per member), in
+            ``torch.optim.AdamW``'s order.
+
+    Returns:
+        A :class:`StackedAdam` with ``decoupled_weight_decay=True``.
+
+    Example:
+        >>> stacked_adamw([torch.zeros(2, 3, requires_grad=True)]).param_groups[0]["weight_decay"]
+        0.01
+    """
+    return StackedAdam(
+        params,
+        lr,
+        betas,
+        eps,
+        weight_decay,
+        decoupled_weight_decay=True,
+        amsgrad=amsgrad,
+        maximize=maximize,
+        **implementation,
+    )
+
+
+#: torch.optim class -> its stacked twin, with the torch class's defaults (AdamW:
+#: StackedAdam with decoupled weight decay and AdamW's weight_decay=1e-2).
 TWINS: dict[type[torch.optim.Optimizer], Callable[..., StackedOptimizer]] = {
     torch.optim.SGD: StackedSGD,
     torch.optim.Adam: StackedAdam,
-    torch.optim.AdamW: functools.partial(StackedAdam, decoupled_weight_decay=True),
+    torch.optim.AdamW: stacked_adamw,
     torch.optim.RMSprop: StackedRMSprop,
     torch.optim.Adagrad: StackedAdagrad,
     torch.optim.Adamax: StackedAdamax,
@@ -61,8 +103,9 @@ def stacked(torch_class: type[torch.optim.Optimizer]) -> Callable[..., StackedOp
         torch_class: A ``torch.optim`` optimizer class.
 
     Returns:
-        The stacked class (for ``AdamW``, ``StackedAdam`` with ``decoupled_weight_decay=True``),
-        to be called as the torch class is, with stacked parameters.
+        The stacked class (for ``AdamW``, :func:`stacked_adamw`: ``StackedAdam`` with
+        ``decoupled_weight_decay=True`` and AdamW's ``weight_decay=1e-2``), to be called as the
+        torch class is, with stacked parameters; its defaults are the torch class's.
 
     Raises:
         ValueError: ``torch_class`` has no stacked twin (LBFGS, SparseAdam: the reason says
