@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from truth import assert_bit_identical
 
 import vmapens
 from vmapens.callbacks import Checkpoint, EarlyStopping, LRScheduler
@@ -82,30 +82,6 @@ def snapshot(w: World) -> dict[str, Any]:
         "history": copy.deepcopy(w.history.state_dict()),
         "files": files,
     }
-
-
-def assert_bit_identical(got: Any, expected: Any, where: str = "") -> None:
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == expected.dtype, where
-        assert got.shape == expected.shape, where
-        assert torch.equal(_bits(got), _bits(expected)), where
-    elif isinstance(expected, dict):
-        assert list(got) == list(expected), where
-        for k in expected:
-            assert_bit_identical(got[k], expected[k], f"{where}.{k}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(got) == len(expected), where
-        for k, (a, b) in enumerate(zip(got, expected, strict=True)):
-            assert_bit_identical(a, b, f"{where}[{k}]")
-    elif isinstance(expected, float) and math.isnan(expected):
-        assert math.isnan(got), where
-    else:
-        assert got == expected, where
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t``: NaN equals NaN, -0.0 differs from 0.0."""
-    return t.detach().contiguous().view(-1).view(torch.uint8)
 
 
 def _mask(n: int, dtype: torch.dtype = torch.bool) -> torch.Tensor:

@@ -240,30 +240,15 @@ def test_resume_refuses_a_loss_with_other_settings(tmp_path, changed, shown):
     # A loss's repr leaves its settings out (both print "HuberLoss()"): a resumed run that
     # changed them would go on training another objective without a word.
     ens = build()
+
+    def run(loss: nn.Module, *callbacks: vmapens.Callback) -> None:
+        vmapens.fit(ens, (X, Y), loss, epochs=3, batch_size=4, seed=0, progress=False,
+                    checkpoint=tmp_path / "ck.pt", callbacks=list(callbacks))  # fmt: skip
+
     with pytest.raises(KeyboardInterrupt):
-        vmapens.fit(
-            ens,
-            (X, Y),
-            nn.HuberLoss(),
-            epochs=3,
-            batch_size=4,
-            seed=0,
-            progress=False,
-            checkpoint=tmp_path / "ck.pt",
-            callbacks=[_Interrupt(1)],
-        )
+        run(nn.HuberLoss(), _Interrupt(1))
     held = copy.deepcopy(ens.state_dict())
     with pytest.raises(ValueError, match=rf"loss_fn.*{shown}"):
-        vmapens.fit(ens, (X, Y), changed, epochs=3, batch_size=4, seed=0, progress=False,
-                    checkpoint=tmp_path / "ck.pt")  # fmt: skip
+        run(changed)
     torch.testing.assert_close(ens.state_dict(), held, rtol=0, atol=0)
-    vmapens.fit(
-        ens,
-        (X, Y),
-        nn.HuberLoss(),
-        epochs=3,
-        batch_size=4,
-        seed=0,
-        progress=False,
-        checkpoint=tmp_path / "ck.pt",
-    )  # fmt: skip  (the same settings resume)
+    run(nn.HuberLoss())  # the same settings resume

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from truth import adam, resample, train_alone
+from truth import adam, assert_bit_identical, resample, train_alone
 
 import vmapens
 from bench import mlp
@@ -302,27 +302,6 @@ def test_bad_arguments_raise_clearly_and_change_nothing(options, exc, match):
     torch.testing.assert_close(ens.state_dict(), before, rtol=0, atol=0)
 
 
-def assert_bits_equal(got: Any, expected: Any, where: str = "") -> None:
-    """Nested dicts, sequences and tensors (dtype, shape and bits) equal; other leaves ==."""
-    assert type(got) is type(expected), where
-    if isinstance(got, dict):
-        assert got.keys() == expected.keys(), where
-        for k in got:
-            assert_bits_equal(got[k], expected[k], f"{where}[{k!r}]")
-    elif isinstance(got, (list, tuple)):
-        assert len(got) == len(expected), where
-        for k, (a, b) in enumerate(zip(got, expected, strict=True)):
-            assert_bits_equal(a, b, f"{where}[{k}]")
-    elif isinstance(got, torch.Tensor):
-        assert (got.dtype, got.shape) == (expected.dtype, expected.shape), where
-        bits = [
-            t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in (got, expected)
-        ]
-        assert torch.equal(*bits), where
-    else:
-        assert got == expected, where
-
-
 def trained(lr: Any = 1e-2) -> tuple[vmapens.Ensemble, vmapens.StackedAdam]:
     """An ensemble and its optimizer after one epoch: optimizer state to keep."""
     ens = vmapens.Ensemble(models.MLP, n=N, seed=0).double()
@@ -362,10 +341,10 @@ def test_refused_fit_leaves_optimizer_and_global_rng_as_they_were(options, exc, 
         vmapens.fit(ens, options.pop("data"), nn.MSELoss(), optimizer=opt, epochs=2,
                     scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.1),
                     seed=None, progress=False, **options)  # fmt: skip
-    assert_bits_equal(opt.state_dict(), opt_before)  # param_groups (lr, no initial_lr), state
+    assert_bit_identical(opt.state_dict(), opt_before)  # param_groups (lr, no initial_lr), state
     assert not attached_scheduler(opt)  # else a later fit(checkpoint=...) would refuse it
     assert torch.equal(torch.get_rng_state(), rng)
-    assert_bits_equal(ens.state_dict(), ens_before)
+    assert_bit_identical(ens.state_dict(), ens_before)
 
 
 def mae(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -423,8 +402,8 @@ def test_a_metric_that_cannot_run_fails_before_training_naming_it(metric, exc, m
                     callbacks=[CountSteps()], seed=0, progress=False)  # fmt: skip
     assert type(caught.value.__cause__) is (cause or type(None))
     assert steps == []
-    assert_bits_equal(ens.state_dict(), ens_before)
-    assert_bits_equal(opt.state_dict(), opt_before)
+    assert_bit_identical(ens.state_dict(), ens_before)
+    assert_bit_identical(opt.state_dict(), opt_before)
 
 
 def test_metrics_of_a_real_dtype_are_recorded_per_member_and_for_the_mean():
@@ -526,7 +505,7 @@ def test_refused_resume_leaves_the_optimizer_as_it_was(tmp_path, lr):
         vmapens.fit(ens, (X, Y), nn.MSELoss(), optimizer=opt, batch_size=4, seed=0,
                     scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.1),
                     progress=False, checkpoint=ck)  # fmt: skip
-    assert_bits_equal(opt.state_dict(), opt_before)  # lr, no initial_lr
+    assert_bit_identical(opt.state_dict(), opt_before)  # lr, no initial_lr
     assert opt.param_groups[0]["lr"] is lr or not isinstance(lr, torch.Tensor)
     assert not attached_scheduler(opt)  # opt.step is the optimizer's own again
-    assert_bits_equal(ens.state_dict(), held)
+    assert_bit_identical(ens.state_dict(), held)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -168,3 +169,28 @@ def assert_members_equal(ens: Any, modules: Sequence[nn.Module], **tol: Any) -> 
         assert list(got) == list(want), f"member {i}: keys {list(got)} vs {list(want)}"
         for name in want:
             torch.testing.assert_close(got[name], want[name], **tol, msg=f"member {i} {name}")
+
+
+def assert_bit_identical(got: Any, expected: Any, where: str = "") -> None:
+    """Nested dicts, sequences and tensors equal bit for bit (dtype, shape and bytes: NaN
+    equals NaN, -0.0 differs from 0.0), leaves of the same type; other leaves ``==``."""
+    assert type(got) is type(expected), f"{where}: {type(got)} vs {type(expected)}"
+    if isinstance(expected, torch.Tensor):
+        assert (got.dtype, got.shape) == (expected.dtype, expected.shape), where
+        assert torch.equal(_bits(got), _bits(expected)), where
+    elif isinstance(expected, dict):
+        assert list(got) == list(expected), where
+        for k in expected:
+            assert_bit_identical(got[k], expected[k], f"{where}.{k}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(got) == len(expected), where
+        for k, (a, b) in enumerate(zip(got, expected, strict=True)):
+            assert_bit_identical(a, b, f"{where}[{k}]")
+    elif isinstance(expected, float) and math.isnan(expected):
+        assert math.isnan(got), where
+    else:
+        assert got == expected, where
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().view(-1).view(torch.uint8)
