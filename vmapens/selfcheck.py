@@ -19,10 +19,10 @@ from typing import Any
 import optree
 import torch
 from torch import Tensor
-from torch.func import functional_call
 
 from ._attention import batched_attention
 from ._checks import tolerance
+from ._fastcall import call_member
 from ._locate import first_padded_difference
 from ._members import named_tensors
 from ._padding import masked
@@ -247,7 +247,7 @@ def _together(
     trained = [name for name, p in sub.stacked_params().items() if p.requires_grad]
 
     def run(st: dict, inputs: tuple, target: Tensor) -> tuple[Any, Tensor]:
-        out = functional_call(sub.runner, st, inputs)
+        out = call_member(sub.runner, st, inputs)
         return out, loss_fn(out, target)
 
     args = _member_slice(args, member, in_dims, True)
