@@ -405,3 +405,35 @@ def test_slices_pick_the_members_a_list_slice_picks(index):
     for k, module in enumerate(alone):
         for name, value in module.state_dict().items():
             assert torch.equal(picked[k].state_dict()[name], value), (k, name)
+
+
+def _conv_member() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(144, 2))
+
+
+def test_memory_format_lays_out_each_member_as_torch_lays_out_it_alone():
+    # Truth: each member alone after torch's own .to(memory_format=...). The stacked conv
+    # weight is 5-D: torch's Module.to would give it the 2-D format and raise.
+    ens = vmapens.Ensemble(_conv_member, 3, seed=0).double()
+    alone = [m.to(memory_format=torch.channels_last) for m in ens.unstack()]
+    assert ens.to(memory_format=torch.channels_last) is ens
+    x = torch.randn(5, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last)
+    out = ens(x)
+    for i, m in enumerate(alone):
+        weight = ens[i].state_dict()["0.weight"]
+        assert weight.is_contiguous(memory_format=torch.channels_last), i
+        assert weight.stride() == m[0].weight.stride(), i
+        torch.testing.assert_close(out[i], m(x), rtol=1e-12, atol=1e-12)
+    ens.to(memory_format=torch.contiguous_format)
+    assert ens.stacked_params()["0.weight"].is_contiguous()
+
+
+def test_memory_format_torch_refuses_for_a_member_is_refused_and_changes_nothing():
+    with pytest.raises(RuntimeError, match="required rank 5"):
+        _conv_member().to(memory_format=torch.channels_last_3d)  # torch alone refuses
+    ens = vmapens.Ensemble(_conv_member, 3, seed=0)
+    strides = {k: v.stride() for k, v in ens.stacked_state().items()}
+    with pytest.raises(RuntimeError, match="required rank 5"):
+        ens.to(torch.float64, memory_format=torch.channels_last_3d)
+    assert {k: v.stride() for k, v in ens.stacked_state().items()} == strides
+    assert all(v.dtype != torch.float64 for v in ens.stacked_state().values())

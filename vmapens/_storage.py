@@ -287,6 +287,17 @@ class StackedModule(nn.Module):
                 ) from None
             raise
 
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """``nn.Module.to``; a ``memory_format`` applies to each member's tensors, as torch
+        applies it to a member's 4-D and 5-D tensors (a stacked tensor has one more dim)."""
+        device, dtype, non_blocking, fmt = torch._C._nn._parse_to(*args, **kwargs)
+        if fmt is None:
+            return super().to(*args, **kwargs)
+        for t in self.stacked_state().values():
+            _member_format(t, fmt)  # raises before anything changes, as torch would
+        super().to(device=device, dtype=dtype, non_blocking=non_blocking)
+        return self._apply(lambda t: _member_format(t, fmt))
+
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         out = super()._apply(fn, recurse)
         if self._padding is not None:  # .to() / .double(): the masks follow the parameters
@@ -378,3 +389,22 @@ def _check_applied(api: str, before: tuple, after: tuple, hooks_before: list, ho
                 f"{api}: `fn` registered or removed a hook on `{path}`; the members are not "
                 "modules a hook could run on: register it in the member's __init__ instead"
             )
+
+
+#: Per member: the memory format's order of the dims after the first two (channels last).
+_LAST = {torch.channels_last: 4, torch.channels_last_3d: 5}
+
+
+def _member_format(t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
+    """``t`` (stacked: ``[n, *member]``) with each member laid out as ``member.to(
+    memory_format=fmt)`` would be; tensors torch leaves alone (not 4-D or 5-D) as they are."""
+    if t.dim() - 1 not in (4, 5) or fmt == torch.preserve_format:
+        return t
+    if fmt == torch.contiguous_format:
+        return t.contiguous()
+    if _LAST.get(fmt) != t.dim() - 1:
+        rank = {4: "4", 5: "5"}.get(_LAST.get(fmt, 0), "?")
+        raise RuntimeError(f"required rank {rank} tensor to use {fmt} format")
+    order = [0, 1, *range(3, t.dim()), 2]  # the member's channels (dim 2 here) last
+    inverse = [order.index(d) for d in range(t.dim())]
+    return t.permute(order).contiguous().permute(inverse)
