@@ -19,7 +19,6 @@ from ._data import (
     TensorSource,
     is_tensor_data,
     oob_mask,
-    rows_of,
     warn_stacked_data,
 )
 from ._evaluate import Evaluator, to_device
@@ -318,8 +317,8 @@ def _kept_on_error(opt: torch.optim.Optimizer) -> Iterator[None]:
 
 
 def _source(api: str, ctx: Context, data: Any, c: Checked) -> Any:
-    """The batches of the run, checked. Tensor data is cut here for its checks only: its order
-    and resamples need the run's seed, which a resume may give (``_seeded`` cuts it again)."""
+    """The batches of the run, checked. Tensor data's order and resamples need the run's seed,
+    which a resume may give: ``_seeded`` keys them."""
     ens, args = ctx.ensemble, ctx.arguments
     if not is_tensor_data(data):
         return (
@@ -342,10 +341,10 @@ def _seeded(
         return source
     boot = None
     if args["bootstrap"]:
-        size = rows_of(data[0], c.data_dims == 0)
+        size = source.size
         boot = torch.stack([bootstrap_indices(size, ctx.seed, i) for i in ens.member_ids])
         if c.oob:
             device = next(ens.parameters()).device
             evaluator.use_out_of_bag(to_device(data, device), oob_mask(boot, size), c.data_dims)
-    member_dim = c.data_dims == 0
-    return TensorSource(data, args["batch_size"], args["shuffle"], ctx.seed, boot, api, member_dim)
+    source.seed, source.boot = ctx.seed, boot  # checked by _source: keyed now
+    return source
