@@ -12,7 +12,7 @@ from ._checks import check_choice, check_int, check_writable_dir
 from ._data import check_member_dim, is_tensor_data
 from ._metrics import check_metrics
 from ._step_parts import check_optimizer
-from .ensemble import Ensemble
+from .ensemble import Ensemble, check_ensemble
 from .optim import StackedAdam, StackedOptimizer
 from .step import make_step
 
@@ -60,8 +60,7 @@ def check_arguments(api: str, args: dict[str, Any]) -> Checked:
     for old, new in MOVED.items():
         if old in options:
             raise TypeError(f"{api}: `{old}` moved in vmapens 0.3.0: pass {new}")
-    if not isinstance(ens, Ensemble):
-        raise TypeError(f"{api}: `ens` must be a vmapens.Ensemble, got {type(ens).__name__}")
+    check_ensemble(api, ens)
     check_int(api, "epochs", args["epochs"], minimum=1)
     for name in ("steps", "batch_size", "patience"):
         if args[name] is not None:

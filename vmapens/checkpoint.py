@@ -25,7 +25,7 @@ from ._files import (
 )
 from ._padding import corner, gates_of
 from ._step_parts import check_optimizer
-from .ensemble import Ensemble
+from .ensemble import Ensemble, check_ensemble
 from .history import History
 
 __all__ = [
@@ -97,8 +97,8 @@ def read(path: str | os.PathLike, api: str) -> dict[str, Any]:
             or version; the message names the file.
     """
     with open_checked(path, api, "checkpoint") as f:  # checks `path` first
-        payload = torch_load(f, os.fspath(path), api)
-    where = os.fspath(path)
+        where = os.fspath(path)
+        payload = torch_load(f, where, api)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"{api}: {where} is not a vmapens checkpoint (no `{FORMAT}` marker)")
     if payload.get("version") != VERSION:
@@ -314,8 +314,7 @@ def save(
 
 
 def _check_parts(api: str, ens: Any, optimizer: Any, history: Any) -> None:
-    if not isinstance(ens, Ensemble):
-        raise TypeError(f"{api}: `ens` must be a vmapens.Ensemble, got {type(ens).__name__}")
+    check_ensemble(api, ens)
     if optimizer is not None:
         check_optimizer(api, ens, optimizer)
     if history is not None and not isinstance(history, History):

@@ -27,7 +27,7 @@ from ._stacking import Stacked, check_factories, check_modules, stack_one_size, 
 from ._storage import StackedModule
 from ._unbatchable import guarded, refuse_template_hooks, unchunked
 
-__all__ = ["Ensemble"]
+__all__ = ["Ensemble", "check_ensemble"]
 
 RANDOMNESS = ("different", "same", "error")
 BACKENDS = ("vmap", "loop")
@@ -389,3 +389,9 @@ class Ensemble(StackedModule):
             'Linear'
         """
         return list(self)
+
+
+def check_ensemble(api: str, value: Any, name: str = "ens") -> None:
+    """Raise TypeError unless ``value`` is an :class:`Ensemble`, naming argument ``name``."""
+    if not isinstance(value, Ensemble):
+        raise TypeError(f"{api}: `{name}` must be a vmapens.Ensemble, got {type(value).__name__}")

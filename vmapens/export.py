@@ -21,7 +21,7 @@ from torch.export import ExportedProgram
 from torch.func import functional_call
 
 from ._members import named_tensors
-from .ensemble import Ensemble
+from .ensemble import Ensemble, check_ensemble
 from .predict import REDUCTIONS, reduce_members
 from .selfcheck import probed, tolerance
 
@@ -154,8 +154,7 @@ def _check_args(
     softmax: Any,
     check: Any,
 ) -> tuple[Tensor, ...]:
-    if not isinstance(ens, Ensemble):
-        raise TypeError(f"{api}: `ens` must be a vmapens.Ensemble, got {type(ens).__name__}")
+    check_ensemble(api, ens)
     if len(ens) != ens.n_total:
         raise ValueError(
             f"{api}: `ens` holds {len(ens)} of {ens.n_total} members (a sharded ensemble); "

@@ -24,7 +24,7 @@ except ImportError as err:  # pragma: no cover - exercised by a test that hides 
     ) from err
 
 from ._checks import check_choice, check_int
-from .ensemble import Ensemble
+from .ensemble import Ensemble, check_ensemble
 from .losses import per_member
 from .optim import StackedAdam, StackedOptimizer
 from .step import Step, make_step
@@ -135,8 +135,7 @@ class EnsembleModule(L.LightningModule):
     ) -> None:
         super().__init__()
         api = "EnsembleModule"
-        if not isinstance(ens, Ensemble):
-            raise TypeError(f"{api}: `ens` must be a vmapens.Ensemble, got {type(ens).__name__}")
+        check_ensemble(api, ens)
         if not callable(loss_fn):
             raise TypeError(f"{api}: `loss_fn` must be callable, got {type(loss_fn).__name__}")
         if optimizer is not None and not (

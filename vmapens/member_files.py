@@ -24,7 +24,7 @@ from ._files import (
     unseal_safetensors,
     write_error,
 )
-from .ensemble import Ensemble
+from .ensemble import Ensemble, check_ensemble
 
 __all__ = ["load_member", "save_members"]
 
@@ -57,8 +57,7 @@ def save_members(ens: Ensemble, directory: str | os.PathLike, format: str = "pt"
         >>> nn.Linear(3, 1).load_state_dict(torch.load(paths[1]))
         <All keys matched successfully>
     """
-    if not isinstance(ens, Ensemble):
-        raise TypeError(f"save_members: `ens` must be a vmapens.Ensemble, got {type(ens).__name__}")
+    check_ensemble("save_members", ens)
     check_path("save_members", "directory", directory)
     if format not in ("pt", "safetensors"):
         raise ValueError(f"save_members: `format` must be 'pt' or 'safetensors', got {format!r}")

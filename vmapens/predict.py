@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_choice, check_int
-from .ensemble import Ensemble
+from .ensemble import Ensemble, check_ensemble
 
 __all__ = ["REDUCTIONS", "predict", "reduce_members"]
 
@@ -97,8 +97,7 @@ def predict(
         torch.Size([10])
     """
     api = "predict"
-    if not isinstance(ens, Ensemble):
-        raise TypeError(f"{api}: `ens` must be a vmapens.Ensemble, got {type(ens).__name__}")
+    check_ensemble(api, ens)
     check_choice(api, "reduce", reduce, REDUCTIONS)
     for name, value in (("batch_size", batch_size), ("chunk_size", chunk_size)):
         if value is not None:

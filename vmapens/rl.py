@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_int
-from .ensemble import Ensemble
+from .ensemble import Ensemble, check_ensemble
 
 __all__ = ["make_target", "polyak_", "random_members"]
 
@@ -23,10 +23,7 @@ def make_target(online: Ensemble) -> Ensemble:
         >>> any(p.requires_grad for p in target.parameters())
         False
     """
-    if not isinstance(online, Ensemble):
-        raise TypeError(
-            f"make_target: `online` must be a vmapens.Ensemble, got {type(online).__name__}"
-        )
+    check_ensemble("make_target", online, "online")
     target = online.select(slice(None))
     target.requires_grad_(False)
     return target
@@ -60,8 +57,7 @@ def polyak_(target: Ensemble, online: Ensemble, tau: float) -> None:
     """
     api = "polyak_"
     for name, ens in (("target", target), ("online", online)):
-        if not isinstance(ens, Ensemble):
-            raise TypeError(f"{api}: `{name}` must be a vmapens.Ensemble, got {type(ens).__name__}")
+        check_ensemble(api, ens, name)
     if isinstance(tau, bool) or not isinstance(tau, (int, float)):
         raise TypeError(f"{api}: `tau` must be a float, got {type(tau).__name__}")
     if not 0.0 <= tau <= 1.0:

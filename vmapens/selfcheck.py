@@ -27,7 +27,7 @@ from ._locate import first_padded_difference
 from ._members import named_tensors
 from ._padding import masked
 from ._unbatchable import explain_failure
-from .ensemble import Ensemble
+from .ensemble import Ensemble, check_ensemble
 
 __all__ = [
     "MEMBER",
@@ -49,8 +49,7 @@ MEMBER = 0
 def check_step_arguments(api: str, ens: Any, loss_fn: Any, in_dims: Any) -> None:
     """What ``check`` and ``make_step`` take first: an Ensemble, a callable loss, ``in_dims``,
     and no trained layer built with ``sparse=True`` (``nn.Embedding``: a sparse gradient)."""
-    if not isinstance(ens, Ensemble):
-        raise TypeError(f"{api}: `ens` must be a vmapens.Ensemble, got {type(ens).__name__}")
+    check_ensemble(api, ens)
     if in_dims not in (None, 0):
         raise ValueError(f"{api}: `in_dims` must be None or 0, got {in_dims!r}")
     if not callable(loss_fn):
