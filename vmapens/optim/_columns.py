@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import Tensor
@@ -23,6 +23,7 @@ __all__ = [
     "decay_factor",
     "decayed_writes",
     "in_lr_dtype",
+    "is_tensor_lr",
     "host_scalars",
     "lerped",
     "lerp_column_",
@@ -162,11 +163,17 @@ def like(hyper: Scalar, value: Tensor) -> Tensor:
     return value.to(hyper.dtype) if isinstance(hyper, Tensor) else value
 
 
+def is_tensor_lr(lr: Any) -> TypeGuard[Tensor]:
+    """Whether ``lr`` is a 0-d tensor, kept in ``param_groups`` as torch keeps it (not a
+    per-member ``[n]`` column): torch then computes with it in its dtype."""
+    return isinstance(lr, Tensor) and lr.dim() == 0
+
+
 def in_lr_dtype(lr: Scalar, value: Scalar) -> Scalar:
     """``value`` as torch's Python float meets a 0-d tensor ``lr``: a per-member (float64)
     tensor cast to ``lr``'s dtype, as torch casts a float that it multiplies with the tensor
     (``lr * weight_decay``: in float32 for a float32 ``lr``); anything else as it is."""
-    if isinstance(lr, Tensor) and lr.dim() == 0 and isinstance(value, Tensor):
+    if is_tensor_lr(lr) and isinstance(value, Tensor):
         return value.to(lr.dtype)
     return value
 

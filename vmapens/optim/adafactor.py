@@ -8,7 +8,7 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import Tensor, nn
 
-from ._columns import decay_factor, lerp_column_, member_column, member_columns
+from ._columns import decay_factor, is_tensor_lr, lerp_column_, member_column, member_columns
 from ._hyper import LR, NONNEGATIVE, Hyper, PerMember, Scalar
 from .base import StackedOptimizer
 
@@ -66,7 +66,7 @@ def adafactor_rule(
     rho = torch.minimum(torch.as_tensor(lr, dtype=torch.float64, device=t.device), inv)
     # torch's min(lr, 1 / sqrt(t)) keeps a 0-d tensor lr where it is the smaller (compared in
     # lr's dtype); alpha, its product with a float, and -alpha / denom are then in lr's dtype.
-    lr0 = lr if isinstance(lr, Tensor) and lr.dim() == 0 else None
+    lr0 = lr if is_tensor_lr(lr) else None
     picks = None if lr0 is None else lr0 <= inv.to(lr0.dtype)
     floor = torch.as_tensor(eps2, dtype=torch.float64)
     # `weight`'s column per parameter, made once per dtype and rank (the state shares both)

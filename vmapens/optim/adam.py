@@ -17,6 +17,7 @@ from ._columns import (
     alpha_columns,
     decayed_writes,
     host_scalars,
+    is_tensor_lr,
     like,
     member_columns,
     moment_writes,
@@ -141,7 +142,7 @@ def adam_rule(
     writes += into(torch.sqrt, denom, exp_avg_sq if v_max is None else v_max)
     writes.append(functools.partial(torch._foreach_div_, denom, col(bias_correction2_sqrt)))
     writes.append(functools.partial(torch._foreach_add_, denom, alpha_columns(eps, denom)))
-    if isinstance(lr, Tensor) and lr.dim() == 0:
+    if is_tensor_lr(lr):
         # torch's `p.addcdiv_(m, denom, value=-step_size)`: (-step_size * m) / denom.
         scaled = [torch.empty_like(m) for m in exp_avg]
         writes += into(torch.mul, scaled, exp_avg, col(-step_size))

@@ -9,7 +9,14 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._columns import host_scalars, in_lr_dtype, member_columns, signed, weight_decayed
+from ._columns import (
+    host_scalars,
+    in_lr_dtype,
+    is_tensor_lr,
+    member_columns,
+    signed,
+    weight_decayed,
+)
 from ._fused import run_fused
 from ._hyper import LR, NONNEGATIVE, Hyper, PerMember, Scalar
 from .base import StackedOptimizer
@@ -80,7 +87,7 @@ def asgd_rule(
     step.add_(1)
     _apply(params, grads, ax, eta.double(), mu.double(), group)
     t = step.double()
-    if isinstance(lr, Tensor) and lr.dim() == 0:
+    if is_tensor_lr(lr):
         # torch's expression with a tensor lr is tensor arithmetic in lr's dtype, its floats
         # cast to it, but for pow's exponent: one element's pow runs in double, then rounds.
         base = 1 + in_lr_dtype(lr, lambd) * lr * t.to(lr.dtype)

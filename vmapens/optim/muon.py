@@ -142,8 +142,6 @@ def muon_rule(
             ``newton_schulz`` (the ``mode`` of :func:`newton_schulz`).
     """
     lr, wd, momentum, eps = group["lr"], group["weight_decay"], group["momentum"], group["eps"]
-    if isinstance(lr, Tensor) and lr.dim() == 0 and isinstance(wd, Tensor):
-        wd = wd.to(lr.dtype)  # torch: a 0-d lr times a float weight decay, in lr's dtype
     state["step"].add_(1)
     for p, g, buf in zip(params, grads, state["momentum_buffer"], strict=True):
 
