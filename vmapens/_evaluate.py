@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -9,7 +10,6 @@ from typing import Any
 import optree
 import torch
 from torch import Tensor
-from torch.func import vmap
 
 from ._metrics import Metric, metric_pair, score
 from .ensemble import Ensemble
@@ -99,19 +99,25 @@ class Evaluator:
         return self._out_of_bag(out, y, self.oob).double().cpu(), scores
 
     def _out_of_bag(self, out: Any, y: Tensor, mask: Tensor) -> Tensor:
-        """Each member's mean loss over its out-of-bag rows (NaN when it has none).
+        """Each member's ``loss_fn`` on its out-of-bag rows (NaN when it has none).
 
-        The loss of one row at a time, averaged over the member's rows: what ``loss_fn`` on
-        the member's out-of-bag subset gives for a loss that averages over samples.
+        One call per member on that member's rows, as alone: a loss is not always the mean of
+        its rows' losses (a class ``weight`` divides by the rows' weights, ``reduction="sum"``
+        adds them), so the rows' losses cannot be averaged under one vmap instead.
         """
-        loss_fn = self.loss_fn
+        losses = []
+        for i, rows in enumerate(mask):
+            if not bool(rows.any()):
+                losses.append(torch.tensor(math.nan, dtype=torch.float64))
+                continue
+            mine = optree.tree_map(functools.partial(_rows_of_member, i=i, rows=rows), out)
+            target = y[i][rows] if self.dims == 0 else y[rows]
+            losses.append(torch.as_tensor(self.loss_fn(mine, target)).double().cpu())
+        return torch.stack(losses)
 
-        def row(o: Any, t: Tensor) -> Tensor:
-            return loss_fn(optree.tree_map(lambda v: v[None], o), t[None])
 
-        rows = vmap(vmap(row), in_dims=(0, self.dims))(out, y).double()
-        kept = mask.to(rows.dtype)
-        return (rows * kept).sum(1) / kept.sum(1)
+def _rows_of_member(t: Tensor, i: int, rows: Tensor) -> Tensor:
+    return t[i][rows]
 
 
 def _check_metric(api: str, name: str, metric: Metric, out: Any, y: Tensor) -> None:

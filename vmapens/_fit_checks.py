@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,16 @@ def check_arguments(api: str, args: dict[str, Any]) -> Checked:
         raise TypeError(f"{api}: `seed` must be an int or None, got {type(seed).__name__}")
     data_dims, val_dims = _in_dims(api, args["in_dims"])
     val_data, bootstrap = args["val_data"], args["bootstrap"]
+    for name, kind, example in (
+        ("metrics", Mapping, "{name: fn}"),
+        ("callbacks", Sequence, "[...]"),
+    ):
+        value = args[name]
+        if value is not None and (not isinstance(value, kind) or isinstance(value, str)):
+            raise TypeError(
+                f"{api}: `{name}` must be a {kind.__name__.lower()} ({name}={example}), got "
+                f"{type(value).__name__}"
+            )
     metrics = dict(args["metrics"] or {})
     check_metrics(api, metrics)
     if metrics and (val_data is None or isinstance(val_data, str) or val_dims is not None):

@@ -258,7 +258,8 @@ def _assemble(
 
     def given(kind: type, shortcut: str) -> bool:
         found = any(isinstance(cb, kind) for cb in objects)
-        if found and args[shortcut] not in (None, True):
+        # `is`, not `in (None, True)`: patience=1 equals True and was dropped without a word.
+        if found and args[shortcut] is not None and args[shortcut] is not True:
             raise ValueError(
                 f"{api}: `{shortcut}` builds a callbacks.{kind.__name__}, but `callbacks` holds one "
                 "already; give the setting to that one"

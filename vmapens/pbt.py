@@ -197,6 +197,11 @@ class PBT(Callback):
     Attributes:
         log: one ``(epoch, src, dst)`` entry per round: rows ``dst`` copied rows ``src``.
 
+    Raises:
+        ValueError: bad settings; at ``fit``'s start, before the first step, a ``monitor``
+            that ``fit`` does not record or ``names`` the optimizer does not take.
+        TypeError: at ``fit``'s start, an optimizer that is not a ``vmapens.StackedOptimizer``.
+
     Example:
         >>> from vmapens import fit, StackedAdam
         >>> ens = Ensemble(lambda: torch.nn.Linear(2, 1), n=4, seed=0)
@@ -227,8 +232,24 @@ class PBT(Callback):
         check_int(api, "seed", seed)
         self.interval, self.fraction, self.monitor, self.mode = interval, fraction, monitor, mode
         self.factors, self.names = tuple(factors), tuple(names)
+        if not self.factors:
+            raise ValueError(f"{api}: `factors` must not be empty")
         self.generator = torch.Generator().manual_seed(seed)
         self.log: list[tuple[int, list[int], list[int]]] = []
+
+    def on_fit_start(self, ctx: Context) -> None:
+        # Checked before the first step: the first round would find out only after `interval`
+        # epochs of training, and a name `explore` refuses after `exploit_` had copied rows.
+        metric_table(ctx.history, self.monitor, "PBT", "monitor")
+        if not isinstance(ctx.optimizer, StackedOptimizer):
+            raise TypeError(
+                f"PBT: needs a vmapens.StackedOptimizer, got {type(ctx.optimizer).__name__}"
+            )
+        hypers = ctx.optimizer.hyperparameters
+        single = sorted(k for k, h in hypers.items() if not h.pair)
+        unknown = [name for name in self.names if name not in single]
+        if unknown:
+            raise ValueError(f"PBT: `names` must be among {single}, got {unknown}")
 
     def on_epoch_end(self, ctx: Context) -> None:
         if (ctx.epoch + 1) % self.interval:
@@ -243,10 +264,7 @@ class PBT(Callback):
         order = eligible[torch.sort(key[eligible], stable=True).indices]
         top, bottom = order[:q], order[m - q :]
         src = top[torch.randint(q, (q,), generator=self.generator)]
-        if not isinstance(ctx.optimizer, StackedOptimizer):
-            raise TypeError(
-                f"PBT: needs a vmapens.StackedOptimizer, got {type(ctx.optimizer).__name__}"
-            )
+        assert isinstance(ctx.optimizer, StackedOptimizer)  # on_fit_start checked it
         _warn_recomputing_schedulers(ctx)
         exploit_(ctx.ensemble, ctx.optimizer, src, bottom, ctx.loss_scale)
         ctx.inherit(src, bottom)

@@ -12,20 +12,28 @@ from .ensemble import Ensemble
 from .history import History
 from .optim import StackedOptimizer
 
-__all__ = ["best_k", "member_scores", "metric_table"]
+__all__ = ["best_k", "member_scores", "metric_table", "recorded"]
+
+
+def recorded(history: History) -> dict[str, Tensor]:
+    """Every ``[epochs, n]`` table of ``history`` by the names :func:`metric_table` takes:
+    ``"train_loss"``, ``"val_loss"`` (with validation) and each metric, bare and as
+    ``"val_<name>"``."""
+    tables = {"train_loss": history.train_loss}
+    if history.val_loss is not None:
+        tables["val_loss"] = history.val_loss
+    for key, t in (history.metrics or {}).items():
+        tables[key] = tables[f"val_{key}"] = t
+    return tables
 
 
 def metric_table(history: History, name: str, api: str, arg: str) -> Tensor:
-    """The ``[epochs, n]`` table of a recorded metric: ``"train_loss"``, ``"val_loss"``, or a
-    name of ``history.metrics`` (bare or as ``"val_<name>"``)."""
-    tables = {"train_loss": history.train_loss, "val_loss": history.val_loss}
-    for key, t in (history.metrics or {}).items():
-        tables[key] = tables[f"val_{key}"] = t
-    table = tables.get(name)
-    if table is None:
-        known = sorted(k for k, t in tables.items() if t is not None)
-        raise ValueError(f"{api}: `{arg}` {name!r} was not recorded; recorded: {known}")
-    return table
+    """The ``[epochs, n]`` table of a recorded metric (see :func:`recorded`); an error in the
+    words of ``api`` naming its argument ``arg`` when ``history`` has none of that name."""
+    tables = recorded(history)
+    if name not in tables:
+        raise ValueError(f"{api}: `{arg}` {name!r} was not recorded; recorded: {sorted(tables)}")
+    return tables[name]
 
 
 def member_scores(history: History, metric: str = "val_loss", mode: str = "min") -> Tensor:

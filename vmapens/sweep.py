@@ -13,6 +13,7 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 from ._checks import check_choice, check_int
@@ -22,7 +23,7 @@ from .fit import fit
 from .history import History
 from .optim import StackedAdam
 from .seeds import derive_seed, member_seed
-from .selection import member_scores, metric_table
+from .selection import member_scores, metric_table, recorded
 
 __all__ = ["Sweep", "SweepResult", "TrialResult"]
 
@@ -95,7 +96,10 @@ class _PlainTrial:
             if log:
                 return math.exp(self._rng.uniform(math.log(low), math.log(high)))
             if step is not None:
-                return low + step * self._rng.randint(0, int((high - low) / step))
+                # In decimal, as optuna counts them: (0.3 - 0.0) / 0.1 is 2.999... in binary,
+                # and int() of it left 0.3 out of the draws.
+                count = (Decimal(str(high)) - Decimal(str(low))) // Decimal(str(step))
+                return low + step * self._rng.randint(0, int(count))
             return self._rng.uniform(low, high)
 
         return self._pick(name, draw)
@@ -313,15 +317,14 @@ class Sweep:
 
     def _check_monitor(self, api: str, options: dict[str, Any]) -> None:
         """Raise unless ``fit`` will record the monitor, given its options."""
-        metrics = options.get("metrics")
-        names = list(metrics) if isinstance(metrics, Mapping) else []
-        recorded = ["train_loss"]
-        if options.get("val_data") is not None:
-            recorded += ["val_loss", *names, *(f"val_{k}" for k in names)]
-        if self.monitor not in recorded:
+        metrics, validated = options.get("metrics"), options.get("val_data") is not None
+        names = list(metrics) if validated and isinstance(metrics, Mapping) else []
+        # The tables a History of fit with these options holds: what metric_table finds.
+        tables = list(recorded(History.empty([], validated, names)))
+        if self.monitor not in tables:
             raise ValueError(
                 f"{api}: the sweep's `monitor` {self.monitor!r} is not recorded by fit with "
-                f"these options; it records {recorded}. Pass `val_data` (and `metrics` for "
+                f"these options; it records {tables}. Pass `val_data` (and `metrics` for "
                 "'val_<name>'), or build the Sweep with one of those as `monitor`"
             )
 

@@ -9,14 +9,17 @@ import os
 from ..optim import MemberValues
 from .base import Callback, Context
 
-__all__ = ["CSVLogger", "TensorBoardLogger", "epoch_scalars"]
+__all__ = ["CSVLogger", "TensorBoardLogger", "epoch_scalars", "member_lrs"]
 
 
-def epoch_scalars(ctx: Context) -> tuple[dict[str, list[float]], dict[str, float]]:
+def epoch_scalars(
+    ctx: Context, lr: list[float] | None = None
+) -> tuple[dict[str, list[float]], dict[str, float]]:
     """This epoch's per-member scalars (name -> one float per member) and ensemble scalars.
 
     Per member: ``train_loss``, ``val_loss`` and every metric (NaN once a member has stopped),
-    and ``lr`` of the first param group. Of the ensemble: ``ensemble_<metric>``.
+    and ``lr``: ``lr`` if given (the loggers give :func:`member_lrs` read at the epoch's
+    start), else :func:`member_lrs` now. Of the ensemble: ``ensemble_<metric>``.
     """
     h = ctx.history
     per: dict[str, list[float]] = {"train_loss": h.train_loss[-1].tolist()}
@@ -24,13 +27,25 @@ def epoch_scalars(ctx: Context) -> tuple[dict[str, list[float]], dict[str, float
         per["val_loss"] = h.val_loss[-1].tolist()
     for name, t in (h.metrics or {}).items():
         per[name] = t[-1].tolist()
-    lr = ctx.optimizer.param_groups[0].get("lr")
-    if isinstance(lr, MemberValues):
-        per["lr"] = lr.tolist()
-    elif isinstance(lr, (int, float)):
-        per["lr"] = [float(lr)] * len(h.member_ids)
+    lr = member_lrs(ctx) if lr is None else lr
+    if lr is not None:
+        per["lr"] = lr
     whole = {f"ensemble_{k}": float(t[-1]) for k, t in (h.ensemble_metrics or {}).items()}
     return per, whole
+
+
+def member_lrs(ctx: Context) -> list[float] | None:
+    """Each member's learning rate in the first param group now (``None`` for a tensor lr).
+
+    The loggers read it when an epoch starts: the rate the epoch trained with (its first
+    step's), as a per-epoch scheduler (and PBT) change it at the epoch's end.
+    """
+    lr = ctx.optimizer.param_groups[0].get("lr")
+    if isinstance(lr, MemberValues):
+        return lr.tolist()
+    if isinstance(lr, (int, float)):
+        return [float(lr)] * len(ctx.history.member_ids)
+    return None
 
 
 class CSVLogger(Callback):
@@ -61,6 +76,7 @@ class CSVLogger(Callback):
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
+        self.lr: list[float] | None = None
 
     def on_train_start(self, ctx: Context) -> None:
         # A resumed run redoes the epochs after its checkpoint. The interrupted run may have
@@ -78,8 +94,11 @@ class CSVLogger(Callback):
                 csv.writer(f).writerows(kept)
             os.replace(partial, self.path)
 
+    def on_epoch_start(self, ctx: Context) -> None:
+        self.lr = member_lrs(ctx)
+
     def on_epoch_end(self, ctx: Context) -> None:
-        per, whole = epoch_scalars(ctx)
+        per, whole = epoch_scalars(ctx, self.lr)
         fields = ["epoch", "member", *per, *whole]
         fresh = ctx.epoch == 0 or not os.path.exists(self.path)
         with open(self.path, "w" if fresh else "a", newline="") as f:
@@ -119,9 +138,13 @@ class TensorBoardLogger(Callback):
                 "pip install 'vmapens[tensorboard]'"
             ) from err
         self.writer = SummaryWriter(os.fspath(log_dir))
+        self.lr: list[float] | None = None
+
+    def on_epoch_start(self, ctx: Context) -> None:
+        self.lr = member_lrs(ctx)
 
     def on_epoch_end(self, ctx: Context) -> None:
-        per, whole = epoch_scalars(ctx)
+        per, whole = epoch_scalars(ctx, self.lr)
         for name, values in per.items():
             live = [v for v in values if not math.isnan(v)]
             for member, v in zip(ctx.history.member_ids, values, strict=True):

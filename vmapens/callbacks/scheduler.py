@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from .._checks import check_choice
 from .._step_parts import attached_scheduler
@@ -67,6 +68,17 @@ class LRScheduler(Callback):
             self.scheduler.step(ctx.history.val_loss[-1])
         elif self.interval == "epoch":
             self.scheduler.step()
+
+    def on_inherit(self, ctx: Context, src: Tensor, dst: Tensor) -> None:
+        # vmapens.optim.ReduceLROnPlateau keeps a best value, a bad-epoch count and a cooldown
+        # per member: a copy (PBT) takes its source's, or its lr would follow its old record.
+        if not isinstance(self.scheduler, ReduceLROnPlateau):
+            return
+        for key in ("best", "num_bad_epochs", "cooldown_counter"):
+            rows = getattr(self.scheduler, key)
+            taken = [rows[i] for i in src.tolist()]  # every row read before any is written
+            for j, value in zip(dst.tolist(), taken, strict=True):
+                rows[j] = value
 
     def settings(self) -> dict[str, Any] | None:
         """The scheduler's own settings (not what it derived from the optimizer) and the
