@@ -146,10 +146,14 @@ def gather_rows(t: torch.Tensor, blocks: list[range], dst: int | None) -> torch.
             torch.empty(full_shape, dtype=t.dtype, device=t.device) if dst in (None, me) else None
         )
     device = _comm_device()
-    # gloo has no bool collectives: send bools as bytes.
+    # gloo has no bool or complex collectives (torch.distributed.gather takes no complex
+    # tensors on any backend): send bools as bytes, complex numbers as (real, imag) pairs.
     wire = t.detach().to(device)
-    wire = wire.to(torch.uint8) if t.dtype == torch.bool else wire
-    padded = torch.zeros((size, *t.shape[1:]), dtype=wire.dtype, device=device)
+    if t.dtype == torch.bool:
+        wire = wire.to(torch.uint8)
+    elif t.is_complex():
+        wire = torch.view_as_real(wire.resolve_conj())
+    padded = torch.zeros((size, *wire.shape[1:]), dtype=wire.dtype, device=device)
     padded[: len(t)] = wire
     parts: list[torch.Tensor] | None
     if dst is None:
@@ -161,6 +165,7 @@ def gather_rows(t: torch.Tensor, blocks: list[range], dst: int | None) -> torch.
         if parts is None:
             return None
     rows = torch.cat([p[: len(b)] for p, b in zip(parts, blocks)])
+    rows = torch.view_as_complex(rows) if t.is_complex() else rows
     return rows.to(device=t.device, dtype=t.dtype)
 
 

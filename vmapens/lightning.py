@@ -17,6 +17,7 @@ from torch import Tensor, nn
 try:
     import lightning as L
     from lightning.pytorch.strategies import SingleDeviceStrategy
+    from lightning.pytorch.trainer.states import TrainerFn
 except ImportError as err:  # pragma: no cover - exercised by a test that hides the package
     raise ImportError(
         "vmapens.lightning needs the `lightning` package, which is not installed; install the "
@@ -57,7 +58,13 @@ class EnsembleModule(L.LightningModule):
     validation epochs stops: the optimizer's mask freezes its parameters, optimizer state
     and buffers, and the others carry on; when every member has stopped, the module sets
     ``trainer.should_stop``. ``stopped_epoch`` and ``best_epoch`` (buffers, ``-1`` for none)
-    say when. Members keep the state they stopped with (no best-epoch restore).
+    say when. Members keep the state they stopped with (no best-epoch restore). As for
+    Lightning's ``EarlyStopping``, only validation inside ``trainer.fit`` counts:
+    ``trainer.validate`` and the sanity check log the values and change nothing.
+
+    Batches are ``(inputs, targets)``; ``inputs`` is the member's single positional input or
+    a tuple of them, and a list counts as a tuple (a ``DataLoader`` collates the tuple
+    ``((u, v), y)`` a dataset returns into lists).
 
     Checkpoints: the module's state_dict holds the members, the mask and the early-stopping
     state; Lightning saves the optimizer state itself; ``on_save_checkpoint`` adds the global
@@ -193,6 +200,7 @@ class EnsembleModule(L.LightningModule):
         self._step_optimizer: Any = None
         self._sums: dict[str, Tensor] = {}
         self._rows = 0
+        self._modes: list[tuple[nn.Module, bool]] = []
 
     # -- Lightning hooks -----------------------------------------------------------------------
 
@@ -240,6 +248,7 @@ class EnsembleModule(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         """One stacked step on ``batch = (inputs, targets)``; logs the per-member losses."""
         inputs, targets = batch
+        inputs = tuple(inputs) if isinstance(inputs, list) else inputs
         opt: Any = self.optimizers()  # a LightningOptimizer, an instance of the stacked class
         if self._step is None or self._step_optimizer is not opt:
             # Built on Lightning's optimizer wrapper, whose step(mask=...) reaches the stacked
@@ -264,7 +273,7 @@ class EnsembleModule(L.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         """Each member's loss and metrics on ``batch = (inputs, targets)`` (shared by all)."""
         inputs, targets = batch
-        out = self.ens(*(inputs if isinstance(inputs, tuple) else (inputs,)))
+        out = self.ens(*(inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
         rows = targets.shape[0]
         values = {"loss": per_member(self.loss_fn)(out, targets)}
         mean = out.mean(0)
@@ -281,7 +290,8 @@ class EnsembleModule(L.LightningModule):
             copies[-1].update(mean, targets)
 
     def on_validation_epoch_end(self) -> None:
-        """Log the epoch's per-member values; outside the sanity check, stop members."""
+        """Log the epoch's per-member values; while fitting (not in the sanity check), stop
+        members."""
         if self._rows == 0:
             return
         scores = {k: v / self._rows for k, v in self._sums.items()}
@@ -297,8 +307,33 @@ class EnsembleModule(L.LightningModule):
                 logged[name] = v.mean()
                 logged.update(self._per_member(name, v))
         self.log_dict(logged)
-        if self.patience is not None and not self.trainer.sanity_checking:
+        # trainer.validate() must leave the members as they are, as Lightning's EarlyStopping.
+        fitting = self.trainer.state.fn == TrainerFn.FITTING
+        if self.patience is not None and fitting and not self.trainer.sanity_checking:
             self._early_stop(scores[self.monitor.removeprefix("val_")])
+
+    # Lightning's loops put the module in eval mode and afterwards set back the `training`
+    # flag of each module it can see. The ensemble's member modules (its meta template) are
+    # not among them: left in eval mode, every later training step would run BatchNorm and
+    # dropout as in evaluation. So the module restores every mode itself.
+
+    def on_validation_model_eval(self) -> None:
+        """Remember every module's mode (the members' too), then ``eval()``."""
+        self._modes = [(m, m.training) for m in (*self.modules(), *self.ens.template.modules())]
+        self.eval()  # one process, one device (setup): the trainer runs this very module
+
+    def on_validation_model_train(self) -> None:
+        """Every module back in the mode it had before validation, the members' too."""
+        for m, mode in self._modes:
+            m.training = mode
+
+    on_test_model_eval = on_validation_model_eval
+    on_test_model_train = on_validation_model_train
+    on_predict_model_eval = on_validation_model_eval
+
+    def on_predict_end(self) -> None:
+        """The modes back after prediction (Lightning then sets the ones it sees alike)."""
+        self.on_validation_model_train()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add the global RNG state, which shuffling and dropout draw from."""

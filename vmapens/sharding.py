@@ -24,15 +24,35 @@ from .optim import MemberValues
 __all__ = ["gather", "gather_history", "localise", "parts_dir", "save_sharded"]
 
 
-def _check_sharded(ens: Ensemble, api: str) -> list[range]:
-    """The blocks of a sharded ensemble, after checking that ``ens`` is this rank's block."""
-    blocks = member_blocks(ens.n_total, dist.get_world_size())
-    mine = blocks[dist.get_rank()]
-    if ens.member_ids != mine:
+def _agreed_blocks(ens: Ensemble | None, dst: int, api: str) -> list[range]:
+    """Every rank's ``(dst, members)``, checked on every rank alike; the blocks of ``ens``.
+
+    One small ``all_gather_object`` first: a rank whose ``dst`` or ensemble differs would
+    otherwise fail alone while the others wait in the collective that follows until the
+    group's timeout (30 minutes by default). Here every rank raises the same error at once.
+    """
+    mine = None if ens is None else (ens.member_ids, ens.n_total)
+    held: list[Any] = [None] * world_size()
+    dist.all_gather_object(held, (dst, mine))
+    dsts = [d for d, _ in held]
+    if any(type(d) is not type(dst) or d != dst for d in dsts):
+        raise ValueError(f"{api}: every rank must pass the same `dst`, got {dsts} by rank")
+    _check_dst(dst, api)
+    if ens is None:
+        return []
+    totals = [n for _, (_, n) in held]
+    if len(set(totals)) > 1:
         raise ValueError(
-            f"{api}: `ens` holds members {ens.member_ids} of {ens.n_total}, but rank "
-            f"{dist.get_rank()}'s block is {mine}; build it with shard=True on every rank"
+            f"{api}: the ranks' ensembles have different sizes `n_total` {totals} (by rank); "
+            "build the same ensemble with shard=True on every rank"
         )
+    blocks = member_blocks(totals[0], len(held))
+    for r, ((_, (ids, n)), block) in enumerate(zip(held, blocks, strict=True)):
+        if list(ids) != list(block):
+            raise ValueError(
+                f"{api}: rank {r}'s `ens` holds members {ids!r:.60} of {n}, but rank {r}'s block is "
+                f"{block}; build it with shard=True on every rank"
+            )
     return blocks
 
 
@@ -46,8 +66,10 @@ def _check_dst(dst: Any, api: str) -> None:
 def gather(ens: Ensemble, dst: int = 0) -> Ensemble | None:
     """Collect a sharded ensemble onto rank ``dst``: all ``n_total`` members, in global order.
 
-    A collective: every rank of the default group must call it. Each stacked parameter and
-    buffer is gathered with one ``torch.distributed.gather`` of the rank blocks (padded to
+    A collective: every rank of the default group must call it, with the same ``dst``. The
+    ranks first agree that each holds its block (one small ``all_gather_object``), so a
+    mismatch is an error on every rank rather than a hang. Each stacked parameter and buffer
+    is gathered with one ``torch.distributed.gather`` of the rank blocks (padded to
     the largest block), on the group's device (CUDA for nccl, CPU for gloo). Optimizer state
     and gradients are not gathered.
 
@@ -62,7 +84,8 @@ def gather(ens: Ensemble, dst: int = 0) -> Ensemble | None:
 
     Raises:
         TypeError: ``dst`` is not an int.
-        ValueError: ``dst`` is not a rank, or ``ens`` is not this rank's block.
+        ValueError: ``dst`` is not a rank or differs between ranks, or some rank's ``ens`` is
+            not its block (raised on every rank).
 
     Example:
         >>> from torch import nn
@@ -71,15 +94,15 @@ def gather(ens: Ensemble, dst: int = 0) -> Ensemble | None:
         >>> gather(ens) is ens  # single process: already whole
         True
     """
-    _check_dst(dst, "gather")
     if world_size() == 1:
+        _check_dst(dst, "gather")
         if len(ens) != ens.n_total:
             raise ValueError(
                 f"gather: `ens` holds {len(ens)} of {ens.n_total} members and there is no "
                 "other process to gather the rest from"
             )
         return ens
-    blocks = _check_sharded(ens, "gather")
+    blocks = _agreed_blocks(ens, dst, "gather")  # checks `dst` too, on every rank alike
     memo: dict[int, Any] = {}
     for t in [*ens.parameters(), *ens.buffers()]:
         rows = gather_rows(t, blocks, dst)
@@ -98,7 +121,8 @@ def gather(ens: Ensemble, dst: int = 0) -> Ensemble | None:
 def gather_history(history: History, dst: int = 0) -> History | None:
     """Collect each rank's ``History`` from ``fit`` onto rank ``dst``, members in global order.
 
-    A collective: every rank of the default group must call it. Per-member columns are
+    A collective: every rank of the default group must call it, with the same ``dst``
+    (checked on every rank first). Per-member columns are
     concatenated in rank order (``[epochs, n]`` tables along dim 1, ``[n]`` vectors along
     dim 0, ``member_ids`` lists joined); a rank whose members all stopped early recorded
     fewer epochs, and its missing rows are NaN, as for any member that stopped. Per-member
@@ -116,11 +140,12 @@ def gather_history(history: History, dst: int = 0) -> History | None:
 
     Raises:
         TypeError: ``dst`` is not an int.
-        ValueError: ``dst`` is not a rank.
+        ValueError: ``dst`` is not a rank, or differs between ranks.
     """
-    _check_dst(dst, "gather_history")
     if world_size() == 1:
+        _check_dst(dst, "gather_history")
         return history
+    _agreed_blocks(None, dst, "gather_history")
     parts: list[Any] | None = [None] * world_size() if rank() == dst else None
     # Histories are small (epochs x members floats): pickling beats one collective per field.
     dist.gather_object(history, parts, dst=dst)
