@@ -176,6 +176,7 @@ def fit(
                               in_dims=0 if bootstrap or c.data_dims == 0 else None, **step_options)  # fmt: skip
     step: Callable[..., Tensor] = build(compile=compile is True)  # "auto" starts eager
     objects, observers = _assemble(api, args)
+    _check_sharded_seed(api, args, objects)
     arguments = {k: v for k, v in args.items() if k != "options"} | c.step_options
     ctx = Context(ens, opt, history, objects, arguments, step_options["loss_scale"])
     evaluator = Evaluator(ens, loss_fn, c.val, c.val_dims, c.metrics)
@@ -328,6 +329,22 @@ def _source(api: str, ctx: Context, data: Any, c: Checked) -> Any:
     return TensorSource(data, args["batch_size"], args["shuffle"], 0, None, api, c.data_dims == 0)
 
 
+_SEED_NEEDED = "{api}: a sharded ensemble needs an int `seed` (same on every rank)"
+
+
+def _needs_seed(args: dict[str, Any]) -> bool:
+    """Every rank must shuffle and resample alike: one seed, not one drawn per process."""
+    return world_size() > 1 and bool(args["bootstrap"] or args["shuffle"])
+
+
+def _check_sharded_seed(api: str, args: dict[str, Any], objects: Sequence[Callback]) -> None:
+    """Refuse a sharded run without a seed before any callback starts (a scheduler is built
+    on the optimizer there); a checkpoint to resume from gives its seed."""
+    resuming = any(isinstance(cb, Checkpoint) and os.path.exists(cb.path) for cb in objects)
+    if args["seed"] is None and _needs_seed(args) and not resuming:
+        raise ValueError(_SEED_NEEDED.format(api=api))
+
+
 def _seeded(
     api: str, ctx: Context, source: Any, data: Any, c: Checked, evaluator: Evaluator
 ) -> Any:
@@ -335,8 +352,8 @@ def _seeded(
     shuffled and, with ``bootstrap``, resampled by it."""
     ens, args = ctx.ensemble, ctx.arguments
     if ctx.seed is None:
-        if world_size() > 1 and (args["bootstrap"] or args["shuffle"]):
-            raise ValueError(f"{api}: a sharded ensemble needs an int `seed` (same on every rank)")
+        if _needs_seed(args):  # a checkpoint at the path held none
+            raise ValueError(_SEED_NEEDED.format(api=api))
         ctx.seed = int(torch.randint(2**62, ()).item())
     if not isinstance(source, TensorSource):
         return source

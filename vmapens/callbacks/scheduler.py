@@ -15,6 +15,10 @@ from .base import Callback, Context
 __all__ = ["LRScheduler", "attached_scheduler", "build_scheduler"]
 
 
+#: ReduceLROnPlateau's record of the run so far: a best value, a bad-epoch count, a cooldown.
+_RECORD = ("best", "num_bad_epochs", "cooldown_counter")
+
+
 class LRScheduler(Callback):
     """Step a learning-rate scheduler after every epoch, or after every optimizer step.
 
@@ -74,7 +78,7 @@ class LRScheduler(Callback):
         # per member: a copy (PBT) takes its source's, or its lr would follow its old record.
         if not isinstance(self.scheduler, ReduceLROnPlateau):
             return
-        for key in ("best", "num_bad_epochs", "cooldown_counter"):
+        for key in _RECORD:
             rows = getattr(self.scheduler, key)
             taken = [rows[i] for i in src.tolist()]  # every row read before any is written
             for j, value in zip(dst.tolist(), taken, strict=True):
@@ -87,7 +91,9 @@ class LRScheduler(Callback):
             return None
         state = self.scheduler.state_dict()
         own = {k: repr(v) for k, v in state.items() if not k.startswith("_")}
-        for derived in ("base_lrs", "last_epoch", "optimizer"):
+        # Derived from the optimizer, or the run's state (ReduceLROnPlateau's record, one
+        # entry per member here: a rank's block or another world size holds other members).
+        for derived in ("base_lrs", "last_epoch", "optimizer", *_RECORD):
             own.pop(derived, None)
         return {"class": type(self.scheduler).__name__, "interval": self.interval, **own}
 
