@@ -7,6 +7,7 @@ Free functions over a :class:`~vmapens.optim.StackedOptimizer` (which calls them
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -22,6 +23,9 @@ def member_state_dict(opt: Any, i: int, module: nn.Module | None = None) -> dict
     """``opt.member_state_dict(i, module)``: see :meth:`StackedOptimizer.member_state_dict`."""
     api = f"{opt._api}.member_state_dict"
     n = opt.num_members
+    if isinstance(i, bool) or not hasattr(i, "__index__"):  # int, numpy int, 0-d int tensor
+        raise TypeError(f"{api}: `i` must be an int, got {type(i).__name__}")
+    i = operator.index(i)
     if not -n <= i < n:
         raise IndexError(f"{api}: `i`={i} out of range for n={n}")
     i %= n

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import numbers
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "Scalar",
     "IMPLEMENTATION",
     "check_hyper",
+    "check_hypers",
     "check_implementation",
     "implementation_flags",
     "group_args",
@@ -114,6 +116,25 @@ def check_hyper(
     )
 
 
+def check_hypers(
+    api: str, group: dict[str, Any], hypers: dict[str, Hyper], n: int, local: Callable[[Any], Any]
+) -> None:
+    """Every hyperparameter of ``group`` checked by :func:`check_hyper` and stored as a rule
+    reads it: a float, a 0-d tensor ``lr`` or MemberValues, a pair of them for a ``pair``
+    entry. ``local`` cuts values given for every member to a shard's (:func:`local_values`)."""
+    for name, hyper in hypers.items():
+        value = group[name]
+        if hyper.pair:
+            if not isinstance(value, (tuple, list)) or len(value) != 2:
+                raise ValueError(f"{api}: `{name}` must be a pair, got {value!r}")
+            group[name] = tuple(
+                check_hyper(api, f"{name}[{j}]", local(v), hyper, n, f" at index {j}")
+                for j, v in enumerate(value)
+            )
+        else:
+            group[name] = check_hyper(api, name, local(value), hyper, n)
+
+
 def _checked(api: str, name: str, vals: list[float], hyper: Hyper, where: str, out: Any) -> Any:
     for v in vals:
         if not hyper.ok(v):
@@ -124,12 +145,26 @@ def _checked(api: str, name: str, vals: list[float], hyper: Hyper, where: str, o
 
 
 def local_values(value: Any, block: Sequence[int] | None, n_total: int) -> Any:
-    """This block's values of a per-member hyperparameter given for all n_total members."""
+    """This block's values of a per-member hyperparameter given for all n_total members;
+    numpy values as Python ones (:func:`_plain`)."""
+    value = _plain(value)
     sized = isinstance(value, (Sequence, MemberValues)) and not isinstance(value, str)
     sized = sized or isinstance(value, Tensor) and value.dim() == 1
     if block is None or not sized or len(value) != n_total:
         return value
     return [value[i] for i in block]
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar as a float and a numpy array of at most one dim as its floats: torch's
+    optimizers take ``lr=np.float32(1e-3)``, and a sweep's values often come from
+    ``np.logspace``. Anything else as it is."""
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+        return float(value)  # np.float32, np.int64 (np.float64 is a float already)
+    numpy_array = not isinstance(value, Tensor) and hasattr(value, "__array__")
+    if numpy_array and getattr(value, "ndim", 2) <= 1 and hasattr(value, "tolist"):
+        return value.tolist()  # 0-d: a float; 1-D: a list
+    return value
 
 
 def group_args(
@@ -153,12 +188,14 @@ def group_args(
             return v.tensor.to(device)
         if isinstance(v, Tensor):
             return v.to(device)
-        if v is not None and not isinstance(v, (int, float)):  # None: Adafactor's eps
-            raise TypeError(
-                f"{api}: param group `{name}` must be a float, a tensor or "
-                f"vmapens.optim.MemberValues (one float per member), got {type(v).__name__}"
-            )
-        return v
+        if v is None or isinstance(v, (int, float)):  # None: Adafactor's eps
+            return v
+        if isinstance(v, numbers.Real):  # np.float32, set by a schedule of the user's own
+            return float(v)
+        raise TypeError(
+            f"{api}: param group `{name}` must be a float, a tensor or "
+            f"vmapens.optim.MemberValues (one float per member), got {type(v).__name__}"
+        )
 
     out = dict(group)
     for name, hyper in hypers.items():
@@ -262,15 +299,15 @@ def params_of(params: Any) -> list[Any]:
     return list(params)
 
 
-def leading_n(api: str, tensors: Sequence[Any]) -> int:
-    """The leading member dim n that every parameter shares (checked)."""
+def leading_n(api: str, tensors: Sequence[Any], n: int | None = None) -> int:
+    """The leading member dim n that every parameter shares (checked; ``n`` if given)."""
     if not tensors:
         raise ValueError(f"{api}: `params` is empty; expected at least one stacked tensor")
     if any(not isinstance(t, Tensor) for t in tensors):
         raise TypeError(f"{api}: `params` must hold tensors, got {type(tensors[0]).__name__}")
     if any(t.dim() == 0 for t in tensors):
         raise ValueError(f"{api}: every parameter needs a leading member dim, got a 0-dim tensor")
-    sizes = sorted({t.shape[0] for t in tensors})
+    sizes = sorted({t.shape[0] for t in tensors} | ({n} if n is not None else set()))
     if len(sizes) != 1:
         raise ValueError(
             f"{api}: all parameters must share the leading member dim n, got sizes {sizes}"

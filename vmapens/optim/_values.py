@@ -64,6 +64,15 @@ class MemberValues:
     def __hash__(self) -> int:
         return hash(self.values)
 
+    def __float__(self) -> float:
+        # float() of n values raised Python's "must be a string or a real number", which did
+        # not say why: torch's ReduceLROnPlateau reads one lr per param group this way.
+        raise TypeError(
+            f"MemberValues: {len(self.values)} values, one per member, have no single float "
+            "value; torch's ReduceLROnPlateau reads one learning rate per param group: use "
+            "vmapens.optim.ReduceLROnPlateau, which takes one metric per member"
+        )
+
     def tolist(self) -> list[float]:
         """Return the values as a list of floats."""
         return list(self.values)

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ._columns import added, alpha_columns, member_columns, signed
+from ._columns import added, alpha_columns, member_columns, signed, weight_decayed
 from ._fused import Writes, into, one_kernel_when, safe_in_place, write_then_count
 from ._hyper import LR, NONNEGATIVE, Hyper, PerMember, Scalar
 from .base import StackedOptimizer
@@ -62,12 +62,12 @@ def _write_phase(
     """:func:`adadelta_rule`'s step as its write phase: what allocates first (the gradients
     with weight decay, ``sqrt(u + eps)`` from the old ``u``, per-member products, the buffers
     ``sqrt(v + eps)`` goes to), then the writes."""
-    lr, rho, eps, wd = group["lr"], group["rho"], group["eps"], group["weight_decay"]
+    lr, rho, eps = group["lr"], group["rho"], group["eps"]
     square_avg, acc_delta = state["square_avg"], state["acc_delta"]
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
-    g = signed(grads, group)
-    if isinstance(wd, Tensor) or wd != 0:
-        g = torch._foreach_add(g, torch._foreach_mul(params, col(wd)))
+    # g + wd * p rounded once, as torch's grad.add(param, alpha=wd) (a product then a sum
+    # rounded twice, 1e-7 relative off in float32)
+    g = weight_decayed(signed(grads, group), params, group)
     std = [torch.empty_like(v) for v in square_avg]
     delta = torch._foreach_add(acc_delta, alpha_columns(eps, acc_delta))
     torch._foreach_sqrt_(delta)

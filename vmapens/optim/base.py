@@ -12,6 +12,7 @@ torch optimizer, and sub-ensemble selection.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -26,7 +27,7 @@ from ._handoff import check_state_dict, copy_rows, member_state_dict, select_par
 from ._hyper import (
     IMPLEMENTATION,
     Hyper,
-    check_hyper,
+    check_hypers,
     check_implementation,
     group_args,
     implementation_flags,
@@ -35,6 +36,7 @@ from ._hyper import (
     params_of,
 )
 from ._keep import Snapshot, keep_masked_, tensors_of
+from ._kinds import check_complex, check_dense, initial, real_views
 
 __all__ = ["StackedOptimizer"]
 
@@ -114,6 +116,7 @@ class StackedOptimizer(EagerOptimizer):
         self._n_total = n_total
         self._normalise(defaults)
         self._ready: list[tuple | None] = []  # per param group: the layout its state matches
+        self._complex: set[int] = set()  # the param groups with complex tensors (as of _ready)
         self._snapshot = Snapshot()
         self._layouts = 0  # counts prepare()'s re-checks: the snapshot's layout token
         super().__init__(items, defaults)
@@ -169,23 +172,10 @@ class StackedOptimizer(EagerOptimizer):
     # -- hyperparameters ------------------------------------------------------------------------
 
     def _normalise(self, group: dict[str, Any]) -> None:
-        api, n = self._api, self.num_members
-        check_implementation(api, implementation_flags(type(self).torch_class), _flags_of(group))
-
-        def local(value: Any) -> Any:
-            return local_values(value, self._block, self._n_total)
-
-        for name, hyper in self.hyperparameters.items():
-            value = group[name]
-            if hyper.pair:
-                if not isinstance(value, (tuple, list)) or len(value) != 2:
-                    raise ValueError(f"{self._api}: `{name}` must be a pair, got {value!r}")
-                group[name] = tuple(
-                    check_hyper(api, f"{name}[{j}]", local(v), hyper, n, f" at index {j}")
-                    for j, v in enumerate(value)
-                )
-            else:
-                group[name] = check_hyper(api, name, local(value), hyper, n)
+        flags = {k: v for k, v in group.items() if k in IMPLEMENTATION}
+        check_implementation(self._api, implementation_flags(type(self).torch_class), flags)
+        local = functools.partial(local_values, block=self._block, n_total=self._n_total)
+        check_hypers(self._api, group, self.hyperparameters, self.num_members, local)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group, validated like the constructor's arguments.
@@ -195,14 +185,10 @@ class StackedOptimizer(EagerOptimizer):
         """
         group = dict(param_group)
         group["params"] = params_of(group["params"])
-        n = leading_n(self._api, group["params"])
-        if n != self.num_members:
-            raise ValueError(
-                f"{self._api}: all parameters must share the leading member dim n, "
-                f"got sizes {sorted({n, self.num_members})}"
-            )
+        leading_n(self._api, group["params"], self.num_members)
         for key, default in self.defaults.items():
             group.setdefault(key, default)
+        check_complex(self._api, group["params"], type(self).elementwise)
         self._normalise(group)
         super().add_param_group(group)
         self._ready.append(None)
@@ -222,6 +208,7 @@ class StackedOptimizer(EagerOptimizer):
             names = self.state_names(group)  # a flag changed mid-run (momentum) adds state
             if not compiling and self._ready[index] == (layout(group["params"]), names):
                 continue
+            complex_ = check_complex(self._api, group["params"], type(self).elementwise)
             # New state shares one step count per group: the rule then runs once for all.
             device, starts = group["params"][0].device, self.scalar_state(group)
             fresh: dict[tuple[str, torch.dtype], Tensor] = {}
@@ -242,12 +229,13 @@ class StackedOptimizer(EagerOptimizer):
                     t = state.get(key)
                     if t is None:
                         args = group_args(group, self.hyperparameters, p.device, **self._who)
-                        state[key] = self.initial_state(key, p, args)
+                        state[key] = initial(self.initial_state, key, p, args)
                     elif t.dtype != p.dtype or t.device != p.device:
                         state[key] = t.to(dtype=p.dtype, device=p.device)
             if not compiling:
                 share_counts([self.state[p] for p in group["params"]], tuple(starts))
                 self._ready[index] = (layout(group["params"]), names)
+                (self._complex.add if complex_ else self._complex.discard)(index)
                 self._layouts += 1  # tells the snapshot that tensors may have changed in place
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -268,50 +256,55 @@ class StackedOptimizer(EagerOptimizer):
             self.prepare()
 
     def __getstate__(self) -> dict[str, Any]:
-        # torch's keeps defaults, state and param_groups only: copy.deepcopy and pickle lost
-        # the member count and the sharded block.
+        # torch's keeps defaults, state and param_groups only: deepcopy and pickle lost n, block
         kept = {k: self.__dict__[k] for k in ("num_members", "_block", "_n_total")}
         return {**super().__getstate__(), **kept}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._ready = [None] * len(self.param_groups)
-        self._snapshot, self._layouts = Snapshot(), 0
+        self._snapshot, self._layouts, self._complex = Snapshot(), 0, set()
 
     # -- stepping ------------------------------------------------------------------------------
 
     def _update(self, grads: Sequence[Tensor | None], mask: Tensor | None) -> None:
         self.prepare()
-        calls, start = [], 0
-        for group in self.param_groups:
+        calls, start, compiling = [], 0, torch.compiler.is_compiling()
+        for index, group in enumerate(self.param_groups):
             params, counters = group["params"], tuple(self.scalar_state(group))
             states, end = [self.state[p] for p in params], start + len(params)
             parts = buckets(params, grads[start:end], states, self.state_names(group), counters)
             start = end
+            if index in self._complex or (compiling and any(p.is_complex() for p in params)):
+                parts = [real_views(part) for part in parts]  # as torch steps complex tensors
             if parts:
                 args = group_args(group, self.hyperparameters, params[0].device, **self._who)
                 args.update(mask=mask, fused=group.get("fused") is not False)
                 calls += [(*part, dict(args)) for part in parts]  # in_one_kernel writes in args
-        with torch.no_grad():
-            # Copied first, so that a failed step changes nothing and masked members keep theirs;
-            # not when each call of the class's own rule writes all in one go (_fused.py).
-            own = type(self).update_ is StackedOptimizer.update_ and mask is None
-            whole = own and all(in_one_kernel(type(self).rule, *call) for call in calls)
-            if whole:  # every call's allocations first, then all the writes
-                with writes_held() as held:
+        try:
+            with torch.no_grad():
+                # Copied first (a failed step changes nothing, masked members keep theirs),
+                # unless each call of the class's own rule writes all in one go (_fused.py).
+                own = type(self).update_ is StackedOptimizer.update_ and mask is None
+                whole = own and all(in_one_kernel(type(self).rule, *call) for call in calls)
+                if whole:  # every call's allocations first, then all the writes
+                    with writes_held() as held:
+                        for params, g, state, args in calls:
+                            self.update_(params, g, state, args)
+                    return make_held(held)
+                written = [t for p, _, s, _ in calls for t in tensors_of(p, s)]
+                saved = self._snapshot.take(written, mask, self._layouts)
+                try:
                     for params, g, state, args in calls:
                         self.update_(params, g, state, args)
-                return make_held(held)
-            written = [t for p, _, s, _ in calls for t in tensors_of(p, s)]
-            saved = self._snapshot.take(written, mask, self._layouts)
-            try:
-                for params, g, state, args in calls:
-                    self.update_(params, g, state, args)
-            except BaseException:
-                self._snapshot.restore(written, saved)
-                raise
-            if mask is not None:
-                keep_masked_(written, saved, mask)
+                except BaseException:
+                    self._snapshot.restore(written, saved)
+                    raise
+                if mask is not None:
+                    keep_masked_(written, saved, mask)
+        except RuntimeError:  # NotImplementedError too
+            check_dense(self._who["api"], grads)  # a sparse gradient: say so
+            raise
 
     @hooked_step
     def step(  # type: ignore[override]
@@ -322,7 +315,8 @@ class StackedOptimizer(EagerOptimizer):
         Args:
             mask: Optional bool [n]: which members step. Masked-out members keep their
                 parameters and optimizer state bit for bit.
-            closure: Optional callable that re-evaluates the model and returns the loss.
+            closure: Optional callable that re-evaluates the model and returns the loss;
+                also taken first, as torch's ``step(closure)``.
 
         Returns:
             The closure's loss, or ``None``.
@@ -331,6 +325,8 @@ class StackedOptimizer(EagerOptimizer):
             TypeError: ``mask`` is not a bool tensor.
             ValueError: ``mask`` is not of shape [n].
         """
+        if callable(mask) and closure is None:  # torch's step(closure), positionally
+            mask, closure = None, mask
         check_mask(self._api, mask, self.num_members)
         loss = None
         if closure is not None:
@@ -354,7 +350,7 @@ class StackedOptimizer(EagerOptimizer):
             TypeError: ``mask`` is not a bool tensor.
         """
         api = f"{self._api}.apply_gradients"
-        params = [p for g in self.param_groups for p in g["params"]]
+        params, grads = [p for g in self.param_groups for p in g["params"]], list(grads)
         if len(grads) != len(params):
             raise ValueError(
                 f"{api}: `grads` has {len(grads)} entries, expected {len(params)} (one per parameter)"
@@ -412,7 +408,3 @@ class StackedOptimizer(EagerOptimizer):
         if new.state:
             new.prepare()
         return new
-
-
-def _flags_of(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k in IMPLEMENTATION}

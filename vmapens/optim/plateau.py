@@ -105,13 +105,36 @@ class ReduceLROnPlateau:
         return a > limit
 
     def step(self, metrics: Tensor | Sequence[float]) -> None:
-        """Record one value per member and reduce the learning rates of members on a plateau."""
-        values = [float(v) for v in (metrics.tolist() if isinstance(metrics, Tensor) else metrics)]
-        n = self.optimizer.num_members
-        if len(values) != n:
-            raise ValueError(
-                f"ReduceLROnPlateau.step: `metrics` needs {n} values, got {len(values)}"
+        """Record one value per member and reduce the learning rates of members on a plateau.
+
+        Args:
+            metrics: One value per member: a sequence, or a ``[n]`` tensor or numpy array.
+
+        Raises:
+            TypeError: ``metrics`` is one value (torch's scheduler takes one; this one takes
+                one per member) or holds something else than numbers.
+            ValueError: ``metrics`` does not hold n values.
+        """
+        api, n = "ReduceLROnPlateau.step", self.optimizer.num_members
+        got: Any = metrics
+        if isinstance(got, Tensor) or hasattr(got, "__array__"):  # numpy too
+            if len(got.shape) != 1:
+                raise ValueError(
+                    f"{api}: `metrics` needs one value per member, shape [{n}], got shape "
+                    f"{list(got.shape)}"
+                )
+            got = got.tolist()
+        if isinstance(got, str) or not isinstance(got, Sequence):
+            raise TypeError(
+                f"{api}: `metrics` needs one value per member ({n} values), got "
+                f"{type(got).__name__}; torch's ReduceLROnPlateau takes one for all"
             )
+        if len(got) != n:
+            raise ValueError(f"{api}: `metrics` needs {n} values, got {len(got)}")
+        try:
+            values = [float(v) for v in got]
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"{api}: `metrics` must hold numbers, got {list(got)!r}") from err
         self.last_epoch += 1
         reduce = [False] * n
         for i, current in enumerate(values):
