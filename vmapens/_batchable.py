@@ -9,13 +9,18 @@ batches and ``torch.compile(fullgraph=True)`` traces:
   batching rule for torch's fused recurrent kernels at all.
 * ``nn.MultiheadAttention`` (``_mha.py``): self-attention without the copies and the slow
   small-head CPU kernel of torch's own path.
+* ``nn.BatchNorm1d/2d/3d`` with ``momentum=None`` (a cumulative average of the batch
+  statistics): torch turns ``num_batches_tracked`` into a Python float for its factor, which
+  ``vmap`` cannot do (``.item()``); the twin keeps the factor a tensor, one per member.
 """
 
 from __future__ import annotations
 
 import copy
 
-from torch import nn
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from ._mha import BatchableMultiheadAttention
 from ._recurrent import (
@@ -40,6 +45,65 @@ _BATCHABLE: dict[type, type] = {
 }
 
 
+def _cumulative_batch_norm(bn: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor:
+    """``bn(input)`` in training mode with ``momentum=None``, its factor kept a tensor.
+
+    torch's ``_BatchNorm.forward``: ``num_batches_tracked += 1``, then the running statistics
+    move by ``1 / num_batches_tracked`` towards the batch mean and unbiased variance, and the
+    output is normalised by the batch statistics.
+    """
+    bn._check_input_dim(input)
+    mean_, var_, count = bn.running_mean, bn.running_var, bn.num_batches_tracked
+    if mean_ is None or var_ is None or count is None:  # not tracked: torch's own forward
+        return nn.modules.batchnorm._BatchNorm.forward(bn, input)
+    count.add_(1)
+    out = F.batch_norm(input, None, None, bn.weight, bn.bias, True, 0.0, bn.eps)
+    with torch.no_grad():
+        # torch's factor is a Python float, its update runs in double (CPU's accscalar_t);
+        # the batch statistics in the wider of the input's and the buffers' dtypes.
+        factor = count.to(torch.float64).reciprocal()
+        x = input.detach().to(torch.promote_types(input.dtype, mean_.dtype))
+        var, mean = torch.var_mean(x, [0, *range(2, input.dim())], correction=1)
+        for stat, batch in ((mean_, mean), (var_, var)):
+            stat.copy_(stat.to(torch.float64) * (1 - factor) + batch.to(torch.float64) * factor)
+    return out
+
+
+class BatchableBatchNorm1d(nn.BatchNorm1d):
+    """``nn.BatchNorm1d`` whose ``momentum=None`` training forward ``vmap`` batches."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self.momentum is None and self.training:
+            return _cumulative_batch_norm(self, input)
+        return super().forward(input)
+
+
+class BatchableBatchNorm2d(nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` whose ``momentum=None`` training forward ``vmap`` batches."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self.momentum is None and self.training:
+            return _cumulative_batch_norm(self, input)
+        return super().forward(input)
+
+
+class BatchableBatchNorm3d(nn.BatchNorm3d):
+    """``nn.BatchNorm3d`` whose ``momentum=None`` training forward ``vmap`` batches."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self.momentum is None and self.training:
+            return _cumulative_batch_norm(self, input)
+        return super().forward(input)
+
+
+#: Layers re-classed only with ``momentum=None``: the others batch as they are.
+_CUMULATIVE: dict[type, type] = {
+    nn.BatchNorm1d: BatchableBatchNorm1d,
+    nn.BatchNorm2d: BatchableBatchNorm2d,
+    nn.BatchNorm3d: BatchableBatchNorm3d,
+}
+
+
 def batchable(module: nn.Module) -> nn.Module:
     """A deep copy of ``module`` whose recurrent and attention layers ``vmap`` batches well.
 
@@ -50,8 +114,10 @@ def batchable(module: nn.Module) -> nn.Module:
     support all flags (layers, bidirectional, batch_first, bias, dropout, nonlinearity,
     proj_size, unbatched input, given states); the attention twin takes its own path for
     plain self-attention and runs torch's ``forward`` for everything else. Subclasses of
-    those types are left alone, since their own ``forward`` may differ. ``module`` itself
-    is not changed; it may live on ``meta``.
+    those types are left alone, since their own ``forward`` may differ. So is an
+    ``nn.BatchNorm1d/2d/3d`` with ``momentum=None``, to a twin that computes torch's
+    cumulative average with a tensor factor. ``module`` itself is not changed; it may live
+    on ``meta``.
 
     Args:
         module: the member module (any device, ``meta`` included).
@@ -81,6 +147,8 @@ def batchable(module: nn.Module) -> nn.Module:
     clone = copy.deepcopy(module)
     for sub in clone.modules():
         target = _BATCHABLE.get(type(sub))
+        if getattr(sub, "momentum", 0.1) is None:
+            target = _CUMULATIVE.get(type(sub), target)
         if target is not None:
             sub.__class__ = target
     return clone

@@ -107,11 +107,15 @@ def vmap_members(
         chunk_size: As in ``torch.func.vmap`` (not ``None``: torch.func runs the call).
 
     Returns:
-        ``fn``'s output with the member dim first on every tensor.
+        ``fn``'s output with the member dim first on every tensor; a ``None`` in it stays
+        ``None``, as with the loop backend.
     """
     if chunk_size is not None or _traced() or not _plain(n, state, args, in_dims):
-        lifted = vmap(fn, in_dims=(0, *in_dims), randomness=randomness, chunk_size=chunk_size)
-        return lifted(state, *args)
+        flat_fn, shape = _tensors_only(fn)
+        lifted = vmap(flat_fn, in_dims=(0, *in_dims), randomness=randomness, chunk_size=chunk_size)
+        out = iter(lifted(state, *args))
+        spec, holes = shape[-1]
+        return tree_unflatten([None if hole else next(out) for hole in holes], spec)
     lazy_load_decompositions()
     level = _vmap_increment_nesting(n, randomness)
     try:
@@ -122,9 +126,29 @@ def vmap_members(
             return _remove_batch_dim(out, level, n, 0)
         flat, spec = tree_flatten(out)
         name = getattr(fn, "__name__", "fn")
-        return tree_unflatten([_maybe_remove_batch_dim(name, o, level, n, 0) for o in flat], spec)
+        return tree_unflatten(
+            [None if o is None else _maybe_remove_batch_dim(name, o, level, n, 0) for o in flat],
+            spec,
+        )
     finally:
         _vmap_decrement_nesting()
+
+
+def _tensors_only(
+    fn: Callable[..., Any],
+) -> tuple[Callable[..., list], list[tuple[Any, list[bool]]]]:
+    """``fn`` returning its output's non-``None`` leaves, for ``torch.func.vmap``, which
+    refuses a ``None`` (``nn.MultiheadAttention``'s weights with ``need_weights=False``);
+    the list gets the output's structure and where its ``None`` leaves were, per call."""
+    shape: list[tuple[Any, list[bool]]] = []
+
+    def flat_fn(*args: Any) -> list:
+        flat, spec = tree_flatten(fn(*args))
+        shape.append((spec, [o is None for o in flat]))
+        return [o for o in flat if o is not None]
+
+    flat_fn.__name__ = getattr(fn, "__name__", "fn")
+    return flat_fn, shape
 
 
 def _plain(n: int, state: dict[str, torch.Tensor], args: tuple, in_dims: tuple) -> bool:

@@ -83,6 +83,8 @@ def _usable(tensors: Sequence[Tensor | None]) -> bool:
     if any(level.key() != _VMAP for level in retrieve_all_functorch_interpreters()):
         return False
     present = [t for t in tensors if t is not None]
+    if present[0].numel() == 0:  # an empty batch: its flat views cannot infer the member dim
+        return False
     dtype, device = present[0].dtype, present[0].device
     if _autocast(device.type):
         return False

@@ -50,7 +50,7 @@ class _Recurrent(nn.RNNBase):
     """
 
     def forward(
-        self, input: Tensor, hx: Tensor | tuple[Tensor, Tensor] | None = None
+        self, input: Tensor, hx: Tensor | tuple[Tensor, Tensor] | list[Tensor] | None = None
     ) -> tuple[Tensor, Tensor | tuple[Tensor, Tensor]]:
         api = type(self).__name__
         if isinstance(input, PackedSequence):
@@ -97,7 +97,7 @@ class _Recurrent(nn.RNNBase):
 
     def _initial(
         self,
-        hx: Tensor | tuple[Tensor, Tensor] | None,
+        hx: Tensor | tuple[Tensor, Tensor] | list[Tensor] | None,
         batch: int,
         batched: bool,
         directions: int,
@@ -112,7 +112,7 @@ class _Recurrent(nn.RNNBase):
             h = torch.zeros(rows, batch, out_size, dtype=x.dtype, device=x.device)
             c = torch.zeros(rows, batch, self.hidden_size, dtype=x.dtype, device=x.device)
             return h.unbind(0), (c.unbind(0) if lstm else ())
-        if lstm and not (isinstance(hx, tuple) and len(hx) == 2):
+        if lstm and not (isinstance(hx, (tuple, list)) and len(hx) == 2):  # torch takes both
             raise TypeError(f"{api}: `hx` must be a tuple (h_0, c_0), got {type(hx).__name__}")
         if not lstm and not isinstance(hx, Tensor):
             raise TypeError(f"{api}: `hx` must be a Tensor, got {type(hx).__name__}")
@@ -340,9 +340,9 @@ class BatchableLSTMCell(nn.LSTMCell):
     """
 
     def forward(
-        self, input: Tensor, hx: tuple[Tensor, Tensor] | None = None
+        self, input: Tensor, hx: tuple[Tensor, Tensor] | list[Tensor] | None = None
     ) -> tuple[Tensor, Tensor]:
-        if hx is not None and not (isinstance(hx, tuple) and len(hx) == 2):
+        if hx is not None and not (isinstance(hx, (tuple, list)) and len(hx) == 2):
             raise TypeError(
                 f"BatchableLSTMCell: `hx` must be a tuple (h_0, c_0), got {type(hx).__name__}"
             )

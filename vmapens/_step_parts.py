@@ -29,6 +29,7 @@ __all__ = [
     "build_update",
     "check_call",
     "check_optimizer",
+    "distinct_grads",
     "frozen_buffers",
     "graph_hyperparameters",
     "optimizer_errors",
@@ -170,6 +171,31 @@ def undo_point(ens: Ensemble, optimizer: Any) -> Callable[[], None]:
         optimizer.load_state_dict(state)
 
     return undo
+
+
+def distinct_grads(grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """``grads`` with a copy wherever one is an earlier one again or overlaps itself, so
+    that each can be written in place, as ``loss.backward()``'s ``.grad`` can.
+
+    ``torch.autograd.grad`` may return one tensor for two inputs (``b1 + b2``; the fused
+    LSTM's ``bias_ih`` and ``bias_hh``): as ``.grad`` of two parameters, an in-place clip,
+    unscale or optimizer op would apply twice to both. It may return an expanded tensor (the
+    gradient of ``w.sum()``), which in-place ops refuse.
+    """
+    seen: set[int] = set()
+    out: list[torch.Tensor | None] = []
+    for g in grads:
+        if g is not None:
+            if id(g) in seen or (0 in g.stride() and _overlaps(g)):
+                g = g.clone(memory_format=torch.contiguous_format)
+            seen.add(id(g))
+        out.append(g)
+    return out
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether ``t`` has a stride-0 dim of size > 1 (an expanded tensor)."""
+    return any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape, strict=True))
 
 
 def trainable(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -21,6 +21,7 @@ from ._step_parts import (
     build_update,
     check_call,
     check_optimizer,
+    distinct_grads,
     frozen_buffers,
     graph_hyperparameters,
     optimizer_errors,
@@ -160,8 +161,8 @@ def make_step(
                     with update.autocast():
                         losses = batched(ens.stacked_state(), args, targets)
                     scaled = losses if scale is None else losses * scale
-                    grads: Sequence[torch.Tensor | None] = torch.autograd.grad(
-                        scaled.sum(), params, allow_unused=True
+                    grads: Sequence[torch.Tensor | None] = distinct_grads(
+                        torch.autograd.grad(scaled.sum(), params, allow_unused=True)
                     )
                 else:
                     losses, grads = chunked_losses_and_grads(batched, ens.stacked_state(),
@@ -195,7 +196,15 @@ def _member_loss(ens: Ensemble, loss_fn: Callable) -> Callable[..., torch.Tensor
     """``(member_state, inputs, target) -> loss`` for one member, as it would run alone."""
 
     def member_loss(state: Any, inputs: tuple, target: torch.Tensor) -> torch.Tensor:
-        return loss_fn(call_member(ens.runner, state, inputs), target)
+        loss = loss_fn(call_member(ens.runner, state, inputs), target)
+        # loss.backward() alone refuses more than one value; the sum over members would not.
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(
+                f"step: `loss_fn` must return one value per member (a scalar tensor), got {got}; "
+                "reduce it, e.g. reduction='mean'"
+            )
+        return loss.reshape(())
 
     return member_loss
 
