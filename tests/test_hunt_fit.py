@@ -206,3 +206,46 @@ def test_the_random_backends_stepped_floats_reach_high_as_optunas_do():
     result = sweep.run((X, Y), nn.MSELoss(), n_trials=40, epochs=1, progress=False)
     drawn = sorted({round(t.params["lr"], 9) for t in result.trials})
     assert drawn == [0.0, 0.1, 0.2, 0.3]
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 1), nn.Linear(2, 1)
+
+    def forward(self, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.a(u) + self.b(v)
+
+
+class PairDataset(torch.utils.data.Dataset):
+    """Items ``((u, v), y)``: a DataLoader collates the inputs into a list ``[u, v]``."""
+
+    def __init__(self, u: torch.Tensor, v: torch.Tensor, y: torch.Tensor) -> None:
+        self.u, self.v, self.y = u, v, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        return (self.u[i], self.v[i]), self.y[i]
+
+
+def test_fit_takes_a_dataloaders_collated_list_as_several_inputs():
+    """A dataset of ``((u, v), y)`` through a DataLoader (inputs collated into a list) trains
+    each member as a two-input module alone on the same batches."""
+    g = torch.Generator().manual_seed(3)
+    u, v, y = (torch.randn(16, k, generator=g, dtype=torch.float64) for k in (3, 2, 1))
+    loader = torch.utils.data.DataLoader(PairDataset(u, v, y), batch_size=8)
+    ens = vmapens.Ensemble(TwoInputs, 2, seed=0).double()
+    alone = [copy.deepcopy(m) for m in ens.unstack()]
+    vmapens.fit(ens, loader, nn.MSELoss(), epochs=2, lr=0.05, progress=False, seed=0)
+    for m in alone:
+        opt = torch.optim.Adam(m.parameters(), lr=0.05)
+        for _ in range(2):
+            for (bu, bv), by in loader:
+                opt.zero_grad()
+                nn.functional.mse_loss(m(bu, bv), by).backward()
+                opt.step()
+    for i, m in enumerate(alone):
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(ens.unstack()[i].get_parameter(name), p, rtol=1e-10, atol=0)

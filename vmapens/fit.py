@@ -84,7 +84,9 @@ def fit(
         ens: the ensemble to train, in the mode it should train in (``ens.train()``).
         data: ``(X, Y)`` tensors (``X`` may be a tuple of inputs), cut into batches of
             ``batch_size`` and reshuffled every pass; or any re-iterable of
-            ``(inputs, targets)`` batches, such as a ``DataLoader``. With ``in_dims=0``,
+            ``(inputs, targets)`` batches, such as a ``DataLoader`` (``inputs`` a tensor, or a
+            tuple or list of them: a ``DataLoader`` collates a dataset's ``((u, v), y)``
+            into a list). With ``in_dims=0``,
             per-member data: ``(X, Y)`` tensors of shape ``[n, samples, ...]`` (member ``i``
             trains on ``X[i], Y[i]``, e.g. one fold each), or a list of ``n`` DataLoaders (one
             per member, batches of one shape per step).
@@ -212,6 +214,7 @@ def fit(
                 if batch is None:
                     break
                 inputs, targets = to_device(batch, device)
+                inputs = tuple(inputs) if isinstance(inputs, list) else inputs  # collated
                 # Every member active: no mask, so the eager optimizer skips the masked path's
                 # copies. Not on an accelerator (reading `all()` would sync every step), not
                 # compiled (a mask appearing mid-run would compile the step again).
