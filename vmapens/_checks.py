@@ -120,9 +120,12 @@ def expand_in_dims(api: str, in_dims: Any, args: tuple, n: int) -> tuple:
 
 
 def index_rows(api: str, index: Any, n: int) -> torch.Tensor:
-    """A selection (slice, sequence, int or bool tensor) as a 1-D int64 tensor of rows."""
+    """A selection (slice, sequence, int or bool tensor or numpy array) as a 1-D int64 tensor
+    of rows."""
     if isinstance(index, slice):  # range's slicing: negative steps too, as nn.Sequential's
         return torch.tensor(range(n)[index], dtype=torch.int64)
+    if type(index).__module__ == "numpy" and getattr(index, "ndim", None) == 1:
+        index = torch.as_tensor(index)  # np.argsort(scores)[:k], a numpy bool mask
     if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
         if tuple(index.shape) != (n,):
             raise IndexError(f"{api}: a bool mask must have shape [{n}], got {list(index.shape)}")

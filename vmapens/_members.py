@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import enum
 import functools
 import types
@@ -14,7 +13,6 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ._checks import check_int
 from ._fastcall import forget_writes, no_random_ops, vmap_members
 from ._precision import autocast_members
 from .distributed import member_block
@@ -25,13 +23,11 @@ __all__ = [
     "Names",
     "build_members",
     "check_member",
-    "check_seeds",
     "check_same",
     "class_name",
     "class_of",
     "looped",
     "member_ids_for",
-    "meta_copy",
     "named_tensors",
     "non_persistent_buffers",
     "own_settings",
@@ -294,21 +290,10 @@ def own_settings(module: nn.Module, names: Names) -> dict[str, Any]:
             continue
         if isinstance(v, torch.Tensor) and names(v) is None:
             hooks = module._forward_pre_hooks.values()
-            if any(getattr(h, "name", None) == key for h in hooks):
+            if any(key in (getattr(h, "name", 0), getattr(h, "_tensor_name", 0)) for h in hooks):
                 v = torch.empty_like(v, device="meta")
         found[key] = _value(v, names)
     return found
-
-
-def meta_copy(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module`` whose tensors live on the meta device (ties preserved)."""
-    memo: dict[int, Any] = {}
-    for _, t in named_tensors(module):
-        meta = torch.empty_like(t, device="meta")
-        if isinstance(t, nn.Parameter):
-            meta = nn.Parameter(meta, requires_grad=t.requires_grad)
-        memo[id(t)] = meta
-    return copy.deepcopy(module, memo)
 
 
 def non_persistent_buffers(module: nn.Module) -> set[str]:
@@ -318,20 +303,6 @@ def non_persistent_buffers(module: nn.Module) -> set[str]:
         for prefix, sub in module.named_modules()
         for name in sub._non_persistent_buffers_set
     }
-
-
-def check_seeds(api: str, seeds: Any, n: int, seed: int | None) -> list[int]:
-    if seed is not None:
-        raise ValueError(f"{api}: give `seed` or `seeds`, not both")
-    if isinstance(seeds, (str, bytes)) or not isinstance(seeds, Sequence):
-        raise TypeError(
-            f"{api}: `seeds` must be a sequence of {n} ints, got {type(seeds).__name__}"
-        )
-    if len(seeds) != n:
-        raise ValueError(f"{api}: `seeds` has {len(seeds)} values, expected n={n}, one per member")
-    for k, s in enumerate(seeds):
-        check_int(api, f"seeds[{k}]", s)
-    return list(seeds)
 
 
 def looped(n: int, randomness: str, fn: Callable[..., Any], in_dims: tuple) -> Callable:
@@ -349,8 +320,10 @@ def looped(n: int, randomness: str, fn: Callable[..., Any], in_dims: tuple) -> C
                 a if d is None else optree.tree_map(lambda t, d=d, i=i: t.select(d, i), a)
                 for a, d in zip(args, in_dims, strict=True)
             ]
+            uncache()  # member i - 1's parametrized tensors: cached by module, not by member
             with no_random_ops(randomness == "error"):
                 outputs.append(fn({k: v[i] for k, v in state.items()}, *member_args))
+        uncache()
         return optree.tree_map(lambda *xs: torch.stack(xs), *outputs)
 
     return looped
@@ -373,9 +346,20 @@ def vmapped(
         mapped = member if state else stateless
         if not state:  # a member without tensors (nn.Dropout): give vmap a dim to map
             state = {"": torch.empty(n, 0)}
-        return vmap_members(mapped, n, randomness, state, args, in_dims, chunk_size)
+        uncache()  # another module's, cached under the id a member's module has now
+        try:
+            return vmap_members(mapped, n, randomness, state, args, in_dims, chunk_size)
+        finally:
+            uncache()  # batched tensors, dead outside vmap
 
     return batched
+
+
+def uncache() -> None:
+    """Drop what ``torch.nn.utils.parametrize.cached()`` holds: it caches a parametrized tensor
+    by module, and the members share their modules."""
+    if parametrize._cache_enabled:
+        parametrize._cache.clear()
 
 
 def member_ids_for(n: int, shard: bool, seeded: bool, api: str) -> range:

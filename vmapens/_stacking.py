@@ -1,4 +1,5 @@
-"""From member modules to stacked storage: one size (streamed) or several sizes (padded).
+"""From member modules to stacked storage: one size (streamed) or several sizes (padded),
+and the meta-device copies of members that the storage runs.
 
 ``Ensemble`` takes the result as its storage. Members of one size are copied one at a time,
 so building peaks at about the stacked size plus one member; members of several sizes are all
@@ -7,30 +8,37 @@ built first (the largest one sets the padded shapes), then copied into their cor
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch._C._functorch import is_functorch_wrapped_tensor
+from torch.nn.utils import prune
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
-from ._members import (
-    check_member,
-    check_same,
-    class_name,
-    meta_copy,
-    named_tensors,
-    signature,
-)
+from ._members import check_member, check_same, class_name, named_tensors, signature
 from ._padding import Padding, check_pair, gates_of, largest, setting_advice
+
+#: nn.Module's hook registries: hooks that ``apply``'s ``fn`` registers cannot carry over.
+_HOOKS = tuple(k for k, v in vars(nn.Module()).items() if isinstance(v, dict) and "hook" in k)
 
 __all__ = [
     "Stacked",
+    "check_applied",
     "check_extra_state",
     "check_factories",
     "check_modules",
     "check_settings",
     "first_difference",
+    "hooks_of",
+    "meta_copy",
+    "recompute_",
+    "recomputed",
+    "scrub_",
     "stack_one_size",
     "stack_sizes",
 ]
@@ -119,6 +127,59 @@ def stack_sizes(members: list[nn.Module], api: str) -> Stacked:
     return Stacked(stacked, meta_copy(big), big.training, padding)
 
 
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` whose tensors live on the meta device (ties preserved)."""
+    memo: dict[int, Any] = {}
+    for _, t in named_tensors(module):
+        meta = torch.empty_like(t, device="meta")
+        if isinstance(t, nn.Parameter):
+            meta = nn.Parameter(meta, requires_grad=t.requires_grad)
+        memo[id(t)] = meta
+    for m, name, _ in recomputed(module):  # a non-leaf (weight_norm's): deepcopy refuses it
+        memo[id(m.__dict__[name])] = torch.empty_like(m.__dict__[name], device="meta")
+    return copy.deepcopy(module, memo)
+
+
+def recomputed(module: nn.Module) -> list[tuple[nn.Module, str, Any]]:
+    """``(submodule, attribute, hook)`` for each tensor that a forward pre-hook of old-style
+    ``weight_norm``, ``spectral_norm`` or ``torch.nn.utils.prune`` computes from the
+    submodule's own tensors and keeps as a plain attribute: no state, and not a leaf."""
+    return [
+        (m, name, h)
+        for m in module.modules()
+        for h in m._forward_pre_hooks.values()
+        if isinstance(name := _sets(h), str) and isinstance(m.__dict__.get(name), torch.Tensor)
+    ]
+
+
+def _sets(hook: Any) -> str | None:
+    if isinstance(hook, (WeightNorm, SpectralNorm)):
+        return hook.name
+    return hook._tensor_name if isinstance(hook, prune.BasePruningMethod) else None
+
+
+def recompute_(module: nn.Module) -> None:
+    """Set each ``recomputed`` tensor from the module's own tensors, as after its last forward
+    (without the power iteration, which would move ``spectral_norm``'s ``u``, ``v``)."""
+    for m, name, hook in recomputed(module):
+        if isinstance(hook, prune.BasePruningMethod):
+            setattr(m, name, hook.apply_mask(m))
+        else:
+            power = {"do_power_iteration": False} if isinstance(hook, SpectralNorm) else {}
+            setattr(m, name, hook.compute_weight(m, **power))
+
+
+def scrub_(module: nn.Module) -> None:
+    """Drop the tensors a forward left in a meta module's plain attributes (``self.last = h``)
+    before it is copied: under vmap a batched tensor, dead outside it; with the loop backend
+    the last member's, with its graph. ``copy.deepcopy`` refuses both, and neither is any
+    one member's: a copy starts with None there, as a module that has not run."""
+    for m in module.modules():
+        for key, v in list(vars(m).items()):
+            if isinstance(v, torch.Tensor) and (is_functorch_wrapped_tensor(v) or v.grad_fn):
+                m.__dict__[key] = None
+
+
 def first_difference(ours: tuple, theirs: tuple) -> tuple[str, Any, str | None, Any, Any] | None:
     """``(path, class name, attribute, ours, theirs)`` at the first difference between two
     ``settings``; the attribute is None where the submodules' classes differ (then ours and
@@ -133,6 +194,42 @@ def first_difference(ours: tuple, theirs: tuple) -> tuple[str, Any, str | None, 
             if key not in sa or key not in sb or sa[key] != sb[key]:
                 return path, names[0], key, sa.get(key, _UNSET), sb.get(key, _UNSET)
     return None
+
+
+def hooks_of(module: nn.Module) -> list[tuple[str, list[list]]]:
+    """Every submodule's hooks, by name: what ``Ensemble.apply``'s ``fn`` must not change."""
+    return [(n, [list(getattr(m, k)) for k in _HOOKS]) for n, m in module.named_modules()]
+
+
+def check_applied(api: str, before: tuple, after: tuple, hooks_before: list, hooks: list) -> None:
+    """Refuse what ``apply``'s ``fn`` changed beyond values, modes and grad flags."""
+    tensors, settings_before, now = before[1], before[3], after[3]
+    found = None if now == settings_before else first_difference(settings_before, now)
+    if found is not None:
+        path, _, key, a, b = found
+        if key is None:
+            change = "replaced" if a and b else "removed" if a else "added"
+            what = f"{change} `{path}` ({' -> '.join(c for c in (a, b) if c)})"
+        else:
+            what = f"changed `{f'{path}.{key}' if path else key}` ({a!r} -> {b!r})"
+        raise ValueError(
+            f"{api}: `fn` {what}; the ensemble keeps one structure for all members and carries "
+            "over only tensor values, train/eval modes and requires_grad: build the members "
+            "with it instead"
+        )
+    for name, (shape, dtype, device, _) in after[1].items():
+        if name not in tensors or tensors[name][:3] != (shape, dtype, device):
+            raise ValueError(
+                f"{api}: `fn` changed the tensor `{name}` (shape, dtype or device); an ensemble's "
+                "members share one structure: use ens.to(...) / ens.double(), or build the "
+                "members that way"
+            )
+    for (path, ours), (_, theirs) in zip(hooks_before, hooks, strict=True):
+        if ours != theirs:
+            raise ValueError(
+                f"{api}: `fn` registered or removed a hook on `{path}`; the members are not "
+                "modules a hook could run on: register it in the member's __init__ instead"
+            )
 
 
 class _Unset:
@@ -166,8 +263,9 @@ def check_settings(ours: tuple, theirs: tuple, i: int, api: str, first: int = 0)
 
 
 def check_extra_state(api: str, member: nn.Module) -> None:
-    """Refuse a member with extra state (``get_extra_state``): not a tensor, it cannot be
-    stacked, and a state_dict without it would not load into the member alone."""
+    """Refuse a member with extra state (``get_extra_state``, or a state_dict hook that adds
+    a key): not one of its tensors, it cannot be stacked, and a state_dict without it would
+    not load into the member alone."""
     for path, m in member.named_modules():
         if type(m).get_extra_state is not nn.Module.get_extra_state:
             where = f"`{path}` ({type(m).__name__})" if path else type(m).__name__
@@ -175,6 +273,14 @@ def check_extra_state(api: str, member: nn.Module) -> None:
                 f"{api}: {where} has extra state (it defines get_extra_state), which an "
                 "ensemble cannot stack per member: keep that state in buffers "
                 "(self.register_buffer) or in settings shared by all members"
+            )
+    tensors = {id(t) for _, t in named_tensors(member)}
+    for key, value in member.state_dict(keep_vars=True).items():
+        if id(value) not in tensors:
+            raise ValueError(
+                f"{api}: the member's state_dict holds `{key}`, which is none of its parameters "
+                "and buffers (a state_dict hook adds it): an ensemble stacks only those, per "
+                "member; register it as a buffer (self.register_buffer) instead"
             )
 
 

@@ -20,13 +20,11 @@ from torch import nn
 from ._checks import as_ids, index_rows
 from ._members import check_same, named_tensors, non_persistent_buffers, signature
 from ._padding import Padding
-from ._stacking import first_difference
+from ._stacking import check_applied, hooks_of, recomputed, scrub_
 
 __all__ = ["StackedModule"]
 
 _M = TypeVar("_M", bound="StackedModule")
-#: nn.Module's hook registries: hooks that ``apply``'s ``fn`` registers cannot carry over.
-_HOOKS = tuple(k for k, v in vars(nn.Module()).items() if isinstance(v, dict) and "hook" in k)
 
 
 class StackedModule(nn.Module):
@@ -56,7 +54,11 @@ class StackedModule(nn.Module):
             if name in params:
                 # Written straight into _parameters: register_parameter forbids the dots of
                 # the member's own names, and those names are what state_dict must show.
-                p = nn.Parameter(t, requires_grad=params[name].requires_grad)
+                p = (  # load_state_dict(assign=True) keeps the parameters it does not load
+                    t
+                    if isinstance(t, nn.Parameter)
+                    else nn.Parameter(t, requires_grad=params[name].requires_grad)
+                )
                 if self._padding is not None:
                     # What optimizers read to hand each member's state off at its own size
                     # and to refuse rules that are not elementwise (vmapens.optim).
@@ -83,13 +85,16 @@ class StackedModule(nn.Module):
         flags = self.stacked_params()
         grads = [(flags[name], meta) for t in (self._template, *padded)
                  for name, meta in t.named_parameters()]  # fmt: skip
-        self.__dict__["_followers"] = (followers, grads)
+        # weight_norm's tensors, which a forward leaves in the meta modules (``Ensemble.guard``).
+        hooked = [(m, name, torch.empty_like(m.__dict__[name], device="meta"))
+                  for t in (self._template, self._runner, *padded) for m, name, _ in recomputed(t)]  # fmt: skip
+        self.__dict__["_followers"] = (followers, grads, hooked)
 
     def _follow_template(self) -> None:
         """The runner (and padded templates) in the template's train/eval modes, and the
         template's grad flags as the stacked parameters': ``ens.template.bn.eval()`` and
         ``ens.stacked_params()[name].requires_grad_(False)`` hold for every use."""
-        modules, params = self._followers
+        modules, params, _ = self._followers
         for template, m in modules:
             if m.training != template.training:  # nn.Module's setattr costs ~1 us: on a change
                 m.training = template.training
@@ -177,7 +182,7 @@ class StackedModule(nn.Module):
 
         Args:
             index: a slice, a sequence of integer-likes, a 1-D integer tensor or a bool
-                mask of length ``n``.
+                mask of length ``n`` (torch or numpy).
 
         Returns:
             An Ensemble whose member ``k`` is member ``index[k]`` of this one, with the same
@@ -198,6 +203,8 @@ class StackedModule(nn.Module):
         if not len(rows):  # an empty slice or an all-False mask (a list is refused above)
             raise IndexError("Ensemble: selecting no members; an Ensemble needs at least one")
         self._follow_template()
+        scrub_(self._template)
+        scrub_(self._runner)
         sub = copy.copy(self)
         nn.Module.__init__(sub)  # fresh registries; the options are shared
         # Copies of the meta modules: sub.train()/eval() must not switch this ensemble's mode.
@@ -246,10 +253,10 @@ class StackedModule(nn.Module):
             with torch.no_grad():
                 for i in range(len(self)):
                     member = self[i]
-                    before, hooks = signature(member), _hooks(member)
+                    before, hooks = signature(member), hooks_of(member)
                     member.apply(fn)
                     after = signature(member)
-                    _check_applied(api, before, after, hooks, _hooks(member))
+                    check_applied(api, before, after, hooks, hooks_of(member))
                     reference = reference or after
                     check_same(reference, member, i, api, shapes=self._padding is None)
                     state = dict(named_tensors(member))
@@ -287,6 +294,11 @@ class StackedModule(nn.Module):
                 ) from None
             raise
 
+    def __getstate__(self) -> dict[str, Any]:  # copy.deepcopy, pickle, torch.save
+        scrub_(self._template)
+        scrub_(self._runner)
+        return super().__getstate__()
+
     def to(self, *args: Any, **kwargs: Any) -> Any:
         """``nn.Module.to``; a ``memory_format`` applies to each member's tensors, as torch
         applies it to a member's 4-D and 5-D tensors (a stacked tensor has one more dim)."""
@@ -321,6 +333,17 @@ class StackedModule(nn.Module):
             t = persistent[name]
             destination[prefix + key] = t if keep_vars else t.detach()
 
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``; with ``strict=True`` nothing is loaded unless all of
+        it loads (torch's own loader copies the matching keys before it raises). With
+        ``assign=True`` the state dict's tensors become the stacked tensors, as in torch: an
+        optimizer built before holds the old ones."""
+        self.__dict__["_strict"] = strict
+        try:
+            return super().load_state_dict(state_dict, strict, assign)
+        finally:
+            del self.__dict__["_strict"]
+
     def _load_from_state_dict(
         self,
         state_dict: dict,
@@ -333,12 +356,18 @@ class StackedModule(nn.Module):
     ) -> None:
         # nn.Module's own loader splits keys at the first dot (taking "fc.weight" for a child
         # module) and copies tensors as it goes; ours checks everything before copying.
+        # torch passes strict=True here always and applies `strict` afterwards: ours is known
+        # only when ``ens.load_state_dict`` is called; inside a parent's, the matching keys
+        # load, as torch's own loader loads them.
         persistent = self._persistent()
-        ours = {prefix + k: persistent[name] for k, name in self._state_keys.items()}
-        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in ours)
-        missing_keys.extend(k for k in ours if k not in state_dict)
+        ours = {prefix + k: (name, persistent[name]) for k, name in self._state_keys.items()}
+        unexpected = [k for k in state_dict if k.startswith(prefix) and k not in ours]
+        missing = [k for k in ours if k not in state_dict]
+        unexpected_keys.extend(unexpected)
+        missing_keys.extend(missing)
+        errors = len(error_msgs)
         pending = []
-        for key, target in ours.items():
+        for key, (name, target) in ours.items():
             if key not in state_dict:
                 continue
             value = state_dict[key]
@@ -348,47 +377,19 @@ class StackedModule(nn.Module):
                     f"size mismatch for {key}: copying a param with shape {got} from checkpoint, "
                     f"the shape in current model is {tuple(target.shape)}."
                 )
-            pending.append((target, value))
-        if error_msgs or (strict and (missing_keys or unexpected_keys)):
+            pending.append((name, target, value))
+        if len(error_msgs) > errors or self.__dict__.get("_strict") and (missing or unexpected):
+            return
+        if local_metadata.get("assign_to_params_buffers"):
+            # assign=True: the state dict's tensors become the storage, in their own dtype and
+            # device, as torch's loader assigns them (an ensemble built on the meta device).
+            self._follow_template()  # the grad flags _adopt reads
+            stacked = {**self.stacked_state(), **{name: v for name, _, v in pending}}
+            self._adopt(stacked, self.member_ids, self.n_total, self.training)
             return
         with torch.no_grad():
-            for target, value in pending:
+            for _, target, value in pending:
                 target.copy_(value)
-
-
-def _hooks(module: nn.Module) -> list[tuple[str, list[list]]]:
-    return [(n, [list(getattr(m, k)) for k in _HOOKS]) for n, m in module.named_modules()]
-
-
-def _check_applied(api: str, before: tuple, after: tuple, hooks_before: list, hooks: list) -> None:
-    """Refuse what ``apply``'s ``fn`` changed beyond values, modes and grad flags."""
-    tensors, settings_before, now = before[1], before[3], after[3]
-    found = None if now == settings_before else first_difference(settings_before, now)
-    if found is not None:
-        path, _, key, a, b = found
-        if key is None:
-            change = "replaced" if a and b else "removed" if a else "added"
-            what = f"{change} `{path}` ({' -> '.join(c for c in (a, b) if c)})"
-        else:
-            what = f"changed `{f'{path}.{key}' if path else key}` ({a!r} -> {b!r})"
-        raise ValueError(
-            f"{api}: `fn` {what}; the ensemble keeps one structure for all members and carries "
-            "over only tensor values, train/eval modes and requires_grad: build the members "
-            "with it instead"
-        )
-    for name, (shape, dtype, device, _) in after[1].items():
-        if name not in tensors or tensors[name][:3] != (shape, dtype, device):
-            raise ValueError(
-                f"{api}: `fn` changed the tensor `{name}` (shape, dtype or device); an ensemble's "
-                "members share one structure: use ens.to(...) / ens.double(), or build the "
-                "members that way"
-            )
-    for (path, ours), (_, theirs) in zip(hooks_before, hooks, strict=True):
-        if ours != theirs:
-            raise ValueError(
-                f"{api}: `fn` registered or removed a hook on `{path}`; the members are not "
-                "modules a hook could run on: register it in the member's __init__ instead"
-            )
 
 
 #: Per member: the memory format's order of the dims after the first two (channels last).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -14,18 +15,20 @@ from torch.nn.utils.rnn import PackedSequence
 from ._batchable import batchable
 from ._checks import check_choice, check_int, expand_in_dims, to_index
 from ._fastcall import call_member, tracked
-from ._members import (
-    Factory,
-    build_members,
-    check_seeds,
-    looped,
-    member_ids_for,
-    named_tensors,
-    vmapped,
+from ._members import Factory, build_members, looped, member_ids_for, named_tensors, vmapped
+from ._stacking import (
+    Stacked,
+    check_factories,
+    check_modules,
+    recompute_,
+    recomputed,
+    scrub_,
+    stack_one_size,
+    stack_sizes,
 )
-from ._stacking import Stacked, check_factories, check_modules, stack_one_size, stack_sizes
 from ._storage import StackedModule
 from ._unbatchable import guarded, refuse_template_hooks, unchunked
+from .seeds import check_seeds
 
 __all__ = ["Ensemble", "check_ensemble"]
 
@@ -235,6 +238,8 @@ class Ensemble(StackedModule):
         self.__dict__["_padding"] = stacked.padding
         self.__dict__["_template"] = stacked.template
         self.__dict__["_runner"] = unchunked(batchable(stacked.template))
+        for m, name, _ in recomputed(self._runner):  # leaked, a compiled step's graph fails
+            m.register_forward_hook(functools.partial(_put_back, name, m.__dict__[name]))
         self._adopt(stacked.tensors, member_ids, n_total, stacked.training)
 
     # -- running ----------------------------------------------------------------------------
@@ -346,8 +351,12 @@ class Ensemble(StackedModule):
         """
         self._follow_template()
         buffers = list(self.stacked_buffers().values())
-        with guarded(buffers, api, type(self._template).__name__, self.backend):
-            yield
+        try:
+            with guarded(buffers, api, type(self._template).__name__, self.backend):
+                yield
+        finally:  # weight_norm's tensor, set by its hook: one member's, with its graph
+            for m, name, meta in self._followers[2]:
+                m.__dict__[name] = meta
 
     # -- members ------------------------------------------------------------------------------
 
@@ -364,6 +373,7 @@ class Ensemble(StackedModule):
             raise IndexError(f"Ensemble: member index {i} out of range for {len(self)} members")
         i %= len(self)
         self._follow_template()
+        scrub_(self._template)
         memo: dict[int, Any] = {}
         stacked = self.stacked_state()
         padding = self._padding
@@ -375,7 +385,9 @@ class Ensemble(StackedModule):
                 if isinstance(meta, nn.Parameter):
                     value = nn.Parameter(value, requires_grad=meta.requires_grad)
                 memo[id(meta)] = value
-        return copy.deepcopy(template, memo)
+        member = copy.deepcopy(template, memo)
+        recompute_(member)
+        return member
 
     def __iter__(self) -> Iterator[nn.Module]:
         return (self[i] for i in range(len(self)))
@@ -389,6 +401,11 @@ class Ensemble(StackedModule):
             'Linear'
         """
         return list(self)
+
+
+def _put_back(name: str, meta: torch.Tensor, module: nn.Module, *_: Any) -> None:
+    """A forward hook: weight_norm's tensor, computed under vmap, back to its meta tensor."""
+    setattr(module, name, meta)
 
 
 def check_ensemble(api: str, value: Any, name: str = "ens") -> None:

@@ -7,6 +7,8 @@ a member gets the same ones alone, in one process or in any shard.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -63,3 +65,17 @@ def bootstrap_indices(n_samples: int, seed: int, member_id: int) -> Tensor:
     check_int("bootstrap_indices", "member_id", member_id, minimum=0)
     g = torch.Generator().manual_seed(derive_seed(seed, "bootstrap", member_id))
     return torch.randint(n_samples, (n_samples,), generator=g)
+
+
+def check_seeds(api: str, seeds: Any, n: int, seed: int | None) -> list[int]:
+    if seed is not None:
+        raise ValueError(f"{api}: give `seed` or `seeds`, not both")
+    if isinstance(seeds, (str, bytes)) or not isinstance(seeds, Sequence):
+        raise TypeError(
+            f"{api}: `seeds` must be a sequence of {n} ints, got {type(seeds).__name__}"
+        )
+    if len(seeds) != n:
+        raise ValueError(f"{api}: `seeds` has {len(seeds)} values, expected n={n}, one per member")
+    for k, s in enumerate(seeds):
+        check_int(api, f"seeds[{k}]", s)
+    return list(seeds)
