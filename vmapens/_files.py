@@ -9,6 +9,10 @@ read, never changed values, and the file stays readable by the plain tools:
 - ``.safetensors`` files hold the digest in their header metadata under ``vmapens-sha256``,
   computed over the whole file with the 64 hex digits zeroed.
 
+A ``.pt`` file holds only tensors and plain containers: a per-member hyperparameter
+(``MemberValues``) is written as ``{"vmapens:member_values": [...]}`` and read back as one, so
+``torch.load(weights_only=True)`` reads every file without vmapens installed.
+
 Writes go through a temporary file in the same directory, named after the writer's pid and
 locked while written, then ``os.replace`` (one atomic rename). A temporary file is removed by
 a later save only when its writer is gone (no such pid here) and it is not locked.
@@ -16,6 +20,7 @@ a later save only when its writer is gone (no such pid here) and it is not locke
 
 from __future__ import annotations
 
+import copy
 import errno
 import fcntl
 import hashlib
@@ -29,6 +34,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+
+from .optim._values import MemberValues
 
 __all__ = [
     "DIGEST_KEY",
@@ -74,8 +81,33 @@ class _Hashing:
         self.f.flush()
 
 
+_VALUES = "vmapens:member_values"
+
+
+def _plain(obj: Any, back: bool = False) -> Any:
+    """``obj`` with each ``MemberValues`` as ``{_VALUES: [...]}`` (``back``: the reverse);
+    containers that hold none come back as they are (an OrderedDict keeps its metadata)."""
+    if not back and isinstance(obj, MemberValues):
+        return {_VALUES: list(obj.values)}
+    if back and isinstance(obj, dict) and list(obj) == [_VALUES]:
+        return MemberValues(obj[_VALUES])
+    if isinstance(obj, (dict, list, tuple)):
+        items = list(obj.items() if isinstance(obj, dict) else enumerate(obj))
+        swapped = {k: _plain(v, back) for k, v in items}
+        if all(swapped[k] is v for k, v in items):
+            return obj
+        if isinstance(obj, dict):
+            out = copy.copy(obj)
+            out.update(swapped)
+            return out
+        return (tuple if isinstance(obj, tuple) else list)(swapped.values())
+    return obj
+
+
 def seal_torch(obj: Any) -> Callable[[IO[bytes]], None]:
-    """A writer for :func:`atomic_write`: ``torch.save(obj)``, its digest as the zip comment."""
+    """A writer for :func:`atomic_write`: ``torch.save(obj)`` of plain containers only (see
+    the module docstring), its digest as the zip comment."""
+    obj = _plain(obj)
 
     def write_to(f: IO[bytes]) -> None:
         hashing = _Hashing(f)
@@ -168,7 +200,7 @@ def _check_zip_digest(f: IO[bytes], where: str, api: str) -> None:
 def torch_load(f: IO[bytes], where: str, api: str) -> Any:
     """``torch.load(f, weights_only=True)`` on CPU, every failure a ValueError naming ``where``."""
     try:
-        return torch.load(f, map_location="cpu", weights_only=True)
+        return _plain(torch.load(f, map_location="cpu", weights_only=True), back=True)
     except pickle.UnpicklingError as err:
         raise ValueError(
             f"{api}: refusing to load {where}: it holds objects other than tensors and plain "

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ._files import signature
-from .checkpoint import check_ensemble_state, check_members, members_of, read
+from .checkpoint import check_ensemble_state, check_members, read, relaid, same_class
 from .ensemble import Ensemble
 from .optim import MemberValues
 from .sharding import localise
@@ -38,6 +38,8 @@ NOT_COMPARED = {
 
 def fingerprint(value: Any) -> Any:
     """A comparable, printable stand-in for ``value`` (tensors and callables included)."""
+    if isinstance(value, Tensor) and value.dim() == 0:  # a tensor lr, a loss's scalar buffer
+        return f"tensor({value.item()!r}, dtype={value.dtype})"
     if isinstance(value, Tensor):
         t = value.detach().cpu().contiguous()
         digest = hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
@@ -74,13 +76,20 @@ def hyperparameters_of(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's hyperparameters as built (not its state), by name, for resume checks.
 
     Per-member values stay ``MemberValues`` (a sharded checkpoint re-cuts them per rank);
+    tensors (a 0-d tensor ``lr``) are fingerprinted, since their repr rounds to four decimals;
     the rest is compared as text.
     """
     out: dict[str, Any] = {"class": type(optimizer).__name__}
     for k, group in enumerate(optimizer.param_groups):
         for name, v in group.items():
-            if name not in ("params", "initial_lr"):  # initial_lr: set by a scheduler
-                out[f"group{k}.{name}"] = v if _per_member(v) else repr(v)
+            if name in ("params", "initial_lr"):  # initial_lr: set by a scheduler
+                continue
+            tensors = isinstance(v, Tensor) or (
+                isinstance(v, tuple) and any(isinstance(x, Tensor) for x in v)
+            )
+            out[f"group{k}.{name}"] = (
+                v if _per_member(v) else fingerprint(v) if tensors else repr(v)
+            )
     return out
 
 
@@ -96,8 +105,13 @@ def read_checkpoint(
     options: dict[str, Any],
     seed: int | None,
     override: tuple[str, ...] = (),
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
     """Read a fit checkpoint and check it against this run's ``options``; changes nothing.
+
+    The ensemble (and ``optimizer``) tensors come back padded as ``ens`` pads them
+    (:func:`~vmapens.checkpoint.relaid`): a sub-ensemble of members of several sizes resumes
+    rebuilt from its own members' factories.
 
     Raises:
         ValueError: another ensemble, a file ``save()`` wrote, or options that differ and
@@ -107,12 +121,14 @@ def read_checkpoint(
     seen = signature(path)  # before reading: a later replacement shows as another file
     payload = read(path, "fit")
     held = payload.get("members")
-    if isinstance(held, dict) and (held.get("class"), held.get("n_total")) == (
-        members_of(ens)["class"],
-        ens.n_total,
+    if (
+        isinstance(held, dict)
+        and same_class(held.get("class"), ens)
+        and held.get("n_total") == ens.n_total
     ):  # the same run at any world size: this process's members
         payload = localise(payload, path, list(ens.member_ids))
     check_members(payload, ens, "fit", where)
+    payload = relaid(payload, ens, optimizer)
     check_ensemble_state(payload.get("ensemble"), ens, "fit", where)
     state = payload.get("fit")
     if state is None:

@@ -15,14 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._files import (
-    atomic_write,
-    open_checked,
-    remove_stale_temps,
-    seal_torch,
-    signature,
-    torch_load,
-)
+from ._files import atomic_write, open_checked, remove_stale_temps, seal_torch, torch_load
 from ._padding import corner, gates_of
 from ._step_parts import check_optimizer
 from .ensemble import Ensemble, check_ensemble
@@ -33,14 +26,15 @@ __all__ = [
     "check_ensemble_state",
     "check_member_ids",
     "check_members",
-    "check_owner",
     "load",
     "members_of",
     "read",
     "relaid",
     "remove_stale_temps",
     "restore",
+    "same_class",
     "save",
+    "settings_of",
     "write",
 ]
 
@@ -51,12 +45,11 @@ VERSION = 3  # 3: every file carries its SHA-256 digest
 def write(path: str | os.PathLike, parts: Mapping[str, Any], api: str = "save") -> tuple[int, ...]:
     """Write ``parts`` (plain containers of tensors) to ``path`` atomically, with its digest.
 
-    The file is a ``torch.save`` zip whose comment holds the SHA-256 of its bytes (see
-    ``vmapens._files``), written to a temporary file in the same directory, synced and moved
-    over ``path`` with one ``os.replace``: a crash at any point leaves the previous file whole.
+    A ``torch.save`` zip whose comment holds the SHA-256 of its bytes, moved over ``path`` by
+    one ``os.replace`` (``vmapens._files``): a crash at any point leaves the previous file whole.
 
     Returns:
-        Which file is now at ``path`` (``vmapens._files.signature``), for :func:`check_owner`.
+        Which file is now at ``path`` (``vmapens._files.signature``), for ``check_owner``.
 
     Raises:
         OSError: the directory is missing or read-only, the disk is full or the file too
@@ -64,26 +57,6 @@ def write(path: str | os.PathLike, parts: Mapping[str, Any], api: str = "save") 
     """
     payload = {"format": FORMAT, "version": VERSION, **parts}
     return atomic_write(path, seal_torch(payload), api)
-
-
-def check_owner(path: str | os.PathLike, seen: Any, run: str | None, api: str) -> str | None:
-    """Why this run must not write ``path``: another writer replaced the file since this run
-    read or wrote it last (``seen``, a ``signature``; None: there was no file). None when free.
-    """
-    if signature(path) in (None, seen):
-        return None
-    try:
-        held = read(path, api)
-        theirs, epoch = held.get("run"), held.get("epoch")
-    except (OSError, ValueError) as err:
-        theirs, epoch = f"unknown ({err})", "?"
-    ours = "a new run" if run is None else f"run {run}"
-    return (
-        f"{api}: {os.fspath(path)} was replaced by another writer (it now holds run {theirs} at "
-        f"epoch {epoch}) since this run ({ours}) last read or wrote it: two runs are writing "
-        "one checkpoint path. This run stops here and leaves that file alone; give it another "
-        "`checkpoint` path (or delete the file to let this run take the path over)"
-    )
 
 
 def read(path: str | os.PathLike, api: str) -> dict[str, Any]:
@@ -110,11 +83,9 @@ def read(path: str | os.PathLike, api: str) -> dict[str, Any]:
 
 
 def apply_parts(payload: Mapping[str, Any], parts: Mapping[str, Any], api: str, where: str) -> None:
-    """``part.load_state_dict(payload[name])`` for every part, all or nothing.
-
-    Each part checks its own state before it changes; if one refuses, the parts loaded
-    before it get their previous state back, and the error says which part and why.
-    """
+    """``part.load_state_dict(payload[name])`` for every part, all or nothing: each part checks
+    its state before it changes; if one raises, the parts loaded before it get their previous
+    state back (a ValueError names the part and why; other exceptions pass through)."""
     for name in parts:
         if payload.get(name) is None:
             raise ValueError(f"{api}: {where} holds no {name} state")
@@ -124,9 +95,11 @@ def apply_parts(payload: Mapping[str, Any], parts: Mapping[str, Any], api: str, 
         for name, part in parts.items():
             part.load_state_dict(payload[name])
             done.append(name)
-    except (ValueError, RuntimeError, KeyError, TypeError, IndexError) as err:
+    except Exception as err:  # any: a callback's own load_state_dict may raise anything
         for loaded in done:  # not `name`: the message names the part that failed
             parts[loaded].load_state_dict(before[loaded])
+        if not isinstance(err, (ValueError, RuntimeError, KeyError, TypeError, IndexError)):
+            raise
         raise ValueError(f"{api}: {where}: the {name} state does not fit: {err}") from err
 
 
@@ -142,6 +115,25 @@ def members_of(ens: Ensemble) -> dict[str, Any]:
     return members
 
 
+def same_class(held: Any, ens: Ensemble) -> bool:
+    """Whether a file's member class (``members_of``'s) is ``ens``'s. A script's classes are
+    ``__main__.X`` when it runs and ``train.X`` when imported (``from train import X``): the
+    same class, so ``__main__`` on either side matches any module with the same ``X``."""
+    cls = type(ens.template)
+    module, name = cls.__module__, cls.__qualname__
+    if not isinstance(held, str):
+        return False
+    if held in (f"{module}.{name}", f"__main__.{name}"):
+        return True
+    return module == "__main__" and held.endswith(f".{name}") and len(held) > len(name) + 1
+
+
+def settings_of(ens: Ensemble) -> dict[str, Any]:
+    """How ``ens`` runs its members, for :func:`load` to build the ensemble alike: a forward
+    that only ``backend="loop"`` runs, dropout drawn once for all members."""
+    return {"randomness": ens.randomness, "chunk_size": ens.chunk_size, "backend": ens.backend}
+
+
 def check_member_ids(members: Any, api: str, where: str) -> tuple[list[int], int]:
     """``(member_ids, n_total)`` of a file's ``members`` entry, checked: ints, distinct, in range.
 
@@ -151,9 +143,9 @@ def check_member_ids(members: Any, api: str, where: str) -> tuple[list[int], int
     if not isinstance(members, dict):
         raise ValueError(f"{api}: {where} holds no member list (got {type(members).__name__})")
     ids, n_total = members.get("member_ids"), members.get("n_total")
-    if not isinstance(n_total, int) or isinstance(n_total, bool) or n_total < 1:
+    if type(n_total) is not int or n_total < 1:  # a file holds plain ints; bool is no id
         raise ValueError(f"{api}: {where}: `n_total` must be an int >= 1, got {n_total!r}")
-    if not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids):
+    if not isinstance(ids, (list, tuple)) or not all(type(i) is int for i in ids):
         raise ValueError(f"{api}: {where}: `member_ids` must be a list of ints, got {ids!r:.80}")
     bad = [i for i in ids if not 0 <= i < n_total]
     if bad:
@@ -163,14 +155,12 @@ def check_member_ids(members: Any, api: str, where: str) -> tuple[list[int], int
     return list(ids), n_total
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_members(payload: Mapping[str, Any], ens: Ensemble, api: str, where: str) -> None:
     """The file must hold this ensemble's members: same class and global ids, and every
     member the same shapes (however each side pads them: see :func:`relaid`)."""
     held, ours = payload.get("members"), members_of(ens)
+    if isinstance(held, dict) and same_class(held.get("class"), ens):
+        held = {**held, "class": ours["class"]}  # the same class under another module name
     if not isinstance(held, dict) or {**held, "sizes": None} != {**ours, "sizes": None}:
         raise ValueError(
             f"{api}: {where} holds {_describe(held)}, this ensemble has {_describe(ours)}"
@@ -305,6 +295,7 @@ def save(
         )
     parts = {
         "members": members_of(ens),
+        "settings": settings_of(ens),
         "ensemble": {k: v.detach().cpu() for k, v in ens.state_dict().items()},
         "optimizer": None if optimizer is None else optimizer.state_dict(),
         "optimizer_class": None if optimizer is None else type(optimizer).__name__,
@@ -337,7 +328,8 @@ def load(
             For an ensemble built with ``Ensemble.from_factories``: the same factories.
 
     Returns:
-        The ensemble (always the ensemble alone, since 0.3.0).
+        The ensemble (always the ensemble alone, since 0.3.0), run as the saved one was:
+        its ``randomness``, ``chunk_size`` and ``backend`` (set them on it to change them).
 
     Raises:
         ValueError: the file is truncated or corrupt, holds objects other than tensors, or
@@ -358,6 +350,9 @@ def load(
     ids, n_total = check_member_ids(members, "load", where)
     if not ids:
         raise ValueError(f"load: {where} holds no members")
+    settings = payload.get("settings") or {}  # none in files written before it was kept
+    if not isinstance(settings, dict):
+        raise ValueError(f"load: {where}: `settings` must be a dict, got {settings!r:.80}")
     # seed=0 leaves the caller's RNG alone; every tensor is overwritten below anyway.
     if isinstance(factory, Sequence):
         if len(factory) != len(ids):
@@ -365,13 +360,11 @@ def load(
                 f"load: {where} holds {len(ids)} members, `factory` gives {len(factory)} "
                 "factories; give one per stored member, in order (a sub-ensemble's own)"
             )
-        ens = Ensemble.from_factories(factory, seed=0)
+        ens = Ensemble.from_factories(factory, seed=0, **settings)
     else:
-        ens = Ensemble(factory, n=len(ids), seed=0)
-    ens.member_ids = (
-        range(ids[0], ids[-1] + 1) if ids == list(range(ids[0], ids[-1] + 1)) else tuple(ids)
-    )
-    ens.n_total = n_total
+        ens = Ensemble(factory, n=len(ids), seed=0, **settings)
+    span = range(ids[0], ids[-1] + 1)
+    ens.member_ids, ens.n_total = (span if ids == list(span) else tuple(ids)), n_total
     _restore(payload, path, ens, None, None, "load")
     return ens
 
@@ -398,17 +391,25 @@ def _restore(
     payload: dict, path: Any, ens: Ensemble, optimizer: Any, history: Any, api: str
 ) -> None:
     where = os.fspath(path)
+    if "blocks" in payload:  # its members are in block files that vmapens.sharding reads
+        raise ValueError(
+            f"{api}: {where} is a sharded fit checkpoint (its members are in block files in "
+            f"{where}.members/); to read it in one process, resume the run with "
+            "fit(..., checkpoint=path) there: it resumes at any number of processes"
+        )
     check_members(payload, ens, api, where)
     payload = relaid(payload, ens, optimizer)
     check_ensemble_state(payload.get("ensemble"), ens, api, where)
-    if optimizer is not None and payload.get("optimizer_class") not in (
-        None,
-        type(optimizer).__name__,
-    ):
+    held_class = payload.get("optimizer_class")
+    if optimizer is not None and held_class not in (None, type(optimizer).__name__):
         raise ValueError(
-            f"{api}: {where} holds {payload['optimizer_class']} state, the optimizer is a "
+            f"{api}: {where} holds {held_class} state, the optimizer is a "
             f"{type(optimizer).__name__}"
         )
+    held = payload.get("history")
+    ids = held.get("member_ids") if isinstance(held, dict) else None
+    if history is not None and held is not None and list(ids or ()) != list(ens.member_ids):
+        raise ValueError(f"{api}: {where} holds the history of other members (ids {ids!r:.60})")
     parts: dict[str, Any] = {"ensemble": ens}
     if optimizer is not None:
         parts["optimizer"] = optimizer

@@ -21,6 +21,7 @@ from torch.export import ExportedProgram
 from torch.func import functional_call
 
 from ._members import named_tensors
+from .distributed import member_blocks, rank, world_size
 from .ensemble import Ensemble, check_ensemble
 from .predict import REDUCTIONS, reduce_members
 from .selfcheck import probed, tolerance
@@ -155,7 +156,11 @@ def _check_args(
     check: Any,
 ) -> tuple[Tensor, ...]:
     check_ensemble(api, ens)
-    if len(ens) != ens.n_total:
+    # This rank's block of a sharded ensemble is refused; a sub-ensemble (`ens[idx]`, `select`)
+    # also holds fewer than `n_total` members, and exporting one is how a subset is served.
+    size = world_size()
+    block = member_blocks(ens.n_total, size)[rank()] if size > 1 else None
+    if len(ens) != ens.n_total and list(ens.member_ids) == list(block or ()):
         raise ValueError(
             f"{api}: `ens` holds {len(ens)} of {ens.n_total} members (a sharded ensemble); "
             "export vmapens.gather(ens) to serve all of them, or ens.select(...) of a "

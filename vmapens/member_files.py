@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import copy
 import os
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -74,11 +76,16 @@ def save_members(ens: Ensemble, directory: str | os.PathLike, format: str = "pt"
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise write_error("save_members", directory, err) from err
+    # Each submodule's `_version`, as `module.state_dict()` carries it: a module whose
+    # `_load_from_state_dict` migrates older versions reads a file without it as version 1.
+    metadata = getattr(ens.template.state_dict(), "_metadata", None)
     paths = []
     for gid, sd in zip(ens.member_ids, ens.state_dicts(), strict=True):
         path = directory / f"member_{gid:04d}.{format}"
         if format == "pt":
-            atomic_write(path, seal_torch(sd), "save_members")
+            versioned = OrderedDict(sd)
+            versioned._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
+            atomic_write(path, seal_torch(versioned), "save_members")
         else:
             # safetensors refuses tensors that share memory (tied weights): one copy per key.
             tensors = {k: v.detach().cpu().contiguous().clone() for k, v in sd.items()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import uuid
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,8 +13,9 @@ import torch
 
 from .._checks import check_writable_dir
 from .._data import data_generators
+from .._files import signature
 from .._resume import NOT_COMPARED, fingerprint, hyperparameters_of, read_checkpoint
-from ..checkpoint import apply_parts, check_owner, members_of, write
+from ..checkpoint import apply_parts, members_of, read, settings_of, write
 from ..distributed import broadcast_object, rank, world_size
 from ..sharding import drop_blocks, save_sharded
 from .base import Callback, Context
@@ -74,9 +76,29 @@ class Checkpoint(Callback):
                 "would restart its schedule; pass it as fit(scheduler=...)"
             )
         self.options = run_options(ctx)
+        if _keeps_workers(ctx.arguments.get("data")):
+            warnings.warn(
+                "fit: `data` is a DataLoader with persistent_workers=True: its worker processes "
+                "keep their random state from epoch to epoch, which no checkpoint holds, and a "
+                "resumed run starts new ones, drawing their seed from the RNG, so its random "
+                "numbers (shuffling, dropout, augmentations) differ from an uninterrupted run's; "
+                "pass persistent_workers=False for resumes that are exact",
+                UserWarning,
+                stacklevel=3,
+            )
         if not os.path.exists(self.path):
             return
-        saved = read_checkpoint(self.path, ctx.ensemble, self.options, ctx.seed, self.override)
+        saved = read_checkpoint(
+            self.path, ctx.ensemble, self.options, ctx.seed, self.override, ctx.optimizer
+        )
+        done = saved.get("epoch")
+        if isinstance(done, int) and done > ctx.epochs:
+            # Going on would hand back members trained for more epochs than this call asks.
+            raise ValueError(
+                f"fit: {os.fspath(self.path)} holds a run already trained for {done} epochs, "
+                f"more than `epochs`={ctx.epochs}; pass epochs >= {done} to continue it, read "
+                "its members with vmapens.load, or give a shorter run another `checkpoint` path"
+            )
         parts: dict[str, Any] = {
             "ensemble": ctx.ensemble,
             "optimizer": ctx.optimizer,
@@ -125,6 +147,7 @@ class Checkpoint(Callback):
             "run": run,
             "epoch": ctx.history.epochs,
             "members": members_of(ctx.ensemble),
+            "settings": settings_of(ctx.ensemble),
             "ensemble": {k: v.detach().cpu() for k, v in ctx.ensemble.state_dict().items()},
             "optimizer": ctx.optimizer.state_dict(),
             "optimizer_class": type(ctx.optimizer).__name__,
@@ -137,6 +160,39 @@ class Checkpoint(Callback):
         else:
             self.seen = write(self.path, payload, "fit")
             drop_blocks(self.path)  # of an earlier sharded run that this one resumed
+
+
+def check_owner(path: str | os.PathLike, seen: Any, run: str | None, api: str) -> str | None:
+    """Why this run must not write ``path``: another writer replaced the file since this run
+    read or wrote it last (``seen``, a ``signature``; None: there was no file). None when free.
+    """
+    if signature(path) in (None, seen):
+        return None
+    try:
+        held = read(path, api)
+        theirs, epoch = held.get("run"), held.get("epoch")
+    except (OSError, ValueError) as err:
+        theirs, epoch = f"unknown ({err})", "?"
+    ours = "a new run" if run is None else f"run {run}"
+    return (
+        f"{api}: {os.fspath(path)} was replaced by another writer (it now holds run {theirs} at "
+        f"epoch {epoch}) since this run ({ours}) last read or wrote it: two runs are writing "
+        "one checkpoint path. This run stops here and leaves that file alone; give it another "
+        "`checkpoint` path (or delete the file to let this run take the path over)"
+    )
+
+
+def _keeps_workers(data: Any) -> bool:
+    """Whether ``data`` (a DataLoader, or a per-member list of them) keeps worker processes,
+    and their random state, across epochs."""
+    if isinstance(data, (list, tuple)):
+        return any(_keeps_workers(item) for item in data)
+    workers = getattr(data, "num_workers", 0)
+    return (
+        bool(getattr(data, "persistent_workers", False))
+        and isinstance(workers, int)
+        and workers > 0
+    )
 
 
 def run_options(ctx: Context) -> dict[str, Any]:
