@@ -82,6 +82,12 @@ class TensorSource:
         self.x, self.y = data
         self.member_dim = member_dim
         axis = 1 if member_dim else 0
+        for leaf in [*optree.tree_leaves(self.x), self.y]:
+            if leaf.dim() <= axis:
+                raise ValueError(
+                    f"{api}: every tensor in `data` needs its samples along dim {axis}, got a "
+                    f"tensor of shape {tuple(leaf.shape)}"
+                )
         self.size = rows_of(self.x, member_dim)
         if self.size == 0:
             raise ValueError(f"{api}: `data` has no samples")
@@ -175,7 +181,7 @@ class IterableSource:
                 "(X, Y) tuple of tensors), got a one-shot iterator"
             )
         self.data = data
-        self.length = len(data) if isinstance(data, Sized) else None
+        self.length = _length(data)
         self.generators = data_generators(data)
         self._it: Any = None
         self._at = (-1, 0)
@@ -205,9 +211,29 @@ class IterableSource:
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise TypeError(
                 f"fit: each batch of `data` must be an (inputs, targets) pair, got "
-                f"{type(batch).__name__}"
+                f"{type(batch).__name__} (`data` as arrays is a tuple of two torch tensors: "
+                "(torch.as_tensor(X), torch.as_tensor(Y)))"
             )
+        for part, tree in zip(("inputs", "targets"), batch):
+            odd = [type(t).__name__ for t in optree.tree_leaves(tree) if not isinstance(t, Tensor)]
+            if odd:
+                raise TypeError(
+                    f"fit: each batch of `data` must hold tensors (nested in tuples, lists or "
+                    f"dicts), got {odd[0]} in its {part}; turn it into a tensor in the Dataset "
+                    "or a DataLoader `collate_fn`"
+                )
         return tuple(batch)
+
+
+def _length(data: Iterable) -> int | None:
+    """Batches per pass, None when unknown: a DataLoader over an ``IterableDataset`` without
+    ``__len__`` has a ``__len__`` that raises ``TypeError``."""
+    if not isinstance(data, Sized):
+        return None
+    try:
+        return len(data)
+    except TypeError:
+        return None
 
 
 class MemberIterables:

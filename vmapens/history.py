@@ -33,7 +33,8 @@ class History:
         metrics: name -> ``[epochs, n]`` validation metric of each member (NaN once it has
             stopped), for ``fit(..., metrics={name: fn})``; ``None`` without metrics.
         ensemble_metrics: name -> ``[epochs]`` the metric of the ensemble's averaged output
-            (members that diverged left out); ``None`` without metrics.
+            (members that diverged left out); ``None`` without metrics, and in a history
+            merged by ``vmapens.sharding.gather_history`` (each rank scored its own block).
     """
 
     train_loss: Tensor
@@ -94,8 +95,13 @@ class History:
         # States written before metrics existed have no metric keys: no metrics.
         state = {"metrics": None, "ensemble_metrics": None, **state}
         for key, value in state.items():
-            value = _clone(value) if isinstance(value, dict) else value
-            setattr(self, key, value.clone() if isinstance(value, Tensor) else value)
+            if isinstance(value, dict):
+                value = _clone(value)
+            elif isinstance(value, Tensor):
+                value = value.clone()
+            elif key == "member_ids":  # its own list, as state_dict gives
+                value = list(value)
+            setattr(self, key, value)
 
     def plot(self, path: str | os.PathLike, *, title: str | None = None) -> str | os.PathLike:
         """Write a PNG (1000 x 400 pixels) of every member's loss curves and their mean.
@@ -125,7 +131,7 @@ class History:
         if self.val_loss is not None:
             panels.append(("validation loss", self.val_loss, None))
         whole = self.ensemble_metrics or {}
-        panels += [(f"validation {k}", v, whole[k]) for k, v in (self.metrics or {}).items()]
+        panels += [(f"validation {k}", v, whole.get(k)) for k, v in (self.metrics or {}).items()]
         # The object API, not pyplot: no global backend or figure state is touched.
         fig = Figure(figsize=(5 * max(2, len(panels)), 4), dpi=100)
         epochs = torch.arange(1, self.epochs + 1).numpy()
@@ -153,16 +159,39 @@ class History:
         if not isinstance(state, dict) or not keys <= set(state) <= keys | optional:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"{api}: history state must have keys {sorted(keys)}, got {got}")
+        ids = state["member_ids"]
+        if (
+            not isinstance(ids, (list, tuple, range))
+            or len(ids) != n
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+        ):
+            raise ValueError(
+                f"{api}: history `member_ids` must be a list of {n} ints, got {ids!r:.60}"
+            )
+        train = state["train_loss"]
+        if not isinstance(train, Tensor) or train.dim() != 2 or train.shape[1] != n:
+            raise ValueError(f"{api}: history `train_loss` must be an [epochs, {n}] tensor")
         _check_metrics(state, n, api)
-        for key in ("train_loss", "val_loss"):
+        # Every table has one row per epoch: a row missing from one would shift its epochs.
+        tables = [("val_loss", state["val_loss"]), *(state.get("metrics") or {}).items()]
+        for key, t in tables:
+            if t is None and key == "val_loss":
+                continue
+            if not isinstance(t, Tensor) or tuple(t.shape) != tuple(train.shape):
+                raise ValueError(
+                    f"{api}: history `{key}` must be an [epochs, {n}] tensor of as many epochs "
+                    f"as `train_loss` ({train.shape[0]}), got "
+                    f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}"
+                )
+        if not all(
+            t.is_floating_point() for t in (train, *(t for _, t in tables)) if t is not None
+        ):
+            raise ValueError(f"{api}: history losses and metrics must be floating-point tensors")
+        kinds = {"best_epoch": torch.int64, "stopped_epoch": torch.int64, "diverged": torch.bool}
+        for key, dtype in kinds.items():
             t = state[key]
-            if (t is not None or key == "train_loss") and (
-                not isinstance(t, Tensor) or t.dim() != 2 or t.shape[1] != n
-            ):
-                raise ValueError(f"{api}: history `{key}` must be an [epochs, {n}] tensor")
-        for key in ("best_epoch", "stopped_epoch", "diverged"):
-            if not isinstance(state[key], Tensor) or tuple(state[key].shape) != (n,):
-                raise ValueError(f"{api}: history `{key}` must be a [{n}] tensor")
+            if not isinstance(t, Tensor) or tuple(t.shape) != (n,) or t.dtype != dtype:
+                raise ValueError(f"{api}: history `{key}` must be a [{n}] {dtype} tensor")
 
 
 def _clone(tables: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
@@ -170,15 +199,16 @@ def _clone(tables: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
 
 
 def _check_metrics(state: dict[str, Any], n: int, api: str) -> None:
-    """Metric tables: per member ``[epochs, n]``, of the ensemble ``[epochs]``, same names."""
+    """Metric tables: per member ``[epochs, n]``, of the ensemble ``[epochs]`` (or ``None``
+    in a history merged by ``gather_history``), same names."""
     per_member, whole = state.get("metrics"), state.get("ensemble_metrics")
-    if (per_member is None) != (whole is None):
-        raise ValueError(f"{api}: history `metrics` and `ensemble_metrics` must both be set")
-    if per_member is None or whole is None:
+    if per_member is None and whole is not None:
+        raise ValueError(f"{api}: history `ensemble_metrics` without `metrics`")
+    if per_member is None:
         return
-    if not isinstance(per_member, dict) or not isinstance(whole, dict):
+    if not isinstance(per_member, dict) or not isinstance(whole, (dict, type(None))):
         raise ValueError(f"{api}: history metrics must be dicts of tensors")
-    if sorted(per_member) != sorted(whole):
+    if whole is not None and sorted(per_member) != sorted(whole):
         raise ValueError(
             f"{api}: history `metrics` {sorted(per_member)} and `ensemble_metrics` "
             f"{sorted(whole)} name different metrics"
@@ -186,6 +216,8 @@ def _check_metrics(state: dict[str, Any], n: int, api: str) -> None:
     for name, t in per_member.items():
         if not isinstance(t, Tensor) or t.dim() != 2 or t.shape[1] != n:
             raise ValueError(f"{api}: history metric `{name}` must be an [epochs, {n}] tensor")
+        if whole is None:
+            continue
         if not isinstance(whole[name], Tensor) or tuple(whole[name].shape) != (t.shape[0],):
             raise ValueError(
                 f"{api}: history ensemble metric `{name}` must be a [{t.shape[0]}] tensor"

@@ -5,10 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 from torch.func import vmap
 
 __all__ = ["per_member"]
+
+# What torch.func.vmap says of a function that reads tensor values: a Python branch on one
+# (``nn.GaussianNLLLoss`` checks ``var < 0``), ``.item()``, a boolean mask as an index.
+_READS_VALUES = ("data-dependent control flow", ".item()", "dynamic shape")
 
 
 def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -> Callable:
@@ -17,6 +22,11 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
     The ensemble's training loss is the *sum* of these: the gradient of the sum with respect
     to member ``i``'s parameters is exactly the gradient of member ``i``'s own loss, so every
     member trains as it would alone. A mean would scale each member's gradient by ``1/n``.
+
+    The loss runs under ``torch.func.vmap``. A loss that reads tensor values, which vmap
+    cannot batch (``nn.GaussianNLLLoss`` checks its variances with an ``if``; ``.item()``; a
+    boolean mask as an index), runs on each member's slice in turn instead: the same values
+    and gradients, one call per member.
 
     Args:
         loss_fn: ``(output, target) -> scalar``, e.g. ``nn.BCELoss()`` or a function.
@@ -34,4 +44,53 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
     """
     if not callable(loss_fn):
         raise TypeError(f"per_member: `loss_fn` must be callable, got {type(loss_fn).__name__}")
-    return vmap(loss_fn, in_dims=in_dims)
+    batched = vmap(loss_fn, in_dims=in_dims)
+
+    def loss(*args: Any, **kwargs: Any) -> torch.Tensor:
+        try:
+            return batched(*args, **kwargs)
+        except RuntimeError as err:
+            dims = _flat_dims(in_dims, len(args))
+            if not (str(err).startswith("vmap: ") and any(m in str(err) for m in _READS_VALUES)):
+                raise
+            if dims is None:  # nested in_dims: vmap's own error says what it could not do
+                raise
+            failed = err
+        values = _member_by_member(loss_fn, dims, args, kwargs)
+        if values is None:  # not a tensor (a Python float has no gradient): vmap's error
+            raise failed
+        return values
+
+    return loss
+
+
+def _flat_dims(in_dims: Any, count: int) -> list[int | None] | None:
+    """One member dim (or None) per positional argument; None for in_dims nested deeper."""
+    if in_dims is None or isinstance(in_dims, int):
+        return [in_dims] * count
+    flat = isinstance(in_dims, (tuple, list)) and len(in_dims) == count
+    return list(in_dims) if flat and all(d is None or isinstance(d, int) for d in in_dims) else None
+
+
+def _member_by_member(
+    loss_fn: Callable, dims: list[int | None], args: tuple, kwargs: dict
+) -> torch.Tensor | None:
+    """``loss_fn`` on member ``i``'s slice of every mapped argument, for each ``i``, stacked;
+    None if it returns anything but a tensor."""
+    sizes = {
+        leaf.shape[d]
+        for a, d in zip(args, dims)
+        if d is not None
+        for leaf in optree.tree_leaves(a)
+        if isinstance(leaf, torch.Tensor)
+    }
+    (n,) = sizes  # vmap checked the mapped sizes agree before it ran the loss
+
+    def member(i: int) -> list[Any]:
+        return [
+            a if d is None else optree.tree_map(lambda t, d=d: t.select(d, i), a)
+            for a, d in zip(args, dims)
+        ]
+
+    values = [loss_fn(*member(i), **kwargs) for i in range(n)]
+    return torch.stack(values) if all(isinstance(v, torch.Tensor) for v in values) else None

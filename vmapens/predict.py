@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import optree
@@ -69,8 +69,10 @@ def predict(
             ``TensorDataset(x)`` yields ``[x]``).
         reduce: one of ``REDUCTIONS``.
         batch_size: cut tensor ``data`` into batches of this many samples (``None``: one
-            batch). Samples are dim 0 of each input, or dim 1 for inputs mapped with
-            ``in_dims=0`` (one slice per member).
+            batch, the inputs as given, so an input may broadcast over the samples). Samples
+            are dim 0 of each input, or dim 1 for inputs mapped with ``in_dims=0`` (one slice
+            per member); the batches' outputs are joined along the samples, which must come
+            first in every output (``[n, samples, ...]``).
         in_dims: as in ``Ensemble.forward``: ``None`` (every member sees the same inputs),
             an int, or one entry per positional input.
         softmax: apply ``softmax`` over the last dim of each member's output first (members
@@ -83,10 +85,12 @@ def predict(
 
     Raises:
         ValueError: an unknown ``reduce``, bad ``batch_size``/``chunk_size``, per-member
-            inputs of the wrong size, data with no batches; ``entropy`` or
-            ``mutual_information`` of outputs that are not probabilities (logits without
-            ``softmax=True``).
-        TypeError: ``ens`` is not an Ensemble; a reduction of a non-tensor output.
+            inputs of the wrong size, inputs of different sample counts cut by
+            ``batch_size``, data with no batches, batches whose outputs do not have the
+            samples first; ``entropy`` or ``mutual_information`` of outputs that are not
+            probabilities (logits without ``softmax=True``).
+        TypeError: ``ens`` is not an Ensemble; ``data`` is a dict (pass ``[data]``); a
+            reduction of a non-tensor output.
 
     Example:
         >>> ens = Ensemble(lambda: torch.nn.Linear(4, 3), n=5, seed=0)
@@ -102,7 +106,13 @@ def predict(
     for name, value in (("batch_size", batch_size), ("chunk_size", chunk_size)):
         if value is not None:
             check_int(api, name, value, minimum=1)
+    if isinstance(data, Mapping):
+        raise TypeError(
+            f"{api}: `data` is a {type(data).__name__}, which would be iterated over its keys; "
+            "pass [data] for one batch whose input it is, or an iterable of such batches"
+        )
     outputs: list[Any] = []
+    samples: list[set[int]] = []
     chunks = ens.chunk_size
     if chunk_size is not None:
         ens.chunk_size = chunk_size
@@ -113,11 +123,15 @@ def predict(
                 if softmax:
                     out = optree.tree_map(lambda t: t.softmax(-1), out)
                 outputs.append(out if reduce == "none" else reduce_members(out, reduce))
+                samples.append(_samples(batch, in_dims))
     finally:
         ens.chunk_size = chunks
     if not outputs:
         raise ValueError(f"{api}: `data` yielded no batches")
+    if len(outputs) == 1:  # one batch: the outputs as they are, whatever their shapes
+        return outputs[0]
     dim = 1 if reduce == "none" else 0
+    _check_joinable(outputs, samples, dim, api)
     return optree.tree_map(lambda *ts: torch.cat(ts, dim=dim), outputs[0], *outputs[1:])
 
 
@@ -199,14 +213,63 @@ def _batches(data: Any, batch_size: int | None, in_dims: Any, api: str) -> Itera
                 f"{api}: `in_dims` must be None, an int, or a tuple with one entry per input "
                 f"({len(args)}), got {in_dims!r}"
             )
-        # Samples are dim 0 of what each member sees: dim 1 of an input mapped at dim 0.
-        axes = [1 if d == 0 else 0 for d in dims]
-        size = args[0].shape[axes[0]]
-        step = size if batch_size is None else batch_size
-        for start in range(0, size, max(step, 1)):
-            yield tuple(a.narrow(ax, start, min(step, size - start)) for a, ax in zip(args, axes))
+        if batch_size is None:  # one batch: the inputs as given (a broadcast one included)
+            yield args
+            return
+        axes = [_sample_axis(a, d) for a, d in zip(args, dims)]
+        sizes = [a.shape[ax] if a.dim() > ax else None for a, ax in zip(args, axes)]
+        size = sizes[0]
+        if size is None or any(s != size for s in sizes):
+            shapes = ", ".join(f"input {k}: {tuple(a.shape)}" for k, a in enumerate(args))
+            raise ValueError(
+                f"{api}: `batch_size` cuts every input of `data` along its samples (dim 0 of "
+                f"what a member sees), so they need as many samples each, got {shapes}; for "
+                "an input shared by every sample, pass batch_size=None or an iterable of "
+                "batches, e.g. [(x[i:i + b], z) for i in range(0, len(x), b)]"
+            )
+        # No samples: one empty batch, whose outputs have no samples either (as alone).
+        for start in range(0, max(size, 1), batch_size):
+            yield tuple(
+                a.narrow(ax, start, min(batch_size, size - start)) for a, ax in zip(args, axes)
+            )
         return
     if batch_size is not None:
         raise ValueError(f"{api}: `batch_size` cuts tensor `data`; an iterable is already batched")
     for batch in data:
         yield tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+
+
+def _sample_axis(t: Tensor, dim: Any) -> int:
+    """Samples are dim 0 of what each member sees: dim 1 of an input mapped at its dim 0."""
+    mapped = isinstance(dim, int) and t.dim() > 0 and dim % t.dim() == 0
+    return 1 if mapped else 0
+
+
+def _samples(batch: tuple, in_dims: Any) -> set[int]:
+    """The sample counts of a batch's inputs (dim 0 of what a member sees of each tensor)."""
+    dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(batch)
+    return {
+        leaf.shape[_sample_axis(leaf, dim)]
+        for arg, dim in zip(batch, dims)
+        for leaf in optree.tree_leaves(arg)
+        if isinstance(leaf, Tensor) and leaf.dim() > _sample_axis(leaf, dim)
+    }
+
+
+def _check_joinable(outputs: list[Any], samples: list[set[int]], dim: int, api: str) -> None:
+    """Batches are joined along the samples, ``dim`` of every output: an output whose samples
+    are elsewhere (an RNN's final hidden state, ``[layers, samples, ...]``) would be joined
+    along another dim, silently or with a shape error from ``torch.cat``."""
+    for k, (out, sizes) in enumerate(zip(outputs, samples)):
+        for leaf in optree.tree_leaves(out):
+            if (
+                sizes
+                and isinstance(leaf, Tensor)
+                and (leaf.dim() <= dim or leaf.shape[dim] not in sizes)
+            ):
+                raise ValueError(
+                    f"{api}: the batches' outputs are joined along the samples (dim {dim} of "
+                    f"each output), but batch {k} of {min(sizes)} samples gave an output of shape "
+                    f"{tuple(leaf.shape)}; for outputs whose samples are not first (an RNN's "
+                    "final hidden state), predict in one batch (batch_size=None)"
+                )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 
@@ -39,7 +41,7 @@ def polyak_(target: Ensemble, online: Ensemble, tau: float) -> None:
     Args:
         target: the ensemble updated in place (e.g. from :func:`make_target`).
         online: the ensemble it follows: same members, names and shapes.
-        tau: the step toward ``online``, in ``[0, 1]`` (``1.0``: a hard copy).
+        tau: the step toward ``online``, a real number in ``[0, 1]`` (``1.0``: a hard copy).
 
     Raises:
         TypeError: not Ensembles, or ``tau`` not a number.
@@ -58,8 +60,13 @@ def polyak_(target: Ensemble, online: Ensemble, tau: float) -> None:
     api = "polyak_"
     for name, ens in (("target", target), ("online", online)):
         check_ensemble(api, ens, name)
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)):
+    # A NumPy float32 or a 0-dim tensor is a number too, as torch's own lerp_ takes it.
+    real = isinstance(tau, numbers.Real) or (
+        isinstance(tau, Tensor) and tau.dim() == 0 and not tau.is_complex()
+    )
+    if isinstance(tau, bool) or not real:
         raise TypeError(f"{api}: `tau` must be a float, got {type(tau).__name__}")
+    tau = float(tau)
     if not 0.0 <= tau <= 1.0:
         raise ValueError(f"{api}: `tau` must be in [0, 1], got {tau}")
     ours, theirs = target.stacked_state(), online.stacked_state()
@@ -69,10 +76,12 @@ def polyak_(target: Ensemble, online: Ensemble, tau: float) -> None:
             f"{api}: `target` and `online` must hold the same tensors (names, shapes, dtypes)"
         )
     params = target.stacked_params()
-    names = [k for k in params if ours[k].is_floating_point()]
+    # Complex parameters move as real ones do; an integer "parameter" (requires_grad=False)
+    # cannot be interpolated and is copied.
+    names = [k for k in params if ours[k].is_floating_point() or ours[k].is_complex()]
     with torch.no_grad():
         if names:
-            torch._foreach_lerp_([ours[k] for k in names], [theirs[k] for k in names], float(tau))
+            torch._foreach_lerp_([ours[k] for k in names], [theirs[k] for k in names], tau)
         for k, t in ours.items():
             if k not in names:
                 t.copy_(theirs[k])
