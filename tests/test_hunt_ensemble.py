@@ -89,8 +89,8 @@ def test_old_style_norm_hooks_train_as_alone_and_members_come_back_after_a_forwa
 @pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 def test_old_style_weight_norm_trains_as_alone_compiled():
     """Under vmap the hook's tensor leaked out of the compiled step's graph (inductor: "Cannot
-    access storage of TensorWrapper"). Adam: the compiled SGD step computes weight norm's
-    ``v`` gradient from the updated ``v`` (parametrizations.weight_norm too; reported)."""
+    access storage of TensorWrapper"). (The compiled step's fused gradients read after the
+    update: tests/test_compiled_fusion.py.)"""
     ens = vmapens.Ensemble(_old_weight_norm, 2, seeds=[0, 1])
     alone = _alone(_old_weight_norm, range(2))
     batches = float64_batches(2, 4, 3, 1)

@@ -24,6 +24,7 @@ from ._step_parts import (
     distinct_grads,
     frozen_buffers,
     graph_hyperparameters,
+    materialized,
     optimizer_errors,
     shared_floats,
     trainable,
@@ -286,8 +287,11 @@ def _compiled_step(
         def body(state: dict, inputs: tuple, targets: torch.Tensor, mask: Any, scale: Any) -> Any:
             with update.autocast():
                 grads, losses = batched(state, inputs, targets, scale)
-            # Frozen parameters get no gradient (None), as with loss.backward().
-            ordered = [grads.get(name) for name in order]
+            # Frozen parameters get no gradient (None), as with loss.backward(). Every
+            # gradient is computed before the optimizer writes a parameter (materialized).
+            given = [name for name in order if grads.get(name) is not None]
+            done = dict(zip(given, materialized([grads[name] for name in given]), strict=True))
+            ordered = [done.get(name) for name in order]
             stepping, found_inf = update.gradients_([g for g in ordered if g is not None], mask)
             optimizer.apply_gradients(ordered, mask=stepping)
             if update.scale is not None:
