@@ -346,9 +346,14 @@ def vmapped(
         mapped = member if state else stateless
         if not state:  # a member without tensors (nn.Dropout): give vmap a dim to map
             state = {"": torch.empty(n, 0)}
+        # The chunked step (_chunks.py) hands over one chunk's rows at a time: that is one
+        # chunk, and torch.func's chunking would only add slices, their zero-filled backward
+        # copies and its slower path around it.
+        rows = next(iter(state.values())).shape[0]
+        size = None if chunk_size is not None and rows <= chunk_size else chunk_size
         uncache()  # another module's, cached under the id a member's module has now
         try:
-            return vmap_members(mapped, n, randomness, state, args, in_dims, chunk_size)
+            return vmap_members(mapped, rows, randomness, state, args, in_dims, size)
         finally:
             uncache()  # batched tensors, dead outside vmap
 
