@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
@@ -21,6 +22,7 @@ from ._checks import as_ids, index_rows
 from ._members import check_same, named_tensors, non_persistent_buffers, signature
 from ._padding import Padding
 from ._stacking import check_applied, hooks_of, recomputed, scrub_
+from ._unbatchable import SparseLayer, sparse_layers
 
 __all__ = ["StackedModule"]
 
@@ -35,6 +37,9 @@ class StackedModule(nn.Module):
     member_ids: Sequence[int]
     n_total: int
     _state_keys: dict[str, str]
+    #: The ``_metadata`` (each submodule's ``_version``) of the member's own state_dict.
+    _member_metadata: dict[str, Any] | None
+    _sparse: list[SparseLayer]
     _runner: nn.Module
     backend: str
     #: Where each member sits in storage padded to the largest member, or None when all
@@ -72,9 +77,10 @@ class StackedModule(nn.Module):
             self._padding.prepare(self.stacked_params())
         # Member state_dict key -> stacked name (tied weights map several keys to one name).
         meta_names = {id(t): name for name, t in named_tensors(self._template)}
-        self._state_keys = {
-            key: meta_names[id(t)] for key, t in self._template.state_dict(keep_vars=True).items()
-        }
+        own_sd = self._template.state_dict(keep_vars=True)
+        self._state_keys = {key: meta_names[id(t)] for key, t in own_sd.items()}
+        self._member_metadata = getattr(own_sd, "_metadata", None)
+        self.__dict__["_sparse"] = sparse_layers(self._template, self._runner)
         self.training = training  # the template keeps each submodule's own mode
         # What _follow_template syncs, paired once: it runs before every call of the members.
         padded = [] if self._padding is None else self._padding.templates
@@ -154,7 +160,8 @@ class StackedModule(nn.Module):
         return {**self.stacked_params(), **kept}
 
     def state_dicts(self) -> list[dict[str, torch.Tensor]]:
-        """One state_dict per member, each loadable with ``strict=True`` by the user's class.
+        """One state_dict per member, each loadable with ``strict=True`` by the user's class:
+        what ``ens[i].state_dict()`` gives (detached copies), ``_metadata`` included.
 
         Example:
             >>> from vmapens import Ensemble
@@ -163,19 +170,19 @@ class StackedModule(nn.Module):
             <All keys matched successfully>
         """
         persistent, padding = self._persistent(), self._padding
-        return [
-            {
-                key: (
-                    persistent[name][i]
-                    if padding is None
-                    else padding.take(name, persistent[name][i], i)
-                )
-                .detach()
-                .clone()
-                for key, name in self._state_keys.items()
-            }
-            for i in range(len(self))
-        ]
+        sds: list[dict[str, torch.Tensor]] = []
+        for i in range(len(self)):
+            # `module.state_dict()`'s type, with its `_metadata` (each submodule's `_version`):
+            # a module whose `_load_from_state_dict` migrates older versions (BatchNorm's
+            # num_batches_tracked) reads a state dict without it as version 1.
+            sd: OrderedDict[str, torch.Tensor] = OrderedDict()
+            for key, name in self._state_keys.items():
+                row = persistent[name][i]
+                sd[key] = (row if padding is None else padding.take(name, row, i)).detach().clone()
+            if self._member_metadata is not None:
+                sd._metadata = copy.deepcopy(self._member_metadata)  # type: ignore[attr-defined]
+            sds.append(sd)
+        return sds
 
     def select(self: _M, index: Any) -> _M:
         """A new Ensemble of the chosen members (copies; this one is unchanged).

@@ -19,7 +19,14 @@ from torch import nn
 from ._attention import batched_attention
 from ._fastcall import WRITTEN, Reassigned
 
-__all__ = ["explain_failure", "guarded", "refuse_template_hooks", "unchunked"]
+__all__ = [
+    "explain_failure",
+    "follow_sparse",
+    "guarded",
+    "refuse_template_hooks",
+    "sparse_layers",
+    "unchunked",
+]
 
 # Substrings of torch.func errors that mean "this forward cannot be batched", as opposed to
 # an ordinary bug in the user's forward that would fail for a single model too.
@@ -40,7 +47,9 @@ _CHECKPOINT = os.path.normcase(os.path.join("torch", "utils", "checkpoint.py"))
 _AUTOGRAD = os.path.normcase(os.path.join("torch", "autograd", "__init__.py"))
 
 
-def explain_failure(api: str, name: str, backend: str, err: BaseException) -> Exception | None:
+def explain_failure(
+    api: str, name: str, backend: str, err: BaseException, *, loss: bool = False
+) -> Exception | None:
     """What went wrong in a member's forward or backward, and the way out; None if unknown.
 
     Activation checkpointing and ``torch.autograd.grad`` inside the forward are recognised by
@@ -52,6 +61,8 @@ def explain_failure(api: str, name: str, backend: str, err: BaseException) -> Ex
         name: the member's class name.
         backend: the ensemble's backend.
         err: what the member map raised.
+        loss: the member map ran ``loss_fn`` too (``make_step``, ``check``): a loss that
+            branches on values (``nn.GaussianNLLLoss``) is what vmap cannot batch as often.
 
     Returns:
         The error to raise instead (chain ``err`` to it), or None for an ordinary failure.
@@ -104,10 +115,12 @@ def explain_failure(api: str, name: str, backend: str, err: BaseException) -> Ex
             f"({err})"
         )
     if backend == "vmap" and any(m in str(err) for m in _UNBATCHABLE):
+        what = f"`loss_fn` or the forward of {name}" if loss else f"the forward of {name}"
+        also = " (a loss that branches on values, such as nn.GaussianNLLLoss, needs it too)"
         return RuntimeError(
-            f"{api}: the forward of {name} cannot be batched with torch.func.vmap ({err}). "
-            "Build the ensemble with backend='loop' to run the members one after another on "
-            "the same stacked storage."
+            f"{api}: {what} cannot be batched with torch.func.vmap ({err}). Build the ensemble "
+            "with backend='loop' to run the members one after another on the same stacked "
+            f"storage{also if loss else ''}."
         )
     return None
 
@@ -140,6 +153,51 @@ def refuse_template_hooks(template: nn.Module, runner: nn.Module) -> None:
             )
 
 
+#: A layer whose ``sparse`` flag gives its weight a sparse gradient (``nn.Embedding``,
+#: ``nn.EmbeddingBag``): its name, its module in the template (the flag the user sets, the
+#: weight's grad flag) and in the runner.
+SparseLayer = tuple[str, nn.Module, nn.Module]
+
+
+def sparse_layers(template: nn.Module, runner: nn.Module) -> list[SparseLayer]:
+    """The layers ``follow_sparse`` watches, found once when the storage is adopted: an
+    ensemble without them pays one empty-list test per call. Only torch's own layers: a
+    ``sparse`` attribute of another module may mean anything."""
+    twins = dict(runner.named_modules())
+    return [
+        (name, m, twins[name])
+        for name, m in template.named_modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and name in twins
+    ]
+
+
+def follow_sparse(api: str, layers: Sequence[SparseLayer], grad: bool) -> None:
+    """The runner's layers take the template's ``sparse`` flag (set after building too); with
+    ``grad`` (a backward may follow), a trained one with ``sparse=True`` is refused.
+
+    Alone, ``nn.Embedding(sparse=True)`` gives its weight a sparse gradient; neither backend
+    computes one for stacked members, and autograd fails in the backward with a message about
+    something else (after a forward that moved BatchNorm statistics). The template's grad
+    flags must be current (``StackedModule._follow_template``).
+
+    Raises:
+        ValueError: naming the layer and the way out.
+    """
+    for name, module, twin in layers:
+        if twin.sparse is not module.sparse:
+            twin.sparse = module.sparse
+        weight = getattr(module, "weight", None)
+        if grad and module.sparse and isinstance(weight, torch.Tensor) and weight.requires_grad:
+            where = f"`{name}`" if name else "the member"
+            raise ValueError(
+                f"{api}: {where} ({type(module).__name__}) is built with sparse=True: its "
+                "gradient would be a sparse tensor, which neither backend computes for stacked "
+                "members; build it with sparse=False (the same values, a dense gradient; "
+                f"`ens.template{'.' + name if name else ''}.sparse = False` switches every "
+                "member), freeze its weight, or run it under torch.no_grad(). Nothing was changed"
+            )
+
+
 def unchunked(runner: nn.Module) -> nn.Module:
     """``runner`` with every ``nn.LinearCrossEntropyLoss`` on its reference path (in place).
 
@@ -156,9 +214,11 @@ def unchunked(runner: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def guarded(buffers: Sequence[torch.Tensor], api: str, name: str, backend: str) -> Iterator[None]:
-    """``Ensemble.guard``: buffers given back on any exception, errors explained, batched
-    attention on (see there)."""
+def guarded(
+    buffers: Sequence[torch.Tensor], api: str, name: str, backend: str, loss: bool = False
+) -> Iterator[None]:
+    """``Ensemble.guard``: buffers given back on any exception, errors explained (``loss``: as
+    in ``explain_failure``), batched attention on (see there)."""
     saved = [b.clone() for b in buffers]
     try:
         with batched_attention():
@@ -169,7 +229,7 @@ def guarded(buffers: Sequence[torch.Tensor], api: str, name: str, backend: str) 
                 b.copy_(s)
         if not isinstance(err, Exception):
             raise
-        explained = explain_failure(api, name, backend, err)
+        explained = explain_failure(api, name, backend, err, loss=loss)
         if explained is not None:
             raise explained from err
         if type(err) is RuntimeError and ":" not in str(err).split(" ", 1)[0]:

@@ -27,7 +27,7 @@ from ._stacking import (
     stack_sizes,
 )
 from ._storage import StackedModule
-from ._unbatchable import guarded, refuse_template_hooks, unchunked
+from ._unbatchable import follow_sparse, guarded, refuse_template_hooks, unchunked
 from .seeds import check_seeds
 
 __all__ = ["Ensemble", "check_ensemble"]
@@ -337,7 +337,7 @@ class Ensemble(StackedModule):
         return vmapped(len(self), self.randomness, self.chunk_size, fn, in_dims)
 
     @contextlib.contextmanager
-    def guard(self, api: str = "Ensemble") -> Iterator[None]:
+    def guard(self, api: str = "Ensemble", *, loss: bool = False) -> Iterator[None]:
         """Around a call of the members: what every call of ``_member_map`` runs inside.
 
         * vmap can fail after BatchNorm has updated some members' statistics: the buffers
@@ -348,11 +348,15 @@ class Ensemble(StackedModule):
           loop, and the eval-mode fast path that vmap cannot batch is off
           (``vmapens._attention.batched_attention``). A compiled step enters this outside
           its graph.
+        * With grad on, a trained ``sparse=True`` layer is refused first (``follow_sparse``).
+        * ``loss``: the call runs ``loss_fn`` too (errors name it).
         """
         self._follow_template()
+        if self._sparse:
+            follow_sparse(api, self._sparse, torch.is_grad_enabled())
         buffers = list(self.stacked_buffers().values())
         try:
-            with guarded(buffers, api, type(self._template).__name__, self.backend):
+            with guarded(buffers, api, type(self._template).__name__, self.backend, loss):
                 yield
         finally:  # weight_norm's tensor, set by its hook: one member's, with its graph
             for m, name, meta in self._followers[2]:

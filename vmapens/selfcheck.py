@@ -26,7 +26,7 @@ from ._fastcall import call_member
 from ._locate import first_padded_difference
 from ._members import named_tensors
 from ._padding import masked
-from ._unbatchable import explain_failure
+from ._unbatchable import explain_failure, follow_sparse
 from .ensemble import Ensemble, check_ensemble
 
 __all__ = [
@@ -54,16 +54,8 @@ def check_step_arguments(api: str, ens: Any, loss_fn: Any, in_dims: Any) -> None
         raise ValueError(f"{api}: `in_dims` must be None or 0, got {in_dims!r}")
     if not callable(loss_fn):
         raise TypeError(f"{api}: `loss_fn` must be callable, got {type(loss_fn).__name__}")
-    params = ens.stacked_params()
-    for name, module in ens.template.named_modules():
-        weight = params.get(f"{name}.weight" if name else "weight")
-        if getattr(module, "sparse", False) is True and weight is not None and weight.requires_grad:
-            raise ValueError(
-                f"{api}: {f'`{name}`' if name else 'the member'} ({type(module).__name__}) is "
-                "built with sparse=True: its gradient would be a sparse tensor, which neither "
-                "backend computes for stacked members; build it with sparse=False (the same "
-                "values, a dense gradient)"
-            )
+    ens._follow_template()  # the grad flags follow_sparse reads
+    follow_sparse(api, ens._sparse, True)
 
 
 def check(
@@ -289,7 +281,7 @@ def _compare(
     try:
         together = _together(sub, member, loss_fn, args, targets, in_dims, autocast)
     except Exception as err:
-        explained = explain_failure(api, name, sub.backend, err)
+        explained = explain_failure(api, name, sub.backend, err, loss=True)
         if explained is not None:
             raise explained from err
         raise RuntimeError(

@@ -152,7 +152,7 @@ def make_step(
         old_grads = [p.grad for p in every]
         undo = undo_point(ens, optimizer)
         try:
-            with ens.guard("step"), frozen_buffers(ens, mask):
+            with ens.guard("step", loss=True), frozen_buffers(ens, mask):
                 scale = None if update.scale is None else update.scale.scale
                 # chunk_size: forward and backward one chunk of members at a time (one chunk's
                 # activations alive), where vmap's chunking keeps all until the backward.
@@ -355,7 +355,7 @@ def _compiled_step(
         if every[0].device.type == "cuda":  # moved there after make_step, too
             _static_addresses(ens, optimizer)
         # Gradients come from torch.func inside the graph: no autograd graph around it.
-        with torch.no_grad(), ens.guard("step"), frozen_buffers(ens, mask):
+        with torch.no_grad(), ens.guard("step", loss=True), frozen_buffers(ens, mask):
             scale = None if update.scale is None else update.scale.scale
             hyper = graph_hyperparameters(optimizer, made) if tensors else contextlib.nullcontext()
             with hyper:
