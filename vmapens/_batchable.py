@@ -12,6 +12,8 @@ batches and ``torch.compile(fullgraph=True)`` traces:
 * ``nn.BatchNorm1d/2d/3d`` with ``momentum=None`` (a cumulative average of the batch
   statistics): torch turns ``num_batches_tracked`` into a Python float for its factor, which
   ``vmap`` cannot do (``.item()``); the twin keeps the factor a tensor, one per member.
+* ``nn.Dropout`` on CPU: alone it draws a non-contiguous input's mask in memory order,
+  under ``vmap`` in logical order; the twin draws in memory order under both.
 """
 
 from __future__ import annotations
@@ -33,16 +35,6 @@ from ._recurrent import (
 )
 
 __all__ = ["batchable"]
-
-_BATCHABLE: dict[type, type] = {
-    nn.RNN: BatchableRNN,
-    nn.GRU: BatchableGRU,
-    nn.LSTM: BatchableLSTM,
-    nn.RNNCell: BatchableRNNCell,
-    nn.GRUCell: BatchableGRUCell,
-    nn.LSTMCell: BatchableLSTMCell,
-    nn.MultiheadAttention: BatchableMultiheadAttention,
-}
 
 
 def _cumulative_batch_norm(bn: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor:
@@ -96,6 +88,47 @@ class BatchableBatchNorm3d(nn.BatchNorm3d):
         return super().forward(input)
 
 
+def _memory_order(t: Tensor) -> list[int] | None:
+    """The dims of ``t`` from the slowest to the fastest in memory, or None where ``t`` is
+    contiguous already or not dense (``empty_like`` then lays out no copy of ``t``)."""
+    if t.is_contiguous():
+        return None
+    order = [d for *_, d in sorted((-t.stride(d), -t.size(d), d) for d in range(t.dim()))]
+    return order if t.permute(order).is_contiguous() else None
+
+
+class BatchableDropout(nn.Dropout):
+    """``nn.Dropout`` that draws its mask in the input's memory order under ``vmap`` too.
+
+    Alone, torch's CPU dropout draws into ``empty_like(input)``, which keeps the input's
+    strides: a transposed input (``nn.GRU(batch_first=True)``'s output, ``nn.MultiheadAttention
+    (batch_first=True)``'s) gets its random numbers in memory order. Under ``vmap`` dropout
+    runs ``native_dropout``, which draws into a contiguous mask, in logical order: another
+    mask than the member's own. Permuting the input to its memory order first makes the two
+    orders one; on a contiguous input this is torch's forward.
+    """
+
+    def forward(self, input: Tensor) -> Tensor:
+        # CUDA's dropout alone draws into a contiguous mask too (its fused native_dropout).
+        drawn = self.training and self.p > 0 and input.device.type == "cpu"
+        order = _memory_order(input) if drawn else None
+        if order is None:
+            return super().forward(input)
+        dropped = F.dropout(input.permute(order), self.p, True, self.inplace)
+        return dropped.permute([order.index(d) for d in range(len(order))])
+
+
+_BATCHABLE: dict[type, type] = {
+    nn.RNN: BatchableRNN,
+    nn.GRU: BatchableGRU,
+    nn.LSTM: BatchableLSTM,
+    nn.RNNCell: BatchableRNNCell,
+    nn.GRUCell: BatchableGRUCell,
+    nn.LSTMCell: BatchableLSTMCell,
+    nn.MultiheadAttention: BatchableMultiheadAttention,
+    nn.Dropout: BatchableDropout,
+}
+
 #: Layers re-classed only with ``momentum=None``: the others batch as they are.
 _CUMULATIVE: dict[type, type] = {
     nn.BatchNorm1d: BatchableBatchNorm1d,
@@ -108,8 +141,8 @@ def batchable(module: nn.Module) -> nn.Module:
     """A deep copy of ``module`` whose recurrent and attention layers ``vmap`` batches well.
 
     Every submodule (the root included) whose type is exactly ``nn.RNN``, ``nn.GRU``,
-    ``nn.LSTM``, ``nn.RNNCell``, ``nn.GRUCell``, ``nn.LSTMCell`` or
-    ``nn.MultiheadAttention`` is re-classed to the matching ``Batchable*`` class: same
+    ``nn.LSTM``, ``nn.RNNCell``, ``nn.GRUCell``, ``nn.LSTMCell``, ``nn.MultiheadAttention``
+    or ``nn.Dropout`` is re-classed to the matching ``Batchable*`` class: same
     attributes, parameter names and ``state_dict`` keys, same maths. The recurrent twins
     support all flags (layers, bidirectional, batch_first, bias, dropout, nonlinearity,
     proj_size, unbatched input, given states); the attention twin takes its own path for

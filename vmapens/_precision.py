@@ -19,12 +19,19 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ._checks import column
 
-__all__ = ["POLICIES", "LossScale", "MemberAutocast", "active_autocast", "autocast_members"]
+__all__ = [
+    "POLICIES",
+    "LossScale",
+    "MemberAutocast",
+    "active_autocast",
+    "autocast_members",
+    "member_autocast",
+]
 
 _CONV = {"conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d"}
 _CONV |= {"conv_transpose3d", "convolution", "_convolution", "prelu"}
@@ -270,6 +277,20 @@ class MemberAutocast(TorchFunctionMode):
             with self:
                 return _redispatch(func, types, *inputs)
         return func(*inputs[0], **inputs[1])
+
+
+def member_autocast(t: torch.Tensor) -> torch.dtype | None:
+    """The low dtype an active :class:`MemberAutocast` computes ``t``'s ops in, or None.
+
+    None outside the ensemble's calls, for a tensor autocast leaves alone (float64, another
+    device), and while dynamo traces (it cannot read the mode stack).
+    """
+    if torch.compiler.is_compiling():
+        return None
+    for mode in _get_current_function_mode_stack():
+        if isinstance(mode, MemberAutocast) and mode._eligible(t):
+            return mode.dtype
+    return None
 
 
 class LossScale:

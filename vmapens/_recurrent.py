@@ -11,11 +11,15 @@ layer (no ``proj_size``) runs its whole recurrence as one autograd node instead
 shapes and ``state_dict`` keys stay the original ones, so
 ``functional_call(batchable(m), m.state_dict(), ...)`` works.
 
-This file imports only torch and its two helpers: it sits at the bottom of the package.
+This file imports only torch, its two helpers and ``_precision`` (to say when autocast makes
+members inexact): it sits near the bottom of the package.
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
+from types import FrameType
 from typing import Any
 
 import torch
@@ -24,6 +28,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from ._lstm_fused import fused_direction
+from ._precision import member_autocast
 from ._recurrent_steps import gru_step, lstm_step, lstm_weights, project, rnn_step
 
 __all__ = [
@@ -42,6 +47,39 @@ _PACKED = (
 )
 
 
+def _warn_if_autocast(layer: nn.Module, input: Tensor) -> None:
+    """Warn, once per call site, that under autocast ``layer`` is not what the member runs alone.
+
+    Alone under CPU autocast torch's recurrent kernels cast inside themselves (``nn.LSTM``
+    runs oneDNN's bf16 layer and returns bfloat16); the twin's ops get autocast's policy one
+    by one and round elsewhere: up to ~1% relative, beyond what docs/semantics.md promises.
+    """
+    dtype = member_autocast(input)
+    if dtype is None:
+        return
+    name = "nn." + type(layer).__name__.removeprefix("Batchable")
+    warnings.warn(
+        f"Ensemble: {name} members under autocast ({dtype}) are not exact: the ensemble runs "
+        f"a batchable twin of {name} that rounds elsewhere than torch's own {name} kernel "
+        "(outputs and gradients up to ~1% relative off; alone nn.LSTM returns the low dtype, "
+        "the twin float32). Build the ensemble with "
+        "backend='loop' (members run alone: exact), or train without autocast/precision",
+        UserWarning,
+        stacklevel=_caller_level(),
+    )
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of whoever called the layer: past this file and ``nn.Module``'s
+    call wrappers (one more frame when the module has hooks)."""
+    skip = (__file__, nn.modules.module.__file__)
+    level = 1  # counted from _warn_if_autocast, which passes the result on
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in skip:
+        level, frame = level + 1, frame.f_back
+    return level
+
+
 class _Recurrent(nn.RNNBase):
     """The shared ``forward`` of the three full-sequence layers, dispatched on ``self.mode``.
 
@@ -55,6 +93,7 @@ class _Recurrent(nn.RNNBase):
         api = type(self).__name__
         if isinstance(input, PackedSequence):
             raise TypeError(_PACKED)
+        _warn_if_autocast(self, input)
         if input.dim() not in (2, 3):
             raise ValueError(
                 f"{api}: `input` must be 2-D (unbatched) or 3-D (batched), got {input.dim()}-D"
@@ -66,10 +105,13 @@ class _Recurrent(nn.RNNBase):
             )
         lstm = self.mode == "LSTM"
         batched = input.dim() == 3
-        x = input if batched else input.unsqueeze(1)
-        time_dim = 1 if batched and self.batch_first else 0
+        batch_first = batched and self.batch_first
+        # Time first inside, as torch's kernels: a batch_first output is then a transposed
+        # view with torch's strides, and a Dropout after the layer, which draws its mask in
+        # memory order, draws the member's own mask (docs/semantics.md, "Randomness").
+        x = input.transpose(0, 1) if batch_first else input if batched else input.unsqueeze(1)
         directions = 2 if self.bidirectional else 1
-        h0, c0 = self._initial(hx, x.size(1 - time_dim), batched, directions, x)
+        h0, c0 = self._initial(hx, x.size(1), batched, directions, x)
 
         h_n: list[Tensor] = []
         c_n: list[Tensor] = []
@@ -80,9 +122,7 @@ class _Recurrent(nn.RNNBase):
             outs = []
             for direction in range(directions):
                 k = layer * directions + direction
-                out, h, c = self._direction(
-                    x, h0[k], c0[k] if lstm else None, layer, direction, time_dim
-                )
+                out, h, c = self._direction(x, h0[k], c0[k] if lstm else None, layer, direction)
                 outs.append(out)
                 h_n.append(h)
                 if c is not None:
@@ -91,6 +131,8 @@ class _Recurrent(nn.RNNBase):
 
         h_last = torch.stack(h_n)
         c_last = torch.stack(c_n) if lstm else h_last
+        if batch_first:
+            x = x.transpose(0, 1)
         if not batched:
             x, h_last, c_last = x.squeeze(1), h_last.squeeze(1), c_last.squeeze(1)
         return x, ((h_last, c_last) if lstm else h_last)
@@ -135,9 +177,8 @@ class _Recurrent(nn.RNNBase):
         c: Tensor | None,
         layer: int,
         direction: int,
-        time_dim: int,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Run one layer in one direction: ``(output over time, last h, last c)``."""
+        """Run one layer in one direction on time-first ``x``: ``(output, last h, last c)``."""
         suffix = f"_l{layer}_reverse" if direction else f"_l{layer}"
         # getattr at call time: functional_call swaps these attributes, not _flat_weights.
         w_ih = getattr(self, "weight_ih" + suffix)
@@ -158,32 +199,29 @@ class _Recurrent(nn.RNNBase):
             gi_rz, gi_n = (
                 F.linear(x, w, b) for w, b in zip(w_ih.split(sizes), biases, strict=True)
             )
-            pairs = list(zip(gi_rz.unbind(time_dim), gi_n.unbind(time_dim)))
+            pairs = list(zip(gi_rz.unbind(0), gi_n.unbind(0)))
             for gi_rz_t, gi_n_t in pairs[::-1] if direction else pairs:
                 h = gru_step(gi_rz_t, gi_n_t, h, w_hh_t, b_hh)
                 outs.append(h)
         elif c is not None:  # LSTM, the one mode with a cell state
             w_hr_t = getattr(self, "weight_hr" + suffix).t() if self.proj_size > 0 else None
             if w_hr_t is None:
-                # Time first inside; a batch_first output is a transposed view, as torch's.
-                x_t = x.transpose(0, time_dim)
-                fused = fused_direction(x_t, w_ih, b_ih, w_hh_t, h, c, bool(direction))
+                fused = fused_direction(x, w_ih, b_ih, w_hh_t, h, c, bool(direction))
                 if fused is not None:
-                    out, h, c = fused
-                    return out.transpose(0, time_dim), h, c
-            steps = _projected_steps(x, w_ih, b_ih, b_hh, time_dim)
+                    return fused
+            steps = _projected_steps(x, w_ih, b_ih, b_hh)
             for gi_t in steps[::-1] if direction else steps:
                 h, c = lstm_step(gi_t, h, c, w_hh_t, w_hr_t)
                 outs.append(h)
         else:
             relu = self.mode == "RNN_RELU"
-            steps = project(x, w_ih, b_ih, b_hh, gru=False).unbind(time_dim)
+            steps = project(x, w_ih, b_ih, b_hh, gru=False).unbind(0)
             for gi_t in steps[::-1] if direction else steps:
                 h = rnn_step(gi_t, h, w_hh_t, relu)
                 outs.append(h)
         if direction:
             outs.reverse()
-        return torch.stack(outs, time_dim), h, c
+        return torch.stack(outs), h, c
 
 
 #: Time steps per input projection in a compiled LSTM step (docs/performance.md, "LSTM: the
@@ -192,9 +230,9 @@ COMPILED_PROJECTION_STEPS = 5
 
 
 def _projected_steps(
-    x: Tensor, w_ih: Tensor, b_ih: Tensor | None, b_hh: Tensor | None, time_dim: int
+    x: Tensor, w_ih: Tensor, b_ih: Tensor | None, b_hh: Tensor | None
 ) -> tuple[Tensor, ...]:
-    """Every time step's input projection, one per step.
+    """Every time step's input projection, one per step (``x`` time first).
 
     Eager: one matmul over the whole sequence. Compiled: one per
     ``COMPILED_PROJECTION_STEPS`` time steps (the same products, each summed over the same
@@ -202,11 +240,11 @@ def _projected_steps(
     of one of every step's gates (5 MB for 16 members of the benchmark's LSTM), 0.86-0.93x
     its time on three sizes; eager it took 1.09x, one call per chunk.
     """
-    chunk = COMPILED_PROJECTION_STEPS if torch.compiler.is_compiling() else x.size(time_dim)
+    chunk = COMPILED_PROJECTION_STEPS if torch.compiler.is_compiling() else x.size(0)
     return tuple(
         step
-        for part in x.split(chunk, time_dim)
-        for step in project(part, w_ih, b_ih, b_hh, gru=False).unbind(time_dim)
+        for part in x.split(chunk)
+        for step in project(part, w_ih, b_ih, b_hh, gru=False).unbind(0)
     )
 
 
@@ -304,6 +342,7 @@ class BatchableRNNCell(nn.RNNCell):
     """
 
     def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
+        _warn_if_autocast(self, input)
         x, batched = _cell_inputs(self, input, hx)
         h = _cell_state(hx, x, self.hidden_size, batched)
         gi = project(x, self.weight_ih, self.bias_ih, self.bias_hh, gru=False)
@@ -321,6 +360,7 @@ class BatchableGRUCell(nn.GRUCell):
     """
 
     def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
+        _warn_if_autocast(self, input)
         x, batched = _cell_inputs(self, input, hx)
         h = _cell_state(hx, x, self.hidden_size, batched)
         gi = project(x, self.weight_ih, self.bias_ih, self.bias_hh, gru=True)
@@ -346,6 +386,7 @@ class BatchableLSTMCell(nn.LSTMCell):
             raise TypeError(
                 f"BatchableLSTMCell: `hx` must be a tuple (h_0, c_0), got {type(hx).__name__}"
             )
+        _warn_if_autocast(self, input)
         x, batched = _cell_inputs(self, input, None if hx is None else hx[0])
         h = _cell_state(None if hx is None else hx[0], x, self.hidden_size, batched)
         c = _cell_state(None if hx is None else hx[1], x, self.hidden_size, batched)
