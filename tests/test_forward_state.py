@@ -194,7 +194,7 @@ def test_what_the_storage_cannot_hold_is_refused(how, pattern, backend):
     _refused(lambda: ens(x), "Ensemble", pattern, ens)
     for check in (True, False):  # the self-check's words, then the step's own
         step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedSGD(ens, lr=0.1), check=check)
-        _refused(lambda: step(x, y), "step", pattern, ens)
+        _refused(lambda step=step: step(x, y), "step", pattern, ens)
 
 
 @pytest.mark.parametrize("check", [True, False], ids=["probe", "step"])
