@@ -32,7 +32,6 @@ __all__ = [
     "distinct_grads",
     "frozen_buffers",
     "graph_hyperparameters",
-    "materialized",
     "optimizer_errors",
     "shared_floats",
     "trainable",
@@ -192,26 +191,6 @@ def distinct_grads(grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | 
             seen.add(id(g))
         out.append(g)
     return out
-
-
-@torch.library.custom_op("vmapens::materialized", mutates_args=())
-def materialized(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of ``tensors``, made by a kernel inductor cannot fuse into others.
-
-    The compiled step computes the gradients, then updates the parameters in place with
-    foreach ops. Inductor fuses a gradient's last pointwise or reduction into the foreach
-    kernel that writes the parameters, and that kernel can write one parameter before it
-    reads it for another's gradient (``a * b``: b's gradient reads a; weight norm's ``g``
-    reads ``v``): every member then steps from wrong gradients, silently (torch 2.13; the
-    eager step is exact). Between the two, this opaque op has every gradient computed before
-    any parameter is written.
-    """
-    return [t.clone() for t in tensors]
-
-
-@materialized.register_fake
-def _(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [torch.empty_like(t) for t in tensors]
 
 
 def _overlaps(t: torch.Tensor) -> bool:

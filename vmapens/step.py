@@ -24,7 +24,6 @@ from ._step_parts import (
     distinct_grads,
     frozen_buffers,
     graph_hyperparameters,
-    materialized,
     optimizer_errors,
     shared_floats,
     trainable,
@@ -287,16 +286,18 @@ def _compiled_step(
         def body(state: dict, inputs: tuple, targets: torch.Tensor, mask: Any, scale: Any) -> Any:
             with update.autocast():
                 grads, losses = batched(state, inputs, targets, scale)
-            # Frozen parameters get no gradient (None), as with loss.backward(). Every
-            # gradient is computed before the optimizer writes a parameter (materialized).
-            given = [name for name in order if grads.get(name) is not None]
-            done = dict(zip(given, materialized([grads[name] for name in given]), strict=True))
-            ordered = [done.get(name) for name in order]
+            # Frozen parameters get no gradient (None), as with loss.backward().
+            ordered = [grads.get(name) for name in order]
             stepping, found_inf = update.gradients_([g for g in ordered if g is not None], mask)
             optimizer.apply_gradients(ordered, mask=stepping)
             if update.scale is not None:
                 update.scale.update_(found_inf, mask)
-            return losses
+            # The gradients are outputs, so inductor computes each into a buffer of its own,
+            # ordered before the parameter writes that follow its reads. Otherwise it inlines a
+            # gradient that reads another parameter (a * b: b's reads a; weight norm's g reads
+            # v) into the foreach kernel that writes the parameters, which can write that
+            # parameter first (torch 2.13): members stepped from wrong gradients, silently.
+            return losses, [g for g in ordered if g is not None]
 
         # dynamic=False: shapes are fixed per ensemble, and functorch's grad cannot trace
         # symbolic sizes. _own_code: dynamo caches compiled graphs on the code object, so every
@@ -359,7 +360,7 @@ def _compiled_step(
             scale = None if update.scale is None else update.scale.scale
             hyper = graph_hyperparameters(optimizer, made) if tensors else contextlib.nullcontext()
             with hyper:
-                losses = graphs[now](ens.stacked_state(), args, targets, mask, scale)
+                losses, _ = graphs[now](ens.stacked_state(), args, targets, mask, scale)
         # It stepped the optimizer without opt.step(): say so to torch's LR schedulers, as the
         # wrapper they put on opt.step does (else: "lr_scheduler.step() before optimizer.step()").
         optimizer._opt_called = True  # type: ignore[attr-defined]
