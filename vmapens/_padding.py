@@ -43,10 +43,15 @@ SIZES: dict[type, tuple[str, ...]] = {
     nn.Conv1d: ("in_channels", "out_channels"),
     nn.Conv2d: ("in_channels", "out_channels"),
     nn.Conv3d: ("in_channels", "out_channels"),
+    # weight [in, out, *kernel]: a corner as well; groups are refused in check_pair.
+    nn.ConvTranspose1d: ("in_channels", "out_channels"),
+    nn.ConvTranspose2d: ("in_channels", "out_channels"),
+    nn.ConvTranspose3d: ("in_channels", "out_channels"),
     nn.BatchNorm1d: ("num_features",),
     nn.BatchNorm2d: ("num_features",),
     nn.BatchNorm3d: ("num_features",),
     nn.Embedding: ("embedding_dim",),
+    nn.EmbeddingBag: ("embedding_dim",),  # sums, means or maxes over a bag, never over dims
     nn.RNNBase: ("input_size", "hidden_size"),
     nn.RNNCellBase: ("input_size", "hidden_size"),
 }
@@ -80,7 +85,8 @@ def gates_of(module: nn.Module) -> dict[str, int]:
     found = {}
     for prefix, sub in module.named_modules():
         count = _GATES.get(sub.mode, 1) if isinstance(sub, nn.RNNBase) else 1
-        count = _CELL_GATES.get(type(sub), count)
+        # isinstance, not type(): a subclass of nn.GRUCell stacks its gates the same way.
+        count = next((c for cls, c in _CELL_GATES.items() if isinstance(sub, cls)), count)
         if count == 1:  # a plain RNN's single block is a corner like any other
             continue
         for name, _ in sub.named_parameters(recurse=False):
@@ -104,8 +110,8 @@ def check_pair(
     Both must have the same submodules by name and class, and equal settings (a dropout
     rate, an activation, ``eps``: one forward runs every member with ``template``'s). With
     ``padded``, the sizes the padding covers may differ (``SIZES``; an int attribute of your
-    own module classes, such as a ``hidden`` width, too: the self-check confirms it on the
-    first step).
+    own module classes, such as a ``hidden`` width, or a tuple of them, too: the self-check
+    confirms it on the first step).
 
     Example:
         >>> check_pair("Ensemble", nn.Linear(3, 8), nn.Linear(3, 4), 1)
@@ -140,13 +146,19 @@ def check_pair(
             if _same(a, b):
                 continue
             where = f"`{path}` ({type(ref).__name__})" if path else type(ref).__name__
+            if padded and _hook_tensor(ref, key):  # torch.nn.utils.weight_norm and the like
+                raise ValueError(
+                    f"{api}: members {i} and 0 cannot be padded to one size: {where} computes "
+                    f"`{key}` from padded tensors in a forward pre-hook (a norm over padded "
+                    "zeros divides by zero); give every member the same size there"
+                )
             for (cls, attr), reason in REFUSED.items():
                 if isinstance(ref, cls) and attr == key:
                     raise ValueError(
                         f"{api}: members {i} and 0 cannot be padded to one size: "
                         f"{where} {reason} ({key} {b} vs {a}); give every member the same {key}"
                     )
-            sized = padded and (key in allowed or (not torch_layer and _is_int(a) and _is_int(b)))
+            sized = padded and (key in allowed or (not torch_layer and _sizes_alike(a, b)))
             if not sized:
                 raise ValueError(
                     f"{api}: member {i} differs from member 0 at {where}: `{key}` is "
@@ -161,6 +173,14 @@ def check_pair(
                         f"with {key}={getattr(ref, key)} lays the hidden units out in blocks "
                         "the padding does not follow; give every member the same hidden_size"
                     )
+        renorms = isinstance(ref, (nn.Embedding, nn.EmbeddingBag)) and ref.max_norm is not None
+        if renorms and _size_differs(ref, other, ("embedding_dim",)):
+            raise ValueError(
+                f"{api}: member {i} cannot be padded: `{path}` ({type(ref).__name__}) with max_norm="
+                f"{ref.max_norm} renormalises its weight in place in the forward, which a "
+                "padded member does to a masked copy, not to its weight; give every member "
+                "the same embedding_dim"
+            )
         conv = isinstance(ref, nn.modules.conv._ConvNd)
         if conv and ref.groups != 1 and _size_differs(ref, other, ("in_channels", "out_channels")):
             raise ValueError(
@@ -193,8 +213,25 @@ def _same(a: Any, b: Any) -> bool:
         return True
 
 
+def _hook_tensor(module: nn.Module, key: str) -> bool:
+    """Whether a forward pre-hook of ``module`` sets its attribute ``key`` before every call
+    (``weight_norm``, ``spectral_norm``), as ``_members.own_settings`` finds them."""
+    hooks = module._forward_pre_hooks.values()
+    return any(key in (getattr(h, "name", 0), getattr(h, "_tensor_name", 0)) for h in hooks)
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _sizes_alike(a: Any, b: Any) -> bool:
+    """Whether settings ``a`` and ``b`` of a user's class may be sizes: two ints, or two
+    tuples (lists) of one length that differ only in ints (``self.hidden = (64, 32)``)."""
+    if _is_int(a) and _is_int(b):
+        return True
+    if type(a) is not type(b) or not isinstance(a, (tuple, list)) or len(a) != len(b):
+        return False
+    return all(_same(x, y) or (_is_int(x) and _is_int(y)) for x, y in zip(a, b, strict=True))
 
 
 def _size_differs(a: nn.Module, b: nn.Module, keys: Sequence[str]) -> bool:
