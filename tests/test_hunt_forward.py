@@ -19,12 +19,7 @@ N = 3
 TOL = dict(rtol=1e-9, atol=1e-12)
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def _alone(factory: Callable[[], nn.Module]) -> list[nn.Module]:

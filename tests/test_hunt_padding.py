@@ -12,18 +12,14 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from truth import assert_members_equal, train_alone
 
 import vmapens
 
 EXACT = dict(rtol=0.0, atol=1e-12)
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def _alone(factories, seed: int = 0) -> list[nn.Module]:
@@ -35,19 +31,25 @@ def _alone(factories, seed: int = 0) -> list[nn.Module]:
     return built
 
 
-def _train_alone(m: nn.Module, opt: torch.optim.Optimizer, batches) -> None:
-    for x, y in batches:
-        opt.zero_grad()
-        nn.functional.mse_loss(m(x), y).backward()
-        opt.step()
+#: Adam, lr 0.02: the stacked optimizer of an ensemble, and torch's of a member alone.
+ADAM = (
+    lambda e: vmapens.StackedAdam(e, lr=0.02),
+    lambda m: torch.optim.Adam(m.parameters(), lr=0.02),
+)
 
 
-def _assert_members(ens: vmapens.Ensemble, alone: list[nn.Module]) -> None:
-    for i, m in enumerate(alone):
-        got = ens[i].state_dict()
-        assert list(got) == list(m.state_dict())
-        for key, v in m.state_dict().items():
-            torch.testing.assert_close(got[key], v, **EXACT, msg=f"member {i} `{key}`")
+def _three_steps_as_alone(factories, x, y, stacked, plain, **options) -> vmapens.Ensemble:
+    """Three steps of ``from_factories(factories, seed=0, **options)`` with ``stacked(ens)``
+    on ``(x, y)``, against each member trained alone with ``plain(module)``: equal."""
+    ens = vmapens.Ensemble.from_factories(factories, seed=0, **options)
+    step = vmapens.make_step(ens, nn.MSELoss(), stacked(ens))
+    for _ in range(3):
+        step(x, y)
+    alone = _alone(factories)
+    for m in alone:
+        train_alone(m, [(x, y)] * 3, make_opt=plain(m))
+    assert_members_equal(ens, alone, **EXACT)
+    return ens
 
 
 class MyGRUCell(nn.GRUCell):
@@ -80,14 +82,7 @@ def test_a_subclass_of_a_recurrent_cell_is_padded_gate_by_gate(cell, backend):
     factories = [functools.partial(CellModel, h, cell) for h in (3, 6)]
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(5, 4, 3, generator=g), torch.randn(5, 1, generator=g)
-    ens = vmapens.Ensemble.from_factories(factories, seed=0, backend=backend)
-    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedAdam(ens, lr=0.02))
-    for _ in range(3):
-        step(x, y)
-    alone = _alone(factories)
-    for m in alone:
-        _train_alone(m, torch.optim.Adam(m.parameters(), lr=0.02), [(x, y)] * 3)
-    _assert_members(ens, alone)
+    _three_steps_as_alone(factories, x, y, *ADAM, backend=backend)
 
 
 class EmbedMaxNorm(nn.Module):
@@ -114,8 +109,8 @@ def test_an_embedding_with_max_norm_is_refused_at_different_widths_and_trains_at
     step(x, y)
     alone = _alone(factories)
     for m in alone:
-        _train_alone(m, torch.optim.SGD(m.parameters(), lr=0.1), [(x, y)])
-    _assert_members(ens, alone)
+        train_alone(m, [(x, y)], make_opt=torch.optim.SGD(m.parameters(), lr=0.1))
+    assert_members_equal(ens, alone, **EXACT)
 
 
 def _normed(hidden: int, norm) -> nn.Module:
@@ -164,8 +159,8 @@ def test_optimizer_before_double_batch_sizes_eval_and_a_trained_selection():
     for xb, yb in batches:
         step(xb, yb)
     for m in alone:
-        _train_alone(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), batches)
-    _assert_members(ens, alone)
+        train_alone(m, batches, make_opt=torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+    assert_members_equal(ens, alone, **EXACT)
     ens.eval()
     with torch.no_grad():
         out = ens(x)
@@ -177,8 +172,8 @@ def test_optimizer_before_double_batch_sizes_eval_and_a_trained_selection():
     step(x, y)
     picked = [alone[3].train(), alone[0].train()]
     for m in picked:
-        _train_alone(m, torch.optim.SGD(m.parameters(), lr=0.1), [(x, y)])
-    _assert_members(sub, picked)
+        train_alone(m, [(x, y)], make_opt=torch.optim.SGD(m.parameters(), lr=0.1))
+    assert_members_equal(sub, picked, **EXACT)
 
 
 class MLP(nn.Module):
@@ -214,12 +209,12 @@ def test_other_elementwise_rules_train_each_size_as_alone(name, kwargs):
     alone = _alone(factories)
     for i, m in enumerate(alone):
         plain = getattr(torch.optim, name)(m.parameters(), **kwargs)
-        _train_alone(m, plain, [(x, y)] * 4)
+        train_alone(m, [(x, y)] * 4, make_opt=plain)
         mine = opt.member_state_dict(i, ens[i])["state"]
         for k, state in plain.state_dict()["state"].items():
             for key, v in state.items():
                 torch.testing.assert_close(mine[k][key].to(v.dtype), v, **EXACT)
-    _assert_members(ens, alone)
+    assert_members_equal(ens, alone, **EXACT)
 
 
 class Decoder(nn.Module):
@@ -239,14 +234,11 @@ def test_a_transposed_convolution_of_different_channels_trains_as_alone():
     factories = [functools.partial(Decoder, c) for c in (2, 4, 3)]
     g = torch.Generator().manual_seed(4)
     x, y = torch.randn(4, 1, 5, 5, generator=g), torch.randn(4, 25, generator=g)
-    ens = vmapens.Ensemble.from_factories(factories, seed=0)
-    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedSGD(ens, lr=0.1, momentum=0.9))
-    for _ in range(3):
-        step(x, y)
-    alone = _alone(factories)
-    for m in alone:
-        _train_alone(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), [(x, y)] * 3)
-    _assert_members(ens, alone)
+    sgd = (
+        lambda e: vmapens.StackedSGD(e, lr=0.1, momentum=0.9),
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+    )
+    ens = _three_steps_as_alone(factories, x, y, *sgd)
     assert [m.up.in_channels for m in ens.unstack()] == [2, 4, 3]
     grouped = [lambda c=c: nn.ConvTranspose1d(c, c, 1, groups=2) for c in (2, 4)]
     with pytest.raises(ValueError, match="groups=2 mixes padded channels"):
@@ -274,14 +266,7 @@ def test_a_tuple_of_widths_may_differ_between_sizes_and_other_settings_may_not()
     factories = [functools.partial(Widths, h) for h in ((2, 3), (4, 3), (4, 5))]
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(6, 3, generator=g), torch.randn(6, 1, generator=g)
-    ens = vmapens.Ensemble.from_factories(factories, seed=0)
-    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedAdam(ens, lr=0.02))
-    for _ in range(3):
-        step(x, y)
-    alone = _alone(factories)
-    for m in alone:
-        _train_alone(m, torch.optim.Adam(m.parameters(), lr=0.02), [(x, y)] * 3)
-    _assert_members(ens, alone)
+    ens = _three_steps_as_alone(factories, x, y, *ADAM)
     assert [m.hidden for m in ens.unstack()] == [(2, 3), (4, 3), (4, 5)]
     with pytest.raises(ValueError, match=r"`hidden` is \[4, 3\] vs \(2, 3\)"):  # list, tuple
         vmapens.Ensemble.from_factories([functools.partial(Widths, h) for h in ((2, 3), [4, 3])])
@@ -310,13 +295,6 @@ def test_an_embedding_bag_of_different_widths_trains_as_alone(mode):
     factories = [functools.partial(Bag, d, mode) for d in (2, 4)]
     g = torch.Generator().manual_seed(6)
     x, y = torch.randint(0, 7, (5, 3), generator=g), torch.randn(5, 1, generator=g)
-    ens = vmapens.Ensemble.from_factories(factories, seed=0)
-    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedAdam(ens, lr=0.02))
-    for _ in range(3):
-        step(x, y)
-    alone = _alone(factories)
-    for m in alone:
-        _train_alone(m, torch.optim.Adam(m.parameters(), lr=0.02), [(x, y)] * 3)
-    _assert_members(ens, alone)
+    _three_steps_as_alone(factories, x, y, *ADAM)
     with pytest.raises(ValueError, match=r"`bag` \(EmbeddingBag\) with max_norm=1.0"):
         vmapens.Ensemble.from_factories([functools.partial(Bag, d, mode, 1.0) for d in (2, 4)])

@@ -15,7 +15,7 @@ The truth is each member built alone by the documented recipe
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -28,12 +28,7 @@ import vmapens
 N = 3
 
 
-@pytest.fixture(autouse=True)
-def _float64() -> Iterator[None]:
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def alone(factory: Callable[[], nn.Module], n: int = N, seed: int = 0) -> list[nn.Module]:

@@ -140,12 +140,7 @@ OPTIMIZERS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def _assert_padding_zero(ens: vmapens.Ensemble, opt: vmapens.optim.StackedOptimizer) -> None:
