@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.optim import lr_scheduler as sched
 from torch.optim.swa_utils import SWALR
-from truth import float64_batches, train_alone
+from truth import float64_batches, step_with_twins, train_alone
 
 import vmapens
 import vmapens.optim as vo
@@ -59,15 +59,7 @@ def step_both(
     assert cls.torch_class is not None
     twins = [cls.torch_class(leaves, **member_kwargs(kwargs, i)) for i, leaves in enumerate(alone)]
     for mask in masks:
-        for p in stacked:
-            p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
-        m = None if mask is None else torch.tensor(mask, dtype=torch.bool)
-        opt.step(mask=m)
-        for i, twin in enumerate(twins):
-            if m is None or m[i]:
-                for leaf, p in zip(alone[i], stacked, strict=True):
-                    leaf.grad = p.grad[i].clone()
-                twin.step()
+        step_with_twins(opt, twins, g, stacked, alone, mask)
     return opt, alone, twins
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 from torch.optim._muon import _zeropower_via_newtonschulz
-from truth import float64_batches, train_alone
+from truth import float64_batches, step_with_twins, train_alone
 
 import vmapens
 import vmapens.optim as vo
@@ -532,7 +532,7 @@ def test_low_precision_adafactor_members_follow_torchs_adafactor(dtype: torch.dt
     opt = vo.StackedAdafactor(stacked, **kwargs)
     twins = [torch.optim.Adafactor(leaves, **kwargs) for leaves in alone]
     for _ in range(BF16_STEPS):
-        _step_both(opt, twins, g, stacked, alone, None)
+        step_with_twins(opt, twins, g, stacked, alone, None)
     for k, (p, first) in enumerate(zip(stacked, start, strict=True)):
         assert p.dtype == dtype and not torch.equal(p, first)
         want = torch.stack([leaves[k].detach() for leaves in alone]).float()
@@ -633,25 +633,6 @@ def _stacked_and_alone(
     return g, stacked, alone
 
 
-def _step_both(
-    opt: vo.StackedOptimizer,
-    twins: list[torch.optim.Optimizer],
-    g: torch.Generator,
-    stacked: list[torch.Tensor],
-    alone: list[list[torch.Tensor]],
-    mask: list[int] | None,
-) -> None:
-    for p in stacked:
-        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
-    m = None if mask is None else torch.tensor(mask, dtype=torch.bool)
-    opt.step(mask=m)
-    for i, twin in enumerate(twins):
-        if m is None or m[i]:
-            for leaf, p in zip(alone[i], stacked, strict=True):
-                leaf.grad = p.grad[i].clone()
-            twin.step()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize(("cls", "kwargs"), list(SHARED.values()), ids=list(SHARED))
 def test_shared_hyperparameters_give_each_member_torchs_bits_alone(
@@ -662,7 +643,7 @@ def test_shared_hyperparameters_give_each_member_torchs_bits_alone(
     assert cls.torch_class is not None
     twins = [cls.torch_class(leaves, **kwargs) for leaves in alone]
     for mask in BIT_MASKS:
-        _step_both(opt, twins, g, stacked, alone, mask)
+        step_with_twins(opt, twins, g, stacked, alone, mask)
     for i, twin in enumerate(twins):
         for k, (leaf, p) in enumerate(zip(alone[i], stacked, strict=True)):
             assert torch.equal(p[i].detach(), leaf.detach()), (i, k)
@@ -679,7 +660,7 @@ def test_asgd_members_of_one_count_with_their_own_eta_and_mu_each_follow_torch()
     opt = vo.StackedASGD(stacked, **kwargs)
     twins = [torch.optim.ASGD(leaves, **kwargs) for leaves in alone]
     for mask in BIT_MASKS[:3]:
-        _step_both(opt, twins, g, stacked, alone, mask)
+        step_with_twins(opt, twins, g, stacked, alone, mask)
     eta, mu = 0.5 * float(opt.state[stacked[0]]["eta"][0]), 0.25
     for p in stacked:  # the counters are shared by the parameters: set once each
         opt.state[p]["eta"][0], opt.state[p]["mu"][0] = eta, mu
@@ -687,7 +668,7 @@ def test_asgd_members_of_one_count_with_their_own_eta_and_mu_each_follow_torch()
         state["eta"].fill_(eta)
         state["mu"].fill_(mu)
     for mask in BIT_MASKS[3:8]:
-        _step_both(opt, twins, g, stacked, alone, mask)
+        step_with_twins(opt, twins, g, stacked, alone, mask)
     for i, twin in enumerate(twins):
         for k, (leaf, p) in enumerate(zip(alone[i], stacked, strict=True)):
             torch.testing.assert_close(p[i].detach(), leaf.detach(), **TOL, msg=f"{i}, {k}")

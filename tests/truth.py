@@ -194,3 +194,25 @@ def assert_bit_identical(got: Any, expected: Any, where: str = "") -> None:
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().view(-1).view(torch.uint8)
+
+
+def step_with_twins(
+    opt: torch.optim.Optimizer,
+    twins: Sequence[torch.optim.Optimizer],
+    g: torch.Generator,
+    stacked: Sequence[torch.Tensor],
+    alone: Sequence[Sequence[torch.Tensor]],
+    mask: Sequence[int] | None,
+) -> None:
+    """One step of a stacked optimizer on random gradients from `g`, and of each member's own
+    torch optimizer (`twins[i]` over `alone[i]`) on its rows of them; with `mask`, only the
+    members it keeps step alone, as the stacked step steps only them."""
+    for p in stacked:
+        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+    m = None if mask is None else torch.tensor(mask, dtype=torch.bool)
+    opt.step(mask=m)
+    for i, twin in enumerate(twins):
+        if m is None or m[i]:
+            for leaf, p in zip(alone[i], stacked, strict=True):
+                leaf.grad = p.grad[i].clone()
+            twin.step()
