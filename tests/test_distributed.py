@@ -6,22 +6,19 @@ import json
 import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import dist_worker
 import pytest
 import torch
 from torch import nn
+from torchrun import torchrun
 
 import vmapens
 import vmapens.checkpoint
 from vmapens import distributed
 
 WORKER = Path(dist_worker.__file__)
-TIMEOUT_S = 120
 
 
 def launch(
@@ -31,30 +28,8 @@ def launch(
 
     ``fails``: the run is meant to fail (a rank is killed): expect a non-zero exit status.
     """
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "1", "--nproc-per-node", str(ranks), "--max-restarts", str(restarts),
-        # Rendezvous and gloo on the loopback only; port 0 lets the OS pick a free one.
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", out.name,
-        str(WORKER), scenario, str(out),
-    ]  # fmt: skip
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    if Path("/sys/class/net/lo").exists():
-        full_env["GLOO_SOCKET_IFNAME"] = "lo"
-    # A session of its own, so a hung run is killed with every worker it started.
-    proc = subprocess.Popen(
-        cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"torchrun {scenario} timed out after {TIMEOUT_S} s:\n{log.decode()[-4000:]}")
-    if fails:
-        assert proc.returncode != 0, f"torchrun {scenario} should have failed:\n{log.decode()}"
-    else:
-        assert proc.returncode == 0, f"torchrun {scenario} failed:\n{log.decode()[-4000:]}"
+    torchrun(WORKER, [scenario, str(out)], out.name, ranks=ranks, restarts=restarts, env=env,
+             fails=fails)  # fmt: skip
 
 
 def assert_same_state(got: dict, expected: dict) -> None:

@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import dist_hunt_worker as worker
@@ -24,12 +20,12 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torchrun import torchrun
 from truth import TOL64, assert_bit_identical, derived_seed, train_alone
 
 import vmapens
 from vmapens.lightning import EnsembleModule
 
-TIMEOUT_S = 120
 # A Linear's bias right before BatchNorm has a gradient of round-off only (BatchNorm removes
 # the mean), which Adam scales up: docs/semantics.md tests it to 1.8e-8 in float64. The
 # running mean follows that bias. Everything else: TOL64.
@@ -51,25 +47,7 @@ def assert_state_close(got: dict, expected: dict, where: str) -> None:
 def ranks(tmp_path_factory) -> Path:
     """One 2-rank run of every scenario in dist_hunt_worker.py; its output directory."""
     out = tmp_path_factory.mktemp("hunt")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", out.name,
-        worker.__file__, str(out),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if Path("/sys/class/net/lo").exists():
-        env["GLOO_SOCKET_IFNAME"] = "lo"
-    # A session of its own, so that a hung run is killed with every worker it started.
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"dist_hunt_worker timed out after {TIMEOUT_S} s:\n{log.decode()[-4000:]}")
-    assert proc.returncode == 0, f"dist_hunt_worker failed:\n{log.decode()[-4000:]}"
+    torchrun(worker.__file__, [str(out)], out.name)
     return out
 
 
