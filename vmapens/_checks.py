@@ -26,14 +26,20 @@ __all__ = [
     "column",
     "expand_in_dims",
     "index_rows",
+    "is_int",
     "to_index",
     "tolerance",
 ]
 
 
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is a Python int and not a bool (``True`` is an int to Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_int(api: str, name: str, value: Any, minimum: int | None = None) -> int:
     """Return ``value`` if it is a Python int (not a bool) ``>= minimum``; raise otherwise."""
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not is_int(value):
         raise TypeError(f"{api}: `{name}` must be an int, got {type(value).__name__}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{api}: `{name}` must be >= {minimum}, got {value}")

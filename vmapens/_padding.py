@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ._checks import is_int
 from ._members import Names, class_name, class_of, named_tensors, own_settings
 
 __all__ = ["Padding", "check_pair", "gates_of", "masked", "setting_advice"]
@@ -220,18 +221,14 @@ def _hook_tensor(module: nn.Module, key: str) -> bool:
     return any(key in (getattr(h, "name", 0), getattr(h, "_tensor_name", 0)) for h in hooks)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _sizes_alike(a: Any, b: Any) -> bool:
     """Whether settings ``a`` and ``b`` of a user's class may be sizes: two ints, or two
     tuples (lists) of one length that differ only in ints (``self.hidden = (64, 32)``)."""
-    if _is_int(a) and _is_int(b):
+    if is_int(a) and is_int(b):
         return True
     if type(a) is not type(b) or not isinstance(a, (tuple, list)) or len(a) != len(b):
         return False
-    return all(_same(x, y) or (_is_int(x) and _is_int(y)) for x, y in zip(a, b, strict=True))
+    return all(_same(x, y) or (is_int(x) and is_int(y)) for x, y in zip(a, b, strict=True))
 
 
 def _size_differs(a: nn.Module, b: nn.Module, keys: Sequence[str]) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._checks import as_ids
 from ._files import atomic_write, open_checked, remove_stale_temps, seal_torch, torch_load
 from ._padding import corner, gates_of
 from ._step_parts import check_optimizer
@@ -363,8 +364,7 @@ def load(
         ens = Ensemble.from_factories(factory, seed=0, **settings)
     else:
         ens = Ensemble(factory, n=len(ids), seed=0, **settings)
-    span = range(ids[0], ids[-1] + 1)
-    ens.member_ids, ens.n_total = (span if ids == list(span) else tuple(ids)), n_total
+    ens.member_ids, ens.n_total = as_ids(ids), n_total
     _restore(payload, path, ens, None, None, "load")
     return ens
 

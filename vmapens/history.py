@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._checks import is_int
+
 __all__ = ["History"]
 
 
@@ -163,7 +165,7 @@ class History:
         if (
             not isinstance(ids, (list, tuple, range))
             or len(ids) != n
-            or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+            or not all(is_int(i) for i in ids)
         ):
             raise ValueError(
                 f"{api}: history `member_ids` must be a list of {n} ints, got {ids!r:.60}"
