@@ -4,7 +4,7 @@ torch 2.13 keys its FX graph cache without the vector ISA inductor generates ker
 process on AVX-512 fills the cache, a process on AVX2 (another machine sharing
 ``TORCHINDUCTOR_CACHE_DIR``, or ``ATEN_CPU_CAPABILITY=avx2``) loads the 16-wide kernel source,
 compiles it with AVX2 flags and computes wrong numbers without an error. vmapens puts the ISA
-into its compile options (``vmapens.step._cache_keyed_options``), so each ISA gets its own entry.
+into its compile options (``vmapens._compiling.cache_keyed_options``), so each ISA gets its own entry.
 
 Truth: the eager step on a copy of the same ensemble, in the same process.
 """

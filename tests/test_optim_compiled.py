@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_optim_new import CASES, SPECS, TOL, Rig, batches
 
-from vmapens.step import _own_code
+from vmapens._compiling import own_code
 
 COMPILED = [
     f"{name}-{case}"
@@ -33,7 +33,7 @@ def test_compiled_apply_gradients_equals_eager(case: str) -> None:
 
     # aot_eager traces the whole graph (fullgraph fails on any break) without inductor's C++
     # compile; tests/test_step.py runs inductor on a whole step.
-    apply_c = torch.compile(_own_code(apply), fullgraph=True, backend="aot_eager")
+    apply_c = torch.compile(own_code(apply), fullgraph=True, backend="aot_eager")
     for x, y in batches(3):
         rig.step(x, y)
         apply_c([None if p.grad is None else p.grad.clone() for p in rig.stacked()])

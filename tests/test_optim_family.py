@@ -19,6 +19,7 @@ from torch import nn
 from torch.func import stack_module_state
 
 import vmapens
+from vmapens._compiling import own_code
 from vmapens.optim import (
     StackedAdagrad,
     StackedAdam,
@@ -29,7 +30,6 @@ from vmapens.optim import (
     StackedRMSprop,
     StackedSGD,
 )
-from vmapens.step import _own_code
 
 # float64 elementwise optimizer arithmetic against torch's: only the order of a few operations
 # differs (~1e-16); held on every CPU setting of docs/semantics.md's hardware section.
@@ -379,7 +379,7 @@ def test_compiled_apply_gradients_matches_eager(case: str) -> None:
 
     # aot_eager traces the whole graph (fullgraph fails on any break) without inductor's C++
     # compile; make_step's test below runs inductor.
-    apply_c = torch.compile(_own_code(apply), fullgraph=True, backend="aot_eager")
+    apply_c = torch.compile(own_code(apply), fullgraph=True, backend="aot_eager")
     for t, mask in enumerate(([1, 1, 1, 1], [1, 0, 1, 1], [0, 1, 1, 1])):
         m = torch.tensor(mask, dtype=torch.bool)
         grads = rig.grads(t)

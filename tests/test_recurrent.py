@@ -14,13 +14,13 @@ from torch.func import functional_call, grad_and_value, stack_module_state, vmap
 from torch.nn.utils.rnn import pack_padded_sequence
 
 from vmapens._batchable import batchable
+from vmapens._compiling import cache_keyed_options
 from vmapens._recurrent import (
     BatchableGRU,
     BatchableLSTM,
     BatchableRNN,
     BatchableRNNCell,
 )
-from vmapens.step import _cache_keyed_options
 
 TOL = 1e-10  # float64 throughout: the same maths, summed in a slightly different order
 N = 3
@@ -228,7 +228,7 @@ def _check_per_member(case: Case, compiled: bool) -> None:
     if compiled:
         # As the compiled step does: a run under ATEN_CPU_CAPABILITY=avx2 after one on
         # AVX-512 read 16-wide kernels from torch's compile cache otherwise.
-        fn = torch.compile(fn, fullgraph=True, dynamic=False, options=_cache_keyed_options())
+        fn = torch.compile(fn, fullgraph=True, dynamic=False, options=cache_keyed_options())
     grads, values = fn(params, x, hx)
     _, want_values, want_grads = _truth(members, x, hxs)
     torch.testing.assert_close(values, torch.stack(want_values), atol=TOL, rtol=TOL)

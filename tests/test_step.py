@@ -320,7 +320,7 @@ def test_compile_options_are_what_torch_compile_accepts(device, dtype):
     # torch.compile refuses a mode together with options; CUDA's "reduce-overhead" must come
     # as its options (CUDA graphs), next to the precision and matmul options. No GPU needed:
     # torch.compile checks its arguments when it wraps, before anything runs.
-    options = vmapens.step._compile_options(torch.device(device), dtype)
+    options = vmapens._compiling.compile_options(torch.device(device), dtype)
     torch.compile(lambda x: x, fullgraph=True, dynamic=False, options=options)
     assert options.get("triton.cudagraphs", False) is (device == "cuda")
     assert options.get("emulate_precision_casts", False) is (dtype is not None)
@@ -340,4 +340,4 @@ def test_the_compiled_step_gives_torch_compile_its_options_and_no_mode(monkeypat
     vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedAdam(ens), compile=True)
     (kwargs,) = seen
     assert kwargs.get("mode") is None
-    assert kwargs["options"] == vmapens.step._compile_options(torch.device("cpu"), None)
+    assert kwargs["options"] == vmapens._compiling.compile_options(torch.device("cpu"), None)

@@ -3,8 +3,8 @@
 The core is here: the :class:`Ensemble` container, the verbs over it (``fit``, ``make_step``,
 ``predict``, ``check``, ``export``, ``save``/``load``/``restore``, ``save_members``/
 ``load_member``, ``gather``/``gather_history``), the stacked optimizers, ``History``,
-``Callback``, ``LossScale`` and ``per_member``. The rest lives in namespaces:
-``vmapens.optim`` (update rules, clipping, ``MemberValues``, ``ReduceLROnPlateau``),
+``Callback``, ``LossScale``, ``per_member`` and ``CompiledStepMismatch``. The rest lives in
+namespaces: ``vmapens.optim`` (update rules, clipping, ``MemberValues``, ``ReduceLROnPlateau``),
 ``vmapens.callbacks`` (early stopping, schedulers, checkpoints, progress, loggers),
 ``vmapens.seeds``, ``vmapens.rl``, ``vmapens.pbt``, ``vmapens.sweep``, ``vmapens.selection``
 and the optional ``vmapens.lightning``.
@@ -20,6 +20,7 @@ from . import selection as selection
 from . import sweep as sweep
 from ._mkl import warm_vml
 from ._precision import LossScale
+from ._update_check import CompiledStepMismatch
 from .callbacks import Callback
 from .checkpoint import load, restore, save
 from .ensemble import Ensemble
@@ -54,6 +55,7 @@ warm_vml()
 
 __all__ = [
     "Callback",
+    "CompiledStepMismatch",
     "Ensemble",
     "History",
     "LossScale",

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from ._update_check import CompiledStepMismatch
 
 __all__ = ["COMPILE_PAYS_AFTER_S", "AutoStep"]
 
@@ -40,7 +43,7 @@ class AutoStep:
     ) -> None:
         self.build_compiled = build_compiled
         self.total_steps = total_steps
-        self.step = eager
+        self.eager = self.step = eager
         self.compiled = False
         self.done = 0
         self.timed_s = 0.0
@@ -48,7 +51,14 @@ class AutoStep:
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         deciding = not self.compiled and self.total_steps is not None and self.done <= TIMED_STEPS
         start = time.perf_counter()
-        losses = self.step(*args, **kwargs)
+        try:
+            losses = self.step(*args, **kwargs)
+        except CompiledStepMismatch as err:  # its first call changed nothing: go on eagerly
+            if self.step is self.eager:
+                raise
+            warnings.warn(f"fit: {err}. fit(compile='auto') goes on eagerly.", stacklevel=3)
+            self.step = self.eager
+            losses = self.step(*args, **kwargs)
         if deciding and self.done > 0:  # the first step warms caches up: not timed
             self.timed_s += time.perf_counter() - start
         self.done += 1

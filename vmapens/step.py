@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
-import types
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,8 +11,8 @@ import torch
 from torch.func import grad_and_value
 
 from ._chunks import chunk_bounds, chunked_losses_and_grads
+from ._compiling import compile_options, own_code
 from ._fastcall import call_member
-from ._matmuls import shared_operand_pass
 from ._precision import LossScale
 from ._step_parts import (
     Update,
@@ -29,6 +28,7 @@ from ._step_parts import (
     trainable,
     undo_point,
 )
+from ._update_check import checked_call
 from .ensemble import Ensemble
 from .optim import StackedOptimizer
 from .selfcheck import Probe, check_step_arguments
@@ -96,7 +96,9 @@ def make_step(
             member with non-finite gradients skips its update. Needs a StackedOptimizer.
         loss_scale: the ``LossScale`` that ``"fp16"`` uses (default: ``LossScale(n)`` with
             GradScaler's defaults); keep a handle on it to checkpoint or configure it.
-        check: ``False`` skips the first call's self-check (``vmapens.check``, semantics.md).
+        check: ``False`` skips the first call's self-check (``vmapens.check``, semantics.md)
+            and, with ``compile=True``, the check of each compiled graph's first update
+            against the optimizer's eager update.
 
     Returns:
         ``step(inputs, targets, mask=None)`` returning the detached per-member losses
@@ -110,6 +112,8 @@ def make_step(
             are not this ensemble's parameters; ``compile=True`` with ``backend="loop"``;
             both clip options, a clip bound <= 0, an unknown ``precision``, ``loss_scale``
             without ``"fp16"`` or for another number of members.
+        CompiledStepMismatch: (from the step, ``compile=True``) a compiled graph's first
+            update differs from the eager one; that call changed nothing.
 
     Example:
         >>> from vmapens import Ensemble, StackedAdam
@@ -138,7 +142,7 @@ def make_step(
                 "runs members one after another in Python, which torch.compile would unroll n "
                 "times. Use compile=False with backend='loop'."
             )
-        return probe.wrap(_compiled_step(ens, member_loss, optimizer, in_dims, update))
+        return probe.wrap(_compiled_step(ens, member_loss, optimizer, in_dims, update, check))
     batched = ens._member_map(member_loss, (in_dims, in_dims))
 
     # The stacked parameters keep their identity through .to() / .double(): list them once.
@@ -209,53 +213,13 @@ def _member_loss(ens: Ensemble, loss_fn: Callable) -> Callable[..., torch.Tensor
     return member_loss
 
 
-def _compile_options(device: torch.device, dtype: torch.dtype | None) -> dict[str, Any]:
-    """The inductor options of the compiled step on ``device`` with autocast ``dtype``.
-
-    torch.compile takes a ``mode`` or ``options``, not both, so CUDA's "reduce-overhead" (CUDA
-    graphs: one launch per step) is given as its options.
-    """
-    options: dict[str, Any] = {}
-    if device.type == "cpu":  # a member matmul on a shared input becomes one (_matmuls)
-        options["post_grad_custom_pre_pass"] = shared_operand_pass()
-        options.update(_cache_keyed_options())
-        # The compiled graph calls its kernels from C++, not Python: a step of many small
-        # kernels (a recurrence, a CNN) ran 0.73-0.82x the time, the others 0.94-1.0x, and
-        # its first compile took no longer (docs/performance.md).
-        options["cpp_wrapper"] = True
-    if dtype is not None:
-        # Inductor otherwise keeps fused intermediates in float32 where eager rounds to bf16.
-        options["emulate_precision_casts"] = True
-    if device.type == "cuda":
-        # Imported here: torch._inductor imports torch._dynamo (seconds), which eager never needs.
-        from torch._inductor import list_mode_options
-
-        options.update(list_mode_options("reduce-overhead"))
-    return options
-
-
-def _cache_keyed_options() -> dict[str, Any]:
-    """Inductor options that put this process's CPU vector ISA into the compile-cache key.
-
-    ``cpp.simdlen`` is the bit width of the ISA inductor picks by itself; given as an option,
-    it becomes part of the compiled-graph cache key. torch 2.13 keys its FX graph cache without
-    it: a graph cached by a process on AVX-512 and loaded by one on AVX2 (another machine
-    sharing ``TORCHINDUCTOR_CACHE_DIR``, or ``ATEN_CPU_CAPABILITY`` set) recompiled 16-wide
-    kernel source with AVX2 flags and gave wrong results without an error (the other way
-    round: heap corruption), docs/semantics.md. The tests that call ``torch.compile`` themselves pass them too.
-    """
-    # Imported here: torch._inductor imports torch._dynamo (seconds), which eager never needs.
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    return {"cpp.simdlen": pick_vec_isa().bit_width()}
-
-
 def _compiled_step(
     ens: Ensemble,
     member_loss: Callable,
     optimizer: StackedOptimizer,
     in_dims: int | None,
     update: Update,
+    check: bool,
 ) -> Step:
     names = {id(p): name for name, p in ens.named_parameters()}
     scaled = update.scale is not None
@@ -300,13 +264,13 @@ def _compiled_step(
             return losses, [g for g in ordered if g is not None]
 
         # dynamic=False: shapes are fixed per ensemble, and functorch's grad cannot trace
-        # symbolic sizes. _own_code: dynamo caches compiled graphs on the code object, so every
+        # symbolic sizes. own_code: dynamo caches compiled graphs on the code object, so every
         # make_step would otherwise share one cache (and its recompile limit) with every other.
         return torch.compile(
-            _own_code(body),
+            own_code(body),
             fullgraph=True,
             dynamic=False,
-            options=_compile_options(device, update.dtype),
+            options=compile_options(device, update.dtype),
         )
 
     # Which parameters train, and which the optimizer holds, are read every call, as
@@ -323,6 +287,8 @@ def _compiled_step(
 
     first = graph_key([p for p in every if p.requires_grad])
     graphs = {first: build(*first)}  # torch.compile wraps now and compiles at the first call
+    # Graphs whose first call is still to be checked against the eager update (_update_check).
+    unchecked = set(graphs) if check else set()
     shapes: set[tuple] = set()
     made: dict[tuple, Any] = {}  # graph_hyperparameters' MemberValues, kept between calls
     # Shared float hyperparameters are constants of the graph (dynamo guards on their values)
@@ -350,8 +316,11 @@ def _compiled_step(
             if floats != baked or attached_scheduler(optimizer):
                 tensors = True
                 graphs.clear()  # new code objects: the baked graphs' cache entries go with them
+                unchecked.clear()
         if now not in graphs:
             graphs[now] = build(*now)
+            if check:
+                unchecked.add(now)
         optimizer.prepare()  # state is created outside the graph
         if every[0].device.type == "cuda":  # moved there after make_step, too
             _static_addresses(ens, optimizer)
@@ -360,7 +329,14 @@ def _compiled_step(
             scale = None if update.scale is None else update.scale.scale
             hyper = graph_hyperparameters(optimizer, made) if tensors else contextlib.nullcontext()
             with hyper:
-                losses, _ = graphs[now](ens.stacked_state(), args, targets, mask, scale)
+                run = functools.partial(
+                    graphs[now], ens.stacked_state(), args, targets, mask, scale
+                )
+                if now in unchecked:
+                    losses = checked_call(run, ens, optimizer, update.scale, *now, mask)
+                    unchecked.discard(now)
+                else:
+                    losses, _ = run()
         # It stepped the optimizer without opt.step(): say so to torch's LR schedulers, as the
         # wrapper they put on opt.step does (else: "lr_scheduler.step() before optimizer.step()").
         optimizer._opt_called = True  # type: ignore[attr-defined]
@@ -390,12 +366,3 @@ def _static_addresses(ens: Ensemble, optimizer: StackedOptimizer) -> None:
 def _shapes(tree: Any) -> tuple:
     leaves = [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
     return tuple((tuple(t.shape), str(t.dtype)) for t in leaves)
-
-
-_steps_made = itertools.count()
-
-
-def _own_code(fn: Callable) -> Callable:
-    """``fn`` with a code object of its own (same bytecode, a unique name)."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_steps_made)}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
