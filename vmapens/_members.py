@@ -98,6 +98,15 @@ def check_member(member: Any, i: int, api: str) -> nn.Module:
                 f"{api}: member {i} has an uninitialised lazy tensor `{name}`; run one forward "
                 "pass on the member (or give the layer its input size) before stacking"
             )
+        if t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None):
+            # The stacked tensors are new ones: the hook would be dropped without a word.
+            raise ValueError(
+                f"{api}: member {i}'s tensor `{name}` has a hook (Tensor.register_hook or "
+                "register_post_accumulate_grad_hook), which the stacked tensors cannot carry: "
+                "the members would train without it. Register a module hook instead "
+                "(register_full_backward_hook, with backend='loop'), or change the gradient "
+                "in your loss"
+            )
     return member
 
 

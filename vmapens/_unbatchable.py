@@ -2,8 +2,9 @@
 
 ``Ensemble`` runs every member through ``torch.func.vmap`` on batched tensors. Some forwards
 fail there with a message about something else (the meta device, a tensor that does not
-require grad), some would silently compute something else; this file recognises them and
-says what to do, and gives the runner a substitute where one is exact.
+require grad), some would silently compute something else (backward hooks that never fire;
+an input edited in place once per member where members run in turns); this file recognises
+them and says what to do, and gives the runner a substitute where one is exact.
 """
 
 from __future__ import annotations
@@ -12,17 +13,21 @@ import contextlib
 import os
 import traceback
 from collections.abc import Iterator, Sequence
+from typing import Any
 
+import optree
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ._attention import batched_attention
 from ._fastcall import WRITTEN, Reassigned
 
 __all__ = [
+    "batch_kept",
     "explain_failure",
     "follow_sparse",
     "guarded",
+    "refuse_edits_in_turns",
     "refuse_template_hooks",
     "sparse_layers",
     "unchunked",
@@ -43,6 +48,21 @@ _RANDOM = "randomness error mode"
 _SAVED = "modified by an inplace operation"
 #: The hooks ``nn.Module`` runs around a forward or backward, by attribute name.
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+#: After an unrecognised error under vmap: what to do when the member runs alone.
+_VMAP_HINT = (
+    ". If it runs alone, its forward may do what torch.func.vmap cannot batch, such as an "
+    "in-place op that writes a member's tensor into one all members share (x.add_(self.bias) "
+    "on the input, or on a tensor made in the forward: write x = x + self.bias); "
+    "backend='loop' runs members one after another, each as alone"
+)
+#: What torch.func says of an autograd.Function without ``setup_context``.
+_OLD_FUNCTION = "must override the setup_context staticmethod"
+#: What ``Tensor.register_hook`` says of a batched tensor (it reports requires_grad=False).
+_TENSOR_HOOK = "cannot register a hook on a tensor that doesn't require gradient"
+#: What torch.func.vmap says of a member output that is not a tensor.
+_NOT_TENSOR = "must only return Tensors"
+#: Where the loop backend stacks the members' outputs (a TypeError there: not a tensor).
+_MEMBERS = os.path.normcase(os.path.join("vmapens", "_members.py"))
 _CHECKPOINT = os.path.normcase(os.path.join("torch", "utils", "checkpoint.py"))
 _AUTOGRAD = os.path.normcase(os.path.join("torch", "autograd", "__init__.py"))
 
@@ -114,6 +134,29 @@ def explain_failure(
             "backend='loop': members run one after another, each as it would alone, exactly. "
             f"({err})"
         )
+    if backend == "vmap" and _OLD_FUNCTION in str(err):
+        return RuntimeError(
+            f"{api}: the forward of {name} calls a torch.autograd.Function written the old way "
+            "(forward(ctx, ...) without a setup_context staticmethod), which torch.func.vmap "
+            "cannot run. Give it setup_context and generate_vmap_rule = True (torch's notes "
+            "'Extending torch.func with autograd.Function'), or build the ensemble with "
+            f"backend='loop': members one after another, each as it runs alone. ({err})"
+        )
+    if backend == "vmap" and _TENSOR_HOOK in str(err):
+        return RuntimeError(
+            f"{api}: the forward of {name} registers a hook on a tensor (Tensor.register_hook); "
+            "inside torch.func.vmap a member's tensors report requires_grad=False and take no "
+            "hook. Build the ensemble with backend='loop' (the hook then runs for each member, "
+            "as alone), or write the gradient change as a torch.autograd.Function with "
+            f"generate_vmap_rule = True. ({err})"
+        )
+    stacked = isinstance(err, TypeError) and "expected Tensor as element" in str(err)
+    if _NOT_TENSOR in str(err) or (stacked and frames and frames[-1][0].endswith(_MEMBERS)):
+        return RuntimeError(
+            f"{api}: the forward of {name} returns something other than tensors (and None): "
+            "the ensemble stacks every output along a new member dim, with either backend. "
+            f"Return tensors (torch.tensor(3) for a number) or None. ({err})"
+        )
     if backend == "vmap" and any(m in str(err) for m in _UNBATCHABLE):
         what = f"`loss_fn` or the forward of {name}" if loss else f"the forward of {name}"
         also = " (a loss that branches on values, such as nn.GaussianNLLLoss, needs it too)"
@@ -125,15 +168,61 @@ def explain_failure(
     return None
 
 
-def refuse_template_hooks(template: nn.Module, runner: nn.Module) -> None:
-    """Hooks put on the meta template after building never run under vmap: refuse them.
+@contextlib.contextmanager
+def batch_kept(*trees: Any) -> Iterator[list[Tensor]]:
+    """The batch's tensors put back after the run; yields those it edited (filled at exit).
+    A forward that edits its input (``x.mul_(2)``) edits it once in a step, as alone: the
+    probe's runs must not edit it before the step (which would see ``4 * x``)."""
+    batch: Any = trees
+    tensors = {id(t): t for t in optree.tree_leaves(batch) if isinstance(t, Tensor)}
+    kept = [  # an inference tensor has no version counter (and cannot be edited here)
+        (t, t._version, t.detach().clone()) for t in tensors.values() if not t.is_inference()
+    ]
+    edited: list[Tensor] = []
+    try:
+        yield edited
+    finally:
+        with torch.no_grad():
+            for t, version, saved in kept:
+                if t._version != version:
+                    t.copy_(saved)
+                    edited.append(t)
 
-    The vmap backend runs ``runner``, a copy of ``template`` made at build time: hooks the
-    module registered itself (in its ``__init__``) are in both and run batched; hooks added to
-    ``ens.template`` later are only on the template.
+
+def refuse_edits_in_turns(
+    api: str, name: str, backend: str, chunk_size: int | None, n: int
+) -> None:
+    """A forward that edits a batch tensor all members share (``batch_kept`` saw it) is exact
+    only when one run serves every member; in turns, each member sees the edits before it.
 
     Raises:
-        RuntimeError: a hook on ``template`` that ``runner`` lacks, with the ways to do it.
+        RuntimeError: with ``backend="loop"`` or a ``chunk_size`` below ``n``.
+    """
+    if backend == "vmap" and (chunk_size or n) >= n:
+        return
+    how = "backend='loop'" if backend == "loop" else f"chunk_size={chunk_size}"
+    raise RuntimeError(
+        f"{api}: the forward or loss of {name} edits a tensor of the batch in place (such as "
+        f"x.mul_(2) on its input), and with {how} the members run in turns on that one batch: "
+        "each member would see the edits of the members before it, where alone it sees the "
+        "batch as given. Copy it before the edit (x = x.clone()), or build the ensemble with "
+        "backend='vmap' and no chunk_size (one run for all members edits it once, as one "
+        "member alone does). Nothing was changed"
+    )
+
+
+def refuse_template_hooks(template: nn.Module, runner: nn.Module) -> None:
+    """Hooks that would never fire under vmap: refuse them.
+
+    The vmap backend runs ``runner``, a copy of ``template`` made at build time: forward hooks
+    the module registered itself (in its ``__init__``) are in both and run batched; hooks added
+    to ``ens.template`` later are only on the template. Backward hooks never fire under vmap
+    (torch attaches them only to tensors that report ``requires_grad``, which a member's
+    batched tensors do not), so with grad enabled a runner's backward hook is refused too.
+
+    Raises:
+        RuntimeError: a hook on ``template`` that ``runner`` lacks, or a backward hook on
+            ``runner`` with grad enabled, with the ways to do it.
     """
     twins = dict(runner.named_modules(remove_duplicate=False))
     for name, module in template.named_modules(remove_duplicate=False):
@@ -150,6 +239,19 @@ def refuse_template_hooks(template: nn.Module, runner: nn.Module) -> None:
                 "member order), register the hook on a member run alone "
                 "(m = ens[0]; m.<layer>.register_forward_hook(...)), or return the "
                 "activation from forward"
+            )
+    if not torch.is_grad_enabled():
+        return  # no backward follows
+    for name, module in runner.named_modules():
+        if module._backward_hooks or module._backward_pre_hooks:
+            where = f"`{name}` ({type(module).__name__})" if name else "the member"
+            raise RuntimeError(
+                f"Ensemble: {where} has a backward hook (register_full_backward_hook, "
+                "register_full_backward_pre_hook or register_backward_hook); under "
+                "backend='vmap' it would never fire: a member's tensors inside torch.func.vmap "
+                "report requires_grad=False, so torch attaches no hook, and the members would "
+                "train without it. Build the ensemble with backend='loop' (the hook fires once "
+                "per member, as alone), or run the forward under torch.no_grad()"
             )
 
 
@@ -236,6 +338,6 @@ def guarded(
             # torch's own message (a shape mismatch...) does not say where it came from
             raise RuntimeError(
                 f"{api}: a member's forward or loss failed ({err}); check the inputs "
-                "against one member run alone, e.g. ens[0](inputs)"
+                f"against one member run alone, e.g. ens[0](inputs){_VMAP_HINT * (backend == 'vmap')}"
             ) from err
         raise

@@ -26,7 +26,7 @@ from ._fastcall import call_member
 from ._locate import first_padded_difference
 from ._members import named_tensors
 from ._padding import masked
-from ._unbatchable import explain_failure, follow_sparse
+from ._unbatchable import batch_kept, explain_failure, follow_sparse, refuse_edits_in_turns
 from .ensemble import Ensemble, check_ensemble
 
 __all__ = [
@@ -194,6 +194,10 @@ def _autocast(ens: Ensemble, dtype: torch.dtype | None) -> contextlib.AbstractCo
     return torch.autocast(device.type, dtype)
 
 
+def _copied(tree: Any) -> Any:
+    return optree.tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, tree)
+
+
 def _member_slice(tree: Any, member: int, in_dims: int | None, keep_dim: bool) -> Any:
     if in_dims is None:
         return tree
@@ -212,15 +216,16 @@ def _alone(
 ) -> dict[str, Any]:
     """Member ``member`` as a plain module: outputs, loss, state after, ``.grad``s."""
     module = ens[member]
-    with _forked_rng(ens):
+    with batch_kept(args, targets) as edited, _forked_rng(ens):
         with _autocast(ens, autocast):
             out = module(*_member_slice(args, member, in_dims, False))
             loss = loss_fn(out, _member_slice(targets, member, in_dims, False))
         if loss.requires_grad:  # all parameters frozen: nothing to differentiate
             loss.backward()
+        out = _copied(out)  # an output that is the input edited in place is put back next
     grads = {name: p.grad for name, p in module.named_parameters() if p.requires_grad}
     state = {name: t.detach() for name, t in named_tensors(module)}
-    return {"out": out, "loss": loss.detach(), "state": state, "grads": grads}
+    return {"out": out, "loss": loss.detach(), "state": state, "grads": grads, "edits": edited}
 
 
 def _together(
@@ -237,19 +242,27 @@ def _together(
     state = sub.stacked_state()
     trained = [name for name, p in sub.stacked_params().items() if p.requires_grad]
 
+    structure: list = []
+
     def run(st: dict, inputs: tuple, target: Tensor) -> tuple[Any, Tensor]:
         out = call_member(sub.runner, st, inputs)
-        return out, loss_fn(out, target)
+        leaves, spec = optree.tree_flatten(out)
+        structure[:] = [spec, leaves]  # a number in the output is no vmap output: kept here
+        return [t for t in leaves if isinstance(t, Tensor)], loss_fn(out, target)
 
-    args = _member_slice(args, member, in_dims, True)
-    targets = _member_slice(targets, member, in_dims, True)
-    with _forked_rng(sub), batched_attention():
+    mine = _member_slice(args, member, in_dims, True)
+    target = _member_slice(targets, member, in_dims, True)
+    with batch_kept(args, targets), _forked_rng(sub), batched_attention():
         with _autocast(sub, autocast):
-            out, loss = sub._member_map(run, (in_dims, in_dims))(state, args, targets)
+            tensors, loss = sub._member_map(run, (in_dims, in_dims))(state, mine, target)
+        spec, leaves = structure
+        outs = iter(tensors)
+        out = spec.unflatten([next(outs) if isinstance(t, Tensor) else t for t in leaves])
         params = [state[name] for name in trained]
         found: Any = [None] * len(params)
         if params and loss.requires_grad:
             found = torch.autograd.grad(loss.sum(), params, allow_unused=True)
+        out = _copied(out)
     padding = sub._padding
 
     def own(name: str, t: Tensor) -> Tensor:
@@ -277,6 +290,8 @@ def _compare(
 ) -> None:
     """Run the member inside the ensemble and raise if it differs from ``alone``."""
     name = type(ens.template).__name__
+    if alone["edits"] and in_dims is None:  # shared by all members
+        refuse_edits_in_turns(api, name, ens.backend, ens.chunk_size, len(ens))
     sub = ens.select([member])  # a copy: the probe's forward changes nothing of ens
     try:
         together = _together(sub, member, loss_fn, args, targets, in_dims, autocast)
@@ -286,8 +301,7 @@ def _compare(
             raise explained from err
         raise RuntimeError(
             f"{api}: member {member} of {name} runs alone on this batch but fails inside the "
-            f"ensemble ({type(err).__name__}: {err}). Build the ensemble with backend='loop' "
-            "to run the members one after another, each as it runs alone"
+            f"ensemble ({type(err).__name__}: {err}). {_WAY_OUT[sub.backend]}"
         ) from err
     found = list(_differences(alone, together, autocast))
     if found:
@@ -297,7 +311,7 @@ def _compare(
             f"{api}: member {member} of {name} computes something else inside the "
             f"{'padded ' * padded}ensemble than alone on the same batch: "
             f"{'; '.join(found[:4])}. {'' if where is None else f'It first differs at {where}. '}"
-            f"{_PADDED if padded else _VMAPPED}"
+            f"{_PADDED if padded else _VMAPPED if ens.backend == 'vmap' else _WAY_OUT['loop']}"
         )
 
 
@@ -319,6 +333,13 @@ _VMAPPED = (
     "backend='loop' (members one after another, exact), or pass check=False to train anyway "
     "(docs/semantics.md, 'How vmapens checks itself')"
 )
+_WAY_OUT = {
+    "vmap": "Build the ensemble with backend='loop' to run the members one after another, "
+    "each as it runs alone",
+    # the loop backend runs the member as a plain module: what differs is vmapens's to fix
+    "loop": "With backend='loop' the member runs as ens.runner through torch.func."
+    "functional_call: compare ens[0] with it, or pass check=False to train anyway",
+}
 _PADDED = (
     "Members of different sizes run padded to the largest one, exact only when no operation "
     "mixes a padded dimension (a mean, softmax or norm over it, a reshape that moves it; "
