@@ -14,6 +14,9 @@ batches and ``torch.compile(fullgraph=True)`` traces:
   ``vmap`` cannot do (``.item()``); the twin keeps the factor a tensor, one per member.
 * ``nn.Dropout`` on CPU: alone it draws a non-contiguous input's mask in memory order,
   under ``vmap`` in logical order; the twin draws in memory order under both.
+* ``torch.nn.utils.parametrizations.spectral_norm``'s parametrization (``_spectral.py``):
+  its power iteration writes ``_u``/``_v`` with ``out=``, which ``vmap`` cannot batch; the
+  twin computes them out of place and copies them into the buffers.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import copy
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils.parametrizations import _SpectralNorm
 
 from ._mha import BatchableMultiheadAttention
 from ._recurrent import (
@@ -33,6 +37,7 @@ from ._recurrent import (
     BatchableRNN,
     BatchableRNNCell,
 )
+from ._spectral import BatchableSpectralNorm
 
 __all__ = ["batchable"]
 
@@ -127,6 +132,7 @@ _BATCHABLE: dict[type, type] = {
     nn.LSTMCell: BatchableLSTMCell,
     nn.MultiheadAttention: BatchableMultiheadAttention,
     nn.Dropout: BatchableDropout,
+    _SpectralNorm: BatchableSpectralNorm,
 }
 
 #: Layers re-classed only with ``momentum=None``: the others batch as they are.
@@ -149,8 +155,9 @@ def batchable(module: nn.Module) -> nn.Module:
     plain self-attention and runs torch's ``forward`` for everything else. Subclasses of
     those types are left alone, since their own ``forward`` may differ. So is an
     ``nn.BatchNorm1d/2d/3d`` with ``momentum=None``, to a twin that computes torch's
-    cumulative average with a tensor factor. ``module`` itself is not changed; it may live
-    on ``meta``.
+    cumulative average with a tensor factor, and ``spectral_norm``'s ``_SpectralNorm``
+    parametrization, to one whose power iteration writes its buffers with ``copy_``.
+    ``module`` itself is not changed; it may live on ``meta``.
 
     Args:
         module: the member module (any device, ``meta`` included).
