@@ -48,7 +48,7 @@ def _pruned() -> nn.Module:
 OLD_STYLE = [
     (_old_weight_norm, "vmap"),
     (_old_weight_norm, "loop"),
-    (_old_spectral_norm, "loop"),  # its power iteration writes with out=: vmap cannot batch it
+    (_old_spectral_norm, "vmap"),  # the runner holds a twin of its hook (vmapens/_spectral.py)
     (_pruned, "vmap"),
     (_pruned, "loop"),
 ]

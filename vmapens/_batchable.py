@@ -14,9 +14,10 @@ batches and ``torch.compile(fullgraph=True)`` traces:
   ``vmap`` cannot do (``.item()``); the twin keeps the factor a tensor, one per member.
 * ``nn.Dropout`` on CPU: alone it draws a non-contiguous input's mask in memory order,
   under ``vmap`` in logical order; the twin draws in memory order under both.
-* ``torch.nn.utils.parametrizations.spectral_norm``'s parametrization (``_spectral.py``):
-  its power iteration writes ``_u``/``_v`` with ``out=``, which ``vmap`` cannot batch; the
-  twin computes them out of place and copies them into the buffers.
+* ``torch.nn.utils.parametrizations.spectral_norm``'s parametrization and the old-style
+  ``torch.nn.utils.spectral_norm``'s forward pre-hook (``_spectral.py``): their power
+  iteration writes ``u``/``v`` with ``out=``, which ``vmap`` cannot batch; the twins compute
+  them out of place and copy them into the buffers.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import _SpectralNorm
+from torch.nn.utils.spectral_norm import SpectralNorm
 
 from ._mha import BatchableMultiheadAttention
 from ._recurrent import (
@@ -37,7 +39,7 @@ from ._recurrent import (
     BatchableRNN,
     BatchableRNNCell,
 )
-from ._spectral import BatchableSpectralNorm
+from ._spectral import BatchableSpectralNorm, BatchableSpectralNormHook
 
 __all__ = ["batchable"]
 
@@ -142,6 +144,9 @@ _CUMULATIVE: dict[type, type] = {
     nn.BatchNorm3d: BatchableBatchNorm3d,
 }
 
+#: Forward pre-hooks re-classed in place: the module's state_dict hooks hold the same object.
+_BATCHABLE_HOOKS: dict[type, type] = {SpectralNorm: BatchableSpectralNormHook}
+
 
 def batchable(module: nn.Module) -> nn.Module:
     """A deep copy of ``module`` whose recurrent and attention layers ``vmap`` batches well.
@@ -156,7 +161,8 @@ def batchable(module: nn.Module) -> nn.Module:
     those types are left alone, since their own ``forward`` may differ. So is an
     ``nn.BatchNorm1d/2d/3d`` with ``momentum=None``, to a twin that computes torch's
     cumulative average with a tensor factor, and ``spectral_norm``'s ``_SpectralNorm``
-    parametrization, to one whose power iteration writes its buffers with ``copy_``.
+    parametrization and old-style ``nn.utils.spectral_norm``'s ``SpectralNorm`` forward
+    pre-hook, to ones whose power iteration writes their buffers with ``copy_``.
     ``module`` itself is not changed; it may live on ``meta``.
 
     Args:
@@ -191,4 +197,8 @@ def batchable(module: nn.Module) -> nn.Module:
             target = _CUMULATIVE.get(type(sub), target)
         if target is not None:
             sub.__class__ = target
+        for hook in sub._forward_pre_hooks.values():
+            target = _BATCHABLE_HOOKS.get(type(hook))
+            if target is not None:
+                hook.__class__ = target
     return clone
