@@ -6,9 +6,9 @@ a gradient that reads another parameter into the kernel that writes the paramete
 that parameter first: members stepped from wrong gradients, without an error
 (docs/semantics.md). So the first call of each compiled graph is run twice from the same
 state: the compiled step, then the optimizer's own eager update on the gradients the graph
-returned. Parameters and optimizer state must agree to ``tolerance`` of each member's update;
-if they do, the compiled results are kept, bit for bit; if not, everything is put back as it
-was and ``CompiledStepMismatch`` is raised.
+returned. Parameters, optimizer state and the loss scale must agree to ``tolerance`` of each
+member's update, plus a few eps of each value; if they do, the compiled results are kept, bit
+for bit; if not, everything is put back as it was and ``CompiledStepMismatch`` is raised.
 """
 
 from __future__ import annotations
@@ -70,25 +70,43 @@ def checked_call(
     returned = iter(grads)
     names = set(trained)
     ordered = [next(returned) if name in names else None for name in order]
-    stepping = mask
-    if scale is not None:  # the graph skipped members whose gradients overflowed
-        live = [g for g in ordered if g is not None]
-        finite = torch.stack([g.reshape(len(ens), -1).isfinite().all(1) for g in live]).all(0)
-        stepping = finite if mask is None else mask & finite
+    stepping, overflowed = mask, None
+    if scale is not None:  # fp16
+        # The graph skipped the members whose scaled gradients overflowed and backed their
+        # scale off (LossScale's backoff_factor < 1, its other updates keep or grow it). The
+        # gradients it returns are unscaled and clipped, which cannot tell: clip_grad_value
+        # turns an inf into a finite bound.
+        key = ("scale", "scale")
+        overflowed = compiled[key] < saved.before[key]
+        stepping = ~overflowed if mask is None else mask & ~overflowed
     try:
         optimizer.apply_gradients(ordered, mask=stepping)
-        found = list(_differences(optimizer, order, saved.before, compiled, len(ens)))
+        found = list(_differences(optimizer, order, saved.before, compiled, len(ens), stepping))
+        # The parameters the optimizer does not hold (a frozen layer): eager leaves them be.
+        held = set(order)
+        for name, _ in ens.named_parameters():
+            key = ("ens", name)
+            if name not in held and not bool(_same(compiled[key], saved.before[key]).all()):
+                found.append(f"`{name}` (not in the optimizer, changed)")
+        if overflowed is not None:  # the scale's update too: ints and exact float products
+            scale.update_(overflowed, mask)
+            for name in ("scale", "growth_tracker"):
+                eager = getattr(scale, name)
+                found += _close(f"the loss scale's `{name}`", saved.before[("scale", name)],
+                                compiled[("scale", name)], eager, len(ens))  # fmt: skip
     except BaseException:
         saved.restore(saved.before)
+        _set_rng_state(device, rng)
         raise
     if found:
         saved.restore(saved.before)
         _set_rng_state(device, rng)  # the compiled forward's dropout draws: not taken either
         raise CompiledStepMismatch(
-            f"step: the compiled step updates {'; '.join(found[:3])} differently from the "
-            "optimizer's eager update on the same gradients. That is torch.compile's code for "
-            "this step, not your model; the step changed nothing. Train with compile=False "
-            "(make_step or fit), which is exact, and please report it with your torch version"
+            f"step: the compiled step updates {'; '.join(found[:3])} differently from the same "
+            "update run eagerly (the optimizer's apply_gradients) on the gradients the compiled "
+            "step computed; the step changed nothing. One of the two is wrong: most likely "
+            "torch.compile's code for this step, not your model. Train with compile=False "
+            "(make_step or fit), and please report it with your torch version"
         )
     saved.restore(compiled)
     return losses
@@ -138,55 +156,83 @@ def _differences(
     before: dict[Any, Tensor],
     compiled: dict[Any, Tensor],
     n: int,
+    stepping: Tensor | None,
 ) -> Iterator[str]:
     """What the eager update (now in place) left that the compiled one did not."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for name, p in zip(order, params, strict=True):
         key = ("ens", name)
-        yield from _close(f"`{name}`", before[key], compiled[key], p.detach(), n)
+        yield from _close(f"`{name}`", before[key], compiled[key], p.detach(), n, stepping)
         for state_key, t in optimizer.state.get(p, {}).items():
             if isinstance(t, Tensor):
                 k = (id(p), state_key)
-                yield from _close(
-                    f"the state `{state_key}` of `{name}`", before[k], compiled[k], t, n
-                )
+                what = f"the state `{state_key}` of `{name}`"
+                yield from _close(what, before[k], compiled[k], t, n, stepping)
 
 
-def _close(what: str, before: Tensor, compiled: Tensor, eager: Tensor, n: int) -> Iterator[str]:
-    """Whether ``compiled`` is ``eager`` to ``tolerance`` of each member's change."""
-    if not (eager.is_floating_point() or eager.is_complex()):
-        if not torch.equal(compiled, eager):
-            yield f"{what} (exact values expected for {eager.dtype})"
-        return
+def _same(a: Tensor, b: Tensor) -> Tensor:
+    """Elementwise: equal, or NaN in both."""
+    return (a == b) | (a.isnan() & b.isnan())
+
+
+def _close(
+    what: str,
+    before: Tensor,
+    compiled: Tensor,
+    eager: Tensor,
+    n: int,
+    stepping: Tensor | None = None,
+) -> Iterator[str]:
+    """Whether ``compiled`` is ``eager`` to ``tolerance`` of each member's change, and
+    exactly ``before`` in the members that do not step (``stepping`` False, bool [n])."""
     rows = n if eager.dim() and eager.shape[0] == n else 1
+
+    def who(m: int) -> str:
+        return f"member {m}" if rows == n else "all members"
+
+    if rows == n and stepping is not None:  # masked out, or overflowed: kept bit for bit
+        moved = ~_same(compiled, before).reshape(rows, -1).all(dim=1) & ~stepping
+        if bool(moved.any()):
+            yield f"{what} ({who(int(moved.nonzero()[0]))}: does not step, changed)"
+            return
+    if not (eager.is_floating_point() or eager.is_complex()):
+        wrong = (compiled != eager).reshape(rows, -1).any(dim=1)
+        if bool(wrong.any()):
+            yield f"{what} ({who(int(wrong.nonzero()[0]))}: exact values expected, {eager.dtype})"
+        return
     real = eager.real.dtype if eager.is_complex() else eager.dtype
-    # 16-bit values are compared in float32; float32 and float64 in their own dtype, whose
-    # round-off is a few eps of the values, under the bound. Each member's largest magnitude
-    # is one pass (aminmax), without an abs copy: this runs over all the state.
+    info = torch.finfo(real)
+    # 16-bit values are compared in float32; float32 and float64 in their own dtype.
     low = real in (torch.float16, torch.bfloat16)
+    b, c, e = ((t.float() if low else t).reshape(rows, -1) for t in (before, compiled, eager))
+    if not e.shape[1]:
+        return
+    # Each member's change sets the scale: a member with a small learning rate is compared to
+    # its own update (a change to inf or NaN sets none). Round-off of the values is allowed
+    # element by element, a few eps of each one's own size (down to the subnormals' spacing):
+    # a member's largest value does not hide an error in its small ones. In place where it
+    # can: this runs over all the state.
+    delta = e - b
+    change = _largest(delta)
+    if not bool(change.isfinite().all()):
+        change = _largest(torch.where(delta.isfinite(), delta, 0))
+    bound = b.abs()
+    bound += e.abs()
+    bound.mul_(8 * info.eps).add_(tolerance(real) * change + 8 * info.eps * info.tiny)
+    diff = (c - e).abs() if c.is_complex() else torch.sub(c, e, out=delta).abs_()
+    bad_elements = diff > bound
+    if bool(diff.sum().isnan()):  # unordered: bad unless NaN (or the same inf) in both
+        bad_elements |= diff.isnan() & ~_same(c, e)
+    bad = bad_elements.any(dim=1)
+    if bool(bad.any()):
+        m = int(bad.nonzero()[0])
+        inf = float("inf")  # where one holds NaN or inf and the other not
+        gap = float(torch.where(_same(c[m], e[m]), 0.0, diff[m]).nan_to_num(inf, inf).amax())
+        yield f"{what} ({who(m)}: differs by {gap:.3g}, its update is {abs(float(change[m])):.3g})"
 
-    def up(t: Tensor) -> Tensor:
-        return t.float() if low else t
 
-    def largest(t: Tensor) -> Tensor:
-        t = torch.view_as_real(t) if t.is_complex() else t
-        t = up(t).reshape(rows, -1)
-        if not t.shape[1]:
-            return torch.zeros(rows, dtype=t.dtype, device=t.device)
-        smallest, biggest = torch.aminmax(t, dim=1)
-        return torch.maximum(-smallest, biggest)  # NaN where the member holds a NaN
-
-    # Each member's change sets the scale: a member with a small learning rate is compared
-    # to its own update. Round-off of the values themselves (a few eps) is always allowed.
-    change = largest(up(eager) - up(before))
-    bound = tolerance(real) * change + 8 * torch.finfo(real).eps * (largest(before) + change)
-    diff = largest(up(compiled) - up(eager))
-    bad = (diff > bound).nonzero().flatten().tolist()
-    for m in diff.isnan().nonzero().flatten().tolist():  # NaN in either: in the same places?
-        rows_c, rows_e = (t.reshape(rows, -1)[m] for t in (compiled, eager))
-        if not torch.equal(rows_c.isnan(), rows_e.isnan()):
-            bad.append(m)
-    if bad:
-        m = min(bad)
-        who = f"member {m}" if rows == n else "all members"
-        yield f"{what} ({who}: differs by {float(diff[m]):.3g}, its update is {float(change[m]):.3g})"
+def _largest(t: Tensor) -> Tensor:
+    """Each row's largest magnitude, ``[rows, 1]``: one pass (aminmax), without an abs copy."""
+    t = torch.view_as_real(t).reshape(t.shape[0], -1) if t.is_complex() else t
+    smallest, biggest = torch.aminmax(t, dim=1, keepdim=True)
+    return torch.maximum(-smallest, biggest)
