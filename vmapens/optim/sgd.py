@@ -53,7 +53,13 @@ def _lists(params: list[Tensor], grads: list[Tensor], state: dict[str, Any]) -> 
 def _fused(
     params: list[Tensor], grads: list[Tensor], state: dict[str, Any], group: dict[str, Any]
 ) -> bool:
-    """Whether :func:`sgd_rule` takes torch's fused kernel (shared hyperparameters, on CPU)."""
+    """Whether :func:`sgd_rule` takes torch's fused kernel (shared hyperparameters, on CPU).
+
+    Not for 16-bit parameters: torch 2.13's CPU ``_fused_sgd_`` leaves most of a bfloat16 or
+    float16 tensor unchanged (``torch.optim.SGD(fused=True)`` too; ~4% of the elements move).
+    """
+    if params and params[0].dtype in (torch.float16, torch.bfloat16):
+        return False
     values = [group[k] for k in ("lr", "momentum", "dampening", "weight_decay")]
     return fusable(group, _lists(params, grads, state), values)
 
