@@ -18,8 +18,8 @@ from ._matmuls import shared_operand_pass
 __all__ = ["cache_keyed_options", "compile_options", "own_code"]
 
 
-def compile_options(device: torch.device, dtype: torch.dtype | None) -> dict[str, Any]:
-    """The inductor options of the compiled step on ``device`` with autocast ``dtype``.
+def compile_options(device: torch.device) -> dict[str, Any]:
+    """The inductor options of the compiled step on ``device``.
 
     torch.compile takes a ``mode`` or ``options``, not both, so CUDA's "reduce-overhead" (CUDA
     graphs: one launch per step) is given as its options.
@@ -32,9 +32,10 @@ def compile_options(device: torch.device, dtype: torch.dtype | None) -> dict[str
         # kernels (a recurrence, a CNN) ran 0.73-0.82x the time, the others 0.94-1.0x, and
         # its first compile took no longer (docs/performance.md).
         options["cpp_wrapper"] = True
-    if dtype is not None:
-        # Inductor otherwise keeps fused intermediates in float32 where eager rounds to bf16.
-        options["emulate_precision_casts"] = True
+    # Inductor otherwise keeps fused intermediates in float32 where eager rounds them to bf16 or
+    # fp16: under autocast (make_step's ``precision``), and in an update that computes in bf16 itself
+    # (StackedMuon's Newton-Schulz iteration, as torch.optim.Muon's) or on 16-bit parameters.
+    options["emulate_precision_casts"] = True
     if device.type == "cuda":
         # Imported here: torch._inductor imports torch._dynamo (seconds), which eager never needs.
         from torch._inductor import list_mode_options

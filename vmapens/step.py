@@ -7,6 +7,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import optree
 import torch
 from torch.func import grad_and_value
 
@@ -270,7 +271,7 @@ def _compiled_step(
             own_code(body),
             fullgraph=True,
             dynamic=False,
-            options=compile_options(device, update.dtype),
+            options=compile_options(device),
         )
 
     # Which parameters train, and which the optimizer holds, are read every call, as
@@ -287,8 +288,12 @@ def _compiled_step(
 
     first = graph_key([p for p in every if p.requires_grad])
     graphs = {first: build(*first)}  # torch.compile wraps now and compiles at the first call
-    # Graphs whose first call is still to be checked against the eager update (_update_check).
-    unchecked = set(graphs) if check else set()
+    # The parameters each graph differentiates: its trainable ones less those that get no
+    # gradient, found at its first call (_no_gradient).
+    used: dict[tuple, tuple[str, ...]] = {}
+    # The (graph, input shapes) whose first call was checked against the eager update
+    # (_update_check): dynamo compiles anew for new shapes or a mask.
+    checked: set[tuple] = set()
     shapes: set[tuple] = set()
     made: dict[tuple, Any] = {}  # graph_hyperparameters' MemberValues, kept between calls
     # Shared float hyperparameters are constants of the graph (dynamo guards on their values)
@@ -316,11 +321,14 @@ def _compiled_step(
             if floats != baked or attached_scheduler(optimizer):
                 tensors = True
                 graphs.clear()  # new code objects: the baked graphs' cache entries go with them
-                unchecked.clear()
+                checked.clear()
+        if now not in used:
+            unused = _no_gradient(ens, member_loss, now[0], args, targets, in_dims, update)
+            used[now] = tuple(name for name in now[0] if name not in unused)
+            if unused:
+                graphs.pop(now, None)  # wrapped for every trainable one, not compiled yet
         if now not in graphs:
-            graphs[now] = build(*now)
-            if check:
-                unchecked.add(now)
+            graphs[now] = build(used[now], now[1])
         optimizer.prepare()  # state is created outside the graph
         if every[0].device.type == "cuda":  # moved there after make_step, too
             _static_addresses(ens, optimizer)
@@ -332,9 +340,11 @@ def _compiled_step(
                 run = functools.partial(
                     graphs[now], ens.stacked_state(), args, targets, mask, scale
                 )
-                if now in unchecked:
-                    losses = checked_call(run, ens, optimizer, update.scale, *now, mask)
-                    unchecked.discard(now)
+                if check and (now, key) not in checked:
+                    losses = checked_call(
+                        run, ens, optimizer, update.scale, used[now], now[1], mask
+                    )
+                    checked.add((now, key))
                 else:
                     losses, _ = run()
         # It stepped the optimizer without opt.step(): say so to torch's LR schedulers, as the
@@ -344,6 +354,36 @@ def _compiled_step(
         return losses
 
     return step
+
+
+def _no_gradient(
+    ens: Ensemble,
+    member_loss: Callable,
+    trained: tuple[str, ...],
+    args: tuple,
+    targets: torch.Tensor,
+    in_dims: int | None,
+    update: Update,
+) -> set[str]:
+    """The parameters named in ``trained`` that get no gradient on this batch, from member 0
+    run eagerly (a copy of it: nothing of ``ens`` or the RNG changes).
+
+    ``loss.backward()`` leaves such a parameter's ``.grad`` None, and the optimizer skips it;
+    ``torch.func.grad`` in the compiled graph gives it zeros, which weight decay would step.
+    """
+    sub = ens.select([0])
+    state = sub.stacked_state()
+    if in_dims == 0:  # member 0's slice
+        args, targets = optree.tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) else t,
+                                        (args, targets))  # fmt: skip
+    device = next(iter(state.values())).device
+    forked = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+    with forked, torch.enable_grad(), sub.guard("step", loss=True), update.autocast():
+        losses = sub._member_map(member_loss, (in_dims, in_dims))(state, args, targets)
+    if not losses.requires_grad:
+        return set(trained)
+    grads = torch.autograd.grad(losses.sum(), [state[name] for name in trained], allow_unused=True)
+    return {name for name, g in zip(trained, grads, strict=True) if g is None}
 
 
 def _static_addresses(ens: Ensemble, optimizer: StackedOptimizer) -> None:
