@@ -373,13 +373,13 @@ def _no_gradient(
     """
     sub = ens.select([0])
     state = sub.stacked_state()
+    batch: Any = (args, targets)
     if in_dims == 0:  # member 0's slice
-        args, targets = optree.tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) else t,
-                                        (args, targets))  # fmt: skip
+        batch = optree.tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) else t, batch)
     device = next(iter(state.values())).device
     forked = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
     with forked, torch.enable_grad(), sub.guard("step", loss=True), update.autocast():
-        losses = sub._member_map(member_loss, (in_dims, in_dims))(state, args, targets)
+        losses = sub._member_map(member_loss, (in_dims, in_dims))(state, *batch)
     if not losses.requires_grad:
         return set(trained)
     grads = torch.autograd.grad(losses.sum(), [state[name] for name in trained], allow_unused=True)
