@@ -81,3 +81,18 @@ def test_compiled_muon_steps_each_member_as_torch_muon_alone():
         step(x, y)
     train_each(alone, batches, make_opt=lambda i, m: torch.optim.Muon(m.parameters(), lr=0.02))
     assert_members_equal(ens, alone)
+
+
+def test_a_list_lr_set_between_compiled_steps_gets_the_eager_steps_error():
+    torch.manual_seed(0)
+    ens = vmapens.Ensemble.from_modules([nn.Linear(3, 2).double() for _ in range(3)])
+    opt = vmapens.StackedSGD(ens, lr=0.1)
+    step = vmapens.make_step(ens, nn.MSELoss(), opt, compile=True)
+    x, y = float64_batches(1, 4, 3, 2)[0]
+    step(x, y)
+    opt.param_groups[0]["lr"] = [0.1, 0.2, 0.3]  # MemberValues would be right
+    before = {k: v.clone() for k, v in ens.stacked_state().items()}
+    with pytest.raises(TypeError, match=r"param group `lr` must be a float, a tensor or"):
+        step(x, y)
+    for k, v in ens.stacked_state().items():
+        assert torch.equal(v, before[k])

@@ -32,6 +32,7 @@ from ._step_parts import (
 from ._update_check import checked_call
 from .ensemble import Ensemble
 from .optim import StackedOptimizer
+from .optim._hyper import group_args
 from .selfcheck import Probe, check_step_arguments
 
 __all__ = ["LossScale", "Step", "make_step"]
@@ -340,13 +341,17 @@ def _compiled_step(
                 run = functools.partial(
                     graphs[now], ens.stacked_state(), args, targets, mask, scale
                 )
-                if check and (now, key) not in checked:
-                    losses = checked_call(
-                        run, ens, optimizer, update.scale, used[now], now[1], mask
-                    )
-                    checked.add((now, key))
-                else:
-                    losses, _ = run()
+                try:
+                    if check and (now, key) not in checked:
+                        losses = checked_call(
+                            run, ens, optimizer, update.scale, used[now], now[1], mask
+                        )
+                        checked.add((now, key))
+                    else:
+                        losses, _ = run()
+                except Exception:
+                    _check_groups(optimizer)  # a bad group value: the eager step's TypeError
+                    raise
         # It stepped the optimizer without opt.step(): say so to torch's LR schedulers, as the
         # wrapper they put on opt.step does (else: "lr_scheduler.step() before optimizer.step()").
         optimizer._opt_called = True  # type: ignore[attr-defined]
@@ -354,6 +359,13 @@ def _compiled_step(
         return losses
 
     return step
+
+
+def _check_groups(optimizer: StackedOptimizer) -> None:
+    """Raise the eager step's error for a param group value it cannot take (a list ``lr``
+    set after construction), which dynamo reports as "Observed exception" while tracing."""
+    for group in optimizer.param_groups:
+        group_args(group, optimizer.hyperparameters, torch.device("meta"), **optimizer._who)
 
 
 def _no_gradient(
