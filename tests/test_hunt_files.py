@@ -225,7 +225,8 @@ def test_restore_refuses_a_history_of_other_members(held, tmp_path):
 
 def test_loading_the_shared_part_of_a_sharded_checkpoint_says_what_it_is(tmp_path):
     """A sharded fit checkpoint keeps the members in block files next to it; ``load`` and
-    ``restore`` said "`fc1.weight` is <class 'str'>" (a placeholder) instead."""
+    ``restore`` said "`fc1.weight` is <class 'str'>" (a placeholder) instead. They read the
+    blocks now (tests/test_load_sharded.py): without them, the missing block is named."""
     ens = vmapens.Ensemble(Net, n=2, seed=0)
     vmapens.save(ens, tmp_path / "ens.pt")
     payload = checkpoint.read(tmp_path / "ens.pt", "test")
@@ -233,10 +234,11 @@ def test_loading_the_shared_part_of_a_sharded_checkpoint_says_what_it_is(tmp_pat
     shared["ensemble"] = {k: "vmapens:rows" for k in shared["ensemble"]}  # as sharding writes
     shared["blocks"] = [("members-000000-000002.epoch000001.pt", [0, 1])]
     checkpoint.write(tmp_path / "ens.pt", shared)
-    with pytest.raises(ValueError, match=r"load: .*ens\.pt is a sharded fit checkpoint .*fit\("):
+    missing = r"ens\.pt names the block .*members-000000-000002\.epoch000001\.pt, which is missing"
+    with pytest.raises(ValueError, match=rf"^load: .*{missing}"):
         vmapens.load(tmp_path / "ens.pt", Net)
     before = copy.deepcopy(ens.state_dict())
-    with pytest.raises(ValueError, match=r"restore: .*ens\.pt is a sharded fit checkpoint"):
+    with pytest.raises(ValueError, match=rf"^restore: .*{missing}"):
         vmapens.restore(tmp_path / "ens.pt", ens)
     torch.testing.assert_close(ens.state_dict(), before, **EXACT)
 

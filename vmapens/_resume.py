@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._checkpoint_files import localise, read
 from ._files import signature
-from .checkpoint import check_ensemble_state, check_members, read, relaid, same_class
+from .checkpoint import check_ensemble_state, check_members, relaid, same_class
 from .ensemble import Ensemble
 from .optim import MemberValues
-from .sharding import localise
 
 __all__ = ["NOT_COMPARED", "fingerprint", "hyperparameters_of", "read_checkpoint"]
 
@@ -126,7 +126,7 @@ def read_checkpoint(
         and same_class(held.get("class"), ens)
         and held.get("n_total") == ens.n_total
     ):  # the same run at any world size: this process's members
-        payload = localise(payload, path, list(ens.member_ids))
+        payload = localise(payload, path, list(ens.member_ids), "fit")
     check_members(payload, ens, "fit", where)
     payload = relaid(payload, ens, optimizer)
     check_ensemble_state(payload.get("ensemble"), ens, "fit", where)

@@ -1,8 +1,11 @@
-"""Checkpoints: the envelope (atomic write, checked read, version) and the verbs built on it.
+"""Checkpoints: the verbs ``save``/``load``/``restore`` and the checks of the parts they load.
 
-The envelope knows no part's insides: each stateful part (ensemble, optimizer, history, the
-fit loop) brings its own ``state_dict()`` and ``load_state_dict()``. Reading checks the
-format and version; loading applies the parts all or nothing.
+The envelope (atomic write, checked read, version) and the layout of a sharded fit checkpoint
+live one level down, in ``vmapens._checkpoint_files``, so that ``load`` and ``restore`` read a
+sharded checkpoint's member blocks in one process while ``vmapens.sharding``, which writes
+them, still builds on this module. The envelope knows no part's insides: each stateful part
+(ensemble, optimizer, history, the fit loop) brings its own ``state_dict()`` and
+``load_state_dict()``; loading applies the parts all or nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._checkpoint_files import check_member_ids, localise, read, write
 from ._checks import as_ids
-from ._files import atomic_write, open_checked, remove_stale_temps, seal_torch, torch_load
 from ._padding import corner, gates_of
 from ._step_parts import check_optimizer
 from .ensemble import Ensemble, check_ensemble
@@ -31,56 +34,12 @@ __all__ = [
     "members_of",
     "read",
     "relaid",
-    "remove_stale_temps",
     "restore",
     "same_class",
     "save",
     "settings_of",
     "write",
 ]
-
-FORMAT = "vmapens-checkpoint"
-VERSION = 3  # 3: every file carries its SHA-256 digest
-
-
-def write(path: str | os.PathLike, parts: Mapping[str, Any], api: str = "save") -> tuple[int, ...]:
-    """Write ``parts`` (plain containers of tensors) to ``path`` atomically, with its digest.
-
-    A ``torch.save`` zip whose comment holds the SHA-256 of its bytes, moved over ``path`` by
-    one ``os.replace`` (``vmapens._files``): a crash at any point leaves the previous file whole.
-
-    Returns:
-        Which file is now at ``path`` (``vmapens._files.signature``), for ``check_owner``.
-
-    Raises:
-        OSError: the directory is missing or read-only, the disk is full or the file too
-            large; the message says which and that the previous file is intact.
-    """
-    payload = {"format": FORMAT, "version": VERSION, **parts}
-    return atomic_write(path, seal_torch(payload), api)
-
-
-def read(path: str | os.PathLike, api: str) -> dict[str, Any]:
-    """Read a checkpoint written by :func:`write`: digest, format and version checked.
-
-    Raises:
-        TypeError: ``path`` is not a str or os.PathLike.
-        FileNotFoundError: no file at ``path``.
-        ValueError: a truncated, corrupt or changed file (its digest does not match),
-            objects other than tensors and plain containers (possibly code), another format
-            or version; the message names the file.
-    """
-    with open_checked(path, api, "checkpoint") as f:  # checks `path` first
-        where = os.fspath(path)
-        payload = torch_load(f, where, api)
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise ValueError(f"{api}: {where} is not a vmapens checkpoint (no `{FORMAT}` marker)")
-    if payload.get("version") != VERSION:
-        raise ValueError(
-            f"{api}: {where} is a vmapens checkpoint of version {payload.get('version')!r}; "
-            f"this vmapens reads version {VERSION}"
-        )
-    return payload
 
 
 def apply_parts(payload: Mapping[str, Any], parts: Mapping[str, Any], api: str, where: str) -> None:
@@ -133,27 +92,6 @@ def settings_of(ens: Ensemble) -> dict[str, Any]:
     """How ``ens`` runs its members, for :func:`load` to build the ensemble alike: a forward
     that only ``backend="loop"`` runs, dropout drawn once for all members."""
     return {"randomness": ens.randomness, "chunk_size": ens.chunk_size, "backend": ens.backend}
-
-
-def check_member_ids(members: Any, api: str, where: str) -> tuple[list[int], int]:
-    """``(member_ids, n_total)`` of a file's ``members`` entry, checked: ints, distinct, in range.
-
-    Raises:
-        ValueError: ``members`` is not ``{"member_ids": [...], "n_total": int}`` of that kind.
-    """
-    if not isinstance(members, dict):
-        raise ValueError(f"{api}: {where} holds no member list (got {type(members).__name__})")
-    ids, n_total = members.get("member_ids"), members.get("n_total")
-    if type(n_total) is not int or n_total < 1:  # a file holds plain ints; bool is no id
-        raise ValueError(f"{api}: {where}: `n_total` must be an int >= 1, got {n_total!r}")
-    if not isinstance(ids, (list, tuple)) or not all(type(i) is int for i in ids):
-        raise ValueError(f"{api}: {where}: `member_ids` must be a list of ints, got {ids!r:.80}")
-    bad = [i for i in ids if not 0 <= i < n_total]
-    if bad:
-        raise ValueError(f"{api}: {where}: member ids must be in [0, {n_total}), got {bad[:8]}")
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{api}: {where}: `member_ids` repeat ids: {ids!r:.80}")
-    return list(ids), n_total
 
 
 def check_members(payload: Mapping[str, Any], ens: Ensemble, api: str, where: str) -> None:
@@ -324,7 +262,9 @@ def load(
     state with :func:`restore`.
 
     Args:
-        path: a file written by ``save`` or ``fit(checkpoint=...)``.
+        path: a file written by ``save`` or ``fit(checkpoint=...)``, or a sharded ``fit``
+            checkpoint (``shard=True`` under torch.distributed): then every member, in
+            member-id order, read from its block in ``<path>.members/``, in this process.
         factory: builds one member, as for ``Ensemble``; its class must be the stored one.
             For an ensemble built with ``Ensemble.from_factories``: the same factories.
 
@@ -333,8 +273,9 @@ def load(
         its ``randomness``, ``chunk_size`` and ``backend`` (set them on it to change them).
 
     Raises:
-        ValueError: the file is truncated or corrupt, holds objects other than tensors, or
-            does not match ``factory``'s members.
+        ValueError: the file (or a member block of a sharded checkpoint) is missing,
+            truncated or corrupt, holds objects other than tensors, is a block of another run
+            or epoch, or does not match ``factory``'s members.
         FileNotFoundError: no file at ``path``.
         TypeError: ``optimizer=`` (0.2's spelling; the message gives 0.3.0's).
     """
@@ -349,6 +290,8 @@ def load(
     where = os.fspath(path)
     members = payload.get("members")
     ids, n_total = check_member_ids(members, "load", where)
+    if "blocks" in payload:  # sharded: every member, in member-id order, as one process has
+        ids = sorted(ids)
     if not ids:
         raise ValueError(f"load: {where} holds no members")
     settings = payload.get("settings") or {}  # none in files written before it was kept
@@ -377,9 +320,13 @@ def restore(
 ) -> None:
     """Load a checkpoint into an existing ensemble (and optimizer, History), all or nothing.
 
+    A sharded ``fit`` checkpoint loads as the single-process run's would (``ens`` of all its
+    members), but for ``history.ensemble_metrics``: None, as ``gather_history`` gives.
+
     Raises:
         TypeError: ``ens``, ``optimizer``, ``history`` or ``path`` of the wrong type.
-        ValueError: as for ``load``, an optimizer over another ensemble's parameters, or the
+        ValueError: as for ``load`` (a missing or foreign member block included), an
+            optimizer over another ensemble's parameters, or the
             optimizer/History is missing from the file or does not match; ``ens``,
             ``optimizer`` and ``history`` are then unchanged.
     """
@@ -391,12 +338,8 @@ def _restore(
     payload: dict, path: Any, ens: Ensemble, optimizer: Any, history: Any, api: str
 ) -> None:
     where = os.fspath(path)
-    if "blocks" in payload:  # its members are in block files that vmapens.sharding reads
-        raise ValueError(
-            f"{api}: {where} is a sharded fit checkpoint (its members are in block files in "
-            f"{where}.members/); to read it in one process, resume the run with "
-            "fit(..., checkpoint=path) there: it resumes at any number of processes"
-        )
+    if "blocks" in payload:
+        payload = _unsharded(payload, path, ens, api)
     check_members(payload, ens, api, where)
     payload = relaid(payload, ens, optimizer)
     check_ensemble_state(payload.get("ensemble"), ens, api, where)
@@ -416,3 +359,23 @@ def _restore(
     if history is not None:
         parts["history"] = history
     apply_parts(payload, parts, api, where)
+
+
+def _unsharded(payload: dict, path: Any, ens: Ensemble, api: str) -> dict:
+    """A sharded fit checkpoint's parts as one process would hold them: the shared part at
+    ``path`` with every member's rows read from the blocks that hold them, in member-id order.
+
+    The members are checked against ``ens`` before any block is read; a missing, corrupt or
+    foreign block is a ValueError (``localise``), before anything changes. The History's
+    ``ensemble_metrics`` is None, as ``gather_history`` gives: the shared part holds rank 0's,
+    which scored its own block of members, not the ensemble.
+    """
+    where = os.fspath(path)
+    ids, _ = check_member_ids(payload.get("members"), api, where)
+    whole = {**payload["members"], "member_ids": sorted(ids)}
+    check_members({**payload, "members": whole}, ens, api, where)
+    out = localise(payload, path, sorted(ids), api)
+    held = out.get("history")
+    if isinstance(held, dict) and held.get("ensemble_metrics") is not None:
+        out["history"] = {**held, "ensemble_metrics": None}
+    return out
