@@ -12,12 +12,14 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import optree
 import torch
 
 from ._checks import check_choice, check_mask, expand_in_dims
 from ._precision import LossScale
 from .ensemble import Ensemble
 from .optim import StackedOptimizer
+from .optim._hyper import group_args
 from .optim._keep import keep_masked_
 from .optim._values import MemberValues
 from .optim.clip import clip_norms_, clip_values_
@@ -28,10 +30,12 @@ __all__ = [
     "attached_scheduler",
     "build_update",
     "check_call",
+    "check_groups",
     "check_optimizer",
     "distinct_grads",
     "frozen_buffers",
     "graph_hyperparameters",
+    "no_gradient",
     "optimizer_errors",
     "shared_floats",
     "trainable",
@@ -305,3 +309,40 @@ def graph_hyperparameters(optimizer: StackedOptimizer, made: dict[tuple, Any]) -
     finally:
         for group, name, value in reversed(swapped):
             group[name] = value
+
+
+def check_groups(optimizer: StackedOptimizer) -> None:
+    """Raise the eager step's error for a param group value it cannot take (a list ``lr``
+    set after construction), which dynamo reports as "Observed exception" while tracing."""
+    for group in optimizer.param_groups:
+        group_args(group, optimizer.hyperparameters, torch.device("meta"), **optimizer._who)
+
+
+def no_gradient(
+    ens: Ensemble,
+    member_loss: Callable,
+    trained: tuple[str, ...],
+    args: tuple,
+    targets: torch.Tensor,
+    in_dims: int | None,
+    update: Update,
+) -> set[str]:
+    """The parameters named in ``trained`` that get no gradient on this batch, from member 0
+    run eagerly (a copy of it: nothing of ``ens`` or the RNG changes).
+
+    ``loss.backward()`` leaves such a parameter's ``.grad`` None, and the optimizer skips it;
+    ``torch.func.grad`` in the compiled graph gives it zeros, which weight decay would step.
+    """
+    sub = ens.select([0])
+    state = sub.stacked_state()
+    batch: Any = (args, targets)
+    if in_dims == 0:  # member 0's slice
+        batch = optree.tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) else t, batch)
+    device = next(iter(state.values())).device
+    forked = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+    with forked, torch.enable_grad(), sub.guard("step", loss=True), update.autocast():
+        losses = sub._member_map(member_loss, (in_dims, in_dims))(state, *batch)
+    if not losses.requires_grad:
+        return set(trained)
+    grads = torch.autograd.grad(losses.sum(), [state[name] for name in trained], allow_unused=True)
+    return {name for name, g in zip(trained, grads, strict=True) if g is None}

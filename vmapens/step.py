@@ -7,7 +7,6 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import optree
 import torch
 from torch.func import grad_and_value
 
@@ -20,10 +19,12 @@ from ._step_parts import (
     attached_scheduler,
     build_update,
     check_call,
+    check_groups,
     check_optimizer,
     distinct_grads,
     frozen_buffers,
     graph_hyperparameters,
+    no_gradient,
     optimizer_errors,
     shared_floats,
     trainable,
@@ -32,7 +33,6 @@ from ._step_parts import (
 from ._update_check import checked_call
 from .ensemble import Ensemble
 from .optim import StackedOptimizer
-from .optim._hyper import group_args
 from .selfcheck import Probe, check_step_arguments
 
 __all__ = ["LossScale", "Step", "make_step"]
@@ -290,7 +290,7 @@ def _compiled_step(
     first = graph_key([p for p in every if p.requires_grad])
     graphs = {first: build(*first)}  # torch.compile wraps now and compiles at the first call
     # The parameters each graph differentiates: its trainable ones less those that get no
-    # gradient, found at its first call (_no_gradient).
+    # gradient, found at its first call (no_gradient).
     used: dict[tuple, tuple[str, ...]] = {}
     # The (graph, input shapes) whose first call was checked against the eager update
     # (_update_check): dynamo compiles anew for new shapes or a mask.
@@ -324,7 +324,7 @@ def _compiled_step(
                 graphs.clear()  # new code objects: the baked graphs' cache entries go with them
                 checked.clear()
         if now not in used:
-            unused = _no_gradient(ens, member_loss, now[0], args, targets, in_dims, update)
+            unused = no_gradient(ens, member_loss, now[0], args, targets, in_dims, update)
             used[now] = tuple(name for name in now[0] if name not in unused)
             if unused:
                 graphs.pop(now, None)  # wrapped for every trainable one, not compiled yet
@@ -350,7 +350,7 @@ def _compiled_step(
                     else:
                         losses, _ = run()
                 except Exception:
-                    _check_groups(optimizer)  # a bad group value: the eager step's TypeError
+                    check_groups(optimizer)  # a bad group value: the eager step's TypeError
                     raise
         # It stepped the optimizer without opt.step(): say so to torch's LR schedulers, as the
         # wrapper they put on opt.step does (else: "lr_scheduler.step() before optimizer.step()").
@@ -359,43 +359,6 @@ def _compiled_step(
         return losses
 
     return step
-
-
-def _check_groups(optimizer: StackedOptimizer) -> None:
-    """Raise the eager step's error for a param group value it cannot take (a list ``lr``
-    set after construction), which dynamo reports as "Observed exception" while tracing."""
-    for group in optimizer.param_groups:
-        group_args(group, optimizer.hyperparameters, torch.device("meta"), **optimizer._who)
-
-
-def _no_gradient(
-    ens: Ensemble,
-    member_loss: Callable,
-    trained: tuple[str, ...],
-    args: tuple,
-    targets: torch.Tensor,
-    in_dims: int | None,
-    update: Update,
-) -> set[str]:
-    """The parameters named in ``trained`` that get no gradient on this batch, from member 0
-    run eagerly (a copy of it: nothing of ``ens`` or the RNG changes).
-
-    ``loss.backward()`` leaves such a parameter's ``.grad`` None, and the optimizer skips it;
-    ``torch.func.grad`` in the compiled graph gives it zeros, which weight decay would step.
-    """
-    sub = ens.select([0])
-    state = sub.stacked_state()
-    batch: Any = (args, targets)
-    if in_dims == 0:  # member 0's slice
-        batch = optree.tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) else t, batch)
-    device = next(iter(state.values())).device
-    forked = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
-    with forked, torch.enable_grad(), sub.guard("step", loss=True), update.autocast():
-        losses = sub._member_map(member_loss, (in_dims, in_dims))(state, *batch)
-    if not losses.requires_grad:
-        return set(trained)
-    grads = torch.autograd.grad(losses.sum(), [state[name] for name in trained], allow_unused=True)
-    return {name for name, g in zip(trained, grads, strict=True) if g is None}
 
 
 def _static_addresses(ens: Ensemble, optimizer: StackedOptimizer) -> None:
