@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
 import torch
 
-__all__ = ["chunk_bounds", "chunked_losses_and_grads"]
+from ._unbatchable import Versions, refuse_edited, shared_versions
+
+__all__ = ["chunk_bounds", "chunked_losses_and_grads", "in_turns"]
 
 
 def chunk_bounds(n: int, chunk_size: int | None) -> list[tuple[int, int]] | None:
@@ -18,6 +21,23 @@ def chunk_bounds(n: int, chunk_size: int | None) -> list[tuple[int, int]] | None
     if chunk_size is None or chunk_size >= n:
         return None
     return [(a, min(a + chunk_size, n)) for a in range(0, n, chunk_size)]
+
+
+def in_turns(fn: Callable[..., Any], versions: Versions, size: int) -> Callable[..., Any]:
+    """``fn`` as ``torch.func.vmap(chunk_size=size)`` calls it, once per chunk of members in
+    turn: a chunk after one that edited a tensor of ``versions`` is refused (``refuse_edited``).
+    """
+    if not versions:
+        return fn
+    turns = itertools.count()
+
+    def turn(*args: Any) -> Any:
+        k = next(turns)
+        if k:
+            refuse_edited(versions, f"chunk_size={size}", (k - 1) * size, k * size - 1)
+        return fn(*args)
+
+    return turn
 
 
 def _rows(tree: Any, a: int, b: int) -> Any:
@@ -45,7 +65,8 @@ def chunked_losses_and_grads(
     ``vmap(chunk_size=...)`` under autograd keeps every chunk's until the backward. The random
     draws are vmap's own: chunk after chunk in member order, the RNG state restored before
     each chunk for ``randomness="same"`` (as ``vmap`` does), so the result equals the one
-    ``vmap(chunk_size=...)`` gives.
+    ``vmap(chunk_size=...)`` gives. A chunk after one that edited a batch tensor all members
+    share is refused (``EditedInTurns``): it would see that chunk's edits.
 
     Args:
         batched: ``(state, args, targets, rows=slice) -> losses[chunk]``, the ensemble's
@@ -70,7 +91,12 @@ def chunked_losses_and_grads(
     grads: list[torch.Tensor | None] = [None] * len(params)
     losses = []
     rng = torch.get_rng_state() if same_randomness else None
+    # A forward that edits a shared batch tensor would show chunk k the edits of chunks < k.
+    shared = shared_versions((args, targets), (in_dims, in_dims))
+    size = chunks[0][1]
     for a, b in chunks:
+        if a:
+            refuse_edited(shared, f"chunk_size={size}", a - size, a - 1)
         if rng is not None:
             torch.set_rng_state(rng)
         member_args = (args, targets) if in_dims is None else _rows((args, targets), a, b)

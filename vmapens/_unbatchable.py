@@ -23,12 +23,16 @@ from ._attention import batched_attention
 from ._fastcall import WRITTEN, Reassigned
 
 __all__ = [
+    "EditedInTurns",
+    "Versions",
     "batch_kept",
     "explain_failure",
     "follow_sparse",
     "guarded",
+    "refuse_edited",
     "refuse_edits_in_turns",
     "refuse_template_hooks",
+    "shared_versions",
     "sparse_layers",
     "unchunked",
 ]
@@ -87,6 +91,8 @@ def explain_failure(
     Returns:
         The error to raise instead (chain ``err`` to it), or None for an ordinary failure.
     """
+    if isinstance(err, EditedInTurns):
+        return RuntimeError(err.message(api, name))
     if isinstance(err, Reassigned):
         return RuntimeError(
             f"{api}: the forward of {name} {err}. (Either backend refuses it; nothing was changed)"
@@ -201,14 +207,69 @@ def refuse_edits_in_turns(
     if backend == "vmap" and (chunk_size or n) >= n:
         return
     how = "backend='loop'" if backend == "loop" else f"chunk_size={chunk_size}"
-    raise RuntimeError(
+    raise RuntimeError(_edits_in_turns(api, name, how, "Nothing was changed"))
+
+
+def _edits_in_turns(api: str, name: str, how: str, tail: str) -> str:
+    return (
         f"{api}: the forward or loss of {name} edits a tensor of the batch in place (such as "
         f"x.mul_(2) on its input), and with {how} the members run in turns on that one batch: "
         "each member would see the edits of the members before it, where alone it sees the "
         "batch as given. Copy it before the edit (x = x.clone()), or build the ensemble with "
         "backend='vmap' and no chunk_size (one run for all members edits it once, as one "
-        "member alone does). Nothing was changed"
+        f"member alone does). {tail}"
     )
+
+
+class EditedInTurns(RuntimeError):
+    """What a runner of members in turns raises (``refuse_edited``) before the next turn when
+    the turn of members ``first`` to ``last`` edited a batch tensor all members share;
+    ``explain_failure`` names the API."""
+
+    def __init__(self, how: str, first: int, last: int) -> None:
+        self.how, self.first, self.last = how, first, last
+        super().__init__(self.message("Ensemble", "the member"))
+
+    def message(self, api: str, name: str) -> str:
+        # No copy of the batch is kept (that would cost a copy per call): the edit stays.
+        who = f"member {self.first}"
+        if self.last > self.first:
+            who = f"the one run of members {self.first} to {self.last} (a chunk)"
+        tail = (
+            "Refused before the next members ran: nothing else was changed, but the batch was "
+            f"edited once, by {who}, as one member alone edits it"
+        )
+        return _edits_in_turns(api, name, self.how, tail)
+
+
+#: A tensor all members share and its version before the first turn.
+Versions = list[tuple[Tensor, int]]
+
+
+def shared_versions(args: Sequence[Any], in_dims: Sequence[Any]) -> Versions:
+    """The version of each tensor of ``args`` that all members share (``in_dims`` None), read
+    before members run in turns on them (``refuse_edited``): one ``_version`` read each.
+
+    An inference tensor has no version counter; a traced call (torch.compile, torch.export)
+    has none to read.
+    """
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return []
+    return [
+        (t, t._version)
+        for a, d in zip(args, in_dims, strict=True)
+        if d is None
+        for t in optree.tree_leaves(a)
+        if isinstance(t, Tensor) and not t.is_inference()
+    ]
+
+
+def refuse_edited(versions: Versions, how: str, first: int, last: int) -> None:
+    """Before the next turn: raise ``EditedInTurns`` if a tensor of ``versions`` changed (the
+    turn of members ``first`` to ``last`` edited it; ``how``: the setting that runs turns)."""
+    for t, version in versions:
+        if t._version != version:
+            raise EditedInTurns(how, first, last)
 
 
 def refuse_template_hooks(template: nn.Module, runner: nn.Module) -> None:
