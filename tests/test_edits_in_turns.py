@@ -230,3 +230,38 @@ def test_an_inference_tensor_batch_runs_in_turns(settings: dict[str, Any], how: 
         out = ens(x)
         for i in range(N):
             torch.testing.assert_close(out[i], ens[i](x), rtol=1e-12, atol=1e-12)
+
+
+class _ScaledByKeyword(nn.Module):
+    """Takes a keyword input; with ``edit`` its forward doubles it in place."""
+
+    def __init__(self, edit: bool = True) -> None:
+        super().__init__()
+        self.fc, self.edit = nn.Linear(3, 2), edit
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
+        if self.edit:
+            scale.mul_(2)
+        return self.fc(x) * scale + shift
+
+
+@pytest.mark.parametrize(
+    "settings", [{"backend": "loop"}, {"chunk_size": 1}], ids=["loop", "chunk1"]
+)
+def test_a_keyword_input_edited_in_turns_is_refused(settings: dict[str, Any]) -> None:
+    ens = vmapens.Ensemble(_ScaledByKeyword, n=3, seed=0, **settings)
+    scale = torch.ones(1, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="edits a tensor of the batch in place"):
+        ens(torch.randn(4, 3), scale=scale)
+    assert torch.equal(scale, torch.full((1,), 2.0))  # once, as by one member alone
+
+
+@pytest.mark.parametrize(
+    "settings", [{}, {"backend": "loop"}, {"chunk_size": 1}], ids=["vmap", "loop", "chunk1"]
+)
+def test_keyword_inputs_reach_every_member_as_alone(settings: dict[str, Any]) -> None:
+    ens = vmapens.Ensemble(lambda: _ScaledByKeyword(edit=False), n=3, seed=0, **settings)
+    x, scale = torch.randn(4, 3), torch.rand(4, 1)
+    out = ens(x, scale=scale, shift=0.5)
+    for i in range(3):
+        torch.testing.assert_close(out[i], ens[i](x, scale=scale, shift=0.5))

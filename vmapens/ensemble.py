@@ -271,10 +271,12 @@ class Ensemble(StackedModule):
                 "(torch.nn.utils.rnn.pad_sequence) or build the ensemble with backend='loop'"
             )
 
-        def member(state: dict[str, torch.Tensor], *args: Any) -> Any:
-            return call_member(self.runner, state, args, kwargs)
+        def member(state: dict[str, torch.Tensor], kw: dict, *args: Any) -> Any:
+            return call_member(self.runner, state, args, kw)
 
-        return self.map_members(member, *args, in_dims=in_dims)
+        # kwargs as a shared input: runners that run members in turns check it like the others
+        dims = expand_in_dims("Ensemble", in_dims, args, len(self))
+        return self.map_members(member, kwargs, *args, in_dims=(None, *dims))
 
     def map_members(self, fn: Callable[..., Any], *args: Any, in_dims: Any = None) -> Any:
         """Run ``fn(member_state, *member_args)`` for every member, stacking the outputs.
