@@ -37,6 +37,7 @@ __all__ = [
     "graph_hyperparameters",
     "no_gradient",
     "optimizer_errors",
+    "own_counters",
     "shared_floats",
     "trainable",
     "undo_point",
@@ -346,3 +347,28 @@ def no_gradient(
         return set(trained)
     grads = torch.autograd.grad(losses.sum(), [state[name] for name in trained], allow_unused=True)
     return {name for name, g in zip(trained, grads, strict=True) if g is None}
+
+
+def own_counters(optimizer: StackedOptimizer, stepped: set[int]) -> None:
+    """Give each held parameter outside ``stepped`` (ids) step counts of its own, outside the
+    compiled graph.
+
+    A param group's parameters start with one shared count. A compiled graph that does not
+    step one of them (frozen, or no gradient) clones the shared count for it while tracing,
+    and dynamo guards only the first parameter's: later calls kept writing the stepping
+    parameters' count into it, so an unfrozen head started Adam at step 4 where torch's
+    starts at 1.
+    """
+    for group in optimizer.param_groups:
+        counters = tuple(optimizer.scalar_state(group))
+        states = [optimizer.state[p] for p in group["params"]]
+        live = {
+            id(s[k])
+            for p, s in zip(group["params"], states, strict=True)
+            if id(p) in stepped
+            for k in counters
+            if k in s
+        }
+        for p, s in zip(group["params"], states, strict=True):
+            if id(p) not in stepped and any(id(s.get(k)) in live for k in counters):
+                s.update({k: s[k].clone() for k in counters})

@@ -26,6 +26,7 @@ from ._step_parts import (
     graph_hyperparameters,
     no_gradient,
     optimizer_errors,
+    own_counters,
     shared_floats,
     trainable,
     undo_point,
@@ -288,12 +289,17 @@ def _compiled_step(
         return tuple(names[id(p)] for p in trained), tuple(names[id(p)] for p in held)
 
     first = graph_key([p for p in every if p.requires_grad])
-    graphs = {first: build(*first)}  # torch.compile wraps now and compiles at the first call
-    # The parameters each graph differentiates: its trainable ones less those that get no
-    # gradient, found at its first call (no_gradient).
-    used: dict[tuple, tuple[str, ...]] = {}
-    # The (graph, input shapes) whose first call was checked against the eager update
-    # (_update_check): dynamo compiles anew for new shapes or a mask.
+    # torch.compile wraps now and compiles at the first call; a graph is keyed by (trainable
+    # and held names, the names it differentiates).
+    graphs = {(first, first[0]): build(*first)}
+    # For each (graph key, input shapes, modules' train/eval modes): the graph, the parameters
+    # that get a gradient (no_gradient: member 0 run eagerly; a forward may read a parameter
+    # only in training mode, an auxiliary head, or for some shapes), and the ids of those it
+    # steps when the optimizer holds others (they need step counts of their own: own_counters).
+    parts: dict[tuple, tuple[tuple, tuple[str, ...], set[int] | None]] = {}
+    modules = list(ens.runner.modules())
+    # The parts whose first call was checked against the eager update (_update_check): dynamo
+    # compiles anew for new shapes, a mask or another mode.
     checked: set[tuple] = set()
     shapes: set[tuple] = set()
     made: dict[tuple, Any] = {}  # graph_hyperparameters' MemberValues, kept between calls
@@ -323,14 +329,18 @@ def _compiled_step(
                 tensors = True
                 graphs.clear()  # new code objects: the baked graphs' cache entries go with them
                 checked.clear()
-        if now not in used:
+        part = (now, key, tuple([m.training for m in modules]))
+        if part not in parts:
             unused = no_gradient(ens, member_loss, now[0], args, targets, in_dims, update)
-            used[now] = tuple(name for name in now[0] if name not in unused)
-            if unused:
-                graphs.pop(now, None)  # wrapped for every trainable one, not compiled yet
-        if now not in graphs:
-            graphs[now] = build(used[now], now[1])
+            trained = tuple(name for name in now[0] if name not in unused)
+            stepped = {id(p) for p in every if names[id(p)] in trained}
+            parts[part] = ((now, trained), trained, stepped if set(now[1]) - set(trained) else None)
+        graph, trained, stepping = parts[part]
+        if graph not in graphs:
+            graphs[graph] = build(trained, now[1])
         optimizer.prepare()  # state is created outside the graph
+        if stepping is not None:  # the optimizer holds parameters this graph does not step
+            own_counters(optimizer, stepping)
         if every[0].device.type == "cuda":  # moved there after make_step, too
             _static_addresses(ens, optimizer)
         # Gradients come from torch.func inside the graph: no autograd graph around it.
@@ -339,14 +349,14 @@ def _compiled_step(
             hyper = graph_hyperparameters(optimizer, made) if tensors else contextlib.nullcontext()
             with hyper:
                 run = functools.partial(
-                    graphs[now], ens.stacked_state(), args, targets, mask, scale
+                    graphs[graph], ens.stacked_state(), args, targets, mask, scale
                 )
                 try:
-                    if check and (now, key) not in checked:
+                    if check and part not in checked:
                         losses = checked_call(
-                            run, ens, optimizer, update.scale, used[now], now[1], mask
+                            run, ens, optimizer, update.scale, trained, now[1], mask
                         )
-                        checked.add((now, key))
+                        checked.add(part)
                     else:
                         losses, _ = run()
                 except Exception:
