@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
+from truth import seeded_members
 
 import vmapens
 
@@ -20,15 +21,6 @@ TOL = dict(rtol=1e-9, atol=1e-12)
 
 
 pytestmark = pytest.mark.usefixtures("float64_default")
-
-
-def _alone(factory: Callable[[], nn.Module]) -> list[nn.Module]:
-    """The members as plain modules: ``seeds=range(N)`` seeds member ``k`` with ``k``."""
-    out = []
-    for k in range(N):
-        torch.manual_seed(k)
-        out.append(factory())
-    return out
 
 
 # -- nn.MultiheadAttention's `None` weights ------------------------------------------------
@@ -56,7 +48,7 @@ def test_attention_without_weights_returns_none_as_each_member_alone(options, ca
     x = torch.randn(2, 5, 8)
     out, weights = ens(x, x, x, **call)
     assert weights is None
-    for i, member in enumerate(_alone(_mha)):
+    for i, member in enumerate(seeded_members(_mha, N)):
         alone, none = member(x, x, x, **call)
         assert none is None
         torch.testing.assert_close(out[i], alone, **TOL)
@@ -112,7 +104,7 @@ def test_eager_step_clips_each_gradient_once_whatever_tensor_autograd_returns(fa
     ens = vmapens.Ensemble(factory, n=N, seeds=range(N))
     opt = vmapens.StackedSGD(ens, lr=0.1)
     step = vmapens.make_step(ens, nn.MSELoss(), opt, **{clip: 0.05})
-    alone = _alone(factory)
+    alone = seeded_members(factory, N)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in alone]
     clip_alone = {
         "clip_grad_norm": nn.utils.clip_grad_norm_,
@@ -145,7 +137,7 @@ def test_lstm_on_an_empty_batch_returns_empty_outputs_as_alone(batch_first):
     ens = vmapens.Ensemble(factory, n=N, seeds=range(N))
     x = torch.randn(0, 5, 3) if batch_first else torch.randn(5, 0, 3)
     out, (h, c) = ens(x)
-    for i, member in enumerate(_alone(factory)):
+    for i, member in enumerate(seeded_members(factory, N)):
         want, (h_want, c_want) = member(x)
         assert out[i].shape == want.shape and h[i].shape == h_want.shape
         assert c[i].shape == c_want.shape
@@ -170,7 +162,7 @@ def _cnn(dims: int) -> Callable[[], nn.Module]:
 def test_batchnorm_cumulative_average_trains_as_each_member_alone(dims):
     factory = _cnn(dims)
     ens = vmapens.Ensemble(factory, n=N, seeds=range(N))
-    alone = _alone(factory)
+    alone = seeded_members(factory, N)
     width = 3 * 2**dims
     head = torch.randn(width, 1)
     loss_fn = lambda out, y: nn.functional.mse_loss(out @ head, y)  # noqa: E731
@@ -223,7 +215,7 @@ def test_step_takes_a_one_element_loss_as_backward_does():
     x, y = torch.randn(5, 3), torch.randn(5, 1)
     losses = step(x, y)
     assert losses.shape == (N,)
-    for i, m in enumerate(_alone(factory)):
+    for i, m in enumerate(seeded_members(factory, N)):
         loss = loss_fn(m(x), y)
         loss.backward()  # plain torch takes a one-element loss
         torch.optim.SGD(m.parameters(), lr=0.1).step()
@@ -247,7 +239,7 @@ def test_lstm_state_as_a_list_runs_as_alone(factory, x, state):
     x = torch.randn(x)
     hx = [torch.randn(s) for s in state]
     out = tree_leaves(ens(x, hx))
-    for i, member in enumerate(_alone(factory)):
+    for i, member in enumerate(seeded_members(factory, N)):
         want = tree_leaves(member(x, hx))  # torch takes a list [h_0, c_0] as well as a tuple
         assert len(out) == len(want) == (3 if isinstance(member, nn.LSTM) else 2)
         for got, alone in zip(out, want, strict=True):

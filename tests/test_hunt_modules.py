@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parametrizations
-from truth import TOL64, assert_members_equal, float64_batches, train_each
+from truth import TOL64, assert_members_equal, float64_batches, seeded_members, train_each
 
 import vmapens
 
@@ -31,15 +31,6 @@ pytestmark = [
 ]
 
 
-def _alone(factory: Callable[[], nn.Module]) -> list[nn.Module]:
-    """The members as plain modules: ``seeds=range(N)`` seeds member ``k`` with ``k``."""
-    out = []
-    for k in range(N):
-        torch.manual_seed(k)
-        out.append(factory())
-    return out
-
-
 def _sgd(ens: vmapens.Ensemble) -> vmapens.StackedSGD:
     return vmapens.StackedSGD(ens, lr=0.1)
 
@@ -50,7 +41,7 @@ def _torch_sgd(i: int, m: nn.Module) -> torch.optim.Optimizer:
 
 def _trained_alone(factory: Callable[[], nn.Module], batches: list) -> list[nn.Module]:
     """Each member alone with torch.optim.SGD, on its own copy of every batch."""
-    models = _alone(factory)
+    models = seeded_members(factory, N)
     for m in models:
         train_each([m], copy.deepcopy(batches), nn.functional.mse_loss, _torch_sgd)
     return models
@@ -241,7 +232,7 @@ def test_modules_train_as_each_member_alone(factory, shape):
     step = vmapens.make_step(ens, loss, _sgd(ens))
     for x, y in batches:
         step(x, y)
-    models = _alone(factory)
+    models = seeded_members(factory, N)
     train_each(models, batches, loss, _torch_sgd)
     assert_members_equal(ens, models)
 
@@ -307,7 +298,7 @@ def test_editing_per_member_data_in_turns_trains_as_alone():
     """With ``in_dims=0`` each member edits its own rows once: exact in turns too."""
     x, y = float64_batches(1, N * ROWS, 4, 2)[0]
     x, y = x.view(N, ROWS, 4), y.view(N, ROWS, 2)
-    models = _alone(_DoublesInput)
+    models = seeded_members(_DoublesInput, N)
     for i, m in enumerate(models):
         train_each([m], [(x[i].clone(), y[i])], nn.functional.mse_loss, _torch_sgd)
     ens = vmapens.Ensemble(_DoublesInput, n=N, seeds=range(N), chunk_size=1)
@@ -342,7 +333,7 @@ def test_backward_hooks_are_refused_under_vmap_and_fire_with_the_loop_backend():
         vmapens.make_step(ens, nn.MSELoss(), _sgd(ens))(x, y)
     with torch.no_grad():  # no backward: the hooks have nothing to miss
         out = ens(x)
-    models = _alone(_BackwardHooked)
+    models = seeded_members(_BackwardHooked, N)
     for i, m in enumerate(models):
         torch.testing.assert_close(out[i], m(x), **TOL64)
 
@@ -448,7 +439,7 @@ def test_a_number_in_the_output_trains_as_alone_and_the_forward_names_it(backend
     step = vmapens.make_step(ens, loss, _sgd(ens))
     for x, y in batches:
         step(x, y)
-    models = _alone(_CountsToo)
+    models = seeded_members(_CountsToo, N)
     train_each(models, batches, loss, _torch_sgd)
     assert_members_equal(ens, models)
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrizations
 from torch.nn.utils.parametrizations import _SpectralNorm
-from truth import assert_members_equal, float64_batches
+from truth import assert_members_equal, float64_batches, seeded_members
 
 import vmapens
 
@@ -54,15 +54,6 @@ CASES = {
 }
 
 
-def _alone(factory: Callable[[], nn.Module]) -> list[nn.Module]:
-    """The members as plain modules: ``seeds=range(N)`` seeds member ``k`` with ``k``."""
-    out = []
-    for k in range(N):
-        torch.manual_seed(k)
-        out.append(factory())
-    return out
-
-
 def _train_alone(models: list[nn.Module], batches: list, eval_from: int) -> None:
     """torch.optim.Adam, one module at a time; eval mode from batch ``eval_from`` on."""
     for m in models:
@@ -91,7 +82,7 @@ def test_spectral_norm_members_train_as_alone_under_vmap_in_train_and_eval_mode(
     factory = CASES[name]
     batches = float64_batches(4, ROWS, 4, 2)
     ens = _train_ensemble(factory, batches, eval_from=2)
-    alone = _alone(factory)
+    alone = seeded_members(factory, N)
     _train_alone(alone, batches, eval_from=2)
     assert any(k.endswith("._u") for k in ens.state_dict())
     assert_members_equal(ens, alone)  # parameters and the _u / _v buffers
@@ -104,7 +95,7 @@ def test_spectral_norm_members_train_as_alone_in_chunks_and_with_the_loop_backen
     factory = CASES["linear-iterations-eps"]
     batches = float64_batches(3, ROWS, 4, 2)
     ens = _train_ensemble(factory, batches, eval_from=len(batches), **kw)
-    alone = _alone(factory)
+    alone = seeded_members(factory, N)
     _train_alone(alone, batches, eval_from=len(batches))
     assert_members_equal(ens, alone)
 
@@ -115,7 +106,7 @@ def test_members_keep_torchs_spectral_norm_and_load_into_plain_modules():
     ens = _train_ensemble(factory, batches, eval_from=len(batches))
     runner_norm = ens.runner[1].parametrizations.weight[0]
     assert isinstance(runner_norm, _SpectralNorm) and type(runner_norm) is not _SpectralNorm
-    alone = _alone(factory)
+    alone = seeded_members(factory, N)
     _train_alone(alone, batches, eval_from=len(batches))
     x = batches[0][0]
     for i, (member, plain, state) in enumerate(
@@ -133,12 +124,20 @@ def test_members_keep_torchs_spectral_norm_and_load_into_plain_modules():
             torch.testing.assert_close(m.state_dict(), plain.state_dict(), rtol=1e-9, atol=1e-10)
 
 
-def test_two_forwards_in_one_step_as_a_gan_discriminator():
+def _hook_linear() -> nn.Module:
+    """The old-style ``nn.utils.spectral_norm`` (a forward pre-hook), as in
+    tests/test_spectral_hook.py."""
+    return nn.Sequential(nn.utils.spectral_norm(nn.Linear(4, 5)), nn.Tanh(), nn.Linear(5, 2))
+
+
+@pytest.mark.parametrize(
+    "factory", [CASES["linear"], _hook_linear], ids=["parametrization", "hook"]
+)
+def test_two_forwards_in_one_step_as_a_gan_discriminator(factory):
     """``D(real) - D(fake)``: two power iterations per step, the first forward's backward
     through the vectors it read, not the ones the second forward wrote."""
-    factory = CASES["linear"]
     batches = float64_batches(3, ROWS, 4, 4)
-    alone = _alone(factory)
+    alone = seeded_members(factory, N)
     for m in alone:
         opt = torch.optim.Adam(m.parameters(), lr=LR)
         for real, fake in batches:
@@ -158,6 +157,6 @@ def test_compiled_step_traces_spectral_norm_and_trains_as_alone():
     factory = CASES["linear-iterations-eps"]
     batches = float64_batches(3, ROWS, 4, 2)
     ens = _train_ensemble(factory, batches, eval_from=2, compile=True)
-    alone = _alone(factory)
+    alone = seeded_members(factory, N)
     _train_alone(alone, batches, eval_from=2)
     assert_members_equal(ens, alone)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.utils.spectral_norm import SpectralNorm
-from truth import TOL64, assert_members_equal, float64_batches, train_each
+from truth import TOL64, assert_members_equal, float64_batches, seeded_members, train_each
 
 import vmapens
 
@@ -61,15 +61,6 @@ def _hook(module: nn.Module) -> SpectralNorm:
     return hook
 
 
-def _alone(factory: Callable[[], nn.Module]) -> list[nn.Module]:
-    """The members as plain modules: ``seeds=range(N)`` seeds member ``k`` with ``k``."""
-    out = []
-    for k in range(N):
-        torch.manual_seed(k)
-        out.append(factory())
-    return out
-
-
 def _train_alone(models: list[nn.Module], batches: list, eval_from: int) -> None:
     """``train_each`` in training mode up to batch ``eval_from``, then in eval mode, with one
     Adam per module kept across the switch."""
@@ -96,7 +87,7 @@ def test_old_spectral_norm_members_train_as_alone_under_vmap_in_train_and_eval_m
     factory = CASES[name]
     batches = float64_batches(4, ROWS, 4, 2)
     ens = _train_ensemble(factory, batches, eval_from=2)
-    alone = _alone(factory)
+    alone = seeded_members(factory, N)
     _train_alone(alone, batches, eval_from=2)
     assert type(_hook(ens.runner)) is not SpectralNorm  # the twin ran, not the loop
     assert any(k.endswith("weight_u") for k in ens.state_dict())
@@ -110,7 +101,7 @@ def test_old_spectral_norm_members_train_as_alone_in_chunks_and_with_the_loop_ba
     factory = CASES["linear-iterations-eps"]
     batches = float64_batches(3, ROWS, 4, 2)
     ens = _train_ensemble(factory, batches, eval_from=2, **kw)
-    alone = _alone(factory)
+    alone = seeded_members(factory, N)
     _train_alone(alone, batches, eval_from=2)
     assert_members_equal(ens, alone)
 
@@ -130,7 +121,7 @@ def test_members_keep_torchs_hook_and_a_saved_ensemble_resumes_as_alone(tmp_path
     opt = vmapens.StackedAdam(loaded, lr=LR)
     vmapens.restore(tmp_path / "ens.pt", loaded, opt)
     vmapens.make_step(loaded, nn.MSELoss(), opt)(*batches[3])
-    alone = _alone(factory)
+    alone = seeded_members(factory, N)
     _train_alone(alone, batches, eval_from=4)
     assert_members_equal(loaded, alone)
     x = batches[0][0]
@@ -145,24 +136,3 @@ def test_members_keep_torchs_hook_and_a_saved_ensemble_resumes_as_alone(tmp_path
         for m in (member, from_file):
             torch.testing.assert_close(m.train()(x), want, **TOL64, msg=f"member {i}")
             torch.testing.assert_close(m.state_dict(), plain.state_dict(), **TOL64)
-
-
-def test_two_forwards_in_one_step_as_a_gan_discriminator():
-    """``D(real) - D(fake)``: two power iterations per step, the first forward's backward
-    through the vectors it read, not the ones the second forward wrote."""
-    factory = CASES["linear"]
-    batches = float64_batches(3, ROWS, 4, 4)
-    alone = _alone(factory)
-    for m in alone:
-        opt = torch.optim.Adam(m.parameters(), lr=LR)
-        for real, fake in batches:
-            opt.zero_grad()
-            (m(real).mean() - m(fake).mean()).backward()
-            opt.step()
-    ens = vmapens.Ensemble(factory, n=N, seeds=range(N))
-    opt = vmapens.StackedAdam(ens, lr=LR)
-    for real, fake in batches:
-        opt.zero_grad()
-        (ens(real).mean((1, 2)) - ens(fake).mean((1, 2))).sum().backward()
-        opt.step()
-    assert_members_equal(ens, alone)

@@ -154,6 +154,16 @@ def train_each(
     return opts
 
 
+def seeded_members(factory: Callable[[], nn.Module], n: int) -> list[nn.Module]:
+    """The members of ``Ensemble(factory, n, seeds=range(n))`` as plain modules: member ``k``
+    built after ``torch.manual_seed(k)``."""
+    out = []
+    for k in range(n):
+        torch.manual_seed(k)
+        out.append(factory())
+    return out
+
+
 def twins(modules: Iterable[nn.Module]) -> list[nn.Module]:
     """Independent deep copies (for `ens.unstack()` or a list of plain modules)."""
     return [copy.deepcopy(m) for m in modules]
