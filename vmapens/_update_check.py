@@ -23,7 +23,7 @@ from ._checks import tolerance
 from .ensemble import Ensemble
 from .optim import StackedOptimizer
 
-__all__ = ["CompiledStepMismatch", "checked_call"]
+__all__ = ["CompiledStepMismatch", "checked_call", "written"]
 
 
 class CompiledStepMismatch(RuntimeError):
@@ -123,30 +123,35 @@ def _set_rng_state(device: torch.device, state: tuple[Tensor, Tensor | None]) ->
         torch.cuda.set_rng_state(state[1], device)
 
 
+def written(
+    ens: Ensemble, optimizer: StackedOptimizer, scale: Any = None
+) -> Iterator[tuple[Any, Tensor]]:
+    """Every tensor a training step writes in place, by a key: the parameters and buffers,
+    the optimizer's state and the loss scale's (``scale``, a LossScale, or None)."""
+    for name, t in ens.stacked_state().items():
+        yield ("ens", name), t
+    for p, state in optimizer.state.items():
+        for key, t in state.items():
+            if isinstance(t, Tensor):
+                yield (id(p), key), t
+    if scale is not None:
+        yield ("scale", "scale"), scale.scale
+        yield ("scale", "growth_tracker"), scale.growth_tracker
+
+
 class _Saved:
-    """Every tensor a step writes in place: parameters, buffers, optimizer state, loss scale."""
+    """Copies of what a step writes (``written``), taken and put back."""
 
     def __init__(self, ens: Ensemble, optimizer: StackedOptimizer, scale: Any) -> None:
         self.ens, self.optimizer, self.scale = ens, optimizer, scale
         self.before = self.current()
 
-    def _tensors(self) -> Iterator[tuple[Any, Tensor]]:
-        for name, t in self.ens.stacked_state().items():
-            yield ("ens", name), t
-        for p, state in self.optimizer.state.items():
-            for key, t in state.items():
-                if isinstance(t, Tensor):
-                    yield (id(p), key), t
-        if self.scale is not None:
-            yield ("scale", "scale"), self.scale.scale
-            yield ("scale", "growth_tracker"), self.scale.growth_tracker
-
     def current(self) -> dict[Any, Tensor]:
-        return {key: t.detach().clone() for key, t in self._tensors()}
+        return {key: t.detach().clone() for key, t in written(self.ens, self.optimizer, self.scale)}
 
     def restore(self, values: dict[Any, Tensor]) -> None:
         with torch.no_grad():
-            for key, t in self._tensors():
+            for key, t in written(self.ens, self.optimizer, self.scale):
                 t.copy_(values[key])
 
 

@@ -31,7 +31,7 @@ from ._step_parts import (
     trainable,
     undo_point,
 )
-from ._update_check import checked_call
+from ._update_check import checked_call, written
 from .ensemble import Ensemble
 from .optim import StackedOptimizer
 from .selfcheck import Probe, check_step_arguments
@@ -382,8 +382,7 @@ def _static_addresses(ens: Ensemble, optimizer: StackedOptimizer) -> None:
     """
     from torch._dynamo import mark_static_address
 
-    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    for t in [*ens.stacked_state().values(), *state]:
+    for _, t in written(ens, optimizer):
         if not hasattr(t, "_dynamo_static_input_type"):
             mark_static_address(t)
 
