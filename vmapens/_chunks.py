@@ -12,7 +12,7 @@ import torch
 
 from ._unbatchable import Versions, refuse_edited, shared_versions
 
-__all__ = ["chunk_bounds", "chunked_losses_and_grads", "in_turns"]
+__all__ = ["chunk_bounds", "chunked_losses_and_grads", "in_turns", "rows"]
 
 
 def chunk_bounds(n: int, chunk_size: int | None) -> list[tuple[int, int]] | None:
@@ -40,7 +40,8 @@ def in_turns(fn: Callable[..., Any], versions: Versions, size: int) -> Callable[
     return turn
 
 
-def _rows(tree: Any, a: int, b: int) -> Any:
+def rows(tree: Any, a: int, b: int) -> Any:
+    """Every tensor of ``tree`` cut to its rows ``a:b`` (members ``a`` to ``b - 1``)."""
     return optree.tree_map(lambda t: t[a:b] if isinstance(t, torch.Tensor) else t, tree)
 
 
@@ -99,7 +100,7 @@ def chunked_losses_and_grads(
             refuse_edited(shared, f"chunk_size={size}", a - size, a - 1)
         if rng is not None:
             torch.set_rng_state(rng)
-        member_args = (args, targets) if in_dims is None else _rows((args, targets), a, b)
+        member_args = (args, targets) if in_dims is None else rows((args, targets), a, b)
         losses.append(
             _run_chunk(batched, state, trained, grads, member_args, scale, a, b, autocast)
         )

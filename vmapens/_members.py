@@ -328,7 +328,7 @@ def looped(n: int, randomness: str, fn: Callable[..., Any], in_dims: tuple) -> C
         # Per-member inputs: member i's slice shares its base's version counter, so a member
         # that edits its slice would fail the backward of the members before it (their saved
         # slices "modified by an inplace operation"); once one did, the rest get copies.
-        own = shared_versions(args, [0 if d is None else None for d in in_dims]) if n > 1 else []
+        own = shared_versions(args, in_dims, per_member=True) if n > 1 else []
         copied = False
         outputs = []
         for i in range(n):

@@ -12,10 +12,10 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import optree
 import torch
 
 from ._checks import check_choice, check_mask, expand_in_dims
+from ._chunks import rows
 from ._precision import LossScale
 from .ensemble import Ensemble
 from .optim import StackedOptimizer
@@ -336,9 +336,7 @@ def no_gradient(
     """
     sub = ens.select([0])
     state = sub.stacked_state()
-    batch: Any = (args, targets)
-    if in_dims == 0:  # member 0's slice
-        batch = optree.tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) else t, batch)
+    batch: Any = (args, targets) if in_dims is None else rows((args, targets), 0, 1)
     device = next(iter(state.values())).device
     forked = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
     with forked, torch.enable_grad(), sub.guard("step", loss=True), update.autocast():

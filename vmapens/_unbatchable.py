@@ -246,9 +246,12 @@ class EditedInTurns(RuntimeError):
 Versions = list[tuple[Tensor, int]]
 
 
-def shared_versions(args: Sequence[Any], in_dims: Sequence[Any]) -> Versions:
+def shared_versions(
+    args: Sequence[Any], in_dims: Sequence[Any], per_member: bool = False
+) -> Versions:
     """The version of each tensor of ``args`` that all members share (``in_dims`` None), read
-    before members run in turns on them (``refuse_edited``): one ``_version`` read each.
+    before members run in turns on them (``refuse_edited``): one ``_version`` read each. With
+    ``per_member``, those of the per-member inputs instead (``in_dims`` not None).
 
     An inference tensor has no version counter; a traced call (torch.compile, torch.export)
     has none to read.
@@ -258,7 +261,7 @@ def shared_versions(args: Sequence[Any], in_dims: Sequence[Any]) -> Versions:
     return [
         (t, t._version)
         for a, d in zip(args, in_dims, strict=True)
-        if d is None
+        if (d is None) is not per_member
         for t in optree.tree_leaves(a)
         if isinstance(t, Tensor) and not t.is_inference()
     ]
