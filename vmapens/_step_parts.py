@@ -17,6 +17,7 @@ import torch
 from ._checks import check_choice, check_mask, expand_in_dims
 from ._chunks import rows
 from ._precision import LossScale
+from ._unbatchable import batch_kept, refuse_edits_in_turns
 from .ensemble import Ensemble
 from .optim import StackedOptimizer
 from .optim._hyper import group_args
@@ -329,22 +330,35 @@ def no_gradient(
     update: Update,
 ) -> set[str]:
     """The parameters named in ``trained`` that get no gradient on this batch, from member 0
-    run eagerly (a copy of it: nothing of ``ens`` or the RNG changes).
+    run eagerly (a copy of it: nothing of ``ens``, the batch or the RNG changes).
 
     ``loss.backward()`` leaves such a parameter's ``.grad`` None, and the optimizer skips it;
     ``torch.func.grad`` in the compiled graph gives it zeros, which weight decay would step.
+
+    Raises:
+        RuntimeError: the forward edits a batch tensor all members share while the graph runs
+            members in turns (``chunk_size``): each chunk would see the edits of those before
+            it. Found here, so that ``check=False`` refuses it too, before anything changed.
     """
     sub = ens.select([0])
     state = sub.stacked_state()
     batch: Any = (args, targets) if in_dims is None else rows((args, targets), 0, 1)
     device = next(iter(state.values())).device
     forked = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
-    with forked, torch.enable_grad(), sub.guard("step", loss=True), update.autocast():
-        losses = sub._member_map(member_loss, (in_dims, in_dims))(state, *batch)
-    if not losses.requires_grad:
-        return set(trained)
-    grads = torch.autograd.grad(losses.sum(), [state[name] for name in trained], allow_unused=True)
-    return {name for name, g in zip(trained, grads, strict=True) if g is None}
+    # batch_kept: a forward that edits its input (x.mul_(2)) edits it once in the step, as
+    # alone; without it the graph saw the probe's edit too (4 * x).
+    with batch_kept(*batch) as edited:
+        with forked, torch.enable_grad(), sub.guard("step", loss=True), update.autocast():
+            losses = sub._member_map(member_loss, (in_dims, in_dims))(state, *batch)
+        unused = set(trained)
+        if losses.requires_grad:
+            params = [state[name] for name in trained]
+            grads = torch.autograd.grad(losses.sum(), params, allow_unused=True)
+            unused = {name for name, g in zip(trained, grads, strict=True) if g is None}
+    if edited and in_dims is None:
+        name = type(ens.template).__name__
+        refuse_edits_in_turns("step", name, ens.backend, ens.chunk_size, len(ens))
+    return unused
 
 
 def own_counters(optimizer: StackedOptimizer, stepped: set[int]) -> None:
