@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ._metrics import Metric, metric_pair, score
+from ._unbatchable import EditedInTurns
 from .ensemble import Ensemble
 from .history import History
 from .losses import per_member
@@ -63,6 +64,9 @@ class Evaluator:
         try:
             out, _ = self._forward(lambda out, y: (out, self.val_loss(out, y)))
         except (RuntimeError, ValueError, TypeError, IndexError) as err:
+            if isinstance(err.__cause__, EditedInTurns):  # the forward, not the data
+                name = type(self.ens.template).__name__
+                raise RuntimeError(err.__cause__.message(api, name)) from err
             raise ValueError(
                 f"{api}: `val_data` does not fit the ensemble (one forward and `loss_fn` in eval "
                 f"mode failed): {err}"
