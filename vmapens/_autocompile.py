@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ._step_hooks import PreHookRefused
 from ._update_check import CompiledStepMismatch
 
 __all__ = ["COMPILE_PAYS_AFTER_S", "AutoStep"]
@@ -53,7 +54,7 @@ class AutoStep:
         start = time.perf_counter()
         try:
             losses = self.step(*args, **kwargs)
-        except CompiledStepMismatch as err:  # its first call changed nothing: go on eagerly
+        except (CompiledStepMismatch, PreHookRefused) as err:  # it changed nothing: go on eagerly
             if self.step is self.eager:
                 raise
             warnings.warn(f"fit: {err}. fit(compile='auto') goes on eagerly.", stacklevel=3)

@@ -14,6 +14,7 @@ from ._chunks import chunk_bounds, chunked_losses_and_grads
 from ._compiling import compile_options, own_code
 from ._fastcall import call_member
 from ._precision import LossScale
+from ._step_hooks import TemplateHooks, refuse_pre_hooks, run_post_hooks
 from ._step_parts import (
     Update,
     attached_scheduler,
@@ -151,9 +152,11 @@ def make_step(
     # The stacked parameters keep their identity through .to() / .double(): list them once.
     # Which of them train is read every call, as loss.backward() reads it.
     every: list[torch.Tensor] = list(ens.parameters())
+    hooks = TemplateHooks(ens)  # `batched` was lifted now: hooks added later are seen here
 
     def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         args = check_call(ens, optimizer, inputs, targets, mask, in_dims)
+        hooks()
         params = trainable(every)
         old_grads = [p.grad for p in every]
         undo = undo_point(ens, optimizer)
@@ -297,7 +300,9 @@ def _compiled_step(
     # only in training mode, an auxiliary head, or for some shapes), and the ids of those it
     # steps when the optimizer holds others (they need step counts of their own: own_counters).
     parts: dict[tuple, tuple[tuple, tuple[str, ...], set[int] | None]] = {}
-    modules = list(ens.runner.modules())
+    # The template's modes: the runner takes them only inside ens.guard, after this key is
+    # read (ens.template.head.eval() between steps reused train mode's parts once).
+    modules = list(ens.template.modules())
     # The parts whose first call was checked against the eager update (_update_check): dynamo
     # compiles anew for new shapes, a mask or another mode.
     checked: set[tuple] = set()
@@ -309,10 +314,13 @@ def _compiled_step(
     # are 17-46 us a step cheaper at N = 15 (docs/performance.md).
     baked: tuple | None = None  # the floats the graphs were built with
     tensors = False  # whether they go in as tensors
+    hooks = TemplateHooks(ens)  # the graphs' member maps are lifted once each
 
     def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         nonlocal baked, tensors
         args = check_call(ens, optimizer, inputs, targets, mask, in_dims)
+        hooks()
+        refuse_pre_hooks(optimizer)  # the update runs inside the graph, not in opt.step()
         key = _shapes((args, targets, mask))
         if key not in shapes and len(shapes) >= MAX_SHAPES:
             raise ValueError(
@@ -366,6 +374,7 @@ def _compiled_step(
         # wrapper they put on opt.step does (else: "lr_scheduler.step() before optimizer.step()").
         optimizer._opt_called = True  # type: ignore[attr-defined]
         shapes.add(key)
+        run_post_hooks(optimizer, mask)
         return losses
 
     return step
