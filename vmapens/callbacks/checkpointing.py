@@ -17,6 +17,7 @@ from .._files import signature
 from .._resume import NOT_COMPARED, fingerprint, hyperparameters_of, read_checkpoint
 from ..checkpoint import apply_parts, members_of, read, settings_of, write
 from ..distributed import broadcast_object, rank, world_size
+from ..optim.plateau import plateaus_on
 from ..sharding import drop_blocks, save_sharded
 from .base import Callback, Context
 from .scheduler import LRScheduler, attached_scheduler
@@ -74,6 +75,13 @@ class Checkpoint(Callback):
                 "fit: a torch LR scheduler is attached to `optimizer` (built on it) but not given "
                 "as `scheduler`: with `checkpoint` its state would not be saved and a resumed run "
                 "would restart its schedule; pass it as fit(scheduler=...)"
+            )
+        stepped = [cb.scheduler for cb in schedulers]
+        if any(all(p is not s for s in stepped) for p in plateaus_on(ctx.optimizer)):
+            raise ValueError(
+                "fit: a vmapens.optim.ReduceLROnPlateau is built on `optimizer` but not given "
+                "as `scheduler`: with `checkpoint` its per-member record would not be saved and "
+                "a resumed run would restart it; pass it as fit(scheduler=...)"
             )
         self.options = run_options(ctx)
         if _keeps_workers(ctx.arguments.get("data")):

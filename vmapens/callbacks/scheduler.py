@@ -93,7 +93,9 @@ class LRScheduler(Callback):
         own = {k: repr(v) for k, v in state.items() if not k.startswith("_")}
         # Derived from the optimizer, or the run's state (ReduceLROnPlateau's record, one
         # entry per member here: a rank's block or another world size holds other members).
-        for derived in ("base_lrs", "last_epoch", "optimizer", *_RECORD):
+        # default_min_lr: whether min_lr was one value, which min_lrs shows; checkpoints
+        # written before the per-member ReduceLROnPlateau kept it hold no such setting.
+        for derived in ("base_lrs", "last_epoch", "optimizer", "default_min_lr", *_RECORD):
             own.pop(derived, None)
         return {"class": type(self.scheduler).__name__, "interval": self.interval, **own}
 

@@ -210,16 +210,24 @@ def group_args(
 
 
 def pick_group(group: dict[str, Any], hypers: dict[str, Hyper], rows: list[int]) -> dict[str, Any]:
-    """``group``'s options with each per-member value cut to ``rows`` (a float for one row)."""
+    """``group``'s options with each per-member value cut to ``rows`` (a float for one row).
+
+    Every ``MemberValues`` in the group is cut, not only the hyperparameters': torch's
+    schedulers keep their own per-group values there (``initial_lr``, OneCycleLR's ``max_lr``
+    and ``min_lr``, CyclicLR's momenta), which a scheduler built on the new optimizer reads as
+    its members' base values.
+    """
 
     def pick(v: Any) -> Any:
         if isinstance(v, Tensor):  # a tensor lr: each optimizer gets its own, as torch's has
             return v.detach().clone()
+        if isinstance(v, tuple) and any(isinstance(x, MemberValues) for x in v):
+            return tuple(pick(x) for x in v)
         if not isinstance(v, MemberValues):
             return v
         return v[rows[0]] if len(rows) == 1 else MemberValues(v[r] for r in rows)
 
-    out = {k: v for k, v in group.items() if k != "params"}
+    out = {k: pick(v) for k, v in group.items() if k != "params"}
     for name, hyper in hypers.items():
         out[name] = tuple(pick(v) for v in group[name]) if hyper.pair else pick(group[name])
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +13,7 @@ from .._checks import check_choice
 from ._values import MemberValues
 from .base import StackedOptimizer
 
-__all__ = ["ReduceLROnPlateau"]
+__all__ = ["ReduceLROnPlateau", "plateaus_on"]
 
 
 class ReduceLROnPlateau:
@@ -70,6 +71,9 @@ class ReduceLROnPlateau:
         check_choice(api, "mode", mode, ("min", "max"))
         check_choice(api, "threshold_mode", threshold_mode, ("rel", "abs"))
         groups = optimizer.param_groups
+        # As torch's: a single min_lr also bounds param groups added later; one per group
+        # cannot guess the new group's.
+        self.default_min_lr: float | None = None
         if not isinstance(min_lr, (int, float)):
             if len(min_lr) != len(groups):
                 raise ValueError(
@@ -77,6 +81,7 @@ class ReduceLROnPlateau:
                 )
             self.min_lrs = [float(v) for v in min_lr]
         else:
+            self.default_min_lr = float(min_lr)
             self.min_lrs = [float(min_lr)] * len(groups)
         self.optimizer = optimizer
         self.mode, self.factor, self.patience = mode, factor, patience
@@ -88,6 +93,8 @@ class ReduceLROnPlateau:
         self.num_bad_epochs = [0] * n
         self.cooldown_counter = [0] * n
         self.last_epoch = 0
+        self._last_lr = _lrs(optimizer)
+        _BUILT.setdefault(optimizer, weakref.WeakSet()).add(self)
 
     def _better(self, a: float, best: float) -> bool:
         if not math.isfinite(a):
@@ -114,6 +121,9 @@ class ReduceLROnPlateau:
             TypeError: ``metrics`` is one value (torch's scheduler takes one; this one takes
                 one per member) or holds something else than numbers.
             ValueError: ``metrics`` does not hold n values.
+            RuntimeError: a param group was added to the optimizer after ``min_lr`` was given
+                one value per group (torch's scheduler raises it too); checked before anything
+                changes.
         """
         api, n = "ReduceLROnPlateau.step", self.optimizer.num_members
         got: Any = metrics
@@ -135,6 +145,15 @@ class ReduceLROnPlateau:
             values = [float(v) for v in got]
         except (TypeError, ValueError) as err:
             raise TypeError(f"{api}: `metrics` must hold numbers, got {list(got)!r}") from err
+        groups = self.optimizer.param_groups
+        if len(groups) != len(self.min_lrs):  # add_param_group since
+            if self.default_min_lr is None:
+                raise RuntimeError(
+                    f"{api}: the optimizer has {len(groups)} param groups, `min_lr` was given "
+                    f"for {len(self.min_lrs)}: a param group was added after the scheduler was "
+                    "built; set `min_lrs` to one value per param group"
+                )
+            self.min_lrs = [self.default_min_lr] * len(groups)
         self.last_epoch += 1
         reduce = [False] * n
         for i, current in enumerate(values):
@@ -150,29 +169,80 @@ class ReduceLROnPlateau:
                 self.cooldown_counter[i] = self.cooldown
                 self.num_bad_epochs[i] = 0
         if any(reduce):
-            for group, min_lr in zip(self.optimizer.param_groups, self.min_lrs, strict=True):
-                lrs = (
-                    list(group["lr"])
-                    if isinstance(group["lr"], MemberValues)
-                    else [group["lr"]] * n
-                )
-                for i in range(n):
-                    new = max(lrs[i] * self.factor, min_lr)
-                    if reduce[i] and lrs[i] - new > self.eps:
-                        lrs[i] = new
-                group["lr"] = MemberValues(lrs)
+            for group, min_lr in zip(groups, self.min_lrs, strict=True):
+                self._reduce(group, reduce, min_lr)
+        self._last_lr = _lrs(self.optimizer)
+
+    def _reduce(self, group: dict[str, Any], reduce: list[bool], min_lr: float) -> None:
+        """Lower the learning rates of the members in ``reduce``, as torch's scheduler lowers
+        a group's: ``max(float(lr) * factor, min_lr)`` unless that changes it by <= eps."""
+        lr, n = group["lr"], len(reduce)
+        old = [float(v) for v in lr] if isinstance(lr, MemberValues) else [float(lr)] * n
+        new = [max(v * self.factor, min_lr) for v in old]
+        lower = [r and v - w > self.eps for r, v, w in zip(reduce, old, new, strict=True)]
+        if isinstance(lr, Tensor) and len(set(lower)) == 1:
+            # Every member alike: torch fills a tensor lr in place and computes on with it.
+            if lower[0]:
+                lr.fill_(new[0])
+            return
+        group["lr"] = MemberValues(w if c else v for v, w, c in zip(old, new, lower, strict=True))
+
+    def get_last_lr(self) -> list[Any]:
+        """The learning rate of each param group after the last ``step`` (``MemberValues``
+        where members differ), as torch's ``get_last_lr``."""
+        return self._last_lr
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything but the optimizer, as plain values."""
-        return {k: v for k, v in self.__dict__.items() if k != "optimizer"}
+        """Everything but the optimizer, as plain values, copied: later steps leave it as it
+        is (the per-member records are lists this scheduler updates in place)."""
+        # _last_lr is the optimizer's to hold: a sharded checkpoint keeps one rank's
+        # per-member values here, so load_state_dict reads it from the optimizer again.
+        return {
+            k: (list(v) if isinstance(v, list) else v)
+            for k, v in self.__dict__.items()
+            if k not in ("optimizer", "_last_lr")
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore ``state_dict()`` (checked first)."""
-        missing = set(self.state_dict()) - set(state)
+        """Restore ``state_dict()`` (checked first; the optimizer's state loaded before it,
+        as for torch's schedulers)."""
+        # default_min_lr: not in state dicts written before it was kept.
+        missing = set(self.state_dict()) - set(state) - {"default_min_lr"}
         if missing:
             raise ValueError(f"ReduceLROnPlateau.load_state_dict: missing {sorted(missing)}")
         n = self.optimizer.num_members
         for key in ("best", "num_bad_epochs", "cooldown_counter"):
             if len(state[key]) != n:
                 raise ValueError(f"ReduceLROnPlateau.load_state_dict: `{key}` is not of length {n}")
-        self.__dict__.update({k: (list(v) if isinstance(v, list) else v) for k, v in state.items()})
+        self.default_min_lr = None
+        self.__dict__.update(
+            {
+                k: (list(v) if isinstance(v, list) else v)
+                for k, v in state.items()
+                if k not in ("optimizer", "_last_lr")
+            }
+        )
+        self._last_lr = _lrs(self.optimizer)
+
+
+#: The per-member plateau schedulers alive on each optimizer. torch's mark the optimizer
+#: (its wrapped ``step``); this one does not touch it, and ``fit(checkpoint=...)`` must still
+#: refuse one it does not step, whose record a resumed run would lose.
+_BUILT: weakref.WeakKeyDictionary[StackedOptimizer, weakref.WeakSet[ReduceLROnPlateau]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def plateaus_on(optimizer: Any) -> list[ReduceLROnPlateau]:
+    """The :class:`ReduceLROnPlateau` schedulers built on ``optimizer`` and still alive."""
+    try:
+        return list(_BUILT.get(optimizer, ()))
+    except TypeError:  # an optimizer that takes no weak reference holds none of these
+        return []
+
+
+def _lrs(optimizer: StackedOptimizer) -> list[Any]:
+    """Each param group's learning rate, a tensor one copied (torch's ``_last_lr``)."""
+    return [
+        g["lr"].clone() if isinstance(g["lr"], Tensor) else g["lr"] for g in optimizer.param_groups
+    ]
