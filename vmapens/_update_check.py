@@ -42,7 +42,7 @@ def checked_call(
     trained: Sequence[str],
     order: Sequence[str],
     mask: Tensor | None,
-) -> Tensor:
+) -> tuple[Tensor, list[Tensor]]:
     """``call()`` (the compiled step: losses and the gradients it stepped with), checked
     against ``optimizer.apply_gradients`` run eagerly on those gradients from the same state.
 
@@ -56,7 +56,7 @@ def checked_call(
         mask: the step's ``mask``.
 
     Returns:
-        The losses ``call`` returned; the state is what ``call`` left.
+        The losses and gradients ``call`` returned; the state is what ``call`` left.
 
     Raises:
         CompiledStepMismatch: the two updates differ; the state is as before the call.
@@ -109,7 +109,7 @@ def checked_call(
             "(make_step or fit), and please report it with your torch version"
         )
     saved.restore(compiled)
-    return losses
+    return losses, grads
 
 
 def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:

@@ -228,6 +228,7 @@ def _compiled_step(
     check: bool,
 ) -> Step:
     names = {id(p): name for name, p in ens.named_parameters()}
+    by_name = dict(ens.named_parameters())
     scaled = update.scale is not None
     device = next(iter(ens.parameters())).device
 
@@ -361,12 +362,12 @@ def _compiled_step(
                 )
                 try:
                     if check and part not in checked:
-                        losses = checked_call(
+                        losses, grads = checked_call(
                             run, ens, optimizer, update.scale, trained, now[1], mask
                         )
                         checked.add(part)
                     else:
-                        losses, _ = run()
+                        losses, grads = run()
                 except Exception:
                     check_groups(optimizer)  # a bad group value: the eager step's TypeError
                     raise
@@ -374,6 +375,13 @@ def _compiled_step(
         # wrapper they put on opt.step does (else: "lr_scheduler.step() before optimizer.step()").
         optimizer._opt_called = True  # type: ignore[attr-defined]
         shapes.add(key)
+        # .grad as the eager step leaves it: this step's gradients (unscaled, clipped), None
+        # where none. A CUDA graph's outputs are overwritten by its next replay: copies there.
+        for p in every:
+            p.grad = None
+        cuda = every[0].device.type == "cuda"
+        for name, g in zip([k for k in now[1] if k in trained], grads, strict=True):
+            by_name[name].grad = g.clone() if cuda else g
         run_post_hooks(optimizer, mask)
         return losses
 
