@@ -155,3 +155,37 @@ def test_fit_auto_goes_on_eagerly_when_the_optimizer_has_a_step_pre_hook(monkeyp
     for m in alone:
         train_alone(m, batches, make_opt=lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
     assert_members_equal(ens, alone)
+
+
+def test_the_update_check_runs_again_after_the_parameters_change_dtype(monkeypatch) -> None:
+    # ens.double() between compiled steps on integer inputs and targets: the inputs' shapes and
+    # dtypes are as before, but dynamo compiles a new graph, whose first call must be checked
+    # as the first graph's was (the parts were keyed on the inputs alone).
+    calls = []
+    checked_call = vmapens.step.checked_call
+    monkeypatch.setattr(
+        vmapens.step, "checked_call", lambda *a, **k: calls.append(1) or checked_call(*a, **k)
+    )
+
+    def tagger() -> nn.Module:
+        return nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 4))
+
+    ens = vmapens.Ensemble(tagger, n=N, seed=0).float()
+    alone = ens.unstack()
+    opt = vmapens.optim.StackedSGD(ens, lr=0.1)
+    step = vmapens.make_step(ens, nn.functional.cross_entropy, opt, compile=True)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(5, (6,), generator=g), torch.randint(4, (6,), generator=g))
+               for _ in range(4)]  # fmt: skip
+    for x, y in batches[:2]:
+        step(x, y)
+    assert len(calls) == 1
+    ens.double()
+    for x, y in batches[2:]:
+        step(x, y)
+    assert len(calls) == 2
+    for m in alone:
+        sgd = torch.optim.SGD(m.parameters(), lr=0.1)
+        train_alone(m.float(), batches[:2], nn.functional.cross_entropy, sgd)
+        train_alone(m.double(), batches[2:], nn.functional.cross_entropy, sgd)
+    assert_members_equal(ens, alone, rtol=1e-5, atol=1e-6)

@@ -338,7 +338,8 @@ def _compiled_step(
                 tensors = True
                 graphs.clear()  # new code objects: the baked graphs' cache entries go with them
                 checked.clear()
-        part = (now, key, tuple([m.training for m in modules]))
+        # The parameters' dtypes too: after ens.double() dynamo compiles anew, to be checked.
+        part = (now, key, tuple([m.training for m in modules]), tuple([p.dtype for p in every]))
         if part not in parts:
             unused = no_gradient(ens, member_loss, now[0], args, targets, in_dims, update)
             trained = tuple(name for name in now[0] if name not in unused)
