@@ -643,6 +643,30 @@ def test_fit_refuses_a_per_member_plateau_it_does_not_step_with_a_checkpoint(tmp
     assert plateau.last_epoch == 1
 
 
+@pytest.mark.parametrize("kind", ["cosine", "warm-restarts"])
+def test_fit_called_again_with_more_epochs_continues_the_same_objects(tmp_path, kind) -> None:
+    # The documented way to train further: call fit again with more epochs. With the same
+    # optimizer and scheduler objects, whose settings the schedule has moved since they were
+    # built, the resume check refused the run as "other options". Truth: one run of all epochs.
+    def run(epochs: list[int], path: Path) -> tuple[vmapens.Ensemble, Any]:
+        ens = vmapens.Ensemble(models.MLP, N, seed=0).double()
+        opt = vmapens.StackedSGD(ens, lr=LRS, momentum=0.9)
+        sched = SCHEDULERS[kind](opt, None)
+        for e in epochs:
+            vmapens.fit(ens, (X, Y), nn.MSELoss(), optimizer=opt, scheduler=sched,
+                        checkpoint=path, **{**OWN_OPTIMIZER, "epochs": e})  # fmt: skip
+        return ens, sched
+
+    straight, s1 = run([4], tmp_path / "straight.pt")
+    continued, s2 = run([2, 4], tmp_path / "continued.pt")
+    for (name, a), b in zip(straight.state_dict().items(), continued.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert s1.get_last_lr() == s2.get_last_lr()
+    # A fresh optimizer and scheduler, built as the first run's were, still resume as before.
+    fresh, s3 = run([4], tmp_path / "continued.pt")
+    assert s3.get_last_lr() == s1.get_last_lr()
+
+
 # -- hyperparameters edited by hand between steps, as a schedule of one's own edits them -------
 
 EDITS: dict[str, tuple[type, type, dict[str, Any], list[tuple[str, Any]]]] = {

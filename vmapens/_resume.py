@@ -144,7 +144,16 @@ def read_checkpoint(
         raise ValueError(
             f"fit: `Checkpoint.override` names unknown options {unknown}; known: {sorted(ours)}"
         )
-    differ = [k for k in {**stored, **ours} if stored.get(k) != ours.get(k) and k not in override]
+    # The same optimizer and scheduler objects continuing (fit called again with more epochs)
+    # have the settings they had when the checkpoint was written, not those they were built with.
+    live = state.get("live_options") or {}
+    differ = [
+        k
+        for k in {**stored, **ours}
+        if stored.get(k) != ours.get(k)
+        and k not in override
+        and not (k in live and live[k] == ours.get(k))
+    ]
     if differ:
         got = ", ".join(_difference(k, ours.get(k), stored.get(k)) for k in differ)
         raise ValueError(

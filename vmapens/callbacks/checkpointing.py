@@ -99,6 +99,9 @@ class Checkpoint(Callback):
         saved = read_checkpoint(
             self.path, ctx.ensemble, self.options, ctx.seed, self.override, ctx.optimizer
         )
+        # What the run was built with goes on in the checkpoints it writes (the same objects
+        # continuing have scheduled settings; `override`s are this run's).
+        self.options = {k: v for k, v in saved["fit"]["options"].items() if k != "seed"}
         done = saved.get("epoch")
         if isinstance(done, int) and done > ctx.epochs:
             # Going on would hand back members trained for more epochs than this call asks.
@@ -220,6 +223,18 @@ def run_options(ctx: Context) -> dict[str, Any]:
     return out
 
 
+def live_options(ctx: Context, options: dict[str, Any]) -> dict[str, Any]:
+    """``run_options``'s optimizer and scheduler entries as they are now (a scheduler has
+    changed the learning rates since the run began), for those in ``options``."""
+    live = {}
+    if "optimizer" in options:
+        live["optimizer"] = hyperparameters_of(ctx.optimizer)
+    if "scheduler" in options:
+        lr = [cb.settings() for cb in ctx.callbacks if isinstance(cb, LRScheduler)]
+        live["scheduler"] = lr or None
+    return live
+
+
 def _keyed(ctx: Context) -> dict[str, Callback]:
     """The first callback of each ``state_key`` (the others' states go in the list)."""
     keyed: dict[str, Callback] = {}
@@ -258,6 +273,9 @@ class _FitState:
             "data_rng": [g.get_state() for g in data_generators(ctx.arguments.get("data"))],
             **({} if merged is None else merged.state_dict()),
             "options": {**self.owner.options, "seed": ctx.seed},
+            # The optimizer's and schedulers' settings as they are now (scheduled): the same
+            # objects continuing in this process match these, not the options as built.
+            "live_options": live_options(ctx, self.owner.options),
             "run": self.owner.run,
             "callbacks": [(type(cb).__name__, cb.state_dict()) for cb in _listed(ctx)],
         }
