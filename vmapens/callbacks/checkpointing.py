@@ -226,7 +226,7 @@ def run_options(ctx: Context) -> dict[str, Any]:
 def live_options(ctx: Context, options: dict[str, Any]) -> dict[str, Any]:
     """``run_options``'s optimizer and scheduler entries as they are now (a scheduler has
     changed the learning rates since the run began), for those in ``options``."""
-    live = {}
+    live: dict[str, Any] = {}
     if "optimizer" in options:
         live["optimizer"] = hyperparameters_of(ctx.optimizer)
     if "scheduler" in options:
