@@ -199,6 +199,8 @@ class StackedAdafactor(StackedOptimizer):
     def member_state(
         self, state: dict[str, Tensor], group: dict[str, Any], i: int
     ) -> dict[str, Tensor]:
+        if state["step"][i] == 0:  # torch makes its state at a parameter's first step
+            return {}
         # Factored state is at least [n, rows, 1]; the unused slots are [n, 0].
         keys = ("row_var", "col_var") if state["row_var"].dim() > 2 else ("variance",)
         return {k: state[k][i].clone() for k in ("step", *keys)}

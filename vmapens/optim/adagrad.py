@@ -238,6 +238,12 @@ class StackedAdagrad(StackedOptimizer):
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("sum",)
 
+    def member_state(
+        self, state: dict[str, Tensor], group: dict[str, Any], i: int
+    ) -> dict[str, Tensor]:
+        # torch's Adagrad makes its state when it is built: also before a member's first step.
+        return {key: v[i].clone() for key, v in state.items()}
+
     def initial_state(self, name: str, param: Tensor, group: dict[str, Any]) -> Tensor:
         start = super().initial_state(name, param, group)
         return start.add_(member_column(group["initial_accumulator_value"], param))

@@ -206,11 +206,3 @@ class StackedASGD(StackedOptimizer):
     def scalar_state(self, group: dict[str, Any]) -> dict[str, float]:
         # eta's start is a placeholder: the rule sets it from lr at a member's first step.
         return {"step": 0.0, "eta": 0.0, "mu": 1.0}
-
-    def member_state(
-        self, state: dict[str, Tensor], group: dict[str, Any], i: int
-    ) -> dict[str, Tensor]:
-        # Before its first step a torch ASGD has no state (eta comes from lr then): none here.
-        if state["step"][i] == 0:
-            return {}
-        return super().member_state(state, group, i)

@@ -148,7 +148,10 @@ class StackedOptimizer(EagerOptimizer):
     def member_state(
         self, state: dict[str, Tensor], group: dict[str, Any], i: int
     ) -> dict[str, Tensor]:
-        """Member ``i``'s state for :attr:`torch_class` (default: every tensor's row ``i``)."""
+        """Member ``i``'s state for :attr:`torch_class` (default: every tensor's row ``i``;
+        none before the member's first step, as torch makes its state then)."""
+        if "step" in state and state["step"][i] == 0:
+            return {}
         return {key: v[i].clone() for key, v in state.items()}
 
     def scalar_state(self, group: dict[str, Any]) -> dict[str, float]:
@@ -262,6 +265,11 @@ class StackedOptimizer(EagerOptimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        # torch's __setstate__ (load_state_dict, deepcopy, unpickling) adds `differentiable`
+        # to every optimizer's defaults; where the twin has no such flag, add_param_group
+        # would then refuse it.
+        if "differentiable" not in implementation_flags(type(self).torch_class):
+            self.defaults.pop("differentiable", None)
         self._ready = [None] * len(self.param_groups)
         self._snapshot, self._layouts, self._complex = Snapshot(), 0, set()
 

@@ -287,4 +287,6 @@ class StackedMuon(StackedOptimizer):
     def member_state(
         self, state: dict[str, Tensor], group: dict[str, Any], i: int
     ) -> dict[str, Tensor]:
+        if state["step"][i] == 0:  # torch makes its state at a parameter's first step
+            return {}
         return {"momentum_buffer": state["momentum_buffer"][i].clone()}

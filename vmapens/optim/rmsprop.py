@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._checks import column
 from ._columns import (
     added,
     alpha_columns,
@@ -113,14 +114,20 @@ def _write_phase(
         functools.partial(torch._foreach_add_, avg, cpu_scalar(alpha_columns(eps, avg), params[0]))
     )
     if bufs is not None:
-        return [
-            *writes,
-            functools.partial(
-                torch._foreach_mul_, bufs, cpu_scalar(col(group["momentum"]), params[0])
-            ),
+        momentum = group["momentum"]
+        writes += [
+            functools.partial(torch._foreach_mul_, bufs, cpu_scalar(col(momentum), params[0])),
             functools.partial(torch._foreach_addcdiv_, bufs, g, avg),
             added(params, bufs, -lr),
         ]
+        idle = momentum == 0 if isinstance(momentum, Tensor) else None
+        if idle is not None and (torch.compiler.is_compiling() or bool(idle.any())):
+            # A member without momentum steps on g / a (its buffer's value here) and keeps its
+            # buffer, as torch's RMSprop, which then neither reads nor writes it: a momentum
+            # turned on again goes on from it.
+            held = [b.clone() for b in bufs]
+            writes += into(torch.where, bufs, [column(idle, b) for b in bufs], held, bufs)
+        return writes
     if isinstance(lr, Tensor):
         scaled = [torch.empty_like(x) for x in g]
         writes += into(torch.mul, scaled, g, col(-lr))
@@ -241,9 +248,11 @@ class StackedRMSprop(StackedOptimizer):
     def member_state(
         self, state: dict[str, Tensor], group: dict[str, Any], i: int
     ) -> dict[str, Tensor]:
-        # torch's RMSprop keeps a momentum buffer only where momentum > 0.
+        # torch's RMSprop keeps a momentum buffer where momentum was > 0 at the first step, and
+        # keeps it while momentum is 0 later: a member at 0 with a buffer at zero never had any.
         out = super().member_state(state, group, i)
         momentum = member_floats(group["momentum"])
-        if momentum[i % len(momentum)] == 0:
-            out.pop("momentum_buffer", None)
+        buffer = out.get("momentum_buffer")
+        if momentum[i % len(momentum)] == 0 and buffer is not None and not buffer.any():
+            out.pop("momentum_buffer")
         return out

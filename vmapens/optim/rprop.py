@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from .._checks import column
 from ._columns import member_column, member_columns, signed
 from ._hyper import LR, NONNEGATIVE, Hyper, PerMember, Scalar, member_floats
 from .base import StackedOptimizer
@@ -49,6 +50,12 @@ def rprop_rule(
         out = member_columns(x, params)
         return out if isinstance(out, list) else [out] * len(params)
 
+    # torch makes a parameter's step sizes at its own first step, from the group's lr then:
+    # a member yet to step (the parameter had no gradient, or the member was masked) starts
+    # from today's lr, not from the lr when the stacked state was made.
+    fresh = state["step"].eq(0)
+    for size, start in zip(step_sizes, col(group["lr"]), strict=True):
+        size.copy_(torch.where(column(fresh, size), start, size))
     state["step"].add_(1)
     g = signed(grads, group)
     signs = torch._foreach_mul(g, prevs)

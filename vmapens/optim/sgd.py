@@ -136,13 +136,23 @@ def sgd_rule(
     col: Callable[[Scalar], Any] = functools.partial(member_columns, like=params)
     g = weight_decayed(signed(grads, group), params, group)
     writes: list[Callable[[], Any]] = []
+    uses = momentum != 0
     if bufs is not None:
         first = step == 0  # a member's first step with momentum starts its buffer as g
-        if torch.compiler.is_compiling() or bool(first.any()):
+        # A member without momentum leaves its buffer as torch's SGD does (unread, unwritten),
+        # so that a momentum turned on again goes on from it.
+        idle = ~uses if isinstance(uses, Tensor) else None
+        if (
+            torch.compiler.is_compiling()
+            or bool(first.any())
+            or (idle is not None and bool(idle.any()))
+        ):
             kept = add_scaled(torch._foreach_mul(bufs, col(momentum)), g, 1 - dampening)
             new = [
                 torch.where(column(first, b), x, k) for b, x, k in zip(bufs, g, kept, strict=True)
             ]
+            if idle is not None:
+                new = [torch.where(column(idle, b), b, x) for b, x in zip(bufs, new, strict=True)]
             writes.append(functools.partial(torch._foreach_copy_, bufs, new))
         else:
             writes.append(functools.partial(torch._foreach_mul_, bufs, col(momentum)))
@@ -154,7 +164,6 @@ def sgd_rule(
                 writes += into(torch.addcmul, d, g, bufs, alpha_columns(momentum, bufs))
             else:
                 writes += into(torch.add, d, g, bufs, alpha=momentum)
-        uses = momentum != 0
         if isinstance(uses, Tensor) and (torch.compiler.is_compiling() or not bool(uses.all())):
             # Members without momentum step on the plain gradient, as torch's SGD does.
             plain, g = g, [torch.empty_like(b) for b in bufs]
