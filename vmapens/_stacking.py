@@ -36,11 +36,13 @@ __all__ = [
     "first_difference",
     "hooks_of",
     "meta_copy",
+    "migrated_keys",
     "recompute_",
     "recomputed",
     "scrub_",
     "stack_one_size",
     "stack_sizes",
+    "staged",
 ]
 
 
@@ -138,6 +140,44 @@ def meta_copy(module: nn.Module) -> nn.Module:
     for m, name, _ in recomputed(module):  # a non-leaf (weight_norm's): deepcopy refuses it
         memo[id(m.__dict__[name])] = torch.empty_like(m.__dict__[name], device="meta")
     return copy.deepcopy(module, memo)
+
+
+def migrated_keys(module: nn.Module, prefix: str, metadata: Any) -> set[str]:
+    """The state-dict keys of ``module`` (under ``prefix``) that its own loader fills in where
+    a state dict of an older version lacks them, instead of reporting them missing.
+
+    BatchNorm before version 2 had no ``num_batches_tracked``: torch's loader keeps the
+    module's count when the state dict's ``_metadata`` says an older version or has no entry
+    for the layer (a dict rebuilt by a comprehension has no ``_metadata``).
+    """
+    keys = set()
+    for name, m in module.named_modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
+            where = f"{prefix}{name}." if name else prefix  # torch's metadata key: no dot
+            version = (metadata or {}).get(where[:-1], {}).get("version")
+            if version is None or version < 2:
+                keys.add(f"{where}num_batches_tracked")
+    return keys
+
+
+def staged(
+    pending: Sequence[tuple[str, str, torch.Tensor, Any]], error_msgs: list[str]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(target, value)`` for each ``(key, name, target, value)`` of ``pending``, the value in
+    its target's dtype and device: converted before anything is copied, so that a value that
+    cannot be (one on the meta device) adds torch's message to ``error_msgs`` instead of
+    failing after the keys before it were copied."""
+    ready = []
+    for key, _, target, value in pending:
+        try:
+            ready.append((target, value.to(device=target.device, dtype=target.dtype)))
+        except Exception as err:
+            error_msgs.append(
+                f'While copying the parameter named "{key}", whose dimensions in the model are '
+                f"{target.shape} and whose dimensions in the checkpoint are {value.shape}, an "
+                f"exception occurred : {err.args}."
+            )
+    return ready
 
 
 def recomputed(module: nn.Module) -> list[tuple[nn.Module, str, Any]]:

@@ -21,7 +21,7 @@ from torch import nn
 from ._checks import as_ids, index_rows
 from ._members import check_same, named_tensors, non_persistent_buffers, signature
 from ._padding import Padding
-from ._stacking import check_applied, hooks_of, recomputed, scrub_
+from ._stacking import check_applied, hooks_of, migrated_keys, recomputed, scrub_, staged
 from ._unbatchable import SparseLayer, sparse_layers
 
 __all__ = ["StackedModule"]
@@ -341,15 +341,14 @@ class StackedModule(nn.Module):
             destination[prefix + key] = t if keep_vars else t.detach()
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """``nn.Module.load_state_dict``; with ``strict=True`` nothing is loaded unless all of
-        it loads (torch's own loader copies the matching keys before it raises). With
-        ``assign=True`` the state dict's tensors become the stacked tensors, as in torch: an
-        optimizer built before holds the old ones."""
-        self.__dict__["_strict"] = strict
+        """``nn.Module.load_state_dict``, all or nothing (torch's own loader copies the keys before
+        one it raises on). ``assign=True`` makes the state dict's tensors the stacked tensors, as
+        in torch: an optimizer built before holds the old ones."""
+        self.__dict__["_loading"] = (strict, getattr(state_dict, "_metadata", None))
         try:
             return super().load_state_dict(state_dict, strict, assign)
         finally:
-            del self.__dict__["_strict"]
+            del self.__dict__["_loading"]
 
     def _load_from_state_dict(
         self,
@@ -363,13 +362,13 @@ class StackedModule(nn.Module):
     ) -> None:
         # nn.Module's own loader splits keys at the first dot (taking "fc.weight" for a child
         # module) and copies tensors as it goes; ours checks everything before copying.
-        # torch passes strict=True here always and applies `strict` afterwards: ours is known
-        # only when ``ens.load_state_dict`` is called; inside a parent's, the matching keys
-        # load, as torch's own loader loads them.
-        persistent = self._persistent()
+        # torch passes strict=True here always and applies `strict` afterwards: ours is known only
+        # in ``ens.load_state_dict``; inside a parent's, the matching keys load, as torch's do.
+        persistent, (whole, metadata) = self._persistent(), self.__dict__.get("_loading", (0, 0))
         ours = {prefix + k: (name, persistent[name]) for k, name in self._state_keys.items()}
         unexpected = [k for k in state_dict if k.startswith(prefix) and k not in ours]
-        missing = [k for k in ours if k not in state_dict]
+        kept = migrated_keys(self._template, prefix, metadata)  # BatchNorm's old versions
+        missing = [k for k in ours if k not in state_dict and k not in kept]
         unexpected_keys.extend(unexpected)
         missing_keys.extend(missing)
         errors = len(error_msgs)
@@ -384,18 +383,19 @@ class StackedModule(nn.Module):
                     f"size mismatch for {key}: copying a param with shape {got} from checkpoint, "
                     f"the shape in current model is {tuple(target.shape)}."
                 )
-            pending.append((name, target, value))
-        if len(error_msgs) > errors or self.__dict__.get("_strict") and (missing or unexpected):
+            pending.append((key, name, target, value))
+        if len(error_msgs) > errors or whole and (missing or unexpected):
             return
         if local_metadata.get("assign_to_params_buffers"):
             # assign=True: the state dict's tensors become the storage, in their own dtype and
             # device, as torch's loader assigns them (an ensemble built on the meta device).
             self._follow_template()  # the grad flags _adopt reads
-            stacked = {**self.stacked_state(), **{name: v for name, _, v in pending}}
+            stacked = {**self.stacked_state(), **{name: v for _, name, _, v in pending}}
             self._adopt(stacked, self.member_ids, self.n_total, self.training)
             return
         with torch.no_grad():
-            for _, target, value in pending:
+            ready = staged(pending, error_msgs)  # all or nothing: every value converts first
+            for target, value in ready if len(error_msgs) == errors else ():
                 target.copy_(value)
 
 

@@ -140,10 +140,19 @@ def best_k(
         raise TypeError(
             f"{api}: `optimizer` must be a vmapens.StackedOptimizer, got {type(optimizer).__name__}"
         )
-    # Lower is better, NaN last; a stable sort keeps ties in row order.
-    key = (scores if mode == "min" else -scores).nan_to_num(nan=torch.inf, posinf=torch.inf)
-    rows = torch.sort(key, stable=True).indices[:k]
+    # Lower is better, NaN last (after an infinitely bad score too); stable sorts keep ties in
+    # row order: by value first, then NaN or not.
+    key = scores if mode == "min" else -scores
+    rows = torch.sort(torch.where(key.isnan(), 0.0, key), stable=True).indices
+    rows = rows[torch.sort(key[rows].isnan().to(torch.uint8), stable=True).indices][:k]
     sub = ens.select(rows)
     if optimizer is None:
         return sub
-    return sub, optimizer.select(rows, sub)
+    # The sub-ensemble's parameters in the optimizer's order: it may hold only some of them
+    # (a frozen backbone left out) or hold them in another order.
+    names = {id(p): name for name, p in ens.named_parameters()}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(id(p) not in names for p in held):
+        raise ValueError(f"{api}: `optimizer` holds tensors that are not parameters of `ens`")
+    stacked = sub.stacked_params()
+    return sub, optimizer.select(rows, [stacked[names[id(p)]] for p in held])
