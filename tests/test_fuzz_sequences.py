@@ -39,21 +39,6 @@ from vmapens.optim import MemberValues, stacked
 
 TOL = dict(rtol=1e-9, atol=1e-10)  # float64: only the order of sums may differ
 
-#: Known bug (reported, in step.py, not fixed here): the eager make_step's `.grad` of a
-#: Linear weight has the transposed strides of autograd.grad's result, where loss.backward()
-#: gives the parameter's layout; `opt.zero_grad(set_to_none=False)` then `loss.backward()`
-#: warns "grad and param do not obey the gradient layout contract" (an error under pytest)
-#: and `p.grad.view(-1)` raises. While False, programs turn `set_to_none=False` after a
-#: make_step into True.
-STEP_GRAD_LAYOUT_FIXED = False
-
-#: Known bug (reported, in optim/sgd.py and optim/rmsprop.py, not fixed here): with
-#: per-member momentum, a member whose momentum is set to 0 has its momentum buffer
-#: overwritten (b = 0 * b + g) where torch leaves it; when its momentum comes back, it
-#: continues from another buffer than alone. While False, programs give no member momentum 0
-#: in a per-member edit.
-MOMENTUM_OFF_FIXED = True
-
 
 # -- the members ------------------------------------------------------------------------------
 
@@ -282,9 +267,6 @@ class World:
         self.sched_kind = spec["sched"]
         self.make_scheds()
         self.steps: dict[Any, Callable] = {}
-        # Whether `.grad`s are make_step's (STEP_GRAD_LAYOUT_FIXED): of parameters in the
-        # optimizer, and of the held-out parameter outside it (opt.zero_grad leaves that one).
-        self.step_grads = self.step_grads_out = False
         self.data = torch.Generator().manual_seed(spec["seed"])
 
     # builders used at the start and by the round trips
@@ -449,24 +431,11 @@ def op_make_step(
         if clip is not None:
             nn.utils.clip_grad_norm_(m.parameters(), clip)
         o.step()
-    w.step_grads = True
-    w.step_grads_out = w.spec["held_out"] is not None and not w.group_added
     w.sched_stepped = True
-
-
-def _set_to_none(w: World, set_to_none: bool) -> bool:
-    """``set_to_none``, but True where the known bug of STEP_GRAD_LAYOUT_FIXED would show."""
-    if not set_to_none and w.step_grads and not STEP_GRAD_LAYOUT_FIXED:
-        set_to_none = True
-    w.step_grads = w.step_grads and not set_to_none
-    return set_to_none
 
 
 def op_manual(w: World, rows: int, per_member: bool, set_to_none: bool, batches: int) -> None:
     """``opt.zero_grad(); loss.sum().backward(); opt.step()``; ``batches`` > 1 accumulates."""
-    if w.step_grads_out and not STEP_GRAD_LAYOUT_FIXED:
-        return  # backward would add to the held-out parameter's `.grad` from make_step
-    set_to_none = _set_to_none(w, set_to_none)
     data = [w.batch(rows, per_member) for _ in range(batches)]
     loss_fn = vmapens.per_member(nn.MSELoss(), in_dims=(0, 0 if per_member else None))
     w.opt.zero_grad(set_to_none=set_to_none)
@@ -502,7 +471,6 @@ def op_partial_load(w: World, seed: int, keys: list[str]) -> None:
 
 
 def op_zero_grad(w: World, set_to_none: bool) -> None:
-    set_to_none = _set_to_none(w, set_to_none)
     w.opt.zero_grad(set_to_none=set_to_none)
     for o in w.opts:
         o.zero_grad(set_to_none=set_to_none)
@@ -578,7 +546,6 @@ def _reload(w: World, ens: vmapens.Ensemble) -> None:
         w.sched.load_state_dict(sched)
     for m in w.models:  # gradients are not in a state dict: a reloaded module has none
         m.zero_grad()
-    w.step_grads = w.step_grads_out = False
     # A scheduler never stepped checks that its (new) optimizer stepped before its first step.
     w.sched_stepped = w.sched_stepped and (sched is None or sched["_step_count"] > 1)
 
@@ -601,9 +568,7 @@ def op_opt_roundtrip(w: World) -> None:
     """``opt.state_dict()`` into a new optimizer (and scheduler)."""
     grads = [p.grad for p in w.ens.parameters()]
     plain = [[p.grad for p in m.parameters()] for m in w.models]
-    step_grads = w.step_grads, w.step_grads_out
     _reload(w, w.ens)
-    w.step_grads, w.step_grads_out = step_grads
     # Both sides keep the same parameters, and so their gradients.
     for p, g in zip(w.ens.parameters(), grads, strict=True):
         p.grad = g
@@ -655,7 +620,6 @@ def op_save_load(w: World, path: Path) -> None:
         w.sched.load_state_dict(sched)
     for m in w.models:
         m.zero_grad()
-    w.step_grads = w.step_grads_out = False
     w.sched_stepped = w.sched_stepped and (sched is None or sched["_step_count"] > 1)
 
 
@@ -716,7 +680,6 @@ def op_select(w: World, rows: list[int]) -> None:
     w.make_scheds()
     for m in w.models:
         m.zero_grad()  # the sub-ensemble's are copies without gradients
-    w.step_grads = w.step_grads_out = False
 
 
 def op_select_keep(w: World, rows: list[int], how: str) -> None:
@@ -747,7 +710,6 @@ def op_select_keep(w: World, rows: list[int], how: str) -> None:
     w.opt_kwargs = {k: rows_of(v) for k, v in w.opt_kwargs.items()}
     for m in w.models:
         m.zero_grad()  # the sub-ensemble's are copies without gradients
-    w.step_grads = w.step_grads_out = False
 
 
 def op_channels_last(w: World) -> None:
@@ -766,8 +728,6 @@ def op_add_group(w: World, lr: list[float] | float) -> None:
             {"params": [m.get_parameter(name)], "lr": lr[i] if isinstance(lr, list) else lr}
         )
     w.group_added = True
-    w.step_grads = w.step_grads or w.step_grads_out
-    w.step_grads_out = False
 
 
 def op_apply(w: World, what: str, seed: int) -> None:
@@ -898,8 +858,6 @@ def program(seed: int) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]]
             values = (
                 [r.choice(choices) for _ in range(n)] if r.random() < 0.5 else r.choice(choices)
             )
-            if key == "momentum" and isinstance(values, list) and not MOMENTUM_OFF_FIXED:
-                values = [v or 0.45 for v in values]  # the known bug MOMENTUM_OFF_FIXED
             if key == "betas":
                 values = (values, r.choice([0.99, 0.999]))
             calls.append(("set_hyper", dict(key=key, values=values)))
@@ -1131,3 +1089,27 @@ def test_a_state_dict_value_that_cannot_be_copied_loads_nothing_and_names_the_ke
             ens.load_state_dict(sd, strict=strict)
         for k, v in ens.state_dict().items():
             assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1])
+def test_the_steps_grads_are_laid_out_as_their_parameters_as_backward_leaves_them(
+    chunk_size: int | None,
+) -> None:
+    # autograd.grad gives a member Linear's weight gradient transposed (from a batched
+    # matmul); loss.backward() leaves `.grad` with its parameter's strides, which
+    # `p.grad.view(-1)` and a later backward into a kept `.grad` rely on (torch warns "grad
+    # and param do not obey the gradient layout contract" otherwise).
+    def mlp() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+
+    ens = vmapens.Ensemble(mlp, n=2, seed=0, chunk_size=chunk_size)
+    opt = vmapens.StackedSGD(ens.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(5, 2, generator=g, dtype=torch.float64)
+    vmapens.make_step(ens, nn.MSELoss(), opt)(x, y)
+    for name, p in ens.stacked_params().items():
+        assert p.grad is not None and p.grad.stride() == p.stride(), name
+        p.grad.view(-1)
+    opt.zero_grad(set_to_none=False)
+    nn.functional.mse_loss(ens(x), y.expand(2, 5, 2), reduction="sum").backward()  # no warning

@@ -179,29 +179,29 @@ def undo_point(ens: Ensemble, optimizer: Any) -> Callable[[], None]:
     return undo
 
 
-def distinct_grads(grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """``grads`` with a copy wherever one is an earlier one again or overlaps itself, so
-    that each can be written in place, as ``loss.backward()``'s ``.grad`` can.
+def distinct_grads(
+    grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor]
+) -> list[torch.Tensor | None]:
+    """``grads`` of ``params`` as ``loss.backward()`` leaves them in ``.grad``: each a tensor
+    of its own that can be written in place, laid out as its parameter.
 
     ``torch.autograd.grad`` may return one tensor for two inputs (``b1 + b2``; the fused
     LSTM's ``bias_ih`` and ``bias_hh``): as ``.grad`` of two parameters, an in-place clip,
     unscale or optimizer op would apply twice to both. It may return an expanded tensor (the
-    gradient of ``w.sum()``), which in-place ops refuse.
+    gradient of ``w.sum()``), which in-place ops refuse, or a transposed one (a member
+    Linear's weight, from a batched matmul): torch's ``.grad`` has its parameter's strides
+    (``AccumulateGrad`` copies where they differ), which ``p.grad.view(-1)`` and a later
+    ``loss.backward()`` into that ``.grad`` rely on.
     """
     seen: set[int] = set()
     out: list[torch.Tensor | None] = []
-    for g in grads:
+    for g, p in zip(grads, params, strict=True):
         if g is not None:
-            if id(g) in seen or (0 in g.stride() and _overlaps(g)):
-                g = g.clone(memory_format=torch.contiguous_format)
+            if id(g) in seen or g.stride() != p.stride():
+                g = torch.empty_like(p).copy_(g)
             seen.add(id(g))
         out.append(g)
     return out
-
-
-def _overlaps(t: torch.Tensor) -> bool:
-    """Whether ``t`` has a stride-0 dim of size > 1 (an expanded tensor)."""
-    return any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape, strict=True))
 
 
 def trainable(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:

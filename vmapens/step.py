@@ -172,7 +172,7 @@ def make_step(
                         losses = batched(ens.stacked_state(), args, targets)
                     scaled = losses if scale is None else losses * scale
                     grads: Sequence[torch.Tensor | None] = distinct_grads(
-                        torch.autograd.grad(scaled.sum(), params, allow_unused=True)
+                        torch.autograd.grad(scaled.sum(), params, allow_unused=True), params
                     )
                 else:
                     losses, grads = chunked_losses_and_grads(batched, ens.stacked_state(),
