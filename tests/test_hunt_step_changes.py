@@ -189,3 +189,36 @@ def test_the_update_check_runs_again_after_the_parameters_change_dtype(monkeypat
         train_alone(m.float(), batches[:2], nn.functional.cross_entropy, sgd)
         train_alone(m.double(), batches[2:], nn.functional.cross_entropy, sgd)
     assert_members_equal(ens, alone, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["make_step", "manual"])
+def test_freezing_a_layer_on_the_template_freezes_it_as_on_a_plain_module(how: str) -> None:
+    # `ens.template[0].requires_grad_(False)`, as on a plain module: the template's flags were
+    # set back from the stacked parameters' at the next call, and the layer kept training.
+    ens = vmapens.Ensemble(_mlp, n=N, seed=0)
+    alone = ens.unstack()
+    opt = vmapens.StackedAdam(ens, lr=0.1)
+    step = vmapens.make_step(ens, nn.functional.mse_loss, opt)
+    mine = [torch.optim.Adam(m.parameters(), lr=0.1) for m in alone]
+    stacked = ens.stacked_params()
+    for k, (x, y) in enumerate(float64_batches(6, 5, 3, 2)):
+        if k == 1:  # freeze on the template, then on the stacked tensor too: both agree
+            ens.template[0].requires_grad_(False)
+            stacked["0.bias"].requires_grad_(False)
+        if k == 4:  # unfreeze on the template
+            ens.template[0].requires_grad_(True)
+        for m in alone:
+            m[0].requires_grad_(not 1 <= k < 4)
+        if how == "make_step":
+            step(x, y)
+        else:
+            opt.zero_grad()
+            losses = nn.functional.mse_loss(ens(x), y.expand(N, *y.shape), reduction="none")
+            losses.mean(dim=(1, 2)).sum().backward()
+            opt.step()
+        for m, o in zip(alone, mine, strict=True):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+        assert stacked["0.weight"].requires_grad == (not 1 <= k < 4)
+    assert_members_equal(ens, alone)

@@ -34,6 +34,7 @@ __all__ = [
     "check_modules",
     "check_settings",
     "first_difference",
+    "follow_flags",
     "hooks_of",
     "meta_copy",
     "migrated_keys",
@@ -127,6 +128,23 @@ def stack_sizes(members: list[nn.Module], api: str) -> Stacked:
             for name, t in named_tensors(member):
                 padding.put_(name, stacked[name][row], t, row)
     return Stacked(stacked, meta_copy(big), big.training, padding)
+
+
+def follow_flags(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], synced: list[bool]) -> None:
+    """Each stacked parameter's ``requires_grad`` and its template twin's (``pairs``) made one,
+    from whichever changed since the last call (``synced``: the flags then, updated), so that
+    ``ens.stacked_params()[name].requires_grad_(False)`` and, as on a plain module,
+    ``ens.template.<layer>.requires_grad_(False)`` both freeze the layer (the template's was
+    set back before). Written only on a change: torch refuses ``requires_grad_`` under a
+    functorch transform (an ensemble called inside jacrev or an outer vmap).
+    """
+    for k, (p, meta) in enumerate(pairs):
+        if meta.requires_grad != p.requires_grad:
+            if meta.requires_grad != synced[k]:  # the template's flag was set
+                p.requires_grad_(meta.requires_grad)
+            else:
+                meta.requires_grad_(p.requires_grad)
+        synced[k] = p.requires_grad
 
 
 def meta_copy(module: nn.Module) -> nn.Module:

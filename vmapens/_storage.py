@@ -21,7 +21,15 @@ from torch import nn
 from ._checks import as_ids, index_rows
 from ._members import check_same, named_tensors, non_persistent_buffers, signature
 from ._padding import Padding
-from ._stacking import check_applied, hooks_of, migrated_keys, recomputed, scrub_, staged
+from ._stacking import (
+    check_applied,
+    follow_flags,
+    hooks_of,
+    migrated_keys,
+    recomputed,
+    scrub_,
+    staged,
+)
 from ._unbatchable import SparseLayer, sparse_layers
 
 __all__ = ["StackedModule"]
@@ -94,21 +102,17 @@ class StackedModule(nn.Module):
         # weight_norm's tensors, which a forward leaves in the meta modules (``Ensemble.guard``).
         hooked = [(m, name, torch.empty_like(m.__dict__[name], device="meta"))
                   for t in (self._template, self._runner, *padded) for m, name, _ in recomputed(t)]  # fmt: skip
-        self.__dict__["_followers"] = (followers, grads, hooked)
+        synced = [p.requires_grad for p, _ in grads]
+        self.__dict__["_followers"] = (followers, grads, hooked, synced)
 
     def _follow_template(self) -> None:
-        """The runner (and padded templates) in the template's train/eval modes, and the
-        template's grad flags as the stacked parameters': ``ens.template.bn.eval()`` and
-        ``ens.stacked_params()[name].requires_grad_(False)`` hold for every use."""
-        modules, params, _ = self._followers
+        """The runner (and padded templates) in the template's train/eval modes, and the grad
+        flags of the template and the stacked parameters made one (``follow_flags``)."""
+        modules, params, _, synced = self._followers
         for template, m in modules:
             if m.training != template.training:  # nn.Module's setattr costs ~1 us: on a change
                 m.training = template.training
-        for p, meta in params:
-            # Only on a change: torch refuses requires_grad_ under a functorch transform (an
-            # ensemble called inside jacrev or an outer vmap).
-            if meta.requires_grad != p.requires_grad:
-                meta.requires_grad_(p.requires_grad)
+        follow_flags(params, synced)
 
     @contextlib.contextmanager
     def _evaluating(self) -> Iterator[None]:
@@ -131,10 +135,9 @@ class StackedModule(nn.Module):
 
     @property
     def runner(self) -> nn.Module:
-        """The module ``functional_call`` runs: the template, with ``nn.GRU`` / ``nn.LSTM`` /
-        ``nn.RNN`` (and cells) swapped for implementations ``vmap`` can batch (same parameter
-        names, same maths; see ``vmapens._recurrent``) unless the backend is ``"loop"``.
-        """
+        """The module ``functional_call`` runs: the template, its layers vmap batches badly
+        (recurrent, attention...) swapped for twins with the same names and maths
+        (``vmapens._batchable``), unless ``backend="loop"``."""
         return self._template if self.backend == "loop" else self._runner
 
     @property
@@ -173,8 +176,7 @@ class StackedModule(nn.Module):
         sds: list[dict[str, torch.Tensor]] = []
         for i in range(len(self)):
             # `module.state_dict()`'s type, with its `_metadata` (each submodule's `_version`):
-            # a module whose `_load_from_state_dict` migrates older versions (BatchNorm's
-            # num_batches_tracked) reads a state dict without it as version 1.
+            # without it BatchNorm's loader reads a state dict as version 1.
             sd: OrderedDict[str, torch.Tensor] = OrderedDict()
             for key, name in self._state_keys.items():
                 row = persistent[name][i]

@@ -155,6 +155,7 @@ def make_step(
     hooks = TemplateHooks(ens)  # `batched` was lifted now: hooks added later are seen here
 
     def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        ens._follow_template()  # ens.template.<layer>.requires_grad_(False) before the flags
         args = check_call(ens, optimizer, inputs, targets, mask, in_dims)
         hooks()
         params = trainable(every)
@@ -319,6 +320,7 @@ def _compiled_step(
 
     def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         nonlocal baked, tensors
+        ens._follow_template()  # as the eager step: the template's flags, read below
         args = check_call(ens, optimizer, inputs, targets, mask, in_dims)
         hooks()
         refuse_pre_hooks(optimizer)  # the update runs inside the graph, not in opt.step()
