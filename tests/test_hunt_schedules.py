@@ -667,6 +667,36 @@ def test_fit_called_again_with_more_epochs_continues_the_same_objects(tmp_path, 
     assert s3.get_last_lr() == s1.get_last_lr()
 
 
+def test_a_finished_linear_one_cycle_run_loads_its_own_checkpoint(tmp_path) -> None:
+    # torch's linear one-cycle leaves the lr a little below 0 after its last step; torch's
+    # optimizers load any lr, the stacked ones refused it as out of range, so rerunning the
+    # finished fit (or restoring its checkpoint) failed. Other hyperparameters stay checked.
+    def run() -> vmapens.Ensemble:
+        ens = vmapens.Ensemble(models.MLP, N, seed=0).double()
+        cycle = LRScheduler(
+            lambda o: sched.OneCycleLR(o, max_lr=MemberValues(LRS), total_steps=EPOCHS * PER_EPOCH,
+                                 anneal_strategy="linear"),
+            interval="step",
+        )  # fmt: skip
+        vmapens.fit(ens, (X, Y), nn.MSELoss(), callbacks=[cycle], checkpoint=tmp_path / "c.pt",
+                    **FIT)  # fmt: skip
+        return ens
+
+    first = run()
+    again = run()  # resumes the finished run: nothing left to train
+    for (name, a), b in zip(first.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
+    opt = vmapens.StackedAdam(first, lr=0.1)
+    torch_opt = torch.optim.Adam(plain(0).parameters(), lr=0.1)
+    state = opt.state_dict()
+    state["param_groups"][0]["lr"] = -1e-3  # as torch's Adam loads it
+    opt.load_state_dict(state)
+    torch_state = torch_opt.state_dict()
+    torch_state["param_groups"][0]["lr"] = -1e-3
+    torch_opt.load_state_dict(torch_state)
+    assert opt.param_groups[0]["lr"] == torch_opt.param_groups[0]["lr"] == -1e-3
+
+
 # -- hyperparameters edited by hand between steps, as a schedule of one's own edits them -------
 
 EDITS: dict[str, tuple[type, type, dict[str, Any], list[tuple[str, Any]]]] = {

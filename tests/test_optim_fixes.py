@@ -346,11 +346,6 @@ BAD_STATE_DICTS = {
         ValueError,
         r"param group 0: `lr` has 2 values, expected n=4",
     ),
-    "negative lr": (
-        _edit(("param_groups", 0, "lr"), -1.0),
-        ValueError,
-        r"param group 0: Invalid learning rate: -1.0",
-    ),
     "beta2 out of range": (
         _edit(("param_groups", 0, "betas"), (0.9, 1.5)),
         ValueError,

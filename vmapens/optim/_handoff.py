@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import index_rows
-from ._hyper import IMPLEMENTATION, group_args, params_of, pick_group
+from ._hyper import FREE_ON_LOAD, IMPLEMENTATION, group_args, params_of, pick_group
 
 __all__ = ["check_state_dict", "copy_rows", "member_state_dict", "select_parts"]
 
@@ -134,7 +134,7 @@ def check_state_dict(opt: Any, state_dict: Any) -> None:
             )
         checked = {k: v for k, v in group.items() if k != "params"}
         try:
-            opt._normalise(checked)
+            opt._normalise(checked, FREE_ON_LOAD)
         except (TypeError, ValueError) as e:
             why = str(e).removeprefix(f"{opt._api}: ")
             raise type(e)(f"{api}: param group {j}: {why}") from e

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import numbers
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from ._values import MemberValues
 __all__ = [
     "BETAS",
     "EPS",
+    "FREE_ON_LOAD",
     "LR",
     "MOMENTUM",
     "NONNEGATIVE",
@@ -42,6 +43,9 @@ __all__ = [
     "pick_group",
 ]
 
+#: Hyperparameters a state dict may hold outside the constructor's range, loaded as torch
+#: loads them: torch's schedulers set them (a linear one-cycle ends a little below lr 0).
+FREE_ON_LOAD = ("lr",)
 #: A hyperparameter as a rule reads it: a float, a float64 ``[n]`` tensor (per member) or a
 #: 0-d tensor (a tensor ``lr``, kept in its dtype as torch keeps it).
 Scalar = float | Tensor
@@ -82,13 +86,16 @@ MOMENTUM = nonnegative("momentum value")
 
 
 def check_hyper(
-    api: str, name: str, value: Any, hyper: Hyper, n: int, where: str = ""
+    api: str, name: str, value: Any, hyper: Hyper, n: int, where: str = "", ranges: bool = True
 ) -> float | MemberValues:
-    """A float (shared) or n values (per member), checked against ``hyper``'s rule.
+    """A float (shared) or n values (per member), checked against ``hyper``'s rule (its type
+    and length only without ``ranges``).
 
     A 0-d tensor stays as it is where ``hyper.tensor`` (torch computes with it in its dtype);
     elsewhere it, and every 1-D tensor, is read as its float values.
     """
+    if not ranges:
+        hyper = dataclasses.replace(hyper, ok=lambda v: True)
     if isinstance(value, Tensor) and value.dim() == 0 and hyper.tensor:
         if not value.is_floating_point():
             raise TypeError(
@@ -117,22 +124,28 @@ def check_hyper(
 
 
 def check_hypers(
-    api: str, group: dict[str, Any], hypers: dict[str, Hyper], n: int, local: Callable[[Any], Any]
+    api: str,
+    group: dict[str, Any],
+    hypers: dict[str, Hyper],
+    n: int,
+    local: Callable[[Any], Any],
+    free: Collection[str] = (),
 ) -> None:
     """Every hyperparameter of ``group`` checked by :func:`check_hyper` and stored as a rule
     reads it: a float, a 0-d tensor ``lr`` or MemberValues, a pair of them for a ``pair``
-    entry. ``local`` cuts values given for every member to a shard's (:func:`local_values`)."""
+    entry; those named in ``free`` without their range. ``local`` cuts values given for every
+    member to a shard's (:func:`local_values`)."""
     for name, hyper in hypers.items():
-        value = group[name]
+        value, ranges = group[name], name not in free
         if hyper.pair:
             if not isinstance(value, (tuple, list)) or len(value) != 2:
                 raise ValueError(f"{api}: `{name}` must be a pair, got {value!r}")
             group[name] = tuple(
-                check_hyper(api, f"{name}[{j}]", local(v), hyper, n, f" at index {j}")
+                check_hyper(api, f"{name}[{j}]", local(v), hyper, n, f" at index {j}", ranges)
                 for j, v in enumerate(value)
             )
         else:
-            group[name] = check_hyper(api, name, local(value), hyper, n)
+            group[name] = check_hyper(api, name, local(value), hyper, n, "", ranges)
 
 
 def _checked(api: str, name: str, vals: list[float], hyper: Hyper, where: str, out: Any) -> Any:

@@ -171,15 +171,15 @@ class StackedAdafactor(StackedOptimizer):
     ) -> None:
         super().__init__(params, locals())
 
-    def _normalise(self, group: dict[str, Any]) -> None:
+    def _normalise(self, group: dict[str, Any], free: tuple[str, ...] = ()) -> None:
         eps = group["eps"]
         if not (isinstance(eps, (tuple, list)) and len(eps) == 2 and eps[0] is None):
-            super()._normalise(group)
+            super()._normalise(group, free)
             return
         # eps1 None (the dtype's eps, as torch) is kept as None; eps2 is checked as usual.
         group["eps"] = (0.0, eps[1])
         try:
-            super()._normalise(group)
+            super()._normalise(group, free)
         finally:
             group["eps"] = (None, group["eps"][1])
 

@@ -25,6 +25,7 @@ from ._eager import EagerOptimizer, hooked_step
 from ._fused import in_one_kernel, make_held, writes_held
 from ._handoff import check_state_dict, copy_rows, member_state_dict, select_parts
 from ._hyper import (
+    FREE_ON_LOAD,
     IMPLEMENTATION,
     Hyper,
     check_hypers,
@@ -174,11 +175,11 @@ class StackedOptimizer(EagerOptimizer):
 
     # -- hyperparameters ------------------------------------------------------------------------
 
-    def _normalise(self, group: dict[str, Any]) -> None:
+    def _normalise(self, group: dict[str, Any], free: tuple[str, ...] = ()) -> None:
         flags = {k: v for k, v in group.items() if k in IMPLEMENTATION}
         check_implementation(self._api, implementation_flags(type(self).torch_class), flags)
         local = functools.partial(local_values, block=self._block, n_total=self._n_total)
-        check_hypers(self._api, group, self.hyperparameters, self.num_members, local)
+        check_hypers(self._api, group, self.hyperparameters, self.num_members, local, free)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group, validated like the constructor's arguments.
@@ -253,7 +254,7 @@ class StackedOptimizer(EagerOptimizer):
         check_state_dict(self, state_dict)
         super().load_state_dict(state_dict)
         for group in self.param_groups:  # as checked: e.g. a list of n values -> MemberValues
-            self._normalise(group)
+            self._normalise(group, FREE_ON_LOAD)
         self._ready = [None] * len(self.param_groups)
         if self.state:
             self.prepare()

@@ -134,8 +134,8 @@ class StackedRprop(StackedOptimizer):
     ) -> None:
         super().__init__(params, locals())
 
-    def _normalise(self, group: dict[str, Any]) -> None:
-        super()._normalise(group)
+    def _normalise(self, group: dict[str, Any], free: tuple[str, ...] = ()) -> None:
+        super()._normalise(group, free)
         minus, plus = (member_floats(v) for v in group["etas"])
         for m, p in zip(minus * len(plus), plus * len(minus), strict=False):
             if not 0.0 < m < 1.0 < p:
