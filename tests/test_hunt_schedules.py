@@ -721,7 +721,9 @@ EDITS: dict[str, tuple[type, type, dict[str, Any], list[tuple[str, Any]]]] = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("style", ["shared", "per-member"])
+# "tensor": the per-member values as a 1-D tensor, which the constructors read as MemberValues;
+# set mid-run it failed with "Boolean value of Tensor ... is ambiguous" (SGD's momentum).
+@pytest.mark.parametrize("style", ["shared", "per-member", "tensor"])
 @pytest.mark.parametrize("name", list(EDITS))
 def test_hyperparameters_edited_mid_run_move_each_member_as_torch(name: str, style: str) -> None:
     stacked_class, torch_class, kw, edits = EDITS[name]
@@ -741,14 +743,11 @@ def test_hyperparameters_edited_mid_run_move_each_member_as_torch(name: str, sty
     for key, value in edits:
         step()
         first = value[0] if isinstance(value, tuple) else value
-        if style == "per-member" and isinstance(first, float) and first != 0:
+        if style != "shared" and isinstance(first, float) and first != 0:
             # A pair's first value differs per member (its second is shared), a float's too.
             values = [first * (1 - 0.1 * i) for i in range(N)]  # in range: alpha < 1
-            opt.param_groups[0][key] = (
-                (MemberValues(values), value[1])
-                if isinstance(value, tuple)
-                else MemberValues(values)
-            )
+            per = MemberValues(values) if style == "per-member" else torch.tensor(values, dtype=F64)
+            opt.param_groups[0][key] = (per, value[1]) if isinstance(value, tuple) else per
             for i, twin in enumerate(twins):
                 twin.param_groups[0][key] = (
                     (values[i], value[1]) if isinstance(value, tuple) else values[i]

@@ -192,6 +192,8 @@ def group_args(
     """
 
     def arg(name: str, v: Any) -> Any:
+        if isinstance(v, Tensor) and v.dim() == 1:  # one per member: n floats, as when built
+            v = MemberValues(v.tolist())
         if isinstance(v, MemberValues):
             if len(v) != n:
                 raise ValueError(
@@ -297,11 +299,15 @@ def any_nonzero(v: Any) -> bool:
     that bool alone, and a schedule that changes the values (OneCycleLR's momentum) does not
     recompile it every step.
     """
+    if isinstance(v, Tensor) and v.dim() == 1:  # one value per member, set after building
+        return bool((v != 0).any())
     return v.nonzero if isinstance(v, MemberValues) else v != 0
 
 
 def any_positive(v: Any) -> bool:
     """Whether any member's value of a hyperparameter is > 0 (as :func:`any_nonzero`)."""
+    if isinstance(v, Tensor) and v.dim() == 1:
+        return bool((v > 0).any())
     return v.positive if isinstance(v, MemberValues) else v > 0
 
 
