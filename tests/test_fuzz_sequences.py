@@ -64,9 +64,13 @@ class MLPBN(nn.Module):
 
 
 class GRUNet(nn.Module):
+    """A recurrent layer (``nn.GRU``; ``LSTMNet``: ``nn.LSTM``) and a head on the last step."""
+
+    layer: type[nn.RNNBase] = nn.GRU
+
     def __init__(self) -> None:
         super().__init__()
-        self.rnn, self.head = nn.GRU(3, 4, batch_first=True), nn.Linear(4, 2)
+        self.rnn, self.head = self.layer(3, 4, batch_first=True), nn.Linear(4, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, _ = self.rnn(x)
@@ -99,14 +103,8 @@ class MLPCumulativeBN(MLPBN):
         self.bn = nn.BatchNorm1d(hidden, momentum=None)  # a cumulative average: the ensemble's twin
 
 
-class LSTMNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.rnn, self.head = nn.LSTM(3, 4, batch_first=True), nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, _ = self.rnn(x)
-        return self.head(out[:, -1])
+class LSTMNet(GRUNet):
+    layer = nn.LSTM
 
 
 class Encoder(nn.Module):
