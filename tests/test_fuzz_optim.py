@@ -794,3 +794,48 @@ def test_add_param_group_after_load_state_dict_or_a_copy(name: str, how: str) ->
         twin = cls.torch_class([a[0].detach().clone().requires_grad_()], lr=0.01)
         twin.load_state_dict(twin.state_dict())
         twin.add_param_group({"params": [b[0].detach().clone().requires_grad_()], "lr": 0.02})
+
+
+@pytest.mark.parametrize("twin", [torch.optim.Adam, torch.optim.SGD], ids=["Adam", "SGD"])
+def test_named_parameters_as_torch_takes_them(twin: type) -> None:
+    # torch's optimizers take `model.named_parameters()` since 2.6 and keep the names as each
+    # group's `param_names`; the stacked ones refused the (name, tensor) pairs.
+    stacked_class = vmapens.optim.stacked(twin)
+    ens = vmapens.Ensemble(
+        lambda: nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double(), n=3, seed=0
+    )
+    alone = ens.unstack()
+    named = list(ens.named_parameters())
+    opt = stacked_class(named[:2], lr=0.05)
+    opt.add_param_group({"params": named[2:], "lr": 0.1})  # named in every group, as torch needs
+    mine = []
+    for m in alone:
+        pairs = list(m.named_parameters())
+        o = twin(pairs[:2], lr=0.05)
+        o.add_param_group({"params": pairs[2:], "lr": 0.1})
+        mine.append(o)
+    assert [g["param_names"] for g in opt.param_groups] == [
+        g["param_names"] for g in mine[0].param_groups
+    ]
+    step = vmapens.make_step(ens, nn.functional.mse_loss, opt)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(5, 3, generator=g, dtype=torch.float64)
+        y = torch.randn(5, 2, generator=g, dtype=torch.float64)
+        step(x, y)
+        for m, o in zip(alone, mine, strict=True):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    for i, m in enumerate(alone):
+        for (name, a), b in zip(ens[i].named_parameters(), m.parameters(), strict=True):
+            torch.testing.assert_close(a, b, **TOL64, msg=name)
+    member = ens[1]  # handed off: torch's optimizer over the named member loads it
+    handed = twin(list(member.named_parameters())[:2], lr=0.05)
+    handed.add_param_group({"params": list(member.named_parameters())[2:], "lr": 0.1})
+    handed.load_state_dict(opt.member_state_dict(1, module=member))
+    assert handed.param_groups[1]["param_names"] == ["2.weight", "2.bias"]
+    again = stacked_class(named[:2], lr=0.05)  # a state dict round trip keeps the names
+    again.add_param_group({"params": named[2:], "lr": 0.1})
+    again.load_state_dict(opt.state_dict())
+    assert again.state_dict()["param_groups"] == opt.state_dict()["param_groups"]

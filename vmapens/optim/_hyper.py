@@ -41,6 +41,7 @@ __all__ = [
     "nonnegative",
     "params_of",
     "pick_group",
+    "unnamed",
 ]
 
 #: Hyperparameters a state dict may hold outside the constructor's range, loaded as torch
@@ -326,8 +327,17 @@ def params_of(params: Any) -> list[Any]:
     return list(params)
 
 
+def unnamed(params: Sequence[Any]) -> list[Any]:
+    """``params`` with each ``(name, tensor)`` pair (``named_parameters()``, which torch's
+    optimizers take since 2.6, keeping the names as ``param_names``) as its tensor."""
+    return [p[1] if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) else p
+            for p in params]  # fmt: skip
+
+
 def leading_n(api: str, tensors: Sequence[Any], n: int | None = None) -> int:
-    """The leading member dim n that every parameter shares (checked; ``n`` if given)."""
+    """The leading member dim n that every parameter shares (checked; ``n`` if given);
+    ``(name, tensor)`` pairs count as their tensors."""
+    tensors = unnamed(tensors)
     if not tensors:
         raise ValueError(f"{api}: `params` is empty; expected at least one stacked tensor")
     if any(not isinstance(t, Tensor) for t in tensors):

@@ -35,6 +35,7 @@ from ._hyper import (
     leading_n,
     local_values,
     params_of,
+    unnamed,
 )
 from ._keep import Snapshot, keep_masked_, tensors_of
 from ._kinds import check_complex, check_dense, initial, real_views
@@ -99,9 +100,9 @@ class StackedOptimizer(EagerOptimizer):
         check_implementation(self._api, flags, options.get("implementation", {}))
         defaults.update(options.get("implementation", {}))
         items = params_of(params)
-        tensors = [
-            t for it in items for t in (params_of(it["params"]) if isinstance(it, dict) else [it])
-        ]
+        tensors = unnamed(
+            [t for it in items for t in (params_of(it["params"]) if isinstance(it, dict) else [it])]
+        )
         self.num_members = leading_n(self._api, tensors)
         if not type(self).elementwise and any(hasattr(t, "_member_padding") for t in tensors):
             raise ValueError(
@@ -192,7 +193,7 @@ class StackedOptimizer(EagerOptimizer):
         leading_n(self._api, group["params"], self.num_members)
         for key, default in self.defaults.items():
             group.setdefault(key, default)
-        check_complex(self._api, group["params"], type(self).elementwise)
+        check_complex(self._api, unnamed(group["params"]), type(self).elementwise)
         self._normalise(group)
         super().add_param_group(group)
         self._ready.append(None)
