@@ -209,30 +209,30 @@ def _keeps_workers(data: Any) -> bool:
 def run_options(ctx: Context) -> dict[str, Any]:
     """This run's options for the resume check: every ``fit`` argument in ``ctx.arguments``
     except :data:`~vmapens._resume.NOT_COMPARED`, the built parts by their settings."""
-    out: dict[str, Any] = {}
-    for name, value in ctx.arguments.items():
-        if name in NOT_COMPARED:
-            continue
-        if name == "optimizer":
-            out[name] = hyperparameters_of(ctx.optimizer)
-        elif name == "scheduler":
-            lr = [cb.settings() for cb in ctx.callbacks if isinstance(cb, LRScheduler)]
-            out[name] = lr or None
-        else:
-            out[name] = fingerprint(value)
-    return out
+    return {
+        name: _settings(ctx, name) if name in _BUILT else fingerprint(value)
+        for name, value in ctx.arguments.items()
+        if name not in NOT_COMPARED
+    }
 
 
 def live_options(ctx: Context, options: dict[str, Any]) -> dict[str, Any]:
     """``run_options``'s optimizer and scheduler entries as they are now (a scheduler has
     changed the learning rates since the run began), for those in ``options``."""
-    live: dict[str, Any] = {}
-    if "optimizer" in options:
-        live["optimizer"] = hyperparameters_of(ctx.optimizer)
-    if "scheduler" in options:
-        lr = [cb.settings() for cb in ctx.callbacks if isinstance(cb, LRScheduler)]
-        live["scheduler"] = lr or None
-    return live
+    return {name: _settings(ctx, name) for name in _BUILT if name in options}
+
+
+#: The ``fit`` arguments compared by the settings of what ``fit`` built from them.
+_BUILT = ("optimizer", "scheduler")
+
+
+def _settings(ctx: Context, name: str) -> Any:
+    """The optimizer's hyperparameters, or each LR scheduler callback's settings (None if
+    there is none), as they are now."""
+    if name == "optimizer":
+        return hyperparameters_of(ctx.optimizer)
+    lr = [cb.settings() for cb in ctx.callbacks if isinstance(cb, LRScheduler)]
+    return lr or None
 
 
 def _keyed(ctx: Context) -> dict[str, Callback]:
