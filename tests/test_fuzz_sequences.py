@@ -663,17 +663,18 @@ def op_index(w: World, i: int, how: str, rows: list[int]) -> None:
             t.add_(1)
 
 
+def _rows_of(v: Any, rows: list[int]) -> Any:
+    """A per-member optimizer option (a list, or a pair of them) cut to ``rows``."""
+    if isinstance(v, tuple):
+        return tuple(_rows_of(x, rows) for x in v)
+    return [v[r] for r in rows] if isinstance(v, list) else v
+
+
 def op_select(w: World, rows: list[int]) -> None:
     """Go on with ``ens.select(rows)`` and new optimizers, as with those modules alone."""
     w.ens, w.models, w.n = w.ens.select(rows), [w.models[r] for r in rows], len(rows)
     w.rows = [w.rows[r] for r in rows]
-
-    def rows_of(v: Any) -> Any:
-        if isinstance(v, tuple):
-            return tuple(map(rows_of, v))
-        return [v[r] for r in rows] if isinstance(v, list) else v
-
-    w.opt_kwargs = {k: rows_of(v) for k, v in w.opt_kwargs.items()}
+    w.opt_kwargs = {k: _rows_of(v, rows) for k, v in w.opt_kwargs.items()}
     w.make_opts()
     w.make_scheds()
     for m in w.models:
@@ -699,13 +700,7 @@ def op_select_keep(w: World, rows: list[int], how: str) -> None:
     w.ens, w.opt, w.steps = sub, opt, {}
     w.models, w.opts, w.n = [w.models[r] for r in rows], [w.opts[r] for r in rows], len(rows)
     w.rows = [w.rows[r] for r in rows]
-
-    def rows_of(v: Any) -> Any:
-        if isinstance(v, tuple):
-            return tuple(map(rows_of, v))
-        return [v[r] for r in rows] if isinstance(v, list) else v
-
-    w.opt_kwargs = {k: rows_of(v) for k, v in w.opt_kwargs.items()}
+    w.opt_kwargs = {k: _rows_of(v, rows) for k, v in w.opt_kwargs.items()}
     for m in w.models:
         m.zero_grad()  # the sub-ensemble's are copies without gradients
 
