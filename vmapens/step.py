@@ -229,7 +229,6 @@ def _compiled_step(
     check: bool,
 ) -> Step:
     names = {id(p): name for name, p in ens.named_parameters()}
-    by_name = dict(ens.named_parameters())
     scaled = update.scale is not None
     device = next(iter(ens.parameters())).device
 
@@ -300,8 +299,9 @@ def _compiled_step(
     # For each (graph key, input shapes, modules' train/eval modes): the graph, the parameters
     # that get a gradient (no_gradient: member 0 run eagerly; a forward may read a parameter
     # only in training mode, an auxiliary head, or for some shapes), and the ids of those it
-    # steps when the optimizer holds others (they need step counts of their own: own_counters).
-    parts: dict[tuple, tuple[tuple, tuple[str, ...], set[int] | None]] = {}
+    # steps when the optimizer holds others (they need step counts of their own: own_counters),
+    # and the parameters whose gradients the graph returns, in the optimizer's order (.grad).
+    parts: dict[tuple, tuple[tuple, tuple[str, ...], set[int] | None, list[torch.Tensor]]] = {}
     # The template's modes: the runner takes them only inside ens.guard, after this key is
     # read (ens.template.head.eval() between steps reused train mode's parts once).
     modules = list(ens.template.modules())
@@ -346,14 +346,18 @@ def _compiled_step(
             unused = no_gradient(ens, member_loss, now[0], args, targets, in_dims, update)
             trained = tuple(name for name in now[0] if name not in unused)
             stepped = {id(p) for p in every if names[id(p)] in trained}
-            parts[part] = ((now, trained), trained, stepped if set(now[1]) - set(trained) else None)
-        graph, trained, stepping = parts[part]
+            held = [p for g in optimizer.param_groups for p in g["params"]]
+            returned = [p for p in held if names[id(p)] in trained]
+            own = stepped if set(now[1]) - set(trained) else None
+            parts[part] = ((now, trained), trained, own, returned)
+        graph, trained, stepping, returned = parts[part]
         if graph not in graphs:
             graphs[graph] = build(trained, now[1])
         optimizer.prepare()  # state is created outside the graph
         if stepping is not None:  # the optimizer holds parameters this graph does not step
             own_counters(optimizer, stepping)
-        if every[0].device.type == "cuda":  # moved there after make_step, too
+        cuda = every[0].device.type == "cuda"  # moved there after make_step, too
+        if cuda:
             _static_addresses(ens, optimizer)
         # Gradients come from torch.func inside the graph: no autograd graph around it.
         with torch.no_grad(), ens.guard("step", loss=True), frozen_buffers(ens, mask):
@@ -382,9 +386,8 @@ def _compiled_step(
         # where none. A CUDA graph's outputs are overwritten by its next replay: copies there.
         for p in every:
             p.grad = None
-        cuda = every[0].device.type == "cuda"
-        for name, g in zip([k for k in now[1] if k in trained], grads, strict=True):
-            by_name[name].grad = g.clone() if cuda else g
+        for param, grad in zip(returned, grads, strict=True):
+            param.grad = grad.clone() if cuda else grad
         run_post_hooks(optimizer, mask)
         return losses
 
