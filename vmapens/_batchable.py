@@ -22,7 +22,9 @@ batches and ``torch.compile(fullgraph=True)`` traces:
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +43,7 @@ from ._recurrent import (
 )
 from ._spectral import BatchableSpectralNorm, BatchableSpectralNormHook
 
-__all__ = ["batchable"]
+__all__ = ["BatchableDropout", "batchable", "in_logical_order"]
 
 
 def _cumulative_batch_norm(bn: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor:
@@ -104,6 +106,28 @@ def _memory_order(t: Tensor) -> list[int] | None:
     return order if t.permute(order).is_contiguous() else None
 
 
+#: Set while the self-check runs one member alone and in the ensemble (``in_logical_order``).
+_LOGICAL = [False]
+
+
+@contextlib.contextmanager
+def in_logical_order() -> Iterator[None]:
+    """Every ``BatchableDropout`` draws its mask in the input's logical order meanwhile.
+
+    A batched tensor's strides are the layout vmap's batching rules chose, which can differ
+    from the member's own (``h[:, self.index]`` with an index buffer, stacked per member, is
+    laid out time-first under vmap and batch-first alone), so the memory order is not always
+    the member's. The self-check compares one member alone and in the ensemble from one RNG
+    state: with this order in both runs (the alone module's ``nn.Dropout`` re-classed) their
+    masks agree whatever the layouts, and what it compares is the rest of the forward.
+    """
+    _LOGICAL[0] = True
+    try:
+        yield
+    finally:
+        _LOGICAL[0] = False
+
+
 class BatchableDropout(nn.Dropout):
     """``nn.Dropout`` that draws its mask in the input's memory order under ``vmap`` too.
 
@@ -112,20 +136,50 @@ class BatchableDropout(nn.Dropout):
     (batch_first=True)``'s) gets its random numbers in memory order. Under ``vmap`` dropout
     runs ``native_dropout``, which draws into a contiguous mask, in logical order: another
     mask than the member's own. Permuting the input to its memory order first makes the two
-    orders one; on a contiguous input this is torch's forward.
+    orders one; on a contiguous input this is torch's forward. Under ``in_logical_order`` a
+    non-contiguous input is made contiguous first instead (an in-place dropout gets the
+    result copied back).
     """
 
     def forward(self, input: Tensor) -> Tensor:
         # CUDA's dropout alone draws into a contiguous mask too (its fused native_dropout).
         drawn = self.training and self.p > 0 and input.device.type == "cpu"
         order = _memory_order(input) if drawn else None
+        if order is not None and _LOGICAL[0]:
+            dropped = F.dropout(input.contiguous(), self.p, True, False)
+            return input.copy_(dropped) if self.inplace else dropped
         if order is None:
             return super().forward(input)
         dropped = F.dropout(input.permute(order), self.p, True, self.inplace)
         return dropped.permute([order.index(d) for d in range(len(order))])
 
 
+class BatchableEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose ``padding_idx`` row gets no gradient under ``vmap`` either.
+
+    vmap's embedding rule for per-member indices (computed from the member's own tensors, or
+    per-member data) looks up the members' rows stacked into one table and passes
+    ``padding_idx`` on unchanged: member 0's padding row kept its zero gradient, the others'
+    got gradients. ``padding_idx`` only holds that row's gradient at zero (its forward value
+    is the row as it is), so the twin reads that row detached and looks up without it.
+    """
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self.padding_idx is None:
+            return super().forward(input)
+        weight = self.weight
+        if self.max_norm is not None:  # F.embedding's own renorm, on the stored weight
+            with torch.no_grad():
+                torch.embedding_renorm_(weight, input.contiguous(), self.max_norm, self.norm_type)
+        rows = torch.arange(self.num_embeddings, device=weight.device).unsqueeze(-1)
+        weight = torch.where(rows == self.padding_idx, weight.detach(), weight)
+        return F.embedding(
+            input, weight, None, None, self.norm_type, self.scale_grad_by_freq, self.sparse
+        )
+
+
 _BATCHABLE: dict[type, type] = {
+    nn.Embedding: BatchableEmbedding,
     nn.RNN: BatchableRNN,
     nn.GRU: BatchableGRU,
     nn.LSTM: BatchableLSTM,

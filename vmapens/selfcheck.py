@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ._attention import batched_attention
+from ._batchable import BatchableDropout, in_logical_order
 from ._checks import tolerance
 from ._fastcall import call_member
 from ._locate import first_padded_difference
@@ -194,6 +195,10 @@ def _autocast(ens: Ensemble, dtype: torch.dtype | None) -> contextlib.AbstractCo
     return torch.autocast(device.type, dtype)
 
 
+def _logical(ens: Ensemble) -> contextlib.AbstractContextManager:
+    return in_logical_order() if ens.backend == "vmap" else contextlib.nullcontext()
+
+
 def _copied(tree: Any) -> Any:
     return optree.tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, tree)
 
@@ -216,7 +221,9 @@ def _alone(
 ) -> dict[str, Any]:
     """Member ``member`` as a plain module: outputs, loss, state after, ``.grad``s."""
     module = ens[member]
-    with batch_kept(args, targets) as edited, _forked_rng(ens):
+    for sub in module.modules() if ens.backend == "vmap" else ():  # see in_logical_order
+        sub.__class__ = BatchableDropout if type(sub) is torch.nn.Dropout else type(sub)
+    with batch_kept(args, targets) as edited, _forked_rng(ens), _logical(ens):
         with _autocast(ens, autocast):
             out = module(*_member_slice(args, member, in_dims, False))
             loss = loss_fn(out, _member_slice(targets, member, in_dims, False))
@@ -252,7 +259,7 @@ def _together(
 
     mine = _member_slice(args, member, in_dims, True)
     target = _member_slice(targets, member, in_dims, True)
-    with batch_kept(args, targets), _forked_rng(sub), batched_attention():
+    with batch_kept(args, targets), _forked_rng(sub), batched_attention(), _logical(sub):
         with _autocast(sub, autocast):
             tensors, loss = sub._member_map(run, (in_dims, in_dims))(state, mine, target)
         spec, leaves = structure
@@ -360,8 +367,14 @@ def _differences(
         for i, (a, t) in enumerate(zip(outs_a, outs_t, strict=True)):
             yield from _close(f"output {i}" if len(outs_a) > 1 else "the output", a, t, low)
     yield from _close("the loss", alone["loss"], together["loss"], low)
+    layers: dict[str, float] = {}  # each layer's largest float tensor, a floor for its own:
+    for key, a in alone["state"].items():  # a running mean of normalised inputs is round-off
+        if a.is_floating_point() and a.numel():
+            layer, at = key.rpartition(".")[0], float(a.abs().nan_to_num().max())
+            layers[layer] = max(layers.get(layer, 0.0), at)
     for key, a in alone["state"].items():
-        yield from _close(f"`{key}` after the forward", a, together["state"][key], low)
+        floor = layers.get(key.rpartition(".")[0], 0.0)
+        yield from _close(f"`{key}` after the forward", a, together["state"][key], low, floor)
     grads = [g for g in alone["grads"].values() if g is not None]
     scale = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
     for key, a in alone["grads"].items():
