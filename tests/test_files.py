@@ -130,7 +130,7 @@ def test_every_byte_of_a_member_file_is_checked(tmp_path: Path, fmt: str):
         data = path.read_bytes()
         end = 8 + int.from_bytes(data[:8], "little")
         header = json.loads(data[8:end])
-        assert set(header["__metadata__"]) == {"vmapens-sha256"}
+        assert set(header["__metadata__"]) == {"vmapens-sha256", "vmapens:member_id"}
         regions = {"header length": range(0, 8), "header": range(8, end),
                    "tensor data": range(end, len(data))}  # fmt: skip
     torch.testing.assert_close(plain, expected, **EXACT)

@@ -202,10 +202,18 @@ def test_resume_with_other_arguments_is_refused_unless_overridden(tmp_path, chan
     torch.testing.assert_close(other.state_dict(), before, rtol=0, atol=0)
     assert path.read_bytes() == file_before
     # With override the run resumes and this run's value wins.
+    seen = LrAtStart()
     opt_override = {**options, **change, "epochs": 3, "checkpoint": None,
-                    "callbacks": [Checkpoint(path, override=(name,))]}  # fmt: skip
+                    "callbacks": [Checkpoint(path, override=(name,)), seen]}  # fmt: skip
     h = vmapens.fit(other, (XS[0], YS[0]), nn.MSELoss(), **opt_override)
     assert h.epochs == 3
+    if name == "optimizer":  # this run's learning rates, not the checkpoint's scheduled ones
+        assert seen.lr == change["lr"]
+
+
+class LrAtStart(vmapens.Callback):
+    def on_train_start(self, ctx: vmapens.callbacks.Context) -> None:
+        self.lr = [float(v) for v in ctx.optimizer.param_groups[0]["lr"]]
 
 
 # -- compile="auto" ------------------------------------------------------------------------------

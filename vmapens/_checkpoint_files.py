@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ._files import atomic_write, open_checked, seal_torch, torch_load
+from ._files import atomic_write, check_path, open_checked, seal_torch, torch_load
 from .optim import MemberValues
 
 __all__ = [
@@ -58,27 +58,61 @@ def write(path: str | os.PathLike, parts: Mapping[str, Any], api: str = "save") 
     return atomic_write(path, seal_torch(payload), api)
 
 
-def read(path: str | os.PathLike, api: str) -> dict[str, Any]:
-    """Read a checkpoint written by :func:`write`: digest, format and version checked.
+def read(path: str | os.PathLike, api: str, whole: bool = False) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`write`: digest, format and version checked; with
+    ``whole``, a checkpoint (not a member block of a sharded one).
 
     Raises:
         TypeError: ``path`` is not a str or os.PathLike.
         FileNotFoundError: no file at ``path``.
         ValueError: a truncated, corrupt or changed file (its digest does not match),
             objects other than tensors and plain containers (possibly code), another format
-            or version; the message names the file.
+            or version, a member file, a block where a ``whole`` checkpoint is wanted; the
+            message names the file.
     """
-    with open_checked(path, api, "checkpoint") as f:  # checks `path` first
-        where = os.fspath(path)
+    check_path(api, "path", path)
+    where = os.fspath(path)
+    if where.endswith(".safetensors") and _head(where) not in (b"", b"PK\x03\x04"):
+        raise ValueError(
+            f"{api}: {where} is a safetensors file, not a vmapens checkpoint: a member file of "
+            "vmapens.save_members loads with vmapens.load_member"
+        )
+    with open_checked(path, api, "checkpoint") as f:
         payload = torch_load(f, where, api)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise ValueError(f"{api}: {where} is not a vmapens checkpoint (no `{FORMAT}` marker)")
+        plain = isinstance(payload, dict) and all(
+            isinstance(v, torch.Tensor) for v in payload.values()
+        )
+        hint = (
+            ": it holds a state_dict (a member file of vmapens.save_members loads with "
+            "vmapens.load_member)"
+            if plain and payload
+            else ""
+        )
+        raise ValueError(f"{api}: {where} is not a vmapens checkpoint (no `{FORMAT}` marker){hint}")
+    if whole and "rows" in payload and "members" not in payload:
+        parent = Path(where).parent  # <checkpoint>.members
+        raise ValueError(
+            f"{api}: {where} is a member block of a sharded checkpoint, not the checkpoint: "
+            f"load the checkpoint it belongs to, {parent.with_name(parent.name[:-8])}"
+            if parent.name.endswith(".members")
+            else f"{api}: {where} is a member block of a sharded checkpoint, not the checkpoint"
+        )
     if payload.get("version") != VERSION:
         raise ValueError(
             f"{api}: {where} is a vmapens checkpoint of version {payload.get('version')!r}; "
             f"this vmapens reads version {VERSION}"
         )
     return payload
+
+
+def _head(where: str) -> bytes:
+    """The first 4 bytes of a file (a torch.save zip: ``PK\\x03\\x04``); empty if unreadable."""
+    try:
+        with open(where, "rb") as f:
+            return f.read(4)
+    except OSError:
+        return b""
 
 
 def check_member_ids(members: Any, api: str, where: str) -> tuple[list[int], int]:
@@ -231,8 +265,9 @@ def localise(payload: dict, path: str | os.PathLike, member_ids: Sequence[int], 
         blocks = [(stored, rows)]
     else:
         shared = {k: v for k, v in payload.items() if k != "blocks"}
+        expected = _row_paths(shared)
         blocks = [
-            _read_block(path, payload, name, ids, api)
+            _read_block(path, payload, name, ids, expected, api)
             for name, ids in _listed(payload, where, api)
             if set(ids) & set(wanted)
         ]
@@ -281,10 +316,24 @@ def _listed(payload: dict, where: str, api: str) -> list[tuple[str, list[int]]]:
     return out
 
 
+def _row_paths(shared: dict) -> set[tuple]:
+    """Where the shared part of a sharded checkpoint stands in for per-member rows."""
+    paths: set[tuple] = set()
+
+    def visit(path: tuple, value: Any) -> Any:
+        if isinstance(value, str) and value == _ROWS:
+            paths.add(path)
+        return ...
+
+    _walk(shared, (), visit)
+    return paths
+
+
 def _read_block(
-    path: str | os.PathLike, payload: dict, name: str, ids: list[int], api: str
+    path: str | os.PathLike, payload: dict, name: str, ids: list[int], expected: set, api: str
 ) -> tuple:
-    """``(member ids, rows)`` of block ``name``, which must be of the checkpoint's run and epoch."""
+    """``(member ids, rows)`` of block ``name``, which must be of the checkpoint's run and epoch
+    and hold a row for every ``expected`` path of the shared part, and no other."""
     file = parts_dir(path) / name
     try:
         block = read(file, api)
@@ -301,6 +350,17 @@ def _read_block(
             f"the checkpoint wants members {ids!r:.60} of run {ours['run']} at epoch "
             f"{ours['epoch']} (a block of another run, or left from an older epoch)"
         )
-    if not isinstance(block.get("rows"), list):
+    rows = block.get("rows")
+    if not isinstance(rows, list) or not all(isinstance(r, tuple) and len(r) == 4 for r in rows):
         raise ValueError(f"{api}: {file} holds no member rows")
-    return ids, block["rows"]
+    got = [r[0] for r in rows]
+    if set(got) != expected or len(got) != len(expected):
+        missing, extra = (
+            sorted(map(str, expected - set(got))),
+            sorted(map(str, set(got) - expected)),
+        )
+        raise ValueError(
+            f"{api}: {file} does not hold the member rows {os.fspath(path)} names: missing "
+            f"{missing[:4]}, unexpected {extra[:4]} (a block of another layout, or changed)"
+        )
+    return ids, rows

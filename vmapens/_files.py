@@ -213,9 +213,13 @@ def torch_load(f: IO[bytes], where: str, api: str) -> Any:
         ) from err
 
 
-def seal_safetensors(to_bytes: Callable[..., bytes], tensors: dict[str, torch.Tensor]) -> bytes:
-    """safetensors bytes of ``tensors`` with the file's digest in the header metadata."""
-    data = bytearray(to_bytes(tensors, metadata={DIGEST_KEY: "0" * _HEX}))
+def seal_safetensors(
+    to_bytes: Callable[..., bytes],
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, str] | None = None,
+) -> bytes:
+    """safetensors bytes of ``tensors`` with ``metadata`` and the file's digest in the header."""
+    data = bytearray(to_bytes(tensors, metadata={**(metadata or {}), DIGEST_KEY: "0" * _HEX}))
     at = _digest_at(bytes(data))
     assert at is not None  # we wrote it just now
     data[at : at + _HEX] = hashlib.sha256(data).hexdigest().encode()

@@ -286,7 +286,7 @@ def load(
             "`ens = vmapens.load(path, factory); opt = vmapens.StackedAdam(ens); "
             "vmapens.restore(path, ens, opt)`"
         )
-    payload = read(path, "load")
+    payload = read(path, "load", whole=True)
     where = os.fspath(path)
     members = payload.get("members")
     ids, n_total = check_member_ids(members, "load", where)
@@ -331,7 +331,7 @@ def restore(
             ``optimizer`` and ``history`` are then unchanged.
     """
     _check_parts("restore", ens, optimizer, history)
-    _restore(read(path, "restore"), path, ens, optimizer, history, "restore")
+    _restore(read(path, "restore", whole=True), path, ens, optimizer, history, "restore")
 
 
 def _restore(

@@ -2,12 +2,20 @@
 
 ``save_members`` writes ``member_<id>.pt`` (or ``.safetensors``) with a digest that plain
 ``torch.load`` / safetensors ignore; ``load_member`` is the checked reader.
+
+Each file also records whose it is: the member's global id, in the state dict's
+``_metadata`` under :data:`MEMBER_KEY` (``.pt``; ``load_state_dict`` looks up only its
+modules' own prefixes there) or in the safetensors header metadata. A digest proves a file
+whole, not that it is the file its name says: ``load_member`` refuses ``member_0003.pt``
+holding member 2 (a file copied or renamed over another).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
+import re
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +23,7 @@ from typing import IO, Any
 
 import torch
 
+from ._checkpoint_files import FORMAT
 from ._files import (
     atomic_write,
     check_path,
@@ -28,7 +37,11 @@ from ._files import (
 )
 from .ensemble import Ensemble, check_ensemble
 
-__all__ = ["load_member", "save_members"]
+__all__ = ["MEMBER_KEY", "load_member", "save_members"]
+
+#: Where a member file records its member's global id (see the module docstring).
+MEMBER_KEY = "vmapens:member_id"
+_NAMED = re.compile(r"member_(\d+)\.(pt|safetensors)")
 
 
 def save_members(ens: Ensemble, directory: str | os.PathLike, format: str = "pt") -> list[Path]:
@@ -84,14 +97,22 @@ def save_members(ens: Ensemble, directory: str | os.PathLike, format: str = "pt"
         path = directory / f"member_{gid:04d}.{format}"
         if format == "pt":
             versioned = OrderedDict(sd)
-            versioned._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
+            held = copy.deepcopy(metadata) if metadata is not None else OrderedDict()
+            held[MEMBER_KEY] = {"id": gid}
+            versioned._metadata = held  # type: ignore[attr-defined]
             atomic_write(path, seal_torch(versioned), "save_members")
         else:
             # safetensors refuses tensors that share memory (tied weights): one copy per key.
             tensors = {k: v.detach().cpu().contiguous().clone() for k, v in sd.items()}
-            atomic_write(path, _bytes_writer(seal_safetensors(to_bytes, tensors)), "save_members")
+            sealed = seal_safetensors(to_bytes, tensors, {MEMBER_KEY: str(gid)})
+            atomic_write(path, _bytes_writer(sealed), "save_members")
         paths.append(path)
     return paths
+
+
+def _recorded(metadata: Any, key: str = MEMBER_KEY) -> Any:
+    """``metadata[key]``, None where a file has no such entry (or no metadata at all)."""
+    return metadata.get(key) if isinstance(metadata, dict) else None
 
 
 def _bytes_writer(data: bytes) -> Callable[[IO[bytes]], Any]:
@@ -103,7 +124,8 @@ def load_member(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
     ``torch.load(path)`` and ``safetensors.torch.load_file(path)`` read the same files but
     check nothing: a changed byte in tensor data loads as changed values. This reader refuses
-    any file whose bytes do not match its SHA-256 digest.
+    any file whose bytes do not match its SHA-256 digest, and a file named ``member_0003``
+    that records another member's id.
 
     Args:
         path: a ``member_XXXX.pt`` or ``member_XXXX.safetensors`` file.
@@ -114,8 +136,9 @@ def load_member(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     Raises:
         TypeError: ``path`` is not a path.
         FileNotFoundError: no file at ``path``.
-        ValueError: a truncated, corrupt or changed file, or one that holds something other
-            than a dict of tensors; the message names the file.
+        ValueError: a truncated, corrupt or changed file, one that holds something other
+            than a dict of tensors, or a ``member_XXXX`` file holding another member (a file
+            copied over it); the message names the file.
         ImportError: a ``.safetensors`` file without the safetensors package.
 
     Example:
@@ -138,6 +161,8 @@ def load_member(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         unseal_safetensors(data, where, "load_member")
         try:
             state = from_bytes(data)
+            end = 8 + int.from_bytes(data[:8], "little")
+            held = _recorded(json.loads(data[8:end]).get("__metadata__"))
         except Exception as err:  # noqa: BLE001  # safetensors raises its own kinds
             raise ValueError(
                 f"load_member: {where} is not a readable safetensors file: {err}"
@@ -145,8 +170,23 @@ def load_member(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     else:
         with open_checked(path, "load_member") as f:
             state = torch_load(f, where, "load_member")
+        entry = _recorded(getattr(state, "_metadata", None))
+        held = _recorded(entry, "id")
     if not isinstance(state, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
     ):
-        raise ValueError(f"load_member: {where} does not hold a state_dict (names -> tensors)")
+        whole = isinstance(state, dict) and state.get("format") == FORMAT
+        hint = " (it is a vmapens checkpoint: read it with vmapens.load)" if whole else ""
+        if whole and "rows" in state:
+            hint = " (it is a member block of a sharded checkpoint: vmapens.load the checkpoint)"
+        raise ValueError(
+            f"load_member: {where} does not hold a state_dict (names -> tensors){hint}"
+        )
+    named = _NAMED.fullmatch(os.path.basename(where))
+    # Older files record no id; a file renamed by hand (best.pt) names none.
+    if held is not None and named is not None and str(held) != str(int(named.group(1))):
+        raise ValueError(
+            f"load_member: {where} holds member {held}, not member {int(named.group(1))} as its "
+            "name says: a file of another member was copied or renamed over it"
+        )
     return state

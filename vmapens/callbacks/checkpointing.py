@@ -120,11 +120,16 @@ class Checkpoint(Callback):
         if "scheduler" in keyed and "scheduler" not in self.override:
             parts["scheduler"] = keyed["scheduler"]
         optimizer = ctx.optimizer
-        fresh = copy.deepcopy(optimizer.param_groups) if "optimizer" in self.override else None
+        fresh = None  # this run's hyperparameters, without a copy of every parameter
+        if "optimizer" in self.override:
+            fresh = [
+                copy.deepcopy({k: v for k, v in g.items() if k != "params"})
+                for g in optimizer.param_groups
+            ]
         apply_parts(saved, parts, "fit", os.fspath(self.path))
         if fresh is not None:  # this run's hyperparameters replace the stored ones
             for group, new in zip(optimizer.param_groups, fresh, strict=True):
-                group.update({k: v for k, v in new.items() if k != "params"})
+                group.update(new)
         ctx.seed = saved["fit"]["options"]["seed"]
 
     def on_train_start(self, ctx: Context) -> None:
