@@ -200,6 +200,7 @@ CASES: list[tuple[str, Callable[[World], Any], type[BaseException], str]] = [
     ("fit-val-data-type", lambda w: _fit(w, val_data=[w.x, w.y]), ValueError, r"^fit: `val_data` must be an \(X, Y\) tuple"),
     ("fit-val-wrong-features-issue-14", _val_bad_features, ValueError, r"^fit: `val_data` does not fit the ensemble"),
     ("fit-oob-without-bootstrap", lambda w: _fit(w, val_data="oob"), ValueError, r"^fit: `val_data` must be .*'oob' with bootstrap=True"),
+    ("fit-batch-size-loader", lambda w: _fit(w, data=[(w.x, w.y)], batch_size=2), ValueError, r"^fit: `batch_size` cuts `data` given as \(X, Y\) tensors; this `data` \(list\) yields its own batches"),
     ("fit-bootstrap-loader", lambda w: _fit(w, data=[(w.x, w.y)], bootstrap=True), ValueError, r"^fit: `bootstrap=True` needs `data`"),
     ("fit-in-dims", lambda w: _fit(w, in_dims=1), ValueError, r"^fit: `in_dims` must be None, 0 or a pair"),
     ("fit-moved-scheduler-interval", lambda w: _fit(w, scheduler_interval="step"), TypeError, r"^fit: `scheduler_interval` moved in vmapens 0.3.0: pass callbacks=\[vmapens.callbacks.LRScheduler\(scheduler, interval='step'\)\]"),

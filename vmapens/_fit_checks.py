@@ -102,6 +102,12 @@ def check_arguments(api: str, args: dict[str, Any]) -> Checked:
     tensor_data = is_tensor_data(data)
     if bootstrap and not tensor_data:
         raise ValueError(f"{api}: `bootstrap=True` needs `data` as an (X, Y) tuple of tensors")
+    if args["batch_size"] is not None and not tensor_data:  # it would be ignored, silently
+        raise ValueError(
+            f"{api}: `batch_size` cuts `data` given as (X, Y) tensors; this `data` "
+            f"({type(data).__name__}) yields its own batches: set their size there "
+            "(DataLoader(..., batch_size=...)) and leave `batch_size` None"
+        )
     if data_dims == 0 and tensor_data:
         check_member_dim(api, "data", data, len(ens))
     elif data_dims == 0 and not isinstance(data, (list, tuple)):

@@ -68,8 +68,17 @@ def fingerprint(value: Any) -> Any:
     # The qualified name without the module: a script's functions live in ``__main__`` when it
     # runs as a script and under its own name when imported, and both are the same run.
     name = str(getattr(kind, "__qualname__", kind))
-    size = len(value) if hasattr(value, "__len__") and not callable(value) else None
+    size = None if callable(value) else _length(value)
     return name if size is None else f"{name} of length {size}"
+
+
+def _length(value: Any) -> int | None:
+    """``len(value)``, or None: a DataLoader over an ``IterableDataset`` without ``__len__``
+    has a ``__len__`` that raises ``TypeError``."""
+    try:
+        return len(value)
+    except TypeError:
+        return None
 
 
 def hyperparameters_of(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -81,8 +90,12 @@ def hyperparameters_of(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """
     out: dict[str, Any] = {"class": type(optimizer).__name__}
     for k, group in enumerate(optimizer.param_groups):
-        for name, v in group.items():
-            if name in ("params", "initial_lr"):  # initial_lr: set by a scheduler
+        # A torch scheduler keeps the lr the group was built with in `initial_lr` and moves
+        # `lr` at every step: the setting is `initial_lr`. The same objects going on after an
+        # interrupt mid-epoch (lr scheduled past the checkpoint) are then the run they are.
+        built = {**group, "lr": group["initial_lr"]} if "initial_lr" in group else group
+        for name, v in built.items():
+            if name in ("params", "initial_lr"):
                 continue
             tensors = isinstance(v, Tensor) or (
                 isinstance(v, tuple) and any(isinstance(x, Tensor) for x in v)
@@ -119,7 +132,7 @@ def read_checkpoint(
     """
     where = os.fspath(path)
     seen = signature(path)  # before reading: a later replacement shows as another file
-    payload = read(path, "fit")
+    payload = read(path, "fit", whole=True)
     held = payload.get("members")
     if (
         isinstance(held, dict)

@@ -93,7 +93,8 @@ def fit(
         loss_fn: ``(output, target) -> scalar`` for one member, e.g. ``nn.CrossEntropyLoss()``.
         epochs: number of epochs.
         steps: optimizer steps per epoch (``None``: one pass over ``data``).
-        batch_size: samples per batch for ``(X, Y)`` data (``None``: all of them).
+        batch_size: samples per batch for ``(X, Y)`` data (``None``: all of them). Other
+            ``data`` yields its own batches (a ``DataLoader``'s ``batch_size``): refused there.
         shuffle: reshuffle ``(X, Y)`` every pass, from ``seed`` and the pass number.
         bootstrap: bagging: each member trains on its own resample of ``(X, Y)`` (see
             :func:`vmapens.seeds.bootstrap_indices`, keyed by the member's global index).
@@ -131,8 +132,10 @@ def fit(
         progress: ``True``: a tqdm bar on stderr when it is a terminal; ``False``: quiet; a
             text stream (``io.StringIO``, an open log file): the bar is drawn there always.
             Only rank 0 draws it when ``torch.distributed`` is initialised.
-        seed: seeds shuffling and bootstrap resamples (``None``: drawn from torch's global
-            RNG; pass one for sharded runs, so every process draws alike).
+        seed: seeds shuffling and bootstrap resamples of ``(X, Y)`` data (``None``: drawn
+            from torch's global RNG when the data is shuffled or resampled, else not at all,
+            so a DataLoader gets the global RNG a plain loop would; pass one for sharded runs,
+            so every process draws alike).
         **options: ``make_step``'s options configure the step: ``compile`` (``True``, or
             ``"auto"``: train eagerly and switch to the compiled step once the eager steps
             still to run are estimated to take longer than
@@ -147,10 +150,10 @@ def fit(
 
     Raises:
         ValueError: bad option values, options that need others (``patience`` without
-            ``val_data``, ``bootstrap`` without tensor data), a checkpoint from another run,
-            ``data`` or ``val_data`` that does not fit, a metric that fails on ``val_data`` or
-            gives no real scalar per member (``TypeError`` when it raised one); all before
-            the first step.
+            ``val_data``, ``bootstrap`` or ``batch_size`` without tensor data), a checkpoint
+            from another run, ``data`` or ``val_data`` that does not fit, a metric that fails
+            on ``val_data`` or gives no real scalar per member (``TypeError`` when it raised
+            one); all before the first step.
         TypeError: a keyword that moved in 0.3.0 (the message gives the new spelling),
             ``patience`` with an optimizer that is not a StackedOptimizer, one-shot iterators,
             non-callable ``loss_fn`` or callbacks.
@@ -354,18 +357,22 @@ def _seeded(
     """``source`` keyed by the run's seed, drawn now unless given or resumed: tensor data
     shuffled and, with ``bootstrap``, resampled by it."""
     ens, args = ctx.ensemble, ctx.arguments
-    if ctx.seed is None:
-        if _needs_seed(args):  # a checkpoint at the path held none
-            raise ValueError(_SEED_NEEDED.format(api=api))
+    if ctx.seed is None and _needs_seed(args):  # a checkpoint at the path held none
+        raise ValueError(_SEED_NEEDED.format(api=api))
+    # Drawn only for what uses it: a DataLoader shuffling from torch's global RNG must get the
+    # orders a plain loop gets from the same RNG state (docs/fit.md), and dropout its masks.
+    keyed = isinstance(source, TensorSource) and (source.shuffle or bool(args["bootstrap"]))
+    if ctx.seed is None and keyed:
         ctx.seed = int(torch.randint(2**62, ()).item())
     if not isinstance(source, TensorSource):
         return source
+    seed = 0 if ctx.seed is None else ctx.seed  # None: nothing is shuffled or resampled
     boot = None
     if args["bootstrap"]:
         size = source.size
-        boot = torch.stack([bootstrap_indices(size, ctx.seed, i) for i in ens.member_ids])
+        boot = torch.stack([bootstrap_indices(size, seed, i) for i in ens.member_ids])
         if c.oob:
             device = next(ens.parameters()).device
             evaluator.use_out_of_bag(to_device(data, device), oob_mask(boot, size), c.data_dims)
-    source.seed, source.boot = ctx.seed, boot  # checked by _source: keyed now
+    source.seed, source.boot = seed, boot  # checked by _source: keyed now
     return source

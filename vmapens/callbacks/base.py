@@ -27,6 +27,7 @@ from .._precision import LossScale
 from ..distributed import all_reduce_stats
 from ..ensemble import Ensemble
 from ..history import History
+from ..optim import StackedOptimizer
 
 __all__ = ["Callback", "Context"]
 
@@ -80,9 +81,20 @@ class Context:
     def stop(self, members: Any) -> None:
         """Stop training ``members`` (rows) from now on, as early stopping would.
 
-        They are frozen through the optimizer's mask (needs a StackedOptimizer) and
-        ``history.stopped_epoch`` records this epoch.
+        They are frozen through the optimizer's mask and ``history.stopped_epoch`` records
+        this epoch.
+
+        Raises:
+            TypeError: the optimizer is not a ``vmapens.StackedOptimizer`` (nothing could
+                freeze the members: they would train on while recorded as stopped).
         """
+        if not isinstance(self.optimizer, StackedOptimizer):
+            raise TypeError(
+                "Context.stop: stopped members are frozen through a vmapens.StackedOptimizer's "
+                f"mask, and this run's optimizer is {type(self.optimizer).__name__}, which would "
+                "train them on; use a stacked optimizer (fit's default StackedAdam, or "
+                "vmapens.optim.stacked(torch.optim.<Name>))"
+            )
         stop = torch.zeros(len(self.ensemble), dtype=torch.bool)
         stop[index_rows("Context.stop", members, len(self.ensemble))] = True
         self._stop(stop & self._active.cpu())

@@ -61,6 +61,13 @@ class LRScheduler(Callback):
     def on_fit_start(self, ctx: Context) -> None:
         validated = ctx.history.val_loss is not None
         self.scheduler = build_scheduler("fit", self.given, ctx.optimizer, self.interval, validated)
+        if isinstance(self.scheduler, ReduceLROnPlateau):
+            # What torch's schedulers do when built: keep each group's lr as built in
+            # `initial_lr`, which the resume check compares while the scheduler moves `lr`
+            # (the same objects going on after an interrupt have an lr past the checkpoint's).
+            for group in ctx.optimizer.param_groups:
+                lr = group["lr"]
+                group.setdefault("initial_lr", lr.clone() if isinstance(lr, Tensor) else lr)
 
     def on_step_end(self, ctx: Context) -> None:
         if self.interval == "step":
