@@ -16,8 +16,9 @@ CORE = {
     "save_members", "load_member", "gather", "gather_history",
     # what the verbs take
     "History", "Callback", "LossScale", "per_member", "StackedOptimizer",
-    # what a compiled step raises when its first update differs from the eager one
-    "CompiledStepMismatch",
+    # what a compiled step raises when its first update differs from the eager one, or when
+    # torch.compile cannot build it
+    "CompiledStepMismatch", "CompileFailed",
 }  # fmt: skip
 NAMESPACES = ["optim", "callbacks", "seeds", "rl", "pbt", "sweep", "selection"]
 

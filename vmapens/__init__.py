@@ -3,11 +3,11 @@
 The core is here: the :class:`Ensemble` container, the verbs over it (``fit``, ``make_step``,
 ``predict``, ``check``, ``export``, ``save``/``load``/``restore``, ``save_members``/
 ``load_member``, ``gather``/``gather_history``), the stacked optimizers, ``History``,
-``Callback``, ``LossScale``, ``per_member`` and ``CompiledStepMismatch``. The rest lives in
-namespaces: ``vmapens.optim`` (update rules, clipping, ``MemberValues``, ``ReduceLROnPlateau``),
-``vmapens.callbacks`` (early stopping, schedulers, checkpoints, progress, loggers),
-``vmapens.seeds``, ``vmapens.rl``, ``vmapens.pbt``, ``vmapens.sweep``, ``vmapens.selection``
-and the optional ``vmapens.lightning``.
+``Callback``, ``LossScale``, ``per_member``, ``CompiledStepMismatch`` and ``CompileFailed``.
+The rest lives in namespaces: ``vmapens.optim`` (update rules, clipping, ``MemberValues``,
+``ReduceLROnPlateau``), ``vmapens.callbacks`` (early stopping, schedulers, checkpoints,
+progress, loggers), ``vmapens.seeds``, ``vmapens.rl``, ``vmapens.pbt``, ``vmapens.sweep``,
+``vmapens.selection`` and the optional ``vmapens.lightning``.
 """
 
 # The namespaces, reachable as vmapens.optim etc. after `import vmapens`.
@@ -18,6 +18,7 @@ from . import rl as rl
 from . import seeds as seeds
 from . import selection as selection
 from . import sweep as sweep
+from ._compiling import CompileFailed
 from ._mkl import warm_vml
 from ._precision import LossScale
 from ._update_check import CompiledStepMismatch
@@ -55,6 +56,7 @@ warm_vml()
 
 __all__ = [
     "Callback",
+    "CompileFailed",
     "CompiledStepMismatch",
     "Ensemble",
     "History",

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ._compiling import CompileFailed, TooManyShapes
 from ._step_hooks import PreHookRefused
 from ._update_check import CompiledStepMismatch
 
@@ -54,7 +55,8 @@ class AutoStep:
         start = time.perf_counter()
         try:
             losses = self.step(*args, **kwargs)
-        except (CompiledStepMismatch, PreHookRefused) as err:  # it changed nothing: go on eagerly
+        except (CompiledStepMismatch, PreHookRefused, CompileFailed, TooManyShapes) as err:
+            # The compiled step refused or failed before it changed anything: go on eagerly.
             if self.step is self.eager:
                 raise
             warnings.warn(f"fit: {err}. fit(compile='auto') goes on eagerly.", stacklevel=3)

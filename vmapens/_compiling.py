@@ -6,16 +6,90 @@ options (``cache_keyed_options``) and the same per-function cache (``own_code``)
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from ._matmuls import shared_operand_pass
 
-__all__ = ["cache_keyed_options", "compile_options", "own_code"]
+__all__ = [
+    "CompileFailed",
+    "TooManyShapes",
+    "cache_keyed_options",
+    "check_shapes",
+    "compile_failures",
+    "compile_options",
+    "own_code",
+]
+
+
+class CompileFailed(RuntimeError):
+    """``torch.compile`` could not build the compiled training step; the step changed nothing.
+
+    Raised by the step of ``make_step(compile=True)`` when dynamo cannot trace the step as
+    one graph or inductor fails to compile it. ``fit(compile="auto")`` warns and goes on
+    eagerly.
+    """
+
+
+class TooManyShapes(ValueError):
+    """The compiled step would compile for more input shapes than it accepts; the step changed
+    nothing. ``fit(compile="auto")`` warns and goes on eagerly."""
+
+
+def check_shapes(shapes: set[tuple], key: tuple, limit: int) -> None:
+    """Refuse input shapes ``key`` when the step has compiled for ``limit`` others (``shapes``).
+
+    Raises:
+        TooManyShapes: (a ValueError) ``key`` is new and ``shapes`` holds ``limit`` already.
+    """
+    if key not in shapes and len(shapes) >= limit:
+        raise TooManyShapes(
+            f"step: the compiled step has already compiled for {len(shapes)} input shapes "
+            f"({sorted(shapes)[:3]}...) and would compile again for {key}; feed batches of a "
+            "fixed size (e.g. DataLoader(drop_last=True), fit(batch_size=...) with a size "
+            "that divides the data) or use compile=False"
+        )
+
+
+@contextlib.contextmanager
+def compile_failures() -> Iterator[None]:
+    """Turn ``torch.compile``'s own errors about the step into a ``CompileFailed`` that says
+    what it means and the way out (``compile=False``).
+
+    dynamo traces the whole step and inductor compiles it before any of it runs, so nothing
+    has changed when they fail: dynamo's ``Unsupported`` (a forward that calls a Python
+    builtin dynamo cannot trace, such as ``time.perf_counter``, with ``fullgraph=True``) and
+    ``BackendCompilerFailed`` (inductor's C++ build) reached the user as torch's internals, and
+    so did dynamo's "Hard failure due to fullgraph=True" once a graph met more variants than
+    its recompile limit (the step's own limit counts input shapes only).
+    """
+    # Imported here: torch._dynamo takes seconds to import, which eager never needs.
+    from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit, Unsupported
+
+    try:
+        yield
+    except FailOnRecompileLimitHit as err:
+        limit = torch._dynamo.config.recompile_limit
+        raise CompileFailed(
+            f"step: the compiled step would compile one of its graphs more than {limit} times "
+            "(dynamo's recompile_limit), once for each set of input shapes, mask or no mask, "
+            "train/eval modes, parameter dtypes and optimizer flags it has met; keep them fixed "
+            "or train with compile=False. Nothing was changed"
+        ) from err
+    except (Unsupported, BackendCompilerFailed) as err:
+        lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+        why = " ".join(lines[:2]) if lines else type(err).__name__
+        raise CompileFailed(
+            f"step: torch.compile cannot compile this training step into one graph "
+            f"({type(err).__name__}: {why[:400]}); most likely the forward or the loss calls "
+            "something dynamo cannot trace. Train with compile=False (make_step or fit), which "
+            "runs the same step eagerly. Nothing was changed"
+        ) from err
 
 
 def compile_options(device: torch.device) -> dict[str, Any]:

@@ -47,7 +47,7 @@ def checked_call(
     against ``optimizer.apply_gradients`` run eagerly on those gradients from the same state.
 
     Args:
-        call: runs the compiled graph once.
+        call: runs the compiled graph once; its gradients are those of ``trained``, in order.
         ens: the ensemble it trains.
         optimizer: the optimizer inside the graph.
         scale: the step's LossScale, or None.
@@ -67,9 +67,8 @@ def checked_call(
     losses, grads = call()
     compiled = saved.current()
     saved.restore(saved.before)
-    returned = iter(grads)
-    names = set(trained)
-    ordered = [next(returned) if name in names else None for name in order]
+    returned = dict(zip(trained, grads, strict=True))
+    ordered = [returned.get(name) for name in order]
     stepping, overflowed = mask, None
     if scale is not None:  # fp16
         # The graph skipped the members whose scaled gradients overflowed and backed their

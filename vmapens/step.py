@@ -11,7 +11,7 @@ import torch
 from torch.func import grad_and_value
 
 from ._chunks import chunk_bounds, chunked_losses_and_grads
-from ._compiling import compile_options, own_code
+from ._compiling import check_shapes, compile_failures, compile_options, own_code
 from ._fastcall import call_member
 from ._precision import LossScale
 from ._step_hooks import TemplateHooks, refuse_pre_hooks, run_post_hooks
@@ -257,10 +257,12 @@ def _compiled_step(
         def body(state: dict, inputs: tuple, targets: torch.Tensor, mask: Any, scale: Any) -> Any:
             with update.autocast():
                 grads, losses = batched(state, inputs, targets, scale)
+            # Unscaled and clipped as the eager step does it: every gradient, held by the
+            # optimizer or not (clip_grad_norm_(member.parameters()) alone counts them all).
+            live = [grads[name] for name in trained]
+            stepping, found_inf = update.gradients_(live, mask)
             # Frozen parameters get no gradient (None), as with loss.backward().
-            ordered = [grads.get(name) for name in order]
-            stepping, found_inf = update.gradients_([g for g in ordered if g is not None], mask)
-            optimizer.apply_gradients(ordered, mask=stepping)
+            optimizer.apply_gradients([grads.get(name) for name in order], mask=stepping)
             if update.scale is not None:
                 update.scale.update_(found_inf, mask)
             # The gradients are outputs, so inductor computes each into a buffer of its own,
@@ -268,7 +270,7 @@ def _compiled_step(
             # gradient that reads another parameter (a * b: b's reads a; weight norm's g reads
             # v) into the foreach kernel that writes the parameters, which can write that
             # parameter first (torch 2.13): members stepped from wrong gradients, silently.
-            return losses, [g for g in ordered if g is not None]
+            return losses, live
 
         # dynamic=False: shapes are fixed per ensemble, and functorch's grad cannot trace
         # symbolic sizes. own_code: dynamo caches compiled graphs on the code object, so every
@@ -300,7 +302,7 @@ def _compiled_step(
     # that get a gradient (no_gradient: member 0 run eagerly; a forward may read a parameter
     # only in training mode, an auxiliary head, or for some shapes), and the ids of those it
     # steps when the optimizer holds others (they need step counts of their own: own_counters),
-    # and the parameters whose gradients the graph returns, in the optimizer's order (.grad).
+    # and the parameters whose gradients the graph returns, held by the optimizer or not (.grad).
     parts: dict[tuple, tuple[tuple, tuple[str, ...], set[int] | None, list[torch.Tensor]]] = {}
     # The template's modes: the runner takes them only inside ens.guard, after this key is
     # read (ens.template.head.eval() between steps reused train mode's parts once).
@@ -325,13 +327,7 @@ def _compiled_step(
         hooks()
         refuse_pre_hooks(optimizer)  # the update runs inside the graph, not in opt.step()
         key = _shapes((args, targets, mask))
-        if key not in shapes and len(shapes) >= MAX_SHAPES:
-            raise ValueError(
-                f"step: the compiled step has already compiled for {len(shapes)} input shapes "
-                f"({sorted(shapes)[:3]}...) and would compile again for {key}; feed batches of a "
-                "fixed size (e.g. DataLoader(drop_last=True), fit(batch_size=...) with a size "
-                "that divides the data) or use compile=False"
-            )
+        check_shapes(shapes, key, MAX_SHAPES)
         now = graph_key(trainable(every))
         if not tensors:
             floats = shared_floats(optimizer)
@@ -346,8 +342,7 @@ def _compiled_step(
             unused = no_gradient(ens, member_loss, now[0], args, targets, in_dims, update)
             trained = tuple(name for name in now[0] if name not in unused)
             stepped = {id(p) for p in every if names[id(p)] in trained}
-            held = [p for g in optimizer.param_groups for p in g["params"]]
-            returned = [p for p in held if names[id(p)] in trained]
+            returned: list[torch.Tensor] = [p for p in every if names[id(p)] in trained]
             own = stepped if set(now[1]) - set(trained) else None
             parts[part] = ((now, trained), trained, own, returned)
         graph, trained, stepping, returned = parts[part]
@@ -363,7 +358,7 @@ def _compiled_step(
         with torch.no_grad(), ens.guard("step", loss=True), frozen_buffers(ens, mask):
             scale = None if update.scale is None else update.scale.scale
             hyper = graph_hyperparameters(optimizer, made) if tensors else contextlib.nullcontext()
-            with hyper:
+            with hyper, compile_failures():  # torch.compile's errors, named
                 run = functools.partial(
                     graphs[graph], ens.stacked_state(), args, targets, mask, scale
                 )
@@ -386,8 +381,9 @@ def _compiled_step(
         # where none. A CUDA graph's outputs are overwritten by its next replay: copies there.
         for p in every:
             p.grad = None
-        for param, grad in zip(returned, grads, strict=True):
-            param.grad = grad.clone() if cuda else grad
+        # Laid out as their parameters (channels_last), as torch's .grad and the eager step's.
+        for param, grad in zip(returned, distinct_grads(grads, returned), strict=True):
+            param.grad = grad.clone() if cuda and grad is not None else grad
         run_post_hooks(optimizer, mask)
         return losses
 
