@@ -34,9 +34,10 @@ def exploit_(
     """Members ``dst[j]`` become copies of members ``src[j]``, in place.
 
     Copied: parameters, buffers, every per-member optimizer state tensor (moments, step
-    counts), per-member hyperparameters (``MemberValues`` in ``param_groups``) and, given
-    ``loss_scale`` (fp16), each member's loss scale and growth count, so a copy continues
-    exactly as its source would. All rows are read before any is written.
+    counts), per-member hyperparameters (``MemberValues`` or 1-D tensors of one value per
+    member in ``param_groups``) and, given ``loss_scale`` (fp16), each member's loss scale
+    and growth count, so a copy continues exactly as its source would. All rows are read
+    before any is written.
 
     Args:
         ens: the ensemble.
@@ -88,22 +89,34 @@ def exploit_(
                     if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == n:
                         tensors[id(v)] = v
             for key, value in group.items():
-                if isinstance(value, MemberValues):
+                if _per_member(value, n):
                     group[key] = _copy_rows(value, s, d)
-                elif isinstance(value, tuple) and any(isinstance(v, MemberValues) for v in value):
-                    group[key] = tuple(
-                        _copy_rows(v, s, d) if isinstance(v, MemberValues) else v for v in value
+                elif isinstance(value, (tuple, list)) and any(_per_member(v, n) for v in value):
+                    group[key] = type(value)(
+                        _copy_rows(v, s, d) if _per_member(v, n) else v for v in value
                     )
     with torch.no_grad():
         for t in tensors.values():
             t[d.to(t.device)] = t[s.to(t.device)]
 
 
-def _copy_rows(values: MemberValues, s: Tensor, d: Tensor) -> MemberValues:
-    out = list(values)
+def _per_member(value: Any, n: int) -> bool:
+    """Whether a param-group value holds one hyperparameter per member: ``MemberValues``, or
+    a 1-D tensor of ``n`` values (which the step reads as ``MemberValues``)."""
+    if isinstance(value, MemberValues):
+        return True
+    return isinstance(value, Tensor) and value.dim() == 1 and len(value) == n
+
+
+def _copy_rows(values: Any, s: Tensor, d: Tensor) -> Any:
+    if isinstance(values, Tensor):  # a new tensor: the group's old one may be held elsewhere
+        out = values.detach().clone()
+        out[d.to(out.device)] = values.detach()[s.to(out.device)]
+        return out
+    rows = list(values)
     for i, j in zip(s.tolist(), d.tolist(), strict=True):
-        out[j] = values[i]
-    return MemberValues(out)
+        rows[j] = values[i]
+    return MemberValues(rows)
 
 
 def explore(
@@ -122,15 +135,16 @@ def explore(
 
     Args:
         optimizer: a StackedOptimizer.
-        members: the rows to perturb (a sequence of ints or a 1-D integer tensor).
+        members: the rows to perturb (a sequence of ints or a 1-D integer tensor), each once.
         factors: the multipliers to draw from.
         generator: the generator to draw from (``None``: torch's global one).
         names: the hyperparameters to perturb (single-valued ones, not ``betas``).
 
     Raises:
-        TypeError: ``optimizer`` is not a StackedOptimizer.
-        ValueError: an unknown or paired hyperparameter, empty ``factors``, or a perturbed
-            value that the optimizer refuses (e.g. ``momentum`` past 1).
+        TypeError: ``optimizer`` is not a StackedOptimizer, or ``names`` is one string.
+        ValueError: an unknown, paired or repeated hyperparameter, a repeated row in
+            ``members``, empty ``factors``, or a perturbed value that the optimizer refuses
+            (e.g. ``momentum`` past 1).
 
     Example:
         >>> from vmapens import StackedSGD
@@ -151,6 +165,13 @@ def explore(
         raise ValueError(f"{api}: `factors` must not be empty")
     n = optimizer.num_members
     rows = index_rows(api, members, n).tolist()
+    # A repeated row (or name) would be multiplied twice: by a factor not in `factors`.
+    if len(set(rows)) != len(rows):
+        raise ValueError(f"{api}: `members` must not repeat a row, got {rows}")
+    if isinstance(names, str):
+        raise TypeError(f"{api}: `names` must be a sequence of names, e.g. ({names!r},)")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{api}: `names` must not repeat a name, got {list(names)}")
     hypers = optimizer.hyperparameters
     for name in names:
         if name not in hypers or hypers[name].pair:
@@ -161,6 +182,8 @@ def explore(
         draws = torch.randint(len(factors), (len(rows),), generator=generator).tolist()
         for group in optimizer.param_groups:
             value = group[name]
+            if isinstance(value, Tensor) and value.dim() == 1:  # n values, as the step reads
+                value = MemberValues(value.tolist())
             values = list(value) if isinstance(value, MemberValues) else [float(value)] * n
             for row, k in zip(rows, draws, strict=True):
                 values[row] *= factors[k]
@@ -231,9 +254,14 @@ class PBT(Callback):
         check_choice(api, "mode", mode, ("min", "max"))
         check_int(api, "seed", seed)
         self.interval, self.fraction, self.monitor, self.mode = interval, fraction, monitor, mode
+        if isinstance(names, str):
+            raise TypeError(f"{api}: `names` must be a sequence of names, e.g. ({names!r},)")
         self.factors, self.names = tuple(factors), tuple(names)
         if not self.factors:
             raise ValueError(f"{api}: `factors` must not be empty")
+        if len(set(self.names)) != len(self.names):
+            # explore would refuse it at the first round, after exploit_ had copied members
+            raise ValueError(f"{api}: `names` must not repeat a name, got {list(self.names)}")
         self.generator = torch.Generator().manual_seed(seed)
         self.log: list[tuple[int, list[int], list[int]]] = []
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._checks import check_int
+from ._checks import check_int, to_index
 
 __all__ = ["bootstrap_indices", "derive_seed", "member_seed"]
 
@@ -68,14 +68,21 @@ def bootstrap_indices(n_samples: int, seed: int, member_id: int) -> Tensor:
 
 
 def check_seeds(api: str, seeds: Any, n: int, seed: int | None) -> list[int]:
+    """``seeds`` as ``n`` Python ints: a sequence of integer-likes (numpy and 0-d tensor
+    integers too) or a 1-D integer tensor or array, as ``torch.manual_seed`` takes each."""
     if seed is not None:
         raise ValueError(f"{api}: give `seed` or `seeds`, not both")
+    array = isinstance(seeds, Tensor) or type(seeds).__module__ == "numpy"
+    if array and getattr(seeds, "ndim", None) == 1:  # np.random.default_rng().integers(...)
+        seeds = seeds.tolist()  # integers as ints; floats and bools are refused below
     if isinstance(seeds, (str, bytes)) or not isinstance(seeds, Sequence):
         raise TypeError(
             f"{api}: `seeds` must be a sequence of {n} ints, got {type(seeds).__name__}"
         )
     if len(seeds) != n:
         raise ValueError(f"{api}: `seeds` has {len(seeds)} values, expected n={n}, one per member")
-    for k, s in enumerate(seeds):
-        check_int(api, f"seeds[{k}]", s)
-    return list(seeds)
+    out = [to_index(s) for s in seeds]
+    for k, (s, v) in enumerate(zip(seeds, out, strict=True)):
+        if v is None:
+            raise TypeError(f"{api}: `seeds[{k}]` must be an int, got {type(s).__name__}")
+    return [int(v) for v in out if v is not None]

@@ -235,6 +235,8 @@ def pick_group(group: dict[str, Any], hypers: dict[str, Hyper], rows: list[int])
     """
 
     def pick(v: Any) -> Any:
+        if isinstance(v, Tensor) and v.dim() == 1:  # one value per member (docs/optim.md)
+            return float(v[rows[0]]) if len(rows) == 1 else v.detach()[rows].clone()
         if isinstance(v, Tensor):  # a tensor lr: each optimizer gets its own, as torch's has
             return v.detach().clone()
         if isinstance(v, tuple) and any(isinstance(x, MemberValues) for x in v):
