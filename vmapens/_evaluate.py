@@ -11,7 +11,7 @@ import optree
 import torch
 from torch import Tensor
 
-from ._metrics import Metric, metric_pair, score
+from ._metrics import Metric, average, metric_pair, score
 from ._unbatchable import EditedInTurns
 from .ensemble import Ensemble
 from .history import History
@@ -129,7 +129,7 @@ def _check_metric(api: str, name: str, metric: Metric, out: Any, y: Tensor) -> N
     scalar for each, or an error naming it."""
     members, one = metric
     try:
-        per, whole = members(out, y), torch.as_tensor(one(out.mean(0), y))
+        per, whole = members(out, y), torch.as_tensor(one(average(out), y))
     except Exception as err:
         kind = TypeError if isinstance(err, TypeError) else ValueError
         raise kind(

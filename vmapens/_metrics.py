@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import optree
 import torch
 from torch import Tensor
 
 from .losses import per_member
 
-__all__ = ["Metric", "check_metrics", "metric_pair", "score"]
+__all__ = ["Metric", "average", "check_metrics", "metric_pair", "score"]
 
 Metric = tuple[Callable[[Any, Tensor], Tensor], Callable[[Any, Tensor], Tensor]]
 
@@ -31,8 +32,9 @@ def metric_pair(fn: Any) -> Metric:
             fn.reset()
             return value
 
-        def members(out: Tensor, y: Tensor) -> Tensor:
-            return torch.stack([single(o, y) for o in out])
+        def members(out: Any, y: Tensor) -> Tensor:
+            n = optree.tree_leaves(out)[0].shape[0]
+            return torch.stack([single(member_of(out, i), y) for i in range(n)])
 
         return members, single
     return per_member(fn), fn
@@ -45,11 +47,23 @@ def score(
     that have not diverged (float64 0-dim), on the CPU."""
     if not metrics:
         return {}, {}
-    kept = ~diverged.to(out.device)
-    mean = out[kept].mean(0) if bool(kept.any()) else out.mean(0)
+    kept = ~diverged.to(optree.tree_leaves(out)[0].device)
+    mean = average(out, kept if bool(kept.any()) else None)
     per = {k: m(out, y).double().cpu() for k, (m, _) in metrics.items()}
     whole = {k: torch.as_tensor(one(mean, y)).double().cpu() for k, (_, one) in metrics.items()}
     return per, whole
+
+
+def member_of(out: Any, i: int) -> Any:
+    """Member ``i``'s output in the members' stacked output pytree."""
+    return optree.tree_map(lambda t: t[i], out)
+
+
+def average(out: Any, kept: Tensor | None = None) -> Any:
+    """The members' output averaged over the members (those ``kept``), tensor by tensor: a
+    member may return a tuple or dict of tensors, which its metric reads as it reads one
+    member's output."""
+    return optree.tree_map(lambda t: (t if kept is None else t[kept]).mean(0), out)
 
 
 def check_metrics(api: str, metrics: Mapping[str, Any]) -> None:

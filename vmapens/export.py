@@ -99,6 +99,8 @@ def export(
     args = _check_args(api, ens, example_inputs, reduce, softmax, check)
     reduce = "none" if reduce is None else reduce
     with ens._evaluating():
+        if reduce != "none":
+            _check_reducible(api, ens, args, reduce)
         members = _Program(ens, "none", False)
         program = _trace(api, ens, members, args)
         if check:
@@ -186,6 +188,19 @@ def _check_args(
         if not isinstance(flag, bool):
             raise TypeError(f"{api}: `{name}` must be a bool, got {type(flag).__name__}")
     return args
+
+
+def _check_reducible(api: str, ens: Ensemble, args: tuple[Tensor, ...], reduce: str) -> None:
+    """A reduction needs one output tensor: said from one forward of member 0 alone, before
+    the traces (seconds each), and in ``export``'s name."""
+    with torch.no_grad():
+        out = ens[0](*args)
+    if not isinstance(out, Tensor):
+        raise TypeError(
+            f"{api}: `reduce={reduce!r}` needs the members to return one tensor, got "
+            f"{type(out).__name__}; export with reduce=None and reduce the outputs the program "
+            "returns"
+        )
 
 
 def _trace(

@@ -90,7 +90,8 @@ def predict(
             samples first; ``entropy`` or ``mutual_information`` of outputs that are not
             probabilities (logits without ``softmax=True``).
         TypeError: ``ens`` is not an Ensemble; ``data`` is a dict (pass ``[data]``); a
-            reduction of a non-tensor output.
+            reduction of a non-tensor output; a batch of more inputs than the member's
+            forward takes (a ``DataLoader`` that yields the targets too).
 
     Example:
         >>> ens = Ensemble(lambda: torch.nn.Linear(4, 3), n=5, seed=0)
@@ -119,7 +120,17 @@ def predict(
     try:
         with torch.no_grad(), ens._evaluating():
             for batch in _batches(data, batch_size, in_dims, api):
-                out = ens(*batch, in_dims=in_dims)
+                try:
+                    out = ens(*batch, in_dims=in_dims)
+                except TypeError as err:
+                    if len(batch) < 2 or "positional argument" not in str(err):
+                        raise
+                    raise TypeError(
+                        f"{api}: each batch of `data` is the member's positional inputs, and "
+                        f"this one holds {len(batch)} ({err}); a DataLoader over (x, y) "
+                        "yields the targets too: predict over TensorDataset(x), or pass "
+                        "(x for x, _ in loader)"
+                    ) from err
                 if softmax:
                     out = optree.tree_map(lambda t: t.softmax(-1), out)
                 outputs.append(out if reduce == "none" else reduce_members(out, reduce))
@@ -157,7 +168,8 @@ def reduce_members(out: Tensor, reduce: str) -> Tensor:
     if reduce == "max":
         return out.amax(0)
     if reduce == "variance":
-        return out.var(0, correction=0)
+        # No samples: torch's var warns about the empty reduction (0/0 degrees of freedom).
+        return out.var(0, correction=0) if out.numel() else out.mean(0)
     if reduce in ("entropy", "mutual_information"):
         _check_probabilities(out, reduce)
         total = _entropy(out.mean(0))
@@ -208,7 +220,8 @@ def _batches(data: Any, batch_size: int | None, in_dims: Any, api: str) -> Itera
     ):
         args = data if isinstance(data, tuple) else (data,)
         dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args)
-        if len(dims) != len(args):
+        # A list would be read as one entry, cut at the wrong dim before the forward refuses it.
+        if len(dims) != len(args) or not isinstance(in_dims, (tuple, int, type(None))):
             raise ValueError(
                 f"{api}: `in_dims` must be None, an int, or a tuple with one entry per input "
                 f"({len(args)}), got {in_dims!r}"
