@@ -22,7 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ._checks import column
+from ._loss_scale import LossScale
 
 __all__ = [
     "POLICIES",
@@ -211,9 +211,9 @@ def autocast_members(fn: Callable[..., Any], device_type: str) -> Callable[..., 
     if dtype is None:
         return fn
 
-    def member(*args: Any) -> Any:
+    def member(*args: Any, **kwargs: Any) -> Any:
         with torch.autocast(device_type, enabled=False), MemberAutocast(device_type, dtype):
-            return fn(*args)
+            return fn(*args, **kwargs)
 
     return member
 
@@ -291,100 +291,3 @@ def member_autocast(t: torch.Tensor) -> torch.dtype | None:
         if isinstance(mode, MemberAutocast) and mode._eligible(t):
             return mode.dtype
     return None
-
-
-class LossScale:
-    """Per-member dynamic loss scale: ``n`` ``torch.amp.GradScaler`` s, one per member.
-
-    Member ``i``'s loss is multiplied by ``scale[i]`` before the backward pass and its gradients
-    divided by it after. A member whose gradients are not all finite skips its optimizer step
-    and has its scale multiplied by ``backoff_factor``; a member that stepped
-    ``growth_interval`` times in a row has it multiplied by ``growth_factor``. The arithmetic
-    is ``GradScaler``'s (``torch._amp_update_scale_``), member by member.
-
-    Args:
-        n: number of members.
-        init_scale: every member's first scale (GradScaler's default).
-        growth_factor: scale multiplier after ``growth_interval`` finite steps.
-        backoff_factor: scale multiplier after a step with non-finite gradients.
-        growth_interval: finite steps in a row before the scale grows.
-        device: where the ``[n]`` scale and growth tracker live.
-
-    Example:
-        >>> ls = LossScale(3, init_scale=8.0)
-        >>> ls.update_(torch.tensor([False, True, False]))
-        >>> ls.scale
-        tensor([8., 4., 8.])
-    """
-
-    def __init__(
-        self,
-        n: int,
-        *,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        device: torch.device | str | None = None,
-    ) -> None:
-        api = "LossScale"
-        for name, value, ok, rule in (
-            ("init_scale", init_scale, init_scale > 0, "> 0"),
-            ("growth_factor", growth_factor, growth_factor > 1, "> 1"),
-            ("backoff_factor", backoff_factor, 0 < backoff_factor < 1, "in (0, 1)"),
-            ("growth_interval", growth_interval, growth_interval >= 1, ">= 1"),
-        ):
-            if not ok:
-                raise ValueError(f"{api}: `{name}` must be {rule}, got {value}")
-        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
-        self.growth_interval = int(growth_interval)
-        self.scale = torch.full((n,), float(init_scale), dtype=torch.float32, device=device)
-        self.growth_tracker = torch.zeros(n, dtype=torch.int32, device=device)
-
-    def unscale_(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Divide each member's gradients by its scale in place; True where any is non-finite."""
-        inv = self.scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
-        found = torch.zeros_like(self.scale, dtype=torch.bool)
-        for g in grads:
-            found = found | ~torch.isfinite(g).reshape(g.shape[0], -1).all(dim=1)
-        torch._foreach_mul_(grads, [column(inv.to(g.dtype), g) for g in grads])
-        return found
-
-    def update_(self, found_inf: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        """Back off where ``found_inf``, count (and maybe grow) elsewhere; ``mask`` False: frozen."""
-        grown = self.growth_tracker + 1
-        grow = ~found_inf & (grown == self.growth_interval)
-        # float32 * double rounded to float32, and no growth to inf: _amp_update_scale_'s rule.
-        bigger = (self.scale.double() * self.growth_factor).float()
-        smaller = (self.scale.double() * self.backoff_factor).float()
-        scale = torch.where(grow & torch.isfinite(bigger), bigger, self.scale)
-        scale = torch.where(found_inf, smaller, scale)
-        tracker = torch.where(found_inf | grow, 0, grown).to(torch.int32)
-        if mask is not None:
-            scale = torch.where(mask, scale, self.scale)
-            tracker = torch.where(mask, tracker, self.growth_tracker)
-        self.scale.copy_(scale)
-        self.growth_tracker.copy_(tracker)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The ``[n]`` scales and growth trackers and the options, on the CPU."""
-        return {
-            "scale": self.scale.cpu().clone(),
-            "growth_tracker": self.growth_tracker.cpu().clone(),
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "growth_interval": self.growth_interval,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load ``state_dict()`` (checked first; nothing changes on error)."""
-        n = self.scale.shape[0]
-        for key in ("scale", "growth_tracker"):
-            t = state.get(key)
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (n,):
-                raise ValueError(f"LossScale: `{key}` must be a tensor of shape [{n}]")
-        self.scale.copy_(state["scale"])
-        self.growth_tracker.copy_(state["growth_tracker"])
-        self.growth_factor = float(state["growth_factor"])
-        self.backoff_factor = float(state["backoff_factor"])
-        self.growth_interval = int(state["growth_interval"])

@@ -65,15 +65,19 @@ class Update:
         return torch.autocast(self.device_type, self.dtype)
 
     def gradients_(
-        self, grads: list[torch.Tensor], mask: torch.Tensor | None
+        self, grads: list[torch.Tensor], mask: torch.Tensor | None, held: list[bool]
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Unscale, then clip ``grads`` in place; returns (who steps, who overflowed).
 
-        GradScaler's order: a member's gradients are unscaled before they are clipped.
+        GradScaler's order: a member's gradients are unscaled before they are clipped. ``held``
+        (one flag per gradient): whether the optimizer holds its parameter.
         """
         found_inf = torch.zeros(0, dtype=torch.bool)
         if self.scale is not None:
-            found_inf = self.scale.unscale_(grads)
+            # GradScaler.unscale_(optimizer) unscales and checks the optimizer's gradients only:
+            # a trainable parameter it does not hold keeps a scaled gradient (clipped as such)
+            # and its overflow does not skip the member's step.
+            found_inf = self.scale.unscale_([g for g, h in zip(grads, held, strict=True) if h])
             mask = ~found_inf if mask is None else mask & ~found_inf
         if grads and self.clip_norm is not None:
             clip_norms_(grads, self.clip_norm)
@@ -107,6 +111,14 @@ def build_update(
             raise TypeError(
                 f"{api}: `precision='fp16'` skips overflowing members through a "
                 f"vmapens.StackedOptimizer's mask, got {type(optimizer).__name__}"
+            )
+        half = [name for name, p in ens.named_parameters() if p.dtype == torch.float16]
+        if half:
+            # torch.amp.GradScaler refuses to unscale float16 gradients; so does LossScale.
+            raise ValueError(
+                f"{api}: `precision='fp16'` needs float32 (or float64) parameters to unscale "
+                f"the gradients in, got float16 {half[0]!r}; autocast computes in float16 "
+                "anyway: keep the parameters float32, or use precision=None"
             )
         loss_scale = LossScale(len(ens), device=device) if loss_scale is None else loss_scale
     if loss_scale is not None:

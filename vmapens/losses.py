@@ -9,6 +9,8 @@ import optree
 import torch
 from torch.func import vmap
 
+from ._precision import autocast_members
+
 __all__ = ["per_member"]
 
 # What torch.func.vmap says of a function that reads tensor values: a Python branch on one
@@ -26,7 +28,9 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
     The loss runs under ``torch.func.vmap``. A loss that reads tensor values, which vmap
     cannot batch (``nn.GaussianNLLLoss`` checks its variances with an ``if``; ``.item()``; a
     boolean mask as an index), runs on each member's slice in turn instead: the same values
-    and gradients, one call per member.
+    and gradients, one call per member. Under ``torch.autocast`` each member's loss gets
+    autocast's casts as it would alone (``cross_entropy`` in float32, for one), which autocast
+    wrapped around vmap would miss (docs/semantics.md, "Mixed precision").
 
     Args:
         loss_fn: ``(output, target) -> scalar``, e.g. ``nn.BCELoss()`` or a function.
@@ -44,9 +48,15 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
     """
     if not callable(loss_fn):
         raise TypeError(f"per_member: `loss_fn` must be callable, got {type(loss_fn).__name__}")
-    batched = vmap(loss_fn, in_dims=in_dims)
 
     def loss(*args: Any, **kwargs: Any) -> torch.Tensor:
+        # autocast casts below vmap's batching rules: a batched cross_entropy decomposes into
+        # ops autocast leaves in bf16, where the member alone gets float32. The member's own
+        # policy, applied per torch function (a no-op without an active autocast).
+        tree: Any = (args, kwargs)
+        tensors = [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+        device = tensors[0].device.type if tensors else "cpu"
+        batched = vmap(autocast_members(loss_fn, device), in_dims=in_dims)
         try:
             return batched(*args, **kwargs)
         except RuntimeError as err:

@@ -183,8 +183,10 @@ def make_step(
                     p.grad = None  # (zero_grad's set_to_none)
                 for p, new in zip(params, grads, strict=True):
                     p.grad = new
+                held = {id(q) for group in optimizer.param_groups for q in group["params"]}
                 live = [p.grad for p in params if p.grad is not None]
-                stepping, found_inf = update.gradients_(live, mask)
+                owned = [id(p) in held for p in params if p.grad is not None]
+                stepping, found_inf = update.gradients_(live, mask, owned)
                 with optimizer_errors(optimizer):
                     if stepping is None:
                         optimizer.step()
@@ -257,10 +259,10 @@ def _compiled_step(
         def body(state: dict, inputs: tuple, targets: torch.Tensor, mask: Any, scale: Any) -> Any:
             with update.autocast():
                 grads, losses = batched(state, inputs, targets, scale)
-            # Unscaled and clipped as the eager step does it: every gradient, held by the
-            # optimizer or not (clip_grad_norm_(member.parameters()) alone counts them all).
+            # Clipped as the eager step does it: every gradient, held by the optimizer or not
+            # (clip_grad_norm_(member.parameters()) alone counts them all); unscaled: the held.
             live = [grads[name] for name in trained]
-            stepping, found_inf = update.gradients_(live, mask)
+            stepping, found_inf = update.gradients_(live, mask, [n in order for n in trained])
             # Frozen parameters get no gradient (None), as with loss.backward().
             optimizer.apply_gradients([grads.get(name) for name in order], mask=stepping)
             if update.scale is not None:
