@@ -18,11 +18,9 @@ Run one program by hand: ``python tests/test_fuzz_predict.py SEED`` prints what 
 from __future__ import annotations
 
 import copy
-import itertools
 import random
 import sys
 import warnings
-from collections import Counter
 from typing import Any
 
 import optree
@@ -30,6 +28,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from truth import reduce_by_hand
 
 import vmapens
 from vmapens.predict import REDUCTIONS
@@ -140,41 +139,6 @@ PREDICTED = [name for name in MEMBERS if not name.endswith("_trained")]
 # -- the truth --------------------------------------------------------------------------------
 
 
-def entropy(p: torch.Tensor) -> torch.Tensor:
-    return -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(-1)
-
-
-def by_hand(outs: list[torch.Tensor], reduce: str) -> torch.Tensor:
-    """docs/workflows.md's reductions of the members' outputs, with loops and ``Counter``."""
-    n, stack = len(outs), torch.stack(outs)
-    if reduce == "none":
-        return stack
-    if reduce == "mean":
-        return sum(outs) / n
-    if reduce in ("min", "max"):
-        return stack.min(0).values if reduce == "min" else stack.max(0).values
-    if reduce == "variance":
-        mean = sum(outs) / n
-        return sum((o - mean) ** 2 for o in outs) / n
-    if reduce == "entropy":
-        return entropy(sum(outs) / n)
-    if reduce == "mutual_information":
-        return entropy(sum(outs) / n) - sum(entropy(o) for o in outs) / n
-    labels = stack.argmax(-1)
-    per_sample = labels.reshape(n, -1).T.tolist()
-    if reduce == "vote":
-        votes = []
-        for s in per_sample:
-            counts = Counter(s)
-            votes.append(min(counts, key=lambda c: (-counts[c], c)))
-        return torch.tensor(votes, dtype=torch.int64).reshape(labels.shape[1:])
-    pairs = list(itertools.permutations(range(n), 2))
-    if not pairs:
-        return torch.zeros(labels.shape[1:], dtype=F64)
-    rows = [sum(s[i] != s[j] for i, j in pairs) / len(pairs) for s in per_sample]
-    return torch.tensor(rows, dtype=F64).reshape(labels.shape[1:])
-
-
 def alone(modules: list[nn.Module], inputs: list[Any], softmax: bool) -> list[Any]:
     """Each module run alone in eval mode on its own inputs (``inputs[i]``)."""
     outs = []
@@ -270,7 +234,7 @@ def predict_program(seed: int) -> tuple[dict, Any, Any, vmapens.Ensemble, list]:
     if reduce == "none":
         want = optree.tree_map(lambda *ts: torch.stack(ts), *outs)
     else:
-        want = by_hand(outs, reduce)
+        want = reduce_by_hand(outs, reduce)
     before = modes(ens)
     got = vmapens.predict(ens, data, reduce=reduce, batch_size=batch_size, in_dims=in_dims,
                           softmax=softmax, chunk_size=chunk_size)  # fmt: skip
@@ -304,7 +268,7 @@ def export_program(seed: int) -> tuple[dict, Any, Any, vmapens.Ensemble, list, d
         program = vmapens.export(ens, xs, reduce=reduce, softmax=softmax)
     outs = alone(modules, [list(xs)] * n, softmax)
     want = optree.tree_map(lambda *t: torch.stack(t), *outs) if reduce is None else None
-    want = by_hand(outs, reduce) if reduce is not None else want
+    want = reduce_by_hand(outs, reduce) if reduce is not None else want
     return drawn, program.module()(*xs), want, ens, before, state
 
 
@@ -500,7 +464,7 @@ def test_the_variance_of_no_samples_is_empty_without_a_warning() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = vmapens.predict(ens, x, reduce="variance", batch_size=2)
-    want = by_hand(alone(ens.unstack(), [[x]] * 3, softmax=False), "variance")
+    want = reduce_by_hand(alone(ens.unstack(), [[x]] * 3, softmax=False), "variance")
     assert got.shape == want.shape == (0, 2)
 
 

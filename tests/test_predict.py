@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from truth import reduce_by_hand
 
 import vmapens
 from vmapens import predict
@@ -46,46 +46,6 @@ def ens() -> vmapens.Ensemble:
 X = torch.randn(11, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
 
 
-def by_hand(outs: list[torch.Tensor], reduce: str) -> torch.Tensor:
-    """The reduction of per-member outputs [samples, C], written with loops and Counter."""
-    n, stack = len(outs), torch.stack(outs)
-    if reduce == "none":
-        return stack
-    if reduce == "mean":
-        return sum(outs) / n
-    if reduce in ("min", "max"):
-        pick = torch.minimum if reduce == "min" else torch.maximum
-        out = outs[0]
-        for o in outs[1:]:
-            out = pick(out, o)
-        return out
-    if reduce == "variance":
-        mean = sum(outs) / n
-        return sum((o - mean) ** 2 for o in outs) / n
-
-    def entropy(p: torch.Tensor) -> torch.Tensor:
-        return -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(-1)
-
-    if reduce == "entropy":
-        return entropy(sum(outs) / n)
-    if reduce == "mutual_information":
-        return entropy(sum(outs) / n) - sum(entropy(o) for o in outs) / n
-    labels = [o.argmax(-1).tolist() for o in outs]
-    per_sample = list(zip(*labels))
-    if reduce == "vote":
-        votes = []
-        for s in per_sample:
-            counts = Counter(s)
-            votes.append(min(counts, key=lambda c: (-counts[c], c)))
-        return torch.tensor(votes)
-    assert reduce == "disagreement"
-    pairs = list(itertools.permutations(range(n), 2))
-    return torch.tensor(
-        [sum(s[i] != s[j] for i, j in pairs) / len(pairs) for s in per_sample],
-        dtype=torch.float64,
-    )
-
-
 def truth(ens: vmapens.Ensemble, x: torch.Tensor, reduce: str, softmax: bool) -> torch.Tensor:
     outs = []
     for m in ens.unstack():
@@ -93,7 +53,7 @@ def truth(ens: vmapens.Ensemble, x: torch.Tensor, reduce: str, softmax: bool) ->
         with torch.no_grad():
             o = m(x)
         outs.append(o.softmax(-1) if softmax else o)
-    return by_hand(outs, reduce)
+    return reduce_by_hand(outs, reduce)
 
 
 # Entropies are of probabilities: only with softmax.
@@ -193,7 +153,7 @@ def test_reductions_over_every_pattern_of_member_labels(reduce):
     e = vmapens.Ensemble.from_modules([Fixed(logits[i]) for i in range(n)])
     ids = torch.arange(logits.shape[1])
     got = predict(e, ids, reduce=reduce, softmax=True, batch_size=20)
-    expected = by_hand([logits[i].softmax(-1) for i in range(n)], reduce)
+    expected = reduce_by_hand([logits[i].softmax(-1) for i in range(n)], reduce)
     if reduce == "vote":
         assert torch.equal(got, expected)
     else:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import itertools
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -226,3 +228,45 @@ def step_with_twins(
             for leaf, p in zip(alone[i], stacked, strict=True):
                 leaf.grad = p.grad[i].clone()
             twin.step()
+
+
+def entropy(p: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy over the last dim, with 0 * log 0 = 0."""
+    return -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(-1)
+
+
+def reduce_by_hand(outs: list[torch.Tensor], reduce: str) -> torch.Tensor:
+    """docs/workflows.md's reductions of the members' outputs (``outs[i]``: member ``i``'s
+    ``[..., classes]``), written with loops and ``Counter``."""
+    n, stack = len(outs), torch.stack(outs)
+    if reduce == "none":
+        return stack
+    if reduce == "mean":
+        return sum(outs) / n
+    if reduce in ("min", "max"):
+        pick = torch.minimum if reduce == "min" else torch.maximum
+        out = outs[0]
+        for o in outs[1:]:
+            out = pick(out, o)
+        return out
+    if reduce == "variance":
+        mean = sum(outs) / n
+        return sum((o - mean) ** 2 for o in outs) / n
+    if reduce == "entropy":
+        return entropy(sum(outs) / n)
+    if reduce == "mutual_information":
+        return entropy(sum(outs) / n) - sum(entropy(o) for o in outs) / n
+    labels = stack.argmax(-1)
+    per_sample = labels.reshape(n, -1).T.tolist()
+    if reduce == "vote":
+        votes = []
+        for s in per_sample:
+            counts = Counter(s)
+            votes.append(min(counts, key=lambda c: (-counts[c], c)))
+        return torch.tensor(votes, dtype=torch.int64).reshape(labels.shape[1:])
+    assert reduce == "disagreement", reduce
+    pairs = list(itertools.permutations(range(n), 2))
+    if not pairs:
+        return torch.zeros(labels.shape[1:], dtype=torch.float64)
+    rows = [sum(s[i] != s[j] for i, j in pairs) / len(pairs) for s in per_sample]
+    return torch.tensor(rows, dtype=torch.float64).reshape(labels.shape[1:])
