@@ -307,6 +307,19 @@ def test_per_member_loss_under_autocast_is_each_members_own(loss_fn, target, low
     torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=eps, atol=1e-6)
 
 
+def test_per_member_loss_under_autocast_takes_keyword_arguments():
+    """per_member hands keyword arguments to every member's loss, as without autocast."""
+
+    def weighted(out: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        return weight * nn.functional.cross_entropy(out, y)
+
+    out, y = torch.randn(N, 16, 5).to(torch.bfloat16), torch.randint(0, 5, (16,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = vmapens.per_member(weighted)(out, y, weight=3.0)
+        want = torch.stack([weighted(out[i], y, weight=3.0) for i in range(N)])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_overflow_outside_the_optimizer_does_not_skip_the_step():
     """An optimizer over the head while the body still requires grad: GradScaler.unscale_(opt)
     checks the head's gradients only, so a body overflow neither skips the step nor backs the
