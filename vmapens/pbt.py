@@ -19,6 +19,7 @@ from ._precision import LossScale
 from .callbacks.base import Callback, Context
 from .ensemble import Ensemble
 from .optim import MemberValues, StackedOptimizer
+from .optim._hyper import as_member_values
 from .selection import metric_table
 
 __all__ = ["PBT", "exploit_", "explore"]
@@ -181,9 +182,7 @@ def explore(
     for name in names:
         draws = torch.randint(len(factors), (len(rows),), generator=generator).tolist()
         for group in optimizer.param_groups:
-            value = group[name]
-            if isinstance(value, Tensor) and value.dim() == 1:  # n values, as the step reads
-                value = MemberValues(value.tolist())
+            value = as_member_values(group[name])  # a 1-D tensor: n values, as the step reads
             values = list(value) if isinstance(value, MemberValues) else [float(value)] * n
             for row, k in zip(rows, draws, strict=True):
                 values[row] *= factors[k]

@@ -25,6 +25,7 @@ __all__ = [
     "WEIGHT_DECAY",
     "any_nonzero",
     "any_positive",
+    "as_member_values",
     "Hyper",
     "Params",
     "PerMember",
@@ -193,8 +194,7 @@ def group_args(
     """
 
     def arg(name: str, v: Any) -> Any:
-        if isinstance(v, Tensor) and v.dim() == 1:  # one per member: n floats, as when built
-            v = MemberValues(v.tolist())
+        v = as_member_values(v)
         if isinstance(v, MemberValues):
             if len(v) != n:
                 raise ValueError(
@@ -293,6 +293,12 @@ def check_implementation(api: str, flags: tuple[str, ...], given: dict[str, Any]
             raise ValueError(f"{api}: `{flag}={value}` is not supported: {why}")
     if given.get("foreach") is True and given.get("fused") is True:
         raise ValueError(f"{api}: `fused` and `foreach` cannot both be True (torch refuses it too)")
+
+
+def as_member_values(v: Any) -> Any:
+    """A param group's value as the step reads it: a 1-D tensor (set after building) as
+    ``MemberValues``, one value per member, as when built; anything else as it is."""
+    return MemberValues(v.tolist()) if isinstance(v, Tensor) and v.dim() == 1 else v
 
 
 def any_nonzero(v: Any) -> bool:
