@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ._checks import column
+from ._checks import column, is_int
 
 __all__ = ["LossScale"]
 
@@ -48,7 +48,7 @@ class LossScale:
         device: torch.device | str | None = None,
     ) -> None:
         api = "LossScale"
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if not is_int(n) or n < 1:
             raise ValueError(f"{api}: `n` must be an int >= 1 (the number of members), got {n!r}")
         _check_options(api, init_scale, growth_factor, backoff_factor, growth_interval)
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
@@ -157,9 +157,7 @@ def _check_options(
         (
             "growth_interval",
             growth_interval,
-            isinstance(growth_interval, int)
-            and not isinstance(growth_interval, bool)
-            and growth_interval >= 1,
+            is_int(growth_interval) and growth_interval >= 1,
             "an int >= 1",
         ),
     ):
