@@ -13,7 +13,7 @@ import vmapens
 CORE = {
     # the container and the verbs over it
     "Ensemble", "fit", "make_step", "predict", "check", "export", "save", "load", "restore",
-    "save_members", "load_member", "gather", "gather_history",
+    "save_members", "load_members", "load_member", "gather", "gather_history",
     # what the verbs take
     "History", "Callback", "LossScale", "per_member", "StackedOptimizer",
     # what a compiled step raises when its first update differs from the eager one, or when

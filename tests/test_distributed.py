@@ -84,8 +84,13 @@ def test_save_members_from_two_ranks_equals_one_process(steps_run: Path, single_
     expected = single_fit[2]
     names = sorted(p.name for p in expected.iterdir())
     assert sorted(p.name for p in (steps_run / "members").iterdir()) == names
-    for name in names:
+    assert "members.json" in names  # rank 0 wrote the manifest of both ranks' members
+    for name in (n for n in names if n.startswith("member_")):
         assert_same_state(torch.load(steps_run / "members" / name), torch.load(expected / name))
+    got, want = vmapens.load_members(steps_run / "members"), vmapens.load_members(expected)
+    assert len(got) == len(want) == 8
+    for a, b in zip(got, want, strict=True):
+        assert_same_state(a, b)
 
 
 def test_rank_dies_mid_training_restart_resumes_from_checkpoints(tmp_path: Path, single_fit):

@@ -2,12 +2,12 @@
 
 The core is here: the :class:`Ensemble` container, the verbs over it (``fit``, ``make_step``,
 ``predict``, ``check``, ``export``, ``save``/``load``/``restore``, ``save_members``/
-``load_member``, ``gather``/``gather_history``), the stacked optimizers, ``History``,
-``Callback``, ``LossScale``, ``per_member``, ``CompiledStepMismatch`` and ``CompileFailed``.
-The rest lives in namespaces: ``vmapens.optim`` (update rules, clipping, ``MemberValues``,
-``ReduceLROnPlateau``), ``vmapens.callbacks`` (early stopping, schedulers, checkpoints,
-progress, loggers), ``vmapens.seeds``, ``vmapens.rl``, ``vmapens.pbt``, ``vmapens.sweep``,
-``vmapens.selection`` and the optional ``vmapens.lightning``.
+``load_members``/``load_member``, ``gather``/``gather_history``), the stacked optimizers,
+``History``, ``Callback``, ``LossScale``, ``per_member``, ``CompiledStepMismatch`` and
+``CompileFailed``. The rest lives in namespaces: ``vmapens.optim`` (update rules, clipping,
+``MemberValues``, ``ReduceLROnPlateau``), ``vmapens.callbacks`` (early stopping, schedulers,
+checkpoints, progress, loggers), ``vmapens.seeds``, ``vmapens.rl``, ``vmapens.pbt``,
+``vmapens.sweep``, ``vmapens.selection`` and the optional ``vmapens.lightning``.
 """
 
 # The namespaces, reachable as vmapens.optim etc. after `import vmapens`.
@@ -29,7 +29,7 @@ from .export import export
 from .fit import fit
 from .history import History
 from .losses import per_member
-from .member_files import load_member, save_members
+from .member_files import load_member, load_members, save_members
 from .optim import (
     StackedAdadelta,
     StackedAdafactor,
@@ -82,6 +82,7 @@ __all__ = [
     "gather_history",
     "load",
     "load_member",
+    "load_members",
     "make_step",
     "per_member",
     "predict",
