@@ -25,9 +25,10 @@ except ImportError as err:  # pragma: no cover - exercised by a test that hides 
     ) from err
 
 from ._checks import check_choice, check_int
+from ._lightning_rng import ResumesRNG
 from .ensemble import Ensemble, check_ensemble
 from .losses import per_member
-from .optim import StackedAdam, StackedOptimizer
+from .optim import ReduceLROnPlateau, StackedAdam, StackedOptimizer
 from .step import Step, make_step
 
 __all__ = ["EnsembleModule"]
@@ -40,43 +41,31 @@ PRECISIONS = ("32-true", "64-true")
 OptimizerArg = StackedOptimizer | Callable[[Ensemble], StackedOptimizer]
 
 
-class EnsembleModule(L.LightningModule):
+class EnsembleModule(ResumesRNG, L.LightningModule):
     """A ``LightningModule`` that trains every member of an ``Ensemble`` at once.
 
-    ``training_step`` runs one ``vmapens.make_step`` step (manual optimization: forward,
-    per-member loss, the sum back-propagated, the stacked optimizer's update), so each member
-    trains exactly as it would alone with ``torch.optim``. It logs ``train_loss`` (the mean
-    over the members) and ``train_loss/member_{i}``. ``validation_step`` computes each
-    member's loss on the batch; at the end of the validation epoch the module logs
-    ``val_loss/member_{i}`` (the batch-size weighted mean of the member's batch losses, as
-    ``self.log(on_epoch=True)`` averages) and ``val_loss`` (their mean over the members), and
-    for each entry of ``metrics``: ``val_{name}/member_{i}``, ``val_{name}`` (mean over the
-    members) and ``val_{name}/ensemble`` (the metric of the output averaged over the
-    members). ``i`` is the member's global id.
+    docs/workflows.md ("Lightning") says what it logs, stops, steps and saves, in full.
+    ``training_step`` runs one ``vmapens.make_step`` step (manual optimization), so each
+    member trains exactly as it would alone with ``torch.optim``; it logs ``train_loss`` and
+    ``train_loss/member_{i}``. Validation logs ``val_loss/member_{i}`` (the row-weighted mean
+    of the member's batch losses), ``val_loss`` (their mean) and, per metric,
+    ``val_{name}/member_{i}``, ``val_{name}`` and ``val_{name}/ensemble`` (the metric of the
+    averaged output); ``trainer.test`` logs the same as ``test_...``; ``trainer.predict``
+    returns every member's output, ``[n, ...]`` per batch. ``i`` is the member's global id.
 
-    With ``patience``, a member whose ``monitor`` value has not improved for ``patience``
-    validation epochs stops: the optimizer's mask freezes its parameters, optimizer state
-    and buffers, and the others carry on; when every member has stopped, the module sets
-    ``trainer.should_stop``. ``stopped_epoch`` and ``best_epoch`` (buffers, ``-1`` for none)
-    say when. Members keep the state they stopped with (no best-epoch restore). As for
-    Lightning's ``EarlyStopping``, only validation inside ``trainer.fit`` counts:
-    ``trainer.validate`` and the sanity check log the values and change nothing.
+    With ``patience``, a member whose ``monitor`` has not improved for ``patience``
+    validation epochs inside ``trainer.fit`` is frozen by the optimizer's mask; when all
+    have stopped, ``trainer.should_stop`` is set. ``stopped_epoch`` and ``best_epoch``
+    (buffers, ``-1`` for none) say when. Schedulers a subclass returns from
+    ``configure_optimizers`` are stepped as automatic optimization steps them (``interval``,
+    ``frequency``); a ``vmapens.optim.ReduceLROnPlateau`` after each end-of-epoch validation
+    with every member's own ``monitor`` value (torch's, one value for all, is refused).
 
-    Batches are ``(inputs, targets)``; ``inputs`` is the member's single positional input or
-    a tuple of them, and a list counts as a tuple (a ``DataLoader`` collates the tuple
-    ``((u, v), y)`` a dataset returns into lists).
-
-    Checkpoints: the module's state_dict holds the members, the mask and the early-stopping
-    state; Lightning saves the optimizer state itself; ``on_save_checkpoint`` adds the global
-    CPU (and CUDA) RNG state, which the data loader's shuffle and dropout draw from, and
-    loading a checkpoint restores it. So ``trainer.fit(module, ..., ckpt_path=...)`` from a
-    checkpoint written at an epoch's end (``ModelCheckpoint``'s default) continues exactly as
-    the run that wrote it would have.
-
-    One process, one device: Lightning's multi-process strategies (DDP and the like) broadcast
-    rank 0's parameters to every process and average gradients over processes, which would
-    mix members that must train apart. ``setup`` refuses them; shard the members with
-    ``vmapens.fit`` under ``torchrun`` instead (docs/distributed.md).
+    Batches are ``(inputs, targets)``; ``inputs`` is one positional input or a tuple (or
+    list) of them; prediction also takes ``(inputs,)`` or the inputs alone. Checkpoints hold
+    the members, the early-stopping state and the global RNG state, so ``trainer.fit(...,
+    ckpt_path=...)`` from an epoch's end continues exactly. One process, one device: ``setup``
+    refuses multi-process strategies, which would mix members (docs/distributed.md).
 
     Args:
         ens: the ensemble to train.
@@ -103,7 +92,8 @@ class EnsembleModule(L.LightningModule):
             StackedOptimizer nor callable, a metric that is neither callable nor a metric
             object.
         ValueError: ``patience`` < 1, an unknown ``mode``, ``in_dims`` not None or 0,
-            ``monitor`` not ``"val_loss"`` or ``"val_<name>"`` of ``metrics``.
+            ``monitor`` not ``"val_loss"`` or ``"val_<name>"`` of ``metrics``; in fit, the
+            Trainer's ``gradient_clip_val`` or ``accumulate_grad_batches``, torch's plateau.
 
     Example:
         >>> import lightning as L
@@ -211,19 +201,47 @@ class EnsembleModule(L.LightningModule):
         if trainer.world_size > 1 or not isinstance(trainer.strategy, SingleDeviceStrategy):
             raise ValueError(
                 f"{api}: the Trainer's `strategy` must run one process on one device, got "
-                f"{type(trainer.strategy).__name__} with {trainer.world_size} processes: "
-                "Lightning's multi-process strategies broadcast rank 0's parameters and average "
-                "gradients over the processes, which would mix members that must train apart. "
-                "To spread members over processes, shard them with vmapens.fit under torchrun "
-                "(Ensemble(..., shard=True), docs/distributed.md)"
+                f"{type(trainer.strategy).__name__} with {trainer.world_size} processes: they "
+                "broadcast rank 0's parameters and average gradients over the processes, which "
+                "would mix members; shard them with vmapens.fit under torchrun (docs/distributed.md)"
             )
         if trainer.precision not in PRECISIONS:
             raise ValueError(
                 f"{api}: the Trainer's `precision` must be one of {list(PRECISIONS)}, got "
                 f"{trainer.precision!r}: Lightning's autocast around the whole step is not "
-                "member-exact; use vmapens.make_step(precision=...) or vmapens.fit for mixed "
-                "precision"
+                "member-exact; use vmapens.fit(precision=...) for mixed precision"
             )
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        """Refuse, before Lightning does, the Trainer options manual optimization cannot take:
+        Lightning's message says to switch to automatic optimization, which would clip all
+        members by one global norm. Named here with this module's own option."""
+        trainer, api = self.trainer, "EnsembleModule: the Trainer's"
+        if trainer.state.fn == TrainerFn.FITTING and trainer.gradient_clip_val:
+            kind = "value" if trainer.gradient_clip_algorithm == "value" else "norm"
+            raise ValueError(
+                f"{api} `gradient_clip_val` must be None (manual optimization), got "
+                f"{trainer.gradient_clip_val}; pass EnsembleModule(clip_grad_{kind}="
+                f"{trainer.gradient_clip_val}), which clips each member as Lightning clips one"
+            )
+        if trainer.state.fn == TrainerFn.FITTING and trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"{api} `accumulate_grad_batches` must be 1, got "
+                f"{trainer.accumulate_grad_batches}: each batch is one step; use larger batches"
+            )
+        return []
+
+    def on_fit_start(self) -> None:
+        """Refuse plateau schedulers that cannot be stepped per member."""
+        for config in self.trainer.lr_scheduler_configs:
+            if isinstance(config.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) or (
+                isinstance(config.scheduler, ReduceLROnPlateau) and config.interval != "epoch"
+            ):
+                raise ValueError(
+                    "EnsembleModule: a plateau `lr_scheduler` must be vmapens.optim's, interval "
+                    f"'epoch' (one `monitor` value per member), got {config.scheduler!r}, "
+                    f"interval {config.interval!r} (torch's reduces all members on one value)"
+                )
 
     def configure_optimizers(self) -> StackedOptimizer:
         """The stacked optimizer (built from ``optimizer`` when it is a callable)."""
@@ -263,6 +281,18 @@ class EnsembleModule(L.LightningModule):
         self.log_dict(self._per_member("train_loss", losses), batch_size=size)
         return losses.mean()
 
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Step the schedulers where automatic optimization would: ``"step"`` ones every
+        ``frequency`` batches, ``"epoch"`` ones after the epoch's last batch (before its
+        validation, which checkpoints may be written in)."""
+        # Lightning's own rule for the epoch's last batch (limit_train_batches, iterables).
+        last = self.trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+        for config in self.trainer.lr_scheduler_configs:
+            count = batch_idx + 1 if config.interval == "step" else (self.current_epoch + 1) * last
+            sched: Any = config.scheduler  # torch's plateau is refused in on_fit_start
+            if not isinstance(sched, ReduceLROnPlateau) and count % config.frequency == 0 < count:
+                sched.step()
+
     def on_validation_epoch_start(self) -> None:
         """Reset the epoch's per-member sums and the metric objects."""
         self._sums, self._rows = {}, 0
@@ -290,8 +320,7 @@ class EnsembleModule(L.LightningModule):
             copies[-1].update(mean, targets)
 
     def on_validation_epoch_end(self) -> None:
-        """Log the epoch's per-member values; while fitting (not in the sanity check), stop
-        members."""
+        """Log the per-member values; while fitting (not sanity checking), step plateaus, stop."""
         if self._rows == 0:
             return
         scores = {k: v / self._rows for k, v in self._sums.items()}
@@ -299,23 +328,37 @@ class EnsembleModule(L.LightningModule):
             scores[name] = torch.stack([torch.as_tensor(m.compute()).double() for m in copies[:-1]])
             scores[f"{name}/ensemble"] = torch.as_tensor(copies[-1].compute()).double()
         logged: dict[str, Tensor] = {}
+        stage = "test" if self.trainer.testing else "val"
         for key, v in scores.items():
-            name = f"val_{key}"
-            if v.dim() == 0:
-                logged[name] = v
-            else:
-                logged[name] = v.mean()
+            name = f"{stage}_{key}"
+            logged[name] = v.mean()
+            if v.dim() > 0:
                 logged.update(self._per_member(name, v))
         self.log_dict(logged)
         # trainer.validate() must leave the members as they are, as Lightning's EarlyStopping.
-        fitting = self.trainer.state.fn == TrainerFn.FITTING
-        if self.patience is not None and fitting and not self.trainer.sanity_checking:
-            self._early_stop(scores[self.monitor.removeprefix("val_")])
+        if self.trainer.state.fn != TrainerFn.FITTING or self.trainer.sanity_checking:
+            return
+        watched = scores[self.monitor.removeprefix("val_")]
+        # Plateaus follow end-of-epoch validation, before the checkpoints its end writes.
+        if self.trainer.fit_loop.epoch_loop._num_ready_batches_reached():
+            for config in self.trainer.lr_scheduler_configs:
+                due = (self.current_epoch + 1) % config.frequency == 0
+                if isinstance(config.scheduler, ReduceLROnPlateau) and due:
+                    config.scheduler.step(watched)
+        if self.patience is not None:
+            self._early_stop(watched)
 
-    # Lightning's loops put the module in eval mode and afterwards set back the `training`
-    # flag of each module it can see. The ensemble's member modules (its meta template) are
-    # not among them: left in eval mode, every later training step would run BatchNorm and
-    # dropout as in evaluation. So the module restores every mode itself.
+    test_step = validation_step
+    on_test_epoch_start = on_validation_epoch_start
+    on_test_epoch_end = on_validation_epoch_end
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        """Every member's output on ``(inputs, targets)``, ``(inputs,)`` or ``inputs``."""
+        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self.ens(*inputs) if isinstance(inputs, (tuple, list)) else self.ens(inputs)
+
+    # Lightning's loops set back the `training` flag of each module they see after eval; the
+    # members' (the meta template) are not among them, so the module restores every mode.
 
     def on_validation_model_eval(self) -> None:
         """Remember every module's mode (the members' too), then ``eval()``."""
@@ -334,21 +377,6 @@ class EnsembleModule(L.LightningModule):
     def on_predict_end(self) -> None:
         """The modes back after prediction (Lightning then sets the ones it sees alike)."""
         self.on_validation_model_train()
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Add the global RNG state, which shuffling and dropout draw from."""
-        rng: dict[str, Any] = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        checkpoint["vmapens"] = {"rng": rng}
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Restore the RNG state ``on_save_checkpoint`` saved."""
-        rng = checkpoint.get("vmapens", {}).get("rng")
-        if rng is not None:
-            torch.set_rng_state(rng["cpu"])
-            if "cuda" in rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(rng["cuda"])
 
     # -- helpers -------------------------------------------------------------------------------
 
