@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -77,12 +78,17 @@ class MemberValues:
         """Return the values as a list of floats."""
         return list(self.values)
 
-    def _map(self, other: Any, op: Callable[[float, float], float]) -> MemberValues:
+    def _map(self, other: Any, op: Callable[[float, Any], Any]) -> MemberValues:
         if isinstance(other, MemberValues):
             return MemberValues(op(a, b) for a, b in zip(self.values, other.values, strict=True))
-        if isinstance(other, (int, float)):
-            return MemberValues(op(a, other) for a in self.values)
-        return NotImplemented
+        if isinstance(other, Tensor) and other.dim() == 0:
+            # A tensor lr's base value (torch's schedulers keep `initial_lr` as a 0-d clone).
+            other = other.detach()
+        elif not isinstance(other, numbers.Real):  # numpy's floats are Real
+            return NotImplemented
+        # Each member as its own scheduler computes it, `float op other`: a numpy float32 or a
+        # float32 tensor rounds the result as it does there.
+        return MemberValues(op(a, other) for a in self.values)
 
     def __add__(self, o: Any) -> MemberValues:
         return self._map(o, lambda a, b: a + b)

@@ -10,6 +10,7 @@ from typing import Any
 from torch import Tensor
 
 from .._checks import check_choice
+from ._hyper import as_member_values
 from ._values import MemberValues
 from .base import StackedOptimizer
 
@@ -121,9 +122,9 @@ class ReduceLROnPlateau:
             TypeError: ``metrics`` is one value (torch's scheduler takes one; this one takes
                 one per member) or holds something else than numbers.
             ValueError: ``metrics`` does not hold n values.
-            RuntimeError: a param group was added to the optimizer after ``min_lr`` was given
-                one value per group (torch's scheduler raises it too); checked before anything
-                changes.
+            RuntimeError: a step that lowers a learning rate, after a param group was added
+                to the optimizer and ``min_lr`` was given one value per group (torch's scheduler
+                raises it then too); nothing changes.
         """
         api, n = "ReduceLROnPlateau.step", self.optimizer.num_members
         got: Any = metrics
@@ -145,29 +146,36 @@ class ReduceLROnPlateau:
             values = [float(v) for v in got]
         except (TypeError, ValueError) as err:
             raise TypeError(f"{api}: `metrics` must hold numbers, got {list(got)!r}") from err
+        # Every record computed first and kept only once nothing can raise: torch's scheduler
+        # checks the param groups only when it reduces (a step without a reduction goes on).
+        best, bad, cooldown = (
+            list(self.best),
+            list(self.num_bad_epochs),
+            list(self.cooldown_counter),
+        )
+        reduce = [False] * n
+        for i, current in enumerate(values):
+            if self._better(current, best[i]):
+                best[i], bad[i] = current, 0
+            else:
+                bad[i] += 1
+            if cooldown[i] > 0:
+                cooldown[i] -= 1
+                bad[i] = 0
+            if bad[i] > self.patience:
+                reduce[i], cooldown[i], bad[i] = True, self.cooldown, 0
         groups = self.optimizer.param_groups
-        if len(groups) != len(self.min_lrs):  # add_param_group since
+        min_lrs = self.min_lrs
+        if any(reduce) and len(groups) != len(min_lrs):  # add_param_group since
             if self.default_min_lr is None:
                 raise RuntimeError(
                     f"{api}: the optimizer has {len(groups)} param groups, `min_lr` was given "
-                    f"for {len(self.min_lrs)}: a param group was added after the scheduler was "
+                    f"for {len(min_lrs)}: a param group was added after the scheduler was "
                     "built; set `min_lrs` to one value per param group"
                 )
-            self.min_lrs = [self.default_min_lr] * len(groups)
-        self.last_epoch += 1
-        reduce = [False] * n
-        for i, current in enumerate(values):
-            if self._better(current, self.best[i]):
-                self.best[i], self.num_bad_epochs[i] = current, 0
-            else:
-                self.num_bad_epochs[i] += 1
-            if self.cooldown_counter[i] > 0:
-                self.cooldown_counter[i] -= 1
-                self.num_bad_epochs[i] = 0
-            if self.num_bad_epochs[i] > self.patience:
-                reduce[i] = True
-                self.cooldown_counter[i] = self.cooldown
-                self.num_bad_epochs[i] = 0
+            min_lrs = [self.default_min_lr] * len(groups)
+        self.min_lrs, self.last_epoch = min_lrs, self.last_epoch + 1
+        self.best, self.num_bad_epochs, self.cooldown_counter = best, bad, cooldown
         if any(reduce):
             for group, min_lr in zip(groups, self.min_lrs, strict=True):
                 self._reduce(group, reduce, min_lr)
@@ -177,10 +185,11 @@ class ReduceLROnPlateau:
         """Lower the learning rates of the members in ``reduce``, as torch's scheduler lowers
         a group's: ``max(float(lr) * factor, min_lr)`` unless that changes it by <= eps."""
         lr, n = group["lr"], len(reduce)
-        old = [float(v) for v in lr] if isinstance(lr, MemberValues) else [float(lr)] * n
+        values = as_member_values(lr)  # a 1-D tensor set by hand: one value per member
+        old = [float(v) for v in values] if isinstance(values, MemberValues) else [float(lr)] * n
         new = [max(v * self.factor, min_lr) for v in old]
         lower = [r and v - w > self.eps for r, v, w in zip(reduce, old, new, strict=True)]
-        if isinstance(lr, Tensor) and len(set(lower)) == 1:
+        if isinstance(lr, Tensor) and lr.dim() == 0 and len(set(lower)) == 1:
             # Every member alike: torch fills a tensor lr in place and computes on with it.
             if lower[0]:
                 lr.fill_(new[0])
@@ -212,8 +221,13 @@ class ReduceLROnPlateau:
             raise ValueError(f"ReduceLROnPlateau.load_state_dict: missing {sorted(missing)}")
         n = self.optimizer.num_members
         for key in ("best", "num_bad_epochs", "cooldown_counter"):
-            if len(state[key]) != n:
-                raise ValueError(f"ReduceLROnPlateau.load_state_dict: `{key}` is not of length {n}")
+            value = state[key]
+            if not isinstance(value, (list, tuple)) or len(value) != n:
+                # torch's scheduler keeps one record for all: its `best` has no len().
+                raise ValueError(
+                    f"ReduceLROnPlateau.load_state_dict: `{key}` must hold one value per member "
+                    f"(n={n}), got {value!r}; torch's ReduceLROnPlateau keeps one for all"
+                )
         self.default_min_lr = None
         self.__dict__.update(
             {
