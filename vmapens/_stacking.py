@@ -28,6 +28,7 @@ _HOOKS = tuple(k for k, v in vars(nn.Module()).items() if isinstance(v, dict) an
 
 __all__ = [
     "Stacked",
+    "TemplateParameter",
     "check_applied",
     "check_extra_state",
     "check_factories",
@@ -137,6 +138,11 @@ def follow_flags(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], synced: lis
     ``ens.template.<layer>.requires_grad_(False)`` both freeze the layer (the template's was
     set back before). Written only on a change: torch refuses ``requires_grad_`` under a
     functorch transform (an ensemble called inside jacrev or an outer vmap).
+
+    A flag set on the template reaches its stacked twin at once (``TemplateParameter``, linked
+    here): otherwise a flag set on one side, then the other side set to the value it already
+    had (``ens.template.fc1.requires_grad_(False)``, then ``p.requires_grad_(True)`` for every
+    ``p`` of ``ens.parameters()``) would keep the first, where a plain module keeps the last.
     """
     for k, (p, meta) in enumerate(pairs):
         if meta.requires_grad != p.requires_grad:
@@ -145,6 +151,34 @@ def follow_flags(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], synced: lis
             else:
                 meta.requires_grad_(p.requires_grad)
         synced[k] = p.requires_grad
+    if pairs and pairs[0][1].__dict__.get("_twin", (None, None))[1] is not synced:
+        for k, (p, meta) in enumerate(pairs):  # new storage (built, selected, copied, assigned)
+            meta.__dict__["_twin"] = (p, synced, k)
+
+
+class TemplateParameter(nn.Parameter):
+    """A parameter of the meta template (``ens.template``) whose ``requires_grad``, when set,
+    is set on its stacked parameter too (``follow_flags`` links the two), so that flags set on
+    either side count in the order they were set, as on a plain module."""
+
+    def requires_grad_(self, requires_grad: bool = True) -> TemplateParameter:
+        super().requires_grad_(requires_grad)
+        twin = self.__dict__.get("_twin")
+        if twin is not None:
+            p, synced, k = twin
+            if p.requires_grad != requires_grad:
+                p.requires_grad_(requires_grad)
+            synced[k] = requires_grad
+        return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "requires_grad":  # ``p.requires_grad = False`` sets the stacked one too
+            self.requires_grad_(value)
+        else:
+            super().__setattr__(name, value)
+
+    def __reduce_ex__(self, proto: Any) -> Any:  # torch.save(ens): one of these, not yet linked
+        return TemplateParameter, (self.data, self.requires_grad)
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
@@ -153,7 +187,7 @@ def meta_copy(module: nn.Module) -> nn.Module:
     for _, t in named_tensors(module):
         meta = torch.empty_like(t, device="meta")
         if isinstance(t, nn.Parameter):
-            meta = nn.Parameter(meta, requires_grad=t.requires_grad)
+            meta = TemplateParameter(meta, requires_grad=t.requires_grad)
         memo[id(t)] = meta
     for m, name, _ in recomputed(module):  # a non-leaf (weight_norm's): deepcopy refuses it
         memo[id(m.__dict__[name])] = torch.empty_like(m.__dict__[name], device="meta")

@@ -67,11 +67,11 @@ class StackedModule(nn.Module):
             if name in params:
                 # Written straight into _parameters: register_parameter forbids the dots of
                 # the member's own names, and those names are what state_dict must show.
-                p = (  # load_state_dict(assign=True) keeps the parameters it does not load
-                    t
-                    if isinstance(t, nn.Parameter)
-                    else nn.Parameter(t, requires_grad=params[name].requires_grad)
-                )
+                # assign=True keeps the Parameters it is given, with the module's flag (torch's)
+                had = self._parameters.get(name)
+                flag = (params[name] if had is None else had).requires_grad
+                p = t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=flag)
+                p.requires_grad_(flag)
                 if self._padding is not None:
                     # What optimizers read to hand each member's state off at its own size
                     # and to refuse rules that are not elementwise (vmapens.optim).

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -14,13 +13,13 @@ from torch.nn.utils.rnn import PackedSequence
 
 from ._batchable import batchable
 from ._checks import check_choice, check_int, expand_in_dims, to_index
+from ._container_ops import member_module, set_flags_
 from ._fastcall import call_member, tracked
-from ._members import Factory, build_members, looped, member_ids_for, named_tensors, vmapped
+from ._members import Factory, build_members, looped, member_ids_for, vmapped
 from ._stacking import (
     Stacked,
     check_factories,
     check_modules,
-    recompute_,
     recomputed,
     scrub_,
     stack_one_size,
@@ -241,6 +240,7 @@ class Ensemble(StackedModule):
         for m, name, _ in recomputed(self._runner):  # leaked, a compiled step's graph fails
             m.register_forward_hook(functools.partial(_put_back, name, m.__dict__[name]))
         self._adopt(stacked.tensors, member_ids, n_total, stacked.training)
+        self._follow_template()  # links the template's flags to the stacked ones (follow_flags)
 
     # -- running ----------------------------------------------------------------------------
 
@@ -380,23 +380,22 @@ class Ensemble(StackedModule):
         i %= len(self)
         self._follow_template()
         scrub_(self._template)
-        memo: dict[int, Any] = {}
-        stacked = self.stacked_state()
         padding = self._padding
         template = self._template if padding is None else padding.templates[padding.kind_of[i]]
-        with torch.no_grad():
-            for name, meta in named_tensors(template):
-                row = stacked[name][i]
-                value = (row if padding is None else padding.take(name, row, i)).clone()
-                if isinstance(meta, nn.Parameter):
-                    value = nn.Parameter(value, requires_grad=meta.requires_grad)
-                memo[id(meta)] = value
-        member = copy.deepcopy(template, memo)
-        recompute_(member)
-        return member
+        return member_module(template, self.stacked_state(), padding, i)
 
     def __iter__(self) -> Iterator[nn.Module]:
         return (self[i] for i in range(len(self)))
+
+    def requires_grad_(self, requires_grad: bool = True) -> Ensemble:
+        """``nn.Module.requires_grad_`` for every member: the stacked parameters' flags and the
+        template's (``ens.template``) set together, so that a flag set afterwards on either side
+        counts as on a plain module, on a copy not called yet too (``ens.requires_grad_(False)``,
+        then ``ens.template.head.requires_grad_(True)`` trains the head)."""
+        self._follow_template()  # flags set before this call, on either side, first
+        set_flags_(self._followers[1], requires_grad)
+        self._follow_template()
+        return self
 
     def unstack(self) -> list[nn.Module]:
         """All members as a list of ordinary modules of the user's class.

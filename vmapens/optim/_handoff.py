@@ -44,7 +44,7 @@ def member_state_dict(opt: Any, i: int, module: nn.Module | None = None) -> dict
         start += len(ids)
         groups.append({**pick_group(group, opt.hyperparameters, [i]), "params": ids})
         for k, p in zip(ids, group["params"], strict=True):
-            member = opt.member_state(opt.state[p], group, i) if opt.state[p] else {}
+            member = opt.member_state(opt.state[p], group, i) if opt.state.get(p) else {}
             if member:
                 state[k] = {
                     key: _own(p, v, i) if isinstance(v, Tensor) and v.shape == p.shape[1:] else v
@@ -92,7 +92,7 @@ def copy_rows(opt: Any, new: Any, rows: Tensor) -> None:
     old = [p for g in opt.param_groups for p in g["params"]]
     fresh = [p for g in new.param_groups for p in g["params"]]
     for p_old, p_new in zip(old, fresh, strict=True):
-        if opt.state[p_old]:
+        if opt.state.get(p_old):
             new.state[p_new] = {
                 k: v[rows.to(v.device)].clone() for k, v in opt.state[p_old].items()
             }
