@@ -28,6 +28,7 @@ from ._files import atomic_write, check_path, open_checked, seal_torch, torch_lo
 from .optim import MemberValues
 
 __all__ = [
+    "ROWS",
     "block_name",
     "check_member_ids",
     "localise",
@@ -138,7 +139,7 @@ def check_member_ids(members: Any, api: str, where: str) -> tuple[list[int], int
 
 # -- the layout of a sharded fit checkpoint -----------------------------------------------------
 
-_ROWS = "vmapens:rows"  # stands for a per-member entry in the shared part
+ROWS = "vmapens:rows"  # stands for a per-member entry in the shared part
 _BLOCK = "members-{start:06d}-{stop:06d}.epoch{epoch:06d}.pt"
 _BLOCK_NAME = re.compile(r"members-\d{6,}-\d{6,}\.epoch\d{6,}\.pt")  # a bare name, no path
 
@@ -210,7 +211,7 @@ def split_rows(payload: dict, n: int) -> tuple[dict, list[tuple]]:
             return ...
         kind, dim = found
         rows.append((path, kind, dim, list(value) if kind != "tensor" else value))
-        return _ROWS
+        return ROWS
 
     return _walk(payload, (), visit), rows
 
@@ -220,7 +221,7 @@ def _join(shared: dict, rows: list[tuple]) -> dict:
     by_path = {path: (kind, value) for path, kind, _, value in rows}
 
     def visit(path: tuple, value: Any) -> Any:
-        if not (isinstance(value, str) and value == _ROWS) or path not in by_path:
+        if not (isinstance(value, str) and value == ROWS) or path not in by_path:
             return ...
         kind, held = by_path[path]
         return MemberValues(held) if kind == "values" else held
@@ -321,7 +322,7 @@ def _row_paths(shared: dict) -> set[tuple]:
     paths: set[tuple] = set()
 
     def visit(path: tuple, value: Any) -> Any:
-        if isinstance(value, str) and value == _ROWS:
+        if isinstance(value, str) and value == ROWS:
             paths.add(path)
         return ...
 

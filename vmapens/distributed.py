@@ -21,6 +21,7 @@ __all__ = [
     "member_block",
     "member_blocks",
     "barrier",
+    "raise_together",
     "rank",
     "world_size",
 ]
@@ -224,3 +225,27 @@ def barrier() -> None:
     """
     if world_size() > 1:
         dist.barrier()
+
+
+def raise_together(api: str, err: BaseException | None) -> None:
+    """Raise on every rank if any rank failed: ``err`` where it happened, a ``RuntimeError``
+    naming that rank and its error on the others; nothing if none failed.
+
+    A rank that raised alone would leave the others waiting in the next collective until the
+    group's timeout (30 minutes by default). A collective: every rank must call it at the same
+    point, with its own error or None.
+
+    Example:
+        >>> raise_together("fit", None)  # no process group, no error: returns
+    """
+    if world_size() == 1:
+        if err is not None:
+            raise err
+        return
+    said: list[Any] = [None] * world_size()
+    dist.all_gather_object(said, None if err is None else f"{type(err).__name__}: {err}")
+    if err is not None:
+        raise err
+    for r, message in enumerate(said):
+        if message is not None:
+            raise RuntimeError(f"{api}: rank {r} failed, so every rank stops: {message}")

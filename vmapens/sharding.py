@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._checkpoint_files import block_name, parts_dir, split_rows, write
+from ._checkpoint_files import ROWS, block_name, parts_dir, split_rows, write
 from ._files import remove_stale_temps
 from .distributed import barrier, gather_rows, member_blocks, rank, world_size
 from .ensemble import Ensemble
@@ -196,7 +196,7 @@ def save_sharded(
     epoch = payload["epoch"]
     # Who wrote a block, and when: resume takes blocks of the checkpoint's run and epoch only.
     identity = {"run": payload["run"], "epoch": epoch, "step": payload["fit"]["global_step"]}
-    shared, rows = split_rows(payload, len(ids))
+    shared, rows = _same_layout(*split_rows(payload, len(ids)), len(ids))
     blocks = parts_dir(path)
     blocks.mkdir(parents=True, exist_ok=True)
     name = block_name(ids, epoch)
@@ -210,6 +210,52 @@ def save_sharded(
         drop_blocks(path, keep={b for b, _ in listed})
     barrier()
     return written
+
+
+def _same_layout(shared: dict, rows: list[tuple], n: int) -> tuple[dict, list[tuple]]:
+    """Every rank's block at the union of the ranks' per-member entries.
+
+    Blocks can differ in which entries are per member: SGD and RMSprop keep no
+    ``momentum_buffer`` for a block whose members all have ``momentum=0`` (as ``torch.optim``
+    keeps none for such a model alone), and ``vmapens.optim.ReduceLROnPlateau`` turns a shared
+    learning rate into one per member only on the ranks where it lowered some. Every block
+    must hold each row the shared part names, so a block that lacks one gets it: zeros for
+    state (a member without momentum never reads its buffer), its shared value once per member
+    for a hyperparameter; and rank 0's shared part names every entry some block holds. One
+    small ``all_gather_object`` of the ranks' layouts; every rank takes the same decisions.
+    """
+    mine = {
+        p: (kind, dim, None if kind != "tensor" else (v.shape[:dim], v.shape[dim + 1 :], v.dtype))
+        for p, kind, dim, v in rows
+    }
+    layouts: list[Any] = [None] * world_size()
+    dist.all_gather_object(layouts, mine)
+    union: dict[tuple, Any] = {}
+    for layout in layouts:
+        for p, spec in layout.items():
+            union.setdefault(p, spec)
+    odd = sorted(str(p) for p, (kind, _, _) in union.items() if kind == "list" and any(
+        p not in layout for layout in layouts))  # fmt: skip
+    if odd:  # raised on every rank alike
+        raise ValueError(
+            f"fit: the ranks' checkpoint blocks differ in the per-member entries {odd[:4]} "
+            "(some ranks hold them, some not); run the same fit call, with the same callbacks, "
+            "on every rank"
+        )
+    rows = list(rows)
+    for p, (kind, dim, spec) in union.items():
+        if p in mine:
+            continue
+        node = shared
+        for key in p[:-1]:  # param_groups is a list; an optimizer's state a dict of dicts
+            node = node[key] if isinstance(node, list) else node.setdefault(key, {})
+        if kind == "values":  # a hyperparameter this block's members share
+            rows.append((p, kind, dim, [float(node[p[-1]])] * n))
+        else:
+            before, after, dtype = spec
+            rows.append((p, kind, dim, torch.zeros((*before, n, *after), dtype=dtype)))
+        node[p[-1]] = ROWS
+    return shared, rows
 
 
 def drop_blocks(path: str | os.PathLike, keep: frozenset[str] | set[str] = frozenset()) -> None:

@@ -16,7 +16,7 @@ from .._data import data_generators
 from .._files import signature
 from .._resume import NOT_COMPARED, fingerprint, hyperparameters_of, read_checkpoint
 from ..checkpoint import apply_parts, members_of, read, settings_of, write
-from ..distributed import broadcast_object, rank, world_size
+from ..distributed import broadcast_object, raise_together, rank, world_size
 from ..optim.plateau import plateaus_on
 from ..sharding import drop_blocks, save_sharded
 from .base import Callback, Context
@@ -94,22 +94,20 @@ class Checkpoint(Callback):
                 UserWarning,
                 stacklevel=3,
             )
-        if not os.path.exists(self.path):
+        saved, failed = None, None
+        try:
+            if os.path.exists(self.path):
+                saved = self._checked(ctx)
+        except Exception as err:  # noqa: BLE001 - raised below, on every rank
+            failed = err
+        # A sharded resume refused on some ranks only (per-member data whose rows differ from
+        # the checkpoint's on those ranks) left the others waiting in fit's first collective.
+        raise_together("fit", failed)
+        if saved is None:
             return
-        saved = read_checkpoint(
-            self.path, ctx.ensemble, self.options, ctx.seed, self.override, ctx.optimizer
-        )
         # What the run was built with goes on in the checkpoints it writes (the same objects
         # continuing have scheduled settings; `override`s are this run's).
         self.options = {k: v for k, v in saved["fit"]["options"].items() if k != "seed"}
-        done = saved.get("epoch")
-        if isinstance(done, int) and done > ctx.epochs:
-            # Going on would hand back members trained for more epochs than this call asks.
-            raise ValueError(
-                f"fit: {os.fspath(self.path)} holds a run already trained for {done} epochs, "
-                f"more than `epochs`={ctx.epochs}; pass epochs >= {done} to continue it, read "
-                "its members with vmapens.load, or give a shorter run another `checkpoint` path"
-            )
         parts: dict[str, Any] = {
             "ensemble": ctx.ensemble,
             "optimizer": ctx.optimizer,
@@ -131,6 +129,21 @@ class Checkpoint(Callback):
             for group, new in zip(optimizer.param_groups, fresh, strict=True):
                 group.update(new)
         ctx.seed = saved["fit"]["options"]["seed"]
+
+    def _checked(self, ctx: Context) -> dict[str, Any]:
+        """The checkpoint at ``path``, read and checked against this run: nothing applied."""
+        saved = read_checkpoint(
+            self.path, ctx.ensemble, self.options, ctx.seed, self.override, ctx.optimizer
+        )
+        done = saved.get("epoch")
+        if isinstance(done, int) and done > ctx.epochs:
+            # Going on would hand back members trained for more epochs than this call asks.
+            raise ValueError(
+                f"fit: {os.fspath(self.path)} holds a run already trained for {done} epochs, "
+                f"more than `epochs`={ctx.epochs}; pass epochs >= {done} to continue it, read "
+                "its members with vmapens.load, or give a shorter run another `checkpoint` path"
+            )
+        return saved
 
     def on_train_start(self, ctx: Context) -> None:
         # Restored last thing before the first step (fit runs checkpoints last): building the

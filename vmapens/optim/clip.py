@@ -83,7 +83,10 @@ def clip_norms_(grads: list[Tensor], max_norm: float, norm_type: float = 2.0) ->
         torch.linalg.vector_norm(g.reshape(n, math.prod(g.shape[1:])), float(norm_type), dim=1)
         for g in grads
     ]
-    norms = torch.linalg.vector_norm(torch.stack(per_tensor, dim=0), float(norm_type), dim=0)
+    # Each member's row of per-tensor norms reduced as one contiguous vector, as torch reduces
+    # the stacked norms of a model alone (over dim 0 of [tensors, n], the order of the sum
+    # depended on n: 1 ulp off the member alone now and then).
+    norms = torch.linalg.vector_norm(torch.stack(per_tensor, dim=1), float(norm_type), dim=1)
     coef = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
     torch._foreach_mul_(grads, [column(coef.to(g.device, g.dtype), g) for g in grads])
     return norms
