@@ -861,3 +861,130 @@ def test_member_state_dict_does_not_change_the_optimizers_state_dict() -> None:
     assert opt.state_dict() == before
     opt.select([0, 2], ens.select([0, 2]))
     assert opt.state_dict() == before
+
+
+def _trains_as_alone(ens: vmapens.Ensemble, models: list[nn.Module]) -> None:
+    """Two SGD steps on the trainable parameters, each member against its plain module: the
+    flags and the values after them are the plain modules'."""
+    opt = vmapens.StackedSGD([p for p in ens.parameters() if p.requires_grad] or ens, lr=0.1)
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in models]
+    step = vmapens.make_step(ens, nn.MSELoss(), opt)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x = torch.randn(4, 3, generator=g, dtype=torch.float64)
+        y = torch.randn(4, 2, generator=g, dtype=torch.float64)
+        step(x, y)
+        for m, o in zip(models, opts, strict=True):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    for i, m in enumerate(models):
+        for (name, p), (_, q) in zip(ens[i].named_parameters(), m.named_parameters(), strict=True):
+            assert p.requires_grad == q.requires_grad, name
+            torch.testing.assert_close(p.detach(), q.detach(), **TOL64)
+
+
+def _copied(ens: vmapens.Ensemble, how: str) -> vmapens.Ensemble:
+    if how == "select":
+        return ens.select([0, 1, 2])
+    if how == "getitem":
+        return ens[torch.tensor([0, 1, 2])]
+    if how == "deepcopy":
+        return copy.deepcopy(ens)
+    if how == "assign":
+        ens.load_state_dict(copy.deepcopy(ens.state_dict()), assign=True)
+        return ens
+    import io  # here only: this section is appended to the file
+
+    buffer = io.BytesIO()
+    torch.save(ens, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["select", "getitem", "deepcopy", "assign", "torch.load"])
+@pytest.mark.parametrize(
+    "edits",
+    [[("fc1", False), ("each", True)], [("stacked:fc2.bias", False), ("attr:fc2.bias", True)]],
+    ids=lambda edits: "-then-".join(f"{w}={f}" for w, f in edits),
+)
+def test_flags_set_on_both_sides_of_a_copy_not_called_yet_keep_the_last_as_alone(
+    how: str, edits: list[tuple[str, bool]]
+) -> None:
+    """A copy (sub-ensemble, deepcopy, ``assign=True`` load, ``torch.load``) before its first
+    call: a flag set on one side, then the other side set to the value it already had, keeps
+    the last, as on a plain module. The copy's template parameters were linked to their
+    stacked twins at its first call only, so the first flag set won."""
+    ens, models = _twins()
+    ens = _copied(ens, how)
+    for where, flag in edits:
+        _set_flag(ens, models, where, flag)
+    _trains_as_alone(ens, models)
+
+
+def test_flags_reach_the_other_side_after_a_conversion_that_makes_new_parameters() -> None:
+    """With ``set_overwrite_module_params_on_conversion(True)``, ``.float()``/``.double()`` put new
+    Parameter objects in the ensemble, as in every plain module: a flag set afterwards on the
+    template reaches the stacked parameter, and one set on the stacked parameter reaches
+    ``ens[i]``. The links once kept the old Parameters, so neither did."""
+    ens, models = _twins()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        before = ens.stacked_params()["fc1.weight"]
+        ens.float().double()
+        models = [m.float().double() for m in models]
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    assert ens.stacked_params()["fc1.weight"] is not before  # what the setting does
+    for where in ["fc1", "stacked:fc2.bias"]:
+        _set_flag(ens, models, where, False)
+    assert [m.fc2.bias.requires_grad for m in ens] == [False] * 3
+    _trains_as_alone(ens, models)
+
+
+@pytest.mark.parametrize(
+    "cls, name, kind",
+    [
+        (MLP, "fc1.weight", "parameter"),
+        (Tied, "b.weight", "parameter"),
+        (BN, "bn.running_var", "buffer"),
+        (BN, "bn.num_batches_tracked", "buffer"),
+    ],  # fmt: skip
+)
+def test_get_parameter_and_get_buffer_take_the_members_dotted_names(
+    cls: type[nn.Module], name: str, kind: str
+) -> None:
+    """``ens.get_parameter(name)``/``ens.get_buffer(name)`` give the stacked tensor, member ``i``
+    at row ``i``, the object ``named_parameters``/``named_buffers`` hold (tied aliases too); a
+    name the members lack raises AttributeError, as on a plain module. Both once raised for
+    every dotted name: the ensemble holds no submodules."""
+    ens = vmapens.Ensemble(lambda: cls().double(), 3, seeds=[0, 1, 2])
+    models = ens.unstack()
+    got = getattr(ens, f"get_{kind}")(name)
+    truth = torch.stack([getattr(m, f"get_{kind}")(name).detach() for m in models])
+    torch.testing.assert_close(got.detach(), truth, rtol=0, atol=0)
+    held = dict(getattr(ens, f"named_{kind}s")(remove_duplicate=False))
+    assert any(got is t for t in held.values())
+    for module in [models[0], ens]:
+        with pytest.raises(AttributeError):
+            getattr(module, f"get_{kind}")("fc1.nothing")
+
+
+@pytest.mark.parametrize("strict, assign", [(True, False), (False, True)])
+def test_a_state_dict_of_another_ensemble_size_is_refused_with_the_member_counts(
+    strict: bool, assign: bool
+) -> None:
+    """The refusal says that the sizes are the members' counts and how to load some of them
+    (torch's per-key "size mismatch" text never did), and nothing changes; a mismatch in a
+    member's own shape gets no such hint."""
+    ens, _ = _twins()
+    before = {k: v.clone() for k, v in ens.state_dict().items()}
+    other = vmapens.Ensemble(lambda: MLP().double(), 5, seeds=list(range(5)))
+    with pytest.raises(RuntimeError, match=r"holds 5 members per tensor, this ensemble 3: select"):
+        ens.load_state_dict(other.state_dict(), strict=strict, assign=assign)
+    for k, v in ens.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    wide = {k: torch.cat([v, v], dim=-1) for k, v in ens.state_dict().items()}
+    with pytest.raises(RuntimeError, match="size mismatch") as refused:
+        ens.load_state_dict(wide, strict=strict, assign=assign)
+    assert "members per tensor" not in str(refused.value)

@@ -26,10 +26,10 @@ from ._stacking import (
     follow_flags,
     hooks_of,
     migrated_keys,
-    recomputed,
     scrub_,
     staged,
 )
+from ._storage_parts import member_count_hint, member_format, paired
 from ._unbatchable import SparseLayer, sparse_layers
 
 __all__ = ["StackedModule"]
@@ -90,20 +90,10 @@ class StackedModule(nn.Module):
         self._member_metadata = getattr(own_sd, "_metadata", None)
         self.__dict__["_sparse"] = sparse_layers(self._template, self._runner)
         self.training = training  # the template keeps each submodule's own mode
-        # What _follow_template syncs, paired once: it runs before every call of the members.
         padded = [] if self._padding is None else self._padding.templates
-        own = dict(self._template.named_modules())
-        followers = [
-            (own[name], m) for t in (self._runner, *padded) for name, m in t.named_modules()
-        ]
-        flags = self.stacked_params()
-        grads = [(flags[name], meta) for t in (self._template, *padded)
-                 for name, meta in t.named_parameters()]  # fmt: skip
-        # weight_norm's tensors, which a forward leaves in the meta modules (``Ensemble.guard``).
-        hooked = [(m, name, torch.empty_like(m.__dict__[name], device="meta"))
-                  for t in (self._template, self._runner, *padded) for m, name, _ in recomputed(t)]  # fmt: skip
-        synced = [p.requires_grad for p, _ in grads]
-        self.__dict__["_followers"] = (followers, grads, hooked, synced)
+        flags = self.stacked_params()  # what _follow_template syncs, paired once (``paired``)
+        self.__dict__["_followers"] = paired(self._template, self._runner, padded, flags)
+        self._follow_template()  # links each template parameter to its twin (follow_flags)
 
     def _follow_template(self) -> None:
         """The runner (and padded templates) in the template's train/eval modes, and the grad
@@ -303,10 +293,32 @@ class StackedModule(nn.Module):
                 ) from None
             raise
 
+    def get_parameter(self, target: str) -> nn.Parameter:
+        """``nn.Module.get_parameter``; a member's dotted name (``"fc1.weight"``, a tied alias
+        too) gives the stacked ``[n, ...]`` parameter, held under the member's own name."""
+        name = self._state_keys.get(target, target)
+        if name in self._parameters:
+            return self.stacked_params()[name]
+        return super().get_parameter(target)
+
+    def get_buffer(self, target: str) -> torch.Tensor:
+        """``nn.Module.get_buffer``; a member's dotted name gives the stacked buffer."""
+        name = self._state_keys.get(target, target)
+        if name in self._buffers:
+            return self.stacked_buffers()[name]
+        return super().get_buffer(target)
+
     def __getstate__(self) -> dict[str, Any]:  # copy.deepcopy, pickle, torch.save
         scrub_(self._template)
         scrub_(self._runner)
         return super().__getstate__()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # The template's parameters come back unlinked (TemplateParameter.__reduce_ex__, and
+        # Parameter.__deepcopy__ drops __dict__): linked now, not at the copy's first call.
+        super().__setstate__(state)
+        if "_followers" in self.__dict__:
+            self._follow_template()
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
         """``nn.Module.to``; a ``memory_format`` applies to each member's tensors, as torch
@@ -315,13 +327,18 @@ class StackedModule(nn.Module):
         if fmt is None:
             return super().to(*args, **kwargs)
         for t in self.stacked_state().values():
-            _member_format(t, fmt)  # raises before anything changes, as torch would
+            member_format(t, fmt)  # raises before anything changes, as torch would
         super().to(device=device, dtype=dtype, non_blocking=non_blocking)
-        return self._apply(lambda t: _member_format(t, fmt))
+        return self._apply(lambda t: member_format(t, fmt))
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        before = list(self._parameters.values())
         out = super()._apply(fn, recurse)
-        if self._padding is not None:  # .to() / .double(): the masks follow the parameters
+        if any(p is not q for p, q in zip(before, self._parameters.values(), strict=True)):
+            # set_overwrite_module_params_on_conversion(True): new Parameters, to link afresh
+            # (and to mark for optimizers, ``_member_padding``).
+            self._adopt(self.stacked_state(), self.member_ids, self.n_total, self.training)
+        elif self._padding is not None:  # .to() / .double(): the masks follow the parameters
             self._padding.prepare(self.stacked_params())
         return out
 
@@ -373,8 +390,7 @@ class StackedModule(nn.Module):
         missing = [k for k in ours if k not in state_dict and k not in kept]
         unexpected_keys.extend(unexpected)
         missing_keys.extend(missing)
-        errors = len(error_msgs)
-        pending = []
+        errors, pending, mismatched = len(error_msgs), [], []
         for key, (name, target) in ours.items():
             if key not in state_dict:
                 continue
@@ -385,7 +401,9 @@ class StackedModule(nn.Module):
                     f"size mismatch for {key}: copying a param with shape {got} from checkpoint, "
                     f"the shape in current model is {tuple(target.shape)}."
                 )
+                mismatched.append((value, target))
             pending.append((key, name, target, value))
+        error_msgs.extend(member_count_hint(mismatched, len(self)))  # what to do, if we know
         if len(error_msgs) > errors or whole and (missing or unexpected):
             return
         if local_metadata.get("assign_to_params_buffers"):
@@ -399,22 +417,3 @@ class StackedModule(nn.Module):
             ready = staged(pending, error_msgs)  # all or nothing: every value converts first
             for target, value in ready if len(error_msgs) == errors else ():
                 target.copy_(value)
-
-
-#: Per member: the memory format's order of the dims after the first two (channels last).
-_LAST = {torch.channels_last: 4, torch.channels_last_3d: 5}
-
-
-def _member_format(t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
-    """``t`` (stacked: ``[n, *member]``) with each member laid out as ``member.to(
-    memory_format=fmt)`` would be; tensors torch leaves alone (not 4-D or 5-D) as they are."""
-    if t.dim() - 1 not in (4, 5) or fmt == torch.preserve_format:
-        return t
-    if fmt == torch.contiguous_format:
-        return t.contiguous()
-    if _LAST.get(fmt) != t.dim() - 1:
-        rank = {4: "4", 5: "5"}.get(_LAST.get(fmt, 0), "?")
-        raise RuntimeError(f"required rank {rank} tensor to use {fmt} format")
-    order = [0, 1, *range(3, t.dim()), 2]  # the member's channels (dim 2 here) last
-    inverse = [order.index(d) for d in range(t.dim())]
-    return t.permute(order).contiguous().permute(inverse)

@@ -240,7 +240,6 @@ class Ensemble(StackedModule):
         for m, name, _ in recomputed(self._runner):  # leaked, a compiled step's graph fails
             m.register_forward_hook(functools.partial(_put_back, name, m.__dict__[name]))
         self._adopt(stacked.tensors, member_ids, n_total, stacked.training)
-        self._follow_template()  # links the template's flags to the stacked ones (follow_flags)
 
     # -- running ----------------------------------------------------------------------------
 

@@ -1,0 +1,89 @@
+"""Self-contained pieces of ``StackedModule`` (``vmapens._storage``): what its modules and
+parameters follow, each member's memory format on a stacked tensor, and the hint a refused
+state dict of another ensemble size gets."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ._stacking import recomputed
+
+__all__ = ["member_count_hint", "member_format", "paired"]
+
+#: ``StackedModule._followers``: (template module, runner or padded module) pairs; (stacked
+#: parameter, template parameter) pairs; weight_norm's (module, name, meta tensor); the flags
+#: ``follow_flags`` last synced.
+Followers = tuple[
+    list[tuple[nn.Module, nn.Module]],
+    list[tuple[torch.Tensor, torch.Tensor]],
+    list[tuple[nn.Module, str, torch.Tensor]],
+    list[bool],
+]
+
+
+def paired(
+    template: nn.Module,
+    runner: nn.Module,
+    padded: Sequence[nn.Module],
+    stacked: Mapping[str, torch.Tensor],
+) -> Followers:
+    """What ``StackedModule._follow_template`` syncs, paired once (it runs before every call of
+    the members): the runner's and padded templates' modules with the template's, for their
+    train/eval modes, and each stacked parameter with its template twins, for the grad flags."""
+    own = dict(template.named_modules())
+    modules: list[tuple[nn.Module, nn.Module]] = [
+        (own[name], m) for t in (runner, *padded) for name, m in t.named_modules()
+    ]
+    grads: list[tuple[torch.Tensor, torch.Tensor]] = [
+        (stacked[name], meta) for t in (template, *padded) for name, meta in t.named_parameters()
+    ]
+    # weight_norm's tensors, which a forward leaves in the meta modules (``Ensemble.guard``).
+    hooked: list[tuple[nn.Module, str, torch.Tensor]] = [
+        (m, name, torch.empty_like(m.__dict__[name], device="meta"))
+        for t in (template, runner, *padded)
+        for m, name, _ in recomputed(t)
+    ]
+    return modules, grads, hooked, [p.requires_grad for p, _ in grads]
+
+
+#: Per member: the memory format's order of the dims after the first two (channels last).
+_LAST = {torch.channels_last: 4, torch.channels_last_3d: 5}
+
+
+def member_format(t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
+    """``t`` (stacked: ``[n, *member]``) with each member laid out as ``member.to(
+    memory_format=fmt)`` would be; tensors torch leaves alone (not 4-D or 5-D) as they are."""
+    if t.dim() - 1 not in (4, 5) or fmt == torch.preserve_format:
+        return t
+    if fmt == torch.contiguous_format:
+        return t.contiguous()
+    if _LAST.get(fmt) != t.dim() - 1:
+        rank = {4: "4", 5: "5"}.get(_LAST.get(fmt, 0), "?")
+        raise RuntimeError(f"required rank {rank} tensor to use {fmt} format")
+    order = [0, 1, *range(3, t.dim()), 2]  # the member's channels (dim 2 here) last
+    inverse = [order.index(d) for d in range(t.dim())]
+    return t.permute(order).contiguous().permute(inverse)
+
+
+def member_count_hint(mismatched: Sequence[tuple[object, torch.Tensor]], n: int) -> list[str]:
+    """The one error message to add (or none) when every refused ``(value, target)`` pair differs
+    in dim 0 alone, by one count: a state dict of an ensemble of another size, which torch's
+    per-key "size mismatch" text never says."""
+    counts = {
+        value.shape[0]
+        if isinstance(value, torch.Tensor)
+        and value.dim() == target.dim() > 0
+        and value.shape[1:] == target.shape[1:]
+        else None
+        for value, target in mismatched
+    }
+    if len(counts) != 1 or None in counts:
+        return []
+    return [
+        f"the state dict holds {counts.pop()} members per tensor, this ensemble {n}: select the "
+        "members first (other.select(rows).state_dict()) or load one member's state dict into "
+        "ens[i]'s class"
+    ]
