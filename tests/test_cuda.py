@@ -150,3 +150,16 @@ def test_fused_lstm_recurrence_matches_each_lstm_alone_on_cuda() -> None:
             m_grads = torch.autograd.grad(m_out.square().sum(), list(m.parameters()))
             for g, m_g in zip(grads, m_grads, strict=True):
                 torch.testing.assert_close(g[k], m_g, rtol=1e-10, atol=1e-10)
+
+
+def test_random_members_draws_from_a_cuda_generator_as_randperm_does() -> None:
+    # torch.randperm draws on the CPU unless told the generator's device, and refuses a CUDA
+    # generator there: random_members now draws where its generator is.
+    g = torch.Generator(device="cuda").manual_seed(0)
+    twin = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(3):
+        mask = vmapens.rl.random_members(10, 3, g, device="cuda")
+        rows = torch.randperm(10, generator=twin, device="cuda")[:3]
+        want = torch.zeros(10, dtype=torch.bool, device="cuda")
+        want[rows] = True
+        assert mask.device.type == "cuda" and torch.equal(mask, want)

@@ -7,7 +7,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from ._checks import check_int
+from ._checks import check_int, to_index
 from .ensemble import Ensemble, check_ensemble
 
 __all__ = ["make_target", "polyak_", "random_members"]
@@ -45,7 +45,9 @@ def polyak_(target: Ensemble, online: Ensemble, tau: float) -> None:
 
     Raises:
         TypeError: not Ensembles, or ``tau`` not a number.
-        ValueError: ``tau`` outside ``[0, 1]``, or the ensembles do not match.
+        ValueError: ``tau`` outside ``[0, 1]``, or the ensembles do not match: other members
+            (``member_ids``: a target must follow the members it was copied from) or other
+            tensors.
 
     Example:
         >>> online = Ensemble(lambda: torch.nn.Linear(3, 1), n=4, seed=0)
@@ -66,9 +68,20 @@ def polyak_(target: Ensemble, online: Ensemble, tau: float) -> None:
     )
     if isinstance(tau, bool) or not real:
         raise TypeError(f"{api}: `tau` must be a float, got {type(tau).__name__}")
-    tau = float(tau)
+    # detach: a tau that requires grad (a learned rate) is a number here, as lerp_ takes it.
+    tau = float(tau.detach()) if isinstance(tau, Tensor) else float(tau)
     if not 0.0 <= tau <= 1.0:
         raise ValueError(f"{api}: `tau` must be in [0, 1], got {tau}")
+    # Same shapes do not make the same members: a target of all members following a reordered
+    # or re-selected online ensemble (`online.select(...)`, `best_k`) would move member i
+    # toward another member, silently.
+    if list(target.member_ids) != list(online.member_ids):
+        raise ValueError(
+            f"{api}: `target` holds members {list(target.member_ids)!r:.80} and `online` "
+            f"members {list(online.member_ids)!r:.80}; a target follows the members it was "
+            "copied from: select the same members of both, or build the target again with "
+            "`make_target(online)`"
+        )
     ours, theirs = target.stacked_state(), online.stacked_state()
     shapes = {k: (t.shape, t.dtype) for k, t in ours.items()}
     if shapes != {k: (t.shape, t.dtype) for k, t in theirs.items()}:
@@ -93,12 +106,15 @@ def random_members(
     """A bool ``[n]`` mask with ``k`` members drawn uniformly without replacement.
 
     REDQ (Chen et al., 2021) takes the minimum over a random subset of ``k`` of its ``n``
-    Q-functions for every target: ``q.masked_fill(~mask[:, None], inf).amin(0)``. Use the
-    mask as an index (``mask.nonzero()``) or to mask per-member values.
+    Q-functions for every target: ``q[mask].amin(0)`` for the target ensemble's stacked
+    output ``q`` of any shape ``[n, ...]``. To mask per-member values in place, give the mask
+    ``q``'s number of dims: ``q.masked_fill(~mask.view(-1, *[1] * (q.dim() - 1)), inf)``
+    (``mask[:, None]`` fits a ``[n, B]`` ``q`` only: on ``[n, B, 1]`` it broadcasts along the
+    batch, and with ``B == n`` masks rows instead of members without an error).
 
     Args:
-        n: number of members.
-        k: members to draw, ``1 <= k <= n``.
+        n: number of members (an int, a NumPy integer or a 0-dim integer tensor).
+        k: members to draw, ``1 <= k <= n`` (likewise).
         generator: the generator to draw from (``None``: torch's global one).
         device: where the mask lives.
 
@@ -108,11 +124,14 @@ def random_members(
         (torch.Size([10]), 2)
     """
     api = "random_members"
-    check_int(api, "n", n, minimum=1)
-    check_int(api, "k", k, minimum=1)
+    # An integer-like counts as torch.randperm takes it (`len(ens)`, `np.int64`, a 0-dim tensor).
+    n = check_int(api, "n", n if to_index(n) is None else to_index(n), minimum=1)
+    k = check_int(api, "k", k if to_index(k) is None else to_index(k), minimum=1)
     if k > n:
         raise ValueError(f"{api}: `k` must be <= `n` ({n}), got {k}")
-    rows = torch.randperm(n, generator=generator)[:k]
+    # On the generator's device: randperm draws on the CPU by default and refuses a CUDA one.
+    where = generator.device if generator is not None else torch.device("cpu")
+    rows = torch.randperm(n, generator=generator, device=where)[:k].cpu()
     mask = torch.zeros(n, dtype=torch.bool)
     mask[rows] = True
     return mask.to(device)
