@@ -21,9 +21,10 @@ class History:
     """What ``fit`` recorded, one row per epoch and one column per member.
 
     Attributes:
-        train_loss: ``[epochs, n]`` mean training loss of each member over each epoch; NaN
-            once a member has stopped (early stopping or divergence), non-finite in the epoch
-            where it diverged.
+        train_loss: ``[epochs, n]`` each member's mean training loss over each epoch: the
+            mean of the epoch's step losses (as ``loss_fn`` gave them, before each update),
+            every step one weight whatever its batch's size; NaN once a member has stopped
+            (early stopping or divergence), non-finite in the epoch where it diverged.
         val_loss: ``[epochs, n]`` validation loss (NaN once a member has stopped), or
             ``None`` without ``val_data``.
         best_epoch: ``[n]`` epoch (0-based) of each member's lowest validation loss, ``-1``
@@ -142,10 +143,14 @@ class History:
             finite = curves.masked_fill(~torch.isfinite(curves), math.nan)
             ax.plot(epochs, finite.numpy(), linewidth=0.6, alpha=0.5)
             ax.plot(epochs, finite.nanmean(dim=1).numpy(), color="black", linewidth=2.5)
+            shown = finite[torch.isfinite(finite)]
             if ensemble is not None:
-                ax.plot(epochs, ensemble.numpy(), color="black", linestyle="--", linewidth=1.5)
+                averaged = ensemble.masked_fill(~torch.isfinite(ensemble), math.nan)
+                ax.plot(epochs, averaged.numpy(), color="black", linestyle="--", linewidth=1.5)
+                shown = torch.cat([shown, averaged[torch.isfinite(averaged)]])
             ax.set(xlabel="epoch", ylabel=name, title=f"{name}: {curves.shape[1]} members, mean")
-            if torch.isfinite(curves).any() and (finite[torch.isfinite(finite)] > 0).all():
+            _, margin = ax.margins()  # type: ignore[misc]  # no arguments: the pair
+            if _log_axis_fits(shown, margin):
                 ax.set_yscale("log")
         if title:
             fig.suptitle(title)
@@ -194,6 +199,16 @@ class History:
             t = state[key]
             if not isinstance(t, Tensor) or tuple(t.shape) != (n,) or t.dtype != dtype:
                 raise ValueError(f"{api}: history `{key}` must be a [{n}] {dtype} tensor")
+
+
+def _log_axis_fits(values: Tensor, margin: float) -> bool:
+    """Whether a log axis can show ``values`` (finite): all positive, and the top margin
+    (``margin`` of the decades shown) below float64's limit. A member about to diverge can
+    score 1e299; matplotlib would overflow framing it on a log axis."""
+    if values.numel() == 0 or not bool((values > 0).all()):
+        return False
+    low, high = math.log10(float(values.min())), math.log10(float(values.max()))
+    return high + margin * (high - low) < 300
 
 
 def _clone(tables: dict[str, Tensor] | None) -> dict[str, Tensor] | None:

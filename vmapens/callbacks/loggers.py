@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+from typing import Any
 
 from ..optim import MemberValues
 from .base import Callback, Context
@@ -118,9 +119,14 @@ class TensorBoardLogger(Callback):
     """Write per-member scalars to TensorBoard after every epoch.
 
     Tags ``<scalar>/member_<i>`` for each scalar of :func:`epoch_scalars` and member ``i``
-    (global index), ``<scalar>/mean`` over the members still training, and
-    ``ensemble/<metric>`` for the averaged ensemble; the global step is the epoch. Stopped
-    members are not written.
+    (global index), ``<scalar>/mean`` over the members that trained in the epoch, and
+    ``ensemble/<metric>`` for the averaged ensemble; the global step is the epoch. Members
+    that did not train in an epoch (stopped before it) are not written for it, ``lr``
+    included. The event file is opened when training starts, with TensorBoard's
+    ``purge_step`` at the first epoch the run trains: steps logged earlier in ``log_dir`` from
+    that epoch on (by an interrupted run after its last checkpoint, which the resumed run
+    redoes; by a run that started at epoch 0 there before) are hidden, so no epoch is shown
+    twice, as :class:`CSVLogger` drops those rows.
 
     Args:
         log_dir: TensorBoard's run directory.
@@ -137,18 +143,28 @@ class TensorBoardLogger(Callback):
                 "TensorBoardLogger needs tensorboard; install it with: "
                 "pip install 'vmapens[tensorboard]'"
             ) from err
-        self.writer = SummaryWriter(os.fspath(log_dir))
+        self.log_dir, self.summary_writer = os.fspath(log_dir), SummaryWriter
+        self.writer: Any = None  # a SummaryWriter, opened by on_train_start
         self.lr: list[float] | None = None
+
+    def on_train_start(self, ctx: Context) -> None:
+        # A resumed run redoes the epochs after its checkpoint, which the interrupted run may
+        # have logged already: TensorBoard drops the steps from `purge_step` on that came
+        # before this file's start event.
+        self.close()
+        self.writer = self.summary_writer(self.log_dir, purge_step=ctx.history.epochs)
 
     def on_epoch_start(self, ctx: Context) -> None:
         self.lr = member_lrs(ctx)
 
     def on_epoch_end(self, ctx: Context) -> None:
         per, whole = epoch_scalars(ctx, self.lr)
+        # Members stopped before this epoch have NaN losses, but a learning rate all the same.
+        trained = ctx.running.tolist()
         for name, values in per.items():
-            live = [v for v in values if not math.isnan(v)]
-            for member, v in zip(ctx.history.member_ids, values, strict=True):
-                if not math.isnan(v):
+            live = [v for v, t in zip(values, trained, strict=True) if t and not math.isnan(v)]
+            for member, v, t in zip(ctx.history.member_ids, values, trained, strict=True):
+                if t and not math.isnan(v):
                     self.writer.add_scalar(f"{name}/member_{member}", v, ctx.epoch)
             if live:
                 self.writer.add_scalar(f"{name}/mean", sum(live) / len(live), ctx.epoch)
@@ -158,4 +174,6 @@ class TensorBoardLogger(Callback):
 
     def close(self) -> None:
         """Flush and close the event file."""
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

@@ -42,6 +42,10 @@ class ProgressBar(Callback):
 
     def on_train_start(self, ctx: Context) -> None:
         self.bar = _open(self.progress, ctx)
+        done = ctx.history.epochs
+        if done:  # resumed: the text of the epoch the checkpoint ended, even if none is left
+            self.bar.set_description(f"epoch {done}/{ctx.epochs}")
+            self.bar.set_postfix_str(describe(ctx, ctx.history.train_loss[-1]))
 
     def on_epoch_start(self, ctx: Context) -> None:
         self.bar.set_description(f"epoch {ctx.epoch + 1}/{ctx.epochs}")
