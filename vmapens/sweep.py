@@ -13,10 +13,10 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from decimal import Decimal
 from typing import Any
 
 from ._checks import check_choice, check_int
+from ._sweep_parts import PlainTrial, fixed_names, hyper_table, per_member
 from .callbacks import Callback, Context, EarlyStopping
 from .ensemble import Ensemble
 from .fit import fit
@@ -71,59 +71,6 @@ class SweepResult:
         return min(done, key=lambda t: sign * t.value)
 
 
-class _PlainTrial:
-    """The part of ``optuna.Trial`` a ``space`` uses, for the grid and random backends."""
-
-    def __init__(self, number: int, rng: random.Random, grid: Mapping[str, Any] | None):
-        self.number, self._rng, self._grid = number, rng, grid
-        self.params: dict[str, Any] = {}
-        self.intermediate_values: dict[int, float] = {}
-
-    def _pick(self, name: str, draw: Callable[[], Any]) -> Any:
-        if self._grid is not None:
-            if name not in self._grid:
-                raise ValueError(f"Sweep: `space` asked for {name!r}, which `grid` does not hold")
-            value = self._grid[name]
-        else:
-            value = draw()
-        self.params[name] = value
-        return value
-
-    def suggest_float(
-        self, name: str, low: float, high: float, *, log: bool = False, step: float | None = None
-    ) -> float:
-        def draw() -> float:
-            if log:
-                return math.exp(self._rng.uniform(math.log(low), math.log(high)))
-            if step is not None:
-                # In decimal, as optuna counts them: (0.3 - 0.0) / 0.1 is 2.999... in binary,
-                # and int() of it left 0.3 out of the draws.
-                count = (Decimal(str(high)) - Decimal(str(low))) // Decimal(str(step))
-                return low + step * self._rng.randint(0, int(count))
-            return self._rng.uniform(low, high)
-
-        return self._pick(name, draw)
-
-    def suggest_int(
-        self, name: str, low: int, high: int, *, step: int = 1, log: bool = False
-    ) -> int:
-        def draw() -> int:
-            if log:
-                return round(math.exp(self._rng.uniform(math.log(low), math.log(high))))
-            return low + step * self._rng.randint(0, (high - low) // step)
-
-        return self._pick(name, draw)
-
-    def suggest_categorical(self, name: str, choices: Sequence[Any]) -> Any:
-        return self._pick(name, lambda: self._rng.choice(list(choices)))
-
-    def report(self, value: float, step: int) -> None:
-        self.intermediate_values[step] = value
-
-    def should_prune(self) -> bool:
-        return False  # the plain backends do not prune
-
-
 class _Report(Callback):
     """Reports each member's monitored value to its optuna trial; freezes pruned members."""
 
@@ -135,10 +82,12 @@ class _Report(Callback):
         row = metric_table(ctx.history, self.monitor, "Sweep", "monitor")[-1]
         active = ctx.active.cpu()
         for j, trial in enumerate(self.trials):
-            if not bool(active[j]) or not math.isfinite(float(row[j])):
+            # Every epoch a member trained in, the one early stopping stopped it in too: the
+            # pruner compares trials step by step, and the TrialResult lists that value.
+            if not bool(ctx.running[j]) or not math.isfinite(float(row[j])):
                 continue
             trial.report(float(row[j]), ctx.epoch)
-            if self.pruning and trial.should_prune():
+            if self.pruning and bool(active[j]) and trial.should_prune():
                 self.pruned.add(j)
                 ctx.stop([j])
 
@@ -208,6 +157,8 @@ class Sweep:
             )
         if study is not None and backend != "optuna":
             raise ValueError(f"{api}: `study` needs backend='optuna', got {backend!r}")
+        if study is not None:
+            _check_direction(api, study, mode)
         self.factory, self.space, self.backend, self.seed = factory, space, backend, seed
         self.optimizer, self.monitor, self.mode = optimizer, monitor, mode
         self.grid = None if grid is None else {k: list(v) for k, v in grid.items()}
@@ -239,7 +190,7 @@ class Sweep:
         if self.grid is not None:
             combos = list(itertools.product(*self.grid.values()))
             grid = dict(zip(self.grid, combos[number % len(combos)], strict=True))
-        return _PlainTrial(number, random.Random(derive_seed(self.seed, "sweep", number)), grid)
+        return PlainTrial(number, random.Random(derive_seed(self.seed, "sweep", number)), grid)
 
     def run(
         self,
@@ -331,9 +282,15 @@ class Sweep:
     def _probe(self, api: str) -> list[str]:
         """The hyperparameter names ``space`` returns, from a stand-in trial (no backend's)."""
         grid = None if self.grid is None else {k: v[0] for k, v in self.grid.items()}
-        names = list(dict(self.space(_PlainTrial(-1, random.Random(self.seed), grid))))
-        hypers = getattr(self.optimizer, "hyperparameters", None)
-        unknown = [k for k in names if isinstance(hypers, dict) and k not in hypers]
+        names = list(dict(self.space(PlainTrial(-1, random.Random(self.seed), grid))))
+        hypers = hyper_table(self.optimizer)
+        fixed = sorted(fixed_names(self.optimizer) & set(names))
+        if fixed:
+            raise ValueError(
+                f"{api}: `space` returned {fixed}, which the `optimizer` partial already "
+                "fixes; sweep it or fix it, not both"
+            )
+        unknown = [k for k in names if hypers is not None and k not in hypers]
         if unknown:
             raise ValueError(
                 f"{api}: `space` returned {unknown}, which "
@@ -363,7 +320,8 @@ class Sweep:
                 )
             seeds = [member_seed(self.seed, t.number) for t in trials]
             ens = Ensemble(self.factory, count, seeds=seeds)
-            hyper = {k: _per_member([p[k] for p in params], self.optimizer, k) for k in names}
+            hypers = hyper_table(self.optimizer)
+            hyper = {k: per_member([p[k] for p in params], hypers, k) for k in names}
             optimizer = self.optimizer(ens, **hyper)
             report = _Report(trials, self.monitor, self.backend == "optuna")
             callbacks = [*options.get("callbacks", ()), report]
@@ -400,9 +358,13 @@ class Sweep:
             self.study.tell(trial, state=kind.PRUNED if state == "pruned" else kind.FAIL)
 
 
-def _per_member(values: list[Any], optimizer: Any, name: str) -> Any:
-    """One hyperparameter's per-member values as the optimizer takes them (pairs as two)."""
-    hypers = getattr(optimizer, "hyperparameters", None)
-    if isinstance(hypers, dict) and hypers[name].pair:
-        return tuple(list(v) for v in zip(*values, strict=True))
-    return values
+def _check_direction(api: str, study: Any, mode: str) -> None:
+    """Refuse a study that optimizes the other way (or several objectives)."""
+    directions = [getattr(d, "name", str(d)).lower() for d in study.directions]
+    want = "minimize" if mode == "min" else "maximize"
+    if directions != [want]:
+        raise ValueError(
+            f"{api}: `study` has directions {directions}, but `mode` is {mode!r}: optuna would "
+            f"rank and prune the trials the other way; create it with direction={want!r} or "
+            f"pass mode={'max' if mode == 'min' else 'min'!r}"
+        )
