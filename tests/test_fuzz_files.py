@@ -421,8 +421,10 @@ def shard(path: Path, out: Path, r: random.Random) -> list[list[int]]:
     blocks = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True)]
     listed = [(_checkpoint_files.block_name(b, payload["epoch"]), b) for b in blocks]
 
-    def gathered(into: list, _: Any) -> None:
-        into[:] = listed
+    def gathered(into: list, mine: Any) -> None:
+        # save_sharded gathers the blocks' layouts (a dict; every block of one run's
+        # checkpoint has the same), then the block names.
+        into[:] = [mine] * len(blocks) if isinstance(mine, dict) else listed
 
     fake = types.SimpleNamespace(all_gather_object=gathered)
     for rank in [*range(1, len(blocks)), 0]:  # rank 0 writes the shared part last
@@ -729,3 +731,12 @@ if __name__ == "__main__":
                 if "-v" in sys.argv:
                     traceback.print_exc()
     print(f"{failed} of {count} failed")
+
+
+def test_save_refuses_a_member_held_twice_and_writes_nothing(tmp_path: Path) -> None:
+    # vmapens.save wrote ens.select([1, 1]) into a file that vmapens.load then refused
+    # ("repeat ids"): refused up front now, as save_members refuses it.
+    ens = vmapens.Ensemble(lambda: nn.Linear(3, 2), n=3, seed=0)
+    with pytest.raises(ValueError, match=r"^save: `ens` holds a member more than once"):
+        vmapens.save(ens.select([1, 1]), tmp_path / "twice.pt")
+    assert not list(tmp_path.iterdir())

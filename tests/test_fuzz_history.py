@@ -33,6 +33,7 @@ import math
 import random
 import re
 import sys
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -416,6 +417,12 @@ def run_case(seed: int, out: Path) -> None:
     first = run_fit(s, batches, val, out, "resumed", interrupt=s["interrupt"])
     if first["history"] is not None:  # every member stopped before the interrupt
         return
+    if s["tensorboard"]:
+        # TensorBoard orders a directory's event files by name: the creation second, then a
+        # per-process counter written unpadded (".9" after ".10"). Two runs of one process in
+        # one second can sort the resumed file first, and its reader then drops the later
+        # epochs as out of order. Runs in separate processes, or seconds apart, sort in time.
+        time.sleep(1.01 - time.time() % 1)
     again = run_fit(s, batches, val, out, "resumed")
     assert_same_history(again["history"], h)
     assert (out / "resumed.csv").read_text() == (out / "straight.csv").read_text()

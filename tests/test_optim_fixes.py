@@ -404,3 +404,36 @@ def test_load_state_dict_reads_per_member_lists_as_the_constructor_does() -> Non
     sd["param_groups"][0]["lr"] = [0.1, 0.2, 0.3, 0.4]  # a list: one value per member
     opt.load_state_dict(sd)
     assert opt.param_groups[0]["lr"] == vo.MemberValues([0.1, 0.2, 0.3, 0.4])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_betas_given_as_one_pair_per_member_train_each_member_with_its_pair(n: int) -> None:
+    # betas=[(b1, b2) of member 0, (b1, b2) of member 1]: with 2 members it was read as
+    # (beta1s, beta2s), member 1 silently running beta1 = 0.999; with 3 it raised.
+    pairs = [(0.9, 0.999), (0.8, 0.99), (0.5, 0.9)][:n]
+    ens = vmapens.Ensemble(lambda: nn.Linear(3, 2).double(), n=n, seed=0)
+    alone = ens.unstack()
+    opt = vmapens.StackedAdam(ens, lr=0.1, betas=pairs)
+    step = vmapens.make_step(ens, nn.MSELoss(), opt)
+    plain = [torch.optim.Adam(m.parameters(), lr=0.1, betas=b) for m, b in zip(alone, pairs)]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(5, 3, generator=g, dtype=torch.float64)
+        y = torch.randn(5, 2, generator=g, dtype=torch.float64)
+        step(x, y)
+        for m, o in zip(alone, plain, strict=True):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    for i, m in enumerate(alone):
+        for k, v in m.state_dict().items():
+            torch.testing.assert_close(ens[i].state_dict()[k], v, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adafactor, torch.optim.LBFGS])
+def test_a_torch_optimizer_that_is_not_elementwise_is_refused_by_make_step(cls) -> None:
+    # torch.optim.Adafactor over stacked [n, ...] parameters factors its second moment over
+    # rows and columns that span the members: 1e-3 off each member alone, silently.
+    ens = vmapens.Ensemble(lambda: nn.Linear(3, 2), n=2, seed=0)
+    with pytest.raises(TypeError, match=rf"^make_step: `optimizer` torch.optim.{cls.__name__} is"):
+        vmapens.make_step(ens, nn.MSELoss(), cls(ens.parameters()))

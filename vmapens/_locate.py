@@ -2,9 +2,13 @@
 
 The self-check compares what a whole member computes; when members of different sizes
 differ, the user needs the layer: the one whose padded output first disagrees (in its own
-corner) with the output of the same layer in the member run alone. Both run one member, no
-``vmap``, under forward hooks on private copies of the modules, in eval mode (no dropout
-draws, which differ with the padded shapes) and without gradients.
+corner) with the output of the same layer in the member run alone, or, when a layer's input
+is the first to disagree, the module whose ``forward`` computed that input in code of its own
+(a functional op between two layers). Both run one member, no ``vmap``, under forward hooks
+on private copies of the modules, without gradients: first in eval mode (no dropout draws),
+then, when every layer agrees there, in the member's own modes from one RNG state: a random
+layer (dropout) draws over the padded shape, so a padded member's draws are not the ones it
+makes alone, and only this second run can name that layer.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ def first_padded_difference(
         args: the member's inputs.
 
     Returns:
-        ``"`name` (Class)"``, or None when every layer agrees or a layer could not be
-        compared (shapes that are not a padded corner of each other).
+        ``"`name` (Class)"`` (followed by why, for a layer that differs only by its random
+        draws), or None when every layer agrees or a layer could not be compared (shapes
+        that are not a padded corner of each other).
 
     Example:
         >>> small, big = nn.Linear(3, 2), nn.Linear(3, 4)
@@ -49,46 +54,102 @@ def first_padded_difference(
         >>> first_padded_difference(soft, nn.Sequential(big, nn.Softmax(-1)), state, (torch.randn(5, 3),))
         '`1` (Softmax)'
     """
-    alone, runner = copy.deepcopy(alone).eval(), copy.deepcopy(runner).eval()
+    found = _first(alone, runner, state, args, train=False)
+    if found is None and any(m.training for m in alone.modules()):
+        found = _first(alone, runner, state, args, train=True)
+        if found is not None and _draws(alone.get_submodule(found)):
+            return f"{_named(alone, found)}, which draws random numbers over the padded shape: {RANDOM}"
+    return None if found is None else _named(alone, found)
+
+
+#: Why a random layer differs, and the way out (``first_padded_difference``).
+RANDOM = (
+    "a padded member draws other numbers than alone (from the same distribution; pass "
+    "check=False to train so)"
+)
+
+
+def _first(
+    alone: nn.Module, runner: nn.Module, state: Mapping[str, Tensor], args: tuple, train: bool
+) -> str | None:
+    """The name of the first layer that differs in eval mode, or in the modules' own modes
+    (``train``), each run from the caller's RNG state (which it leaves as is)."""
+    alone, runner = copy.deepcopy(alone), copy.deepcopy(runner)
+    if not train:
+        alone.eval()
+        runner.eval()
+    devices = [t.device for t in state.values() if t.device.type == "cuda"][:1]
     with torch.no_grad():
-        order, outs_alone = _record(alone, lambda: alone(*args))
-        _, outs_padded = _record(runner, lambda: functional_call(runner, dict(state), args))
-    for name in order:
-        a, p = outs_alone[name], outs_padded.get(name)
+        with torch.random.fork_rng(devices=devices):
+            order, seen_alone = _record(alone, lambda: alone(*args))
+        with torch.random.fork_rng(devices=devices):
+            _, seen_padded = _record(runner, lambda: functional_call(runner, dict(state), args))
+    for key in order:
+        (blamed, a), p = seen_alone[key], seen_padded.get(key, (None, None))[1]
         if p is None or a.dim() != p.dim() or any(x > y for x, y in zip(a.shape, p.shape)):
             continue
         corner = p[tuple(slice(0, k) for k in a.shape)]
         if not a.is_floating_point():
             if not torch.equal(a, corner):
-                return _named(alone, name)
+                return blamed
             continue
         scale = float(a.abs().max()) if a.numel() else 0.0
         tol = tolerance(a.dtype) * scale
         if a.numel() and float((a - corner.to(a.dtype)).abs().max()) > tol:
-            return _named(alone, name)
+            return blamed
     return None
 
 
-def _record(module: nn.Module, run: Any) -> tuple[list[str], dict[str, Tensor]]:
-    """Run ``run()`` with a hook on every submodule; each one's first output tensor by name."""
-    order: list[str] = []
-    outs: dict[str, Tensor] = {}
+def _draws(module: nn.Module) -> bool:
+    """Whether ``module`` holds a layer that draws random numbers in training mode."""
+    dropout = nn.modules.dropout._DropoutNd
+    return any(
+        isinstance(m, dropout) or isinstance(m, nn.RNNBase) and m.dropout > 0
+        for m in module.modules()
+    )
+
+
+#: A recorded tensor: (the submodule's name, "in" or "out").
+Key = tuple[str, str]
+
+
+def _record(module: nn.Module, run: Any) -> tuple[list[Key], dict[Key, tuple[str, Tensor]]]:
+    """Run ``run()`` with hooks on every submodule: each one's first input and output tensor,
+    in the order they were seen, with the layer to blame when it differs.
+
+    An output that differs first is its module's doing; an input that differs first (every
+    output before it agreed) was computed by the module whose ``forward`` called this one,
+    in code of its own (``h - h.mean(-1)`` between two layers).
+    """
+    order: list[Key] = []
+    seen: dict[Key, tuple[str, Tensor]] = {}
+    calls: list[str] = []  # the modules whose forward is running, innermost last
     handles = []
+
+    def note(key: Key, blamed: str, tree: Any) -> None:
+        leaves = [t for t in optree.tree_leaves(tree) if isinstance(t, Tensor)]
+        if leaves and key not in seen:
+            order.append(key)
+            seen[key] = (blamed, leaves[0].detach())
+
     for name, sub in module.named_modules():
 
-        def hook(_: nn.Module, __: Any, out: Any, name: str = name) -> None:
-            leaves = [t for t in optree.tree_leaves(out) if isinstance(t, Tensor)]
-            if leaves and name not in outs:
-                order.append(name)
-                outs[name] = leaves[0].detach()
+        def enter(_: nn.Module, args: Any, name: str = name) -> None:
+            if calls:  # the outermost module's inputs are the member's own
+                note((name, "in"), calls[-1], args)
+            calls.append(name)
 
-        handles.append(sub.register_forward_hook(hook))
+        def leave(_: nn.Module, __: Any, out: Any, name: str = name) -> None:
+            calls.pop()
+            note((name, "out"), name, out)
+
+        handles += [sub.register_forward_pre_hook(enter), sub.register_forward_hook(leave)]
     try:
         run()
     finally:
         for h in handles:
             h.remove()
-    return order, outs
+    return order, seen
 
 
 def _named(module: nn.Module, name: str) -> str:

@@ -51,6 +51,10 @@ SIZES: dict[type, tuple[str, ...]] = {
     nn.BatchNorm1d: ("num_features",),
     nn.BatchNorm2d: ("num_features",),
     nn.BatchNorm3d: ("num_features",),
+    nn.InstanceNorm1d: ("num_features",),  # each channel over its own positions: 0 - 0 = 0
+    nn.InstanceNorm2d: ("num_features",),
+    nn.InstanceNorm3d: ("num_features",),
+    nn.PReLU: ("num_parameters",),  # one slope per channel, elementwise
     nn.Embedding: ("embedding_dim",),
     nn.EmbeddingBag: ("embedding_dim",),  # sums, means or maxes over a bag, never over dims
     nn.RNNBase: ("input_size", "hidden_size"),

@@ -145,6 +145,16 @@ def check_optimizer(api: str, ens: Ensemble, optimizer: Any) -> None:
         raise TypeError(
             f"{api}: `optimizer` must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
+    # Rules that are not elementwise read a whole stacked tensor as one: across its members.
+    mixing = {"Adafactor": "vmapens.optim.StackedAdafactor", "Muon": "vmapens.optim.StackedMuon"}
+    name = type(optimizer).__name__
+    if type(optimizer).__module__.startswith("torch.optim") and name in (*mixing, "LBFGS"):
+        instead = f"use {mixing[name]}" if name in mixing else "no stacked twin exists"
+        raise TypeError(
+            f"{api}: `optimizer` torch.optim.{name} is not elementwise: over the stacked [n, ...] "
+            f"parameters its update mixes the members (row/column statistics, whole-matrix or "
+            f"line-search steps); {instead}"
+        )
     ours = {id(p) for p in ens.parameters()}
     for k, p in enumerate(q for g in optimizer.param_groups for q in g["params"]):
         if id(p) not in ours:

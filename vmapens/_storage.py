@@ -29,7 +29,7 @@ from ._stacking import (
     scrub_,
     staged,
 )
-from ._storage_parts import member_count_hint, member_format, paired
+from ._storage_parts import member_count_hint, member_format, padded_values, paired
 from ._unbatchable import SparseLayer, sparse_layers
 
 __all__ = ["StackedModule"]
@@ -72,9 +72,7 @@ class StackedModule(nn.Module):
                 flag = (params[name] if had is None else had).requires_grad
                 p = t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=flag)
                 p.requires_grad_(flag)
-                if self._padding is not None:
-                    # What optimizers read to hand each member's state off at its own size
-                    # and to refuse rules that are not elementwise (vmapens.optim).
+                if self._padding is not None:  # what optimizers read (vmapens.optim)
                     p._member_padding = (self._padding, name)  # type: ignore[attr-defined]
                 self._parameters[name] = p
             else:
@@ -314,9 +312,12 @@ class StackedModule(nn.Module):
         return super().__getstate__()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # The template's parameters come back unlinked (TemplateParameter.__reduce_ex__, and
-        # Parameter.__deepcopy__ drops __dict__): linked now, not at the copy's first call.
+        # Parameter.__deepcopy__ and TemplateParameter.__reduce_ex__ drop attributes: the
+        # stacked parameters' padding marks (each member's size, for the optimizers' hand-off
+        # and refusals) and the template's links to them (linked now, not at the first call).
         super().__setstate__(state)
+        for name, p in self._parameters.items() if self._padding is not None else ():
+            p._member_padding = (self._padding, name)  # type: ignore[union-attr]
         if "_followers" in self.__dict__:
             self._follow_template()
 
@@ -379,10 +380,9 @@ class StackedModule(nn.Module):
         unexpected_keys: list,
         error_msgs: list,
     ) -> None:
-        # nn.Module's own loader splits keys at the first dot (taking "fc.weight" for a child
-        # module) and copies tensors as it goes; ours checks everything before copying.
-        # torch passes strict=True here always and applies `strict` afterwards: ours is known only
-        # in ``ens.load_state_dict``; inside a parent's, the matching keys load, as torch's do.
+        # Ours checks every key before copying (nn.Module's splits keys at the first dot and
+        # copies as it goes); `strict` is known in ``ens.load_state_dict`` only (torch passes
+        # True here): inside a parent's, the matching keys load, as torch's do.
         persistent, (whole, metadata) = self._persistent(), self.__dict__.get("_loading", (0, 0))
         ours = {prefix + k: (name, persistent[name]) for k, name in self._state_keys.items()}
         unexpected = [k for k in state_dict if k.startswith(prefix) and k not in ours]
@@ -403,7 +403,8 @@ class StackedModule(nn.Module):
                 )
                 mismatched.append((value, target))
             pending.append((key, name, target, value))
-        error_msgs.extend(member_count_hint(mismatched, len(self)))  # what to do, if we know
+        hint = member_count_hint(mismatched, len(self)) or padded_values(pending, self._padding)
+        error_msgs.extend(hint)  # what the size mismatch means, or the sizes it hides
         if len(error_msgs) > errors or whole and (missing or unexpected):
             return
         if local_metadata.get("assign_to_params_buffers"):

@@ -5,13 +5,14 @@ state dict of another ensemble size gets."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from ._stacking import recomputed
 
-__all__ = ["member_count_hint", "member_format", "paired"]
+__all__ = ["member_count_hint", "member_format", "padded_values", "paired"]
 
 #: ``StackedModule._followers``: (template module, runner or padded module) pairs; (stacked
 #: parameter, template parameter) pairs; weight_norm's (module, name, meta tensor); the flags
@@ -86,4 +87,27 @@ def member_count_hint(mismatched: Sequence[tuple[object, torch.Tensor]], n: int)
         f"the state dict holds {counts.pop()} members per tensor, this ensemble {n}: select the "
         "members first (other.select(rows).state_dict()) or load one member's state dict into "
         "ens[i]'s class"
+    ]
+
+
+def padded_values(
+    pending: Sequence[tuple[str, str, torch.Tensor, object]], padding: Any
+) -> list[str]:
+    """The error messages for values of a state dict being loaded (``(key, name, target,
+    value)``) that are not 0 where ``padding`` (a ``vmapens._padding.Padding``, or None) pads
+    this ensemble's members: a state dict of members of other sizes, or of the same sizes in
+    another order, has the same padded shapes, and loading it would give each member another's
+    entries, with no size mismatch to refuse it by (plain torch refuses members of other
+    sizes)."""
+    if padding is None:
+        return []
+    shaped = {n: t for _, n, t, v in pending if isinstance(v, torch.Tensor) and v.shape == t.shape}
+    masks = padding.masks(shaped)
+    bad = [key for key, name, _, value in pending if name in masks and isinstance(value, torch.Tensor)
+           and bool(value.detach()[~masks[name].bool().to(value.device)].ne(0).any())]  # fmt: skip
+    return [
+        f"{key}: non-zero values where this ensemble pads a member: a state dict of members of "
+        "other sizes (or of these sizes in another order), which would give each member "
+        "another's entries; load it into an ensemble built from the same factories, in order"
+        for key in bad
     ]

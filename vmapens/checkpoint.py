@@ -217,7 +217,8 @@ def save(
 
     Raises:
         TypeError: ``ens``, ``optimizer``, ``history`` or ``path`` of the wrong type.
-        ValueError: ``optimizer`` over another ensemble's parameters, ``history`` of others.
+        ValueError: ``optimizer`` over another ensemble's parameters, ``history`` of others,
+            ``ens`` holding a member twice (``ens.select([1, 1])``).
         OSError: see :func:`write`.
 
     Example:
@@ -227,6 +228,12 @@ def save(
         4
     """
     _check_parts("save", ens, optimizer, history)
+    ids = list(ens.member_ids)
+    if len(set(ids)) != len(ids):  # `load` refuses repeated ids: refused here, nothing written
+        raise ValueError(
+            f"save: `ens` holds a member more than once (member ids {ids!r:.60}), which a "
+            "checkpoint cannot name; save ens.select(...) of distinct members"
+        )
     if history is not None and list(history.member_ids) != list(ens.member_ids):
         raise ValueError(
             f"save: `history` must be the History of `ens`'s members (member ids "

@@ -277,6 +277,15 @@ class PBT(Callback):
         unknown = [name for name in self.names if name not in single]
         if unknown:
             raise ValueError(f"PBT: `names` must be among {single}, got {unknown}")
+        padding = ctx.ensemble._padding
+        if padding is not None and len(set(padding.kind_of)) > 1:
+            # exploit_ refuses to copy a member into one of another size, and the ranking
+            # pairs members whatever their sizes: the first round would fail mid-run.
+            raise ValueError(
+                "PBT: the ensemble holds members of different sizes (Ensemble.from_factories), "
+                "and a member can only copy one of its own size; run PBT on each size's "
+                "members (ens.select(rows) of one size) or on an ensemble of one size"
+            )
 
     def on_epoch_end(self, ctx: Context) -> None:
         if (ctx.epoch + 1) % self.interval:

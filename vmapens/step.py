@@ -259,6 +259,9 @@ def _compiled_step(
         def body(state: dict, inputs: tuple, targets: torch.Tensor, mask: Any, scale: Any) -> Any:
             with update.autocast():
                 grads, losses = batched(state, inputs, targets, scale)
+            if ens._padding is not None:  # grad takes the masked parameters: padded entries 0
+                masks = ens._padding.masks({k: state[k] for k in trained})
+                grads = {k: g * masks[k] if k in masks else g for k, g in grads.items()}
             # Clipped as the eager step does it: every gradient, held by the optimizer or not
             # (clip_grad_norm_(member.parameters()) alone counts them all); unscaled: the held.
             live = [grads[name] for name in trained]
