@@ -118,3 +118,35 @@ class UsesItem(DataDependent):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.bn(x)
         return self.fc(h) * h.abs().max().item()
+
+
+# -- the small members of the seeded searches (tests/test_fuzz_*.py): 3 inputs, 4 hidden -------
+
+
+class TanhMLP(nn.Module):
+    def __init__(self, d_out: int = 2) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(3, 4), nn.Linear(4, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class TanhBN(nn.Module):
+    def __init__(self, d_out: int = 2) -> None:
+        super().__init__()
+        # No bias before BatchNorm: its true gradient is 0 (docs/semantics.md, round-off).
+        self.fc1, self.bn = nn.Linear(3, 4, bias=False), nn.BatchNorm1d(4)
+        self.fc2 = nn.Linear(4, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
+
+
+class TanhDropout(nn.Module):
+    def __init__(self, d_out: int = 2) -> None:
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(3, 4), nn.Dropout(0.3), nn.Linear(4, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.tanh(self.fc1(x))))

@@ -29,6 +29,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import models
 import numpy as np
 import pytest
 import torch
@@ -47,27 +48,7 @@ TOL32 = dict(rtol=2e-3, atol=2e-4)
 # -- the members ------------------------------------------------------------------------------
 
 
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(3, 4), nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x)))
-
-
-class BN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        # No bias before BatchNorm: its true gradient is 0 (docs/semantics.md, round-off).
-        self.fc1, self.bn, self.fc2 = (
-            nn.Linear(3, 4, bias=False),
-            nn.BatchNorm1d(4),
-            nn.Linear(4, 2),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
+MLP, BN = models.TanhMLP, models.TanhBN
 
 
 class Tied(nn.Module):

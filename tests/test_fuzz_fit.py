@@ -44,6 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import models
 import pytest
 import torch
 from torch import nn
@@ -57,38 +58,7 @@ from vmapens.optim import stacked
 # -- the members ------------------------------------------------------------------------------
 
 
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(3, 4), nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x)))
-
-
-class MLPBN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        # No bias before BatchNorm: its true gradient is 0 (docs/semantics.md, round-off).
-        self.fc1, self.bn, self.fc2 = (
-            nn.Linear(3, 4, bias=False),
-            nn.BatchNorm1d(4),
-            nn.Linear(4, 2),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
-
-
-class MLPDropout(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.drop, self.fc2 = nn.Linear(3, 4), nn.Dropout(0.3), nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.drop(torch.tanh(self.fc1(x))))
-
-
+MLP, MLPBN, MLPDropout = models.TanhMLP, models.TanhBN, models.TanhDropout
 MODELS: dict[str, type[nn.Module]] = {"mlp": MLP, "mlp_bn": MLPBN, "dropout": MLPDropout}
 
 LOSSES: dict[str, Callable[[], nn.Module]] = {

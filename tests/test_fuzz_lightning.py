@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import models
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -51,38 +52,9 @@ QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False
              accelerator="cpu")  # fmt: skip
 
 
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(3, 4), nn.Linear(4, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x)))
-
-
-class BN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        # No bias before BatchNorm: its true gradient is 0 (docs/semantics.md, round-off).
-        self.fc1, self.bn, self.fc2 = (
-            nn.Linear(3, 4, bias=False),
-            nn.BatchNorm1d(4),
-            nn.Linear(4, 1),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
-
-
-class Drop(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.drop, self.fc2 = nn.Linear(3, 4), nn.Dropout(0.3), nn.Linear(4, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.drop(torch.tanh(self.fc1(x))))
-
-
+MLP = functools.partial(models.TanhMLP, 1)
+BN = functools.partial(models.TanhBN, 1)
+Drop = functools.partial(models.TanhDropout, 1)
 MODELS = {"mlp": MLP, "bn": BN, "dropout": Drop}
 
 
