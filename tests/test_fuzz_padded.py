@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import random
 import sys
 import tempfile
@@ -712,3 +713,18 @@ def test_pbt_on_members_of_different_sizes_is_refused_before_any_step():
     with pytest.raises(ValueError, match=r"^PBT: the ensemble holds members of different sizes"):
         vmapens.fit(ens, (x, y), nn.MSELoss(), epochs=2, callbacks=[pbt], progress=False)
     assert_bit_identical(dict(ens.state_dict()), before, "after the refusal")
+
+
+def test_a_negative_norm_type_on_members_of_different_sizes_is_refused():
+    # vector_norm with p < 0 (or -inf) is 0 once one entry is 0: the padded entries' zero
+    # gradients made a padded member's norm 0, so it was not clipped where alone it was.
+    ens = vmapens.Ensemble.from_factories([functools.partial(_mlp, w) for w in (2, 4)], seed=0)
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    nn.functional.mse_loss(ens(x), y.expand(2, 5, 2)).backward()
+    grads = {k: p.grad.clone() for k, p in ens.stacked_params().items()}
+    for norm_type in (-1.0, -math.inf):
+        with pytest.raises(ValueError, match=r"^clip_grad_norm_: `norm_type` must be >= 0"):
+            vmapens.optim.clip_grad_norm_(ens, 0.1, norm_type=norm_type)
+    for k, p in ens.stacked_params().items():
+        assert torch.equal(p.grad, grads[k]), k  # nothing clipped
+    vmapens.optim.clip_grad_norm_(ens, 0.1, norm_type=math.inf)  # max |g|: zeros do not count

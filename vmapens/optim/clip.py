@@ -14,7 +14,7 @@ __all__ = ["clip_grad_norm_", "clip_grad_value_", "clip_norms_", "clip_values_"]
 
 
 def _grads(
-    api: str, ens_or_params: nn.Module | Tensor | Iterable[Tensor]
+    api: str, ens_or_params: nn.Module | Tensor | Iterable[Tensor], norm_type: float = 2.0
 ) -> tuple[list, int, torch.device]:
     params: list[Tensor]
     if isinstance(ens_or_params, nn.Module):
@@ -29,6 +29,13 @@ def _grads(
     if len(sizes) != 1 or sizes[0] < 1:
         raise ValueError(
             f"{api}: all parameters must share a leading member dim n, got sizes {sizes}"
+        )
+    if norm_type < 0 and any(getattr(p, "_member_padding", None) for p in params):
+        # A p-norm with p < 0 (-inf: the smallest |g|) is 0 as soon as one entry is 0, and a
+        # padded entry's gradient is 0: the member would not be clipped as alone.
+        raise ValueError(
+            f"{api}: `norm_type` must be >= 0 for members of different sizes (padded), got "
+            f"{norm_type}: the padded entries' zero gradients would count in the norm"
         )
     grads = [p.grad for p in params if p.grad is not None and p.grad.numel() > 0]
     return grads, sizes[0], params[0].device
@@ -52,7 +59,8 @@ def clip_grad_norm_(
         The per-member total gradient norms, shape [n] (before clipping).
 
     Raises:
-        ValueError: No parameters, mismatched leading sizes, or ``max_norm`` < 0.
+        ValueError: No parameters, mismatched leading sizes, ``max_norm`` < 0, or
+            ``norm_type`` < 0 on members of different sizes (padded zeros would count).
         TypeError: ``max_norm`` is not a number.
 
     Example:
@@ -67,7 +75,7 @@ def clip_grad_norm_(
         )
     if not max_norm >= 0:
         raise ValueError(f"clip_grad_norm_: `max_norm` must be >= 0, got {max_norm}")
-    grads, n, device = _grads("clip_grad_norm_", ens_or_params)
+    grads, n, device = _grads("clip_grad_norm_", ens_or_params, float(norm_type))
     if not grads:
         return torch.zeros(n, device=device)
     return clip_norms_(grads, max_norm, norm_type)
