@@ -168,3 +168,27 @@ def test_fit_auto_goes_on_eagerly_when_the_compiled_step_cannot_go_on(cause, mon
             opt.step()
     for ens in runs:
         assert_members_equal(ens, alone)
+
+
+def test_a_layer_unfrozen_again_resumes_its_own_adam_step_count():
+    # Freezing the head gives it step counts of its own; unfrozen, the step reused the graph
+    # traced while all counts were one tensor (dynamo does not guard that aliasing): the head's
+    # count stayed at 1 and its bias correction read the body's count (1e-2 off after 3 steps).
+    torch.manual_seed(0)
+    alone = [nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2)).double() for _ in range(2)]
+    ens = vmapens.Ensemble.from_modules(copy.deepcopy(alone))
+    opt = vmapens.StackedAdam(ens.parameters(), lr=0.05)
+    step = vmapens.make_step(ens, nn.MSELoss(), opt, compile=True)
+    opts = [torch.optim.Adam(m.parameters(), lr=0.05) for m in alone]
+    for i, (x, y) in enumerate(float64_batches(4, 5, 3, 2)):
+        for head in [ens.template[2], *(m[2] for m in alone)]:
+            head.requires_grad_(i != 1)  # frozen for one step
+        step(x, y)
+        for m, o in zip(alone, opts, strict=True):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    assert_members_equal(ens, alone)
+    for name, p in ens.named_parameters():
+        want = torch.stack([o.state[m.get_parameter(name)]["step"] for m, o in zip(alone, opts)])
+        torch.testing.assert_close(opt.state[p]["step"], want.to(opt.state[p]["step"]), msg=name)

@@ -406,3 +406,15 @@ def own_counters(optimizer: StackedOptimizer, stepped: set[int]) -> None:
         for p, s in zip(group["params"], states, strict=True):
             if id(p) not in stepped and any(id(s.get(k)) in live for k in counters):
                 s.update({k: s[k].clone() for k in counters})
+
+
+def counter_sharing(optimizer: StackedOptimizer) -> tuple:
+    """Per group, for each parameter the first one whose step counts are the same tensors.
+    dynamo does not guard this aliasing: a graph traced with one shared count kept stepping
+    it alone after a frozen layer got counts of its own (unfrozen, it stayed at its step)."""
+    shared, state = [], optimizer.state
+    for group in optimizer.param_groups:
+        keys, first = tuple(optimizer.scalar_state(group)), {}  # type: ignore[var-annotated]
+        ids = [tuple([id(state[p].get(k)) for k in keys]) for p in group["params"]]
+        shared.append(tuple(first.setdefault(i, k) for k, i in enumerate(ids)))
+    return tuple(shared)

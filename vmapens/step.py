@@ -22,6 +22,7 @@ from ._step_parts import (
     check_call,
     check_groups,
     check_optimizer,
+    counter_sharing,
     distinct_grads,
     frozen_buffers,
     graph_hyperparameters,
@@ -301,8 +302,8 @@ def _compiled_step(
 
     first = graph_key([p for p in every if p.requires_grad])
     # torch.compile wraps now and compiles at the first call; a graph is keyed by (trainable
-    # and held names, the names it differentiates).
-    graphs = {(first, first[0]): build(*first)}
+    # and held names, the names it differentiates) and which share step counts (None: any).
+    graphs: dict[tuple, Callable[..., Any]] = {((first, first[0]), None): build(*first)}
     # For each (graph key, input shapes, modules' train/eval modes): the graph, the parameters
     # that get a gradient (no_gradient: member 0 run eagerly; a forward may read a parameter
     # only in training mode, an auxiliary head, or for some shapes), and the ids of those it
@@ -350,12 +351,14 @@ def _compiled_step(
             returned: list[torch.Tensor] = [p for p in every if names[id(p)] in trained]
             own = stepped if set(now[1]) - set(trained) else None
             parts[part] = ((now, trained), trained, own, returned)
-        graph, trained, stepping, returned = parts[part]
-        if graph not in graphs:
-            graphs[graph] = build(trained, now[1])
+        traced, trained, stepping, returned = parts[part]
         optimizer.prepare()  # state is created outside the graph
         if stepping is not None:  # the optimizer holds parameters this graph does not step
             own_counters(optimizer, stepping)
+        graph = (traced, counter_sharing(optimizer))  # a graph of its own: dynamo does not guard it
+        if graph not in graphs:  # the first call takes the graph built above
+            built = graphs.pop((traced, None), None)
+            graphs[graph] = build(trained, now[1]) if built is None else built
         cuda = every[0].device.type == "cuda"  # moved there after make_step, too
         if cuda:
             _static_addresses(ens, optimizer)
