@@ -135,9 +135,12 @@ def train_memory(
     Raises:
         RuntimeError: If a subprocess fails.
 
-    Example:
-        >>> train_memory(4, 2, batch=2, steps=2)["same"]
-        True
+    Example (not run by the doctests: six fresh processes, ~15 s of CPU;
+    ``tests/test_chunk_memory.py`` runs it and checks the figures)::
+
+        result = train_memory(4, 2, batch=2, steps=2)
+        assert result["same"]  # the chunked run trains the members the unchunked one does
+        print(result["ratio"], result["tensors"]["ratio"])
     """
     code = "import json; from bench.memory import _train_memory_here; print(json.dumps({}))"
     runs: dict[str, dict] = {"default": {}, "fixed": {}}
