@@ -38,8 +38,6 @@ import contextlib
 import copy
 import math
 import random
-import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,7 +47,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from truth import TOL64, assert_bit_identical, derived_seed, resample
+from truth import TOL64, assert_bit_identical, derived_seed, resample, search
 
 import vmapens
 from vmapens.callbacks import CSVLogger, EarlyStopping, LRScheduler
@@ -733,26 +731,7 @@ def test_random_fit_configuration_matches_members_trained_alone(seed: int, tmp_p
 
 
 if __name__ == "__main__":
-    import tempfile
-
-    if len(sys.argv) == 2:
-        spec = draw(int(sys.argv[1]))
-        print(spec)
-        with tempfile.TemporaryDirectory() as tmp_dir:
-            run(spec, Path(tmp_dir))
-    else:
-        failed = []
-        for k in range(int(sys.argv[1]), int(sys.argv[2])):
-            with tempfile.TemporaryDirectory() as tmp_dir:
-                try:
-                    run(draw(k), Path(tmp_dir))
-                except Exception as err:  # noqa: BLE001 - a search: report and go on
-                    failed.append(k)
-                    print(k, draw(k))
-                    print("   ", type(err).__name__, str(err).splitlines()[0][:300])
-                    if "-v" in sys.argv:
-                        traceback.print_exc()
-        print("failed:", failed)
+    search(lambda seed, tmp: run(draw(seed), tmp), draw)
 
 
 # -- what the search found, one test each ------------------------------------------------------

@@ -32,9 +32,7 @@ import io
 import math
 import random
 import re
-import sys
 import time
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -42,7 +40,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from truth import TOL64, derived_seed
+from truth import TOL64, derived_seed, search
 
 import vmapens
 from vmapens.callbacks import CSVLogger, EarlyStopping, TensorBoardLogger
@@ -536,19 +534,4 @@ def test_fuzz_history(seed: int, tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    import tempfile
-
-    lo = int(sys.argv[1]) if len(sys.argv) > 1 else 0
-    hi = int(sys.argv[2]) if len(sys.argv) > 2 else lo + 1
-    if len(sys.argv) == 2:
-        print(draw(lo))
-    failed = []
-    for seed in range(lo, hi):
-        with tempfile.TemporaryDirectory() as d:
-            try:
-                run_case(seed, Path(d))
-            except Exception:
-                failed.append(seed)
-                print(f"seed {seed}: {draw(seed)}")
-                traceback.print_exc()
-    print(f"{hi - lo - len(failed)}/{hi - lo} passed; failed: {failed}")
+    search(run_case, draw)

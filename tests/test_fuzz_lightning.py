@@ -29,8 +29,6 @@ from __future__ import annotations
 import functools
 import math
 import random
-import sys
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -42,7 +40,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from truth import TOL64, assert_bit_identical, assert_members_equal, twins
+from truth import TOL64, assert_bit_identical, assert_members_equal, search, twins
 
 import vmapens
 from vmapens.lightning import EnsembleModule
@@ -312,26 +310,7 @@ def test_random_lightning_configuration_matches_members_trained_alone(
 
 
 if __name__ == "__main__":
-    import tempfile
-
-    if len(sys.argv) == 2:
-        spec = draw(int(sys.argv[1]))
-        print(spec)
-        with tempfile.TemporaryDirectory() as tmp_dir:
-            run(spec, Path(tmp_dir))
-    else:
-        failed = []
-        for k in range(int(sys.argv[1]), int(sys.argv[2])):
-            with tempfile.TemporaryDirectory() as tmp_dir:
-                try:
-                    run(draw(k), Path(tmp_dir))
-                except Exception as err:  # noqa: BLE001 - a search: report and go on
-                    failed.append(k)
-                    print(k, draw(k))
-                    print("   ", type(err).__name__, str(err).splitlines()[0][:300])
-                    if "-v" in sys.argv:
-                        traceback.print_exc()
-        print("failed:", failed)
+    search(lambda seed, tmp: run(draw(seed), tmp), draw)
 
 
 # -- what the search found, one test each ------------------------------------------------------

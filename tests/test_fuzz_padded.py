@@ -33,9 +33,6 @@ import copy
 import functools
 import math
 import random
-import sys
-import tempfile
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,7 +40,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from truth import assert_bit_identical
+from truth import assert_bit_identical, search
 
 import vmapens
 
@@ -508,24 +505,7 @@ def test_a_random_program_on_members_of_different_sizes_matches_members_alone(se
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 2:
-        spec = draw(int(sys.argv[1]))
-        print(_show(spec))
-        with tempfile.TemporaryDirectory() as tmp_dir:
-            run(spec, Path(tmp_dir))
-    else:
-        failed = []
-        for k in range(int(sys.argv[1]), int(sys.argv[2])):
-            with tempfile.TemporaryDirectory() as tmp_dir:
-                try:
-                    run(draw(k), Path(tmp_dir))
-                except Exception as err:  # noqa: BLE001 - a search: report and go on
-                    failed.append(k)
-                    print(k, _show(draw(k)))
-                    print("   ", type(err).__name__, str(err).splitlines()[0][:300])
-                    if "-v" in sys.argv:
-                        traceback.print_exc()
-        print("failed:", failed)
+    search(lambda seed, tmp: run(draw(seed), tmp), lambda seed: _show(draw(seed)))
 
 
 # -- what the search found, one test each ------------------------------------------------------

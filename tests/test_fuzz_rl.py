@@ -30,8 +30,6 @@ from __future__ import annotations
 import copy
 import functools
 import random
-import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +37,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from truth import search
 
 import vmapens
 from vmapens.rl import make_target, polyak_, random_members
@@ -534,23 +533,4 @@ def test_random_members_takes_integer_likes_as_randperm_does(n: Any, k: Any) -> 
 
 
 if __name__ == "__main__":
-    import tempfile
-
-    if len(sys.argv) == 2:
-        spec = draw(int(sys.argv[1]))
-        print(spec)
-        with tempfile.TemporaryDirectory() as tmp_dir:
-            check(spec, Path(tmp_dir))
-    else:
-        failed = []
-        for k in range(int(sys.argv[1]), int(sys.argv[2])):
-            with tempfile.TemporaryDirectory() as tmp_dir:
-                try:
-                    check(draw(k), Path(tmp_dir))
-                except Exception as err:  # noqa: BLE001 - a search: report and go on
-                    failed.append(k)
-                    print(k)
-                    print("   ", type(err).__name__, str(err).splitlines()[0][:300])
-                    if "-v" in sys.argv:
-                        traceback.print_exc()
-        print("failed:", failed)
+    search(lambda seed, tmp: check(draw(seed), tmp), draw)

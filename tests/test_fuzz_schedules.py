@@ -33,8 +33,6 @@ import copy
 import functools
 import io
 import random
-import sys
-import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +43,7 @@ from test_fuzz_optim import DRAWS, NOT_IN_GROUP, compare_state, edit, member_opt
 from torch import Tensor
 from torch.optim import lr_scheduler as sched
 from torch.optim.swa_utils import SWALR
+from truth import search
 
 import vmapens.optim as vo
 from vmapens.optim import MemberValues
@@ -673,17 +672,4 @@ def test_a_numpy_factor_gives_each_member_the_lr_torch_gives_it(kind: str) -> No
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 2:
-        print(Case(int(sys.argv[1])))
-        run_case(Case(int(sys.argv[1])))
-    else:
-        failed = []
-        for seed in range(int(sys.argv[1]), int(sys.argv[2])):
-            try:
-                run_case(Case(seed))
-            except Exception as err:  # noqa: BLE001 - a search: report and go on
-                failed.append(seed)
-                print(seed, type(err).__name__, str(err).splitlines()[0][:300])
-                if "-v" in sys.argv:
-                    traceback.print_exc()
-        print("failed:", failed)
+    search(lambda seed, tmp: run_case(Case(seed)), Case)

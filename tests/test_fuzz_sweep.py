@@ -29,14 +29,12 @@ import functools
 import itertools
 import math
 import random
-import sys
-import traceback
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from truth import TOL64, batch_plan, derived_seed
+from truth import TOL64, batch_plan, derived_seed, search
 
 import vmapens
 
@@ -428,19 +426,4 @@ def test_optuna_hears_the_value_of_the_epoch_early_stopping_stopped_a_member_in(
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 2:
-        spec = draw(int(sys.argv[1]))
-        print(spec)
-        run(spec)
-    else:
-        failed = []
-        for k in range(int(sys.argv[1]), int(sys.argv[2])):
-            try:
-                run(draw(k))
-            except Exception as err:  # noqa: BLE001 - a search: report and go on
-                failed.append(k)
-                print(k, draw(k))
-                print("   ", type(err).__name__, str(err).splitlines()[0][:300])
-                if "-v" in sys.argv:
-                    traceback.print_exc()
-        print("failed:", failed)
+    search(lambda seed, tmp: run(draw(seed)), draw)

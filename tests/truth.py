@@ -12,8 +12,12 @@ import copy
 import hashlib
 import itertools
 import math
+import sys
+import tempfile
+import traceback
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -270,3 +274,29 @@ def reduce_by_hand(outs: list[torch.Tensor], reduce: str) -> torch.Tensor:
         return torch.zeros(labels.shape[1:], dtype=torch.float64)
     rows = [sum(s[i] != s[j] for i, j in pairs) / len(pairs) for s in per_sample]
     return torch.tensor(rows, dtype=torch.float64).reshape(labels.shape[1:])
+
+
+def search(check: Callable[[int, Any], None], describe: Callable[[int], Any] = str) -> None:
+    """The command line of a seeded search file: ``python tests/test_fuzz_<x>.py K`` prints
+    seed K's draw and runs it with the full traceback; ``... A B [-v]`` runs seeds A..B-1, each
+    in a fresh temporary directory, reports each failure (``-v``: with its traceback) and goes
+    on, then lists the seeds that failed. ``check(seed, tmp_dir)`` runs one seed;
+    ``describe(seed)`` is what gets printed for it."""
+    if len(sys.argv) == 2:
+        seed = int(sys.argv[1])
+        print(describe(seed))
+        with tempfile.TemporaryDirectory() as tmp_dir:
+            check(seed, Path(tmp_dir))
+        return
+    failed = []
+    for seed in range(int(sys.argv[1]), int(sys.argv[2])):
+        with tempfile.TemporaryDirectory() as tmp_dir:
+            try:
+                check(seed, Path(tmp_dir))
+            except Exception as err:  # noqa: BLE001 - a search: report and go on
+                failed.append(seed)
+                print(seed, describe(seed))
+                print("   ", type(err).__name__, (str(err).splitlines() or [""])[0][:300])
+                if "-v" in sys.argv:
+                    traceback.print_exc()
+    print("failed:", failed)
