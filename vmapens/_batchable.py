@@ -43,7 +43,7 @@ from ._recurrent import (
 )
 from ._spectral import BatchableSpectralNorm, BatchableSpectralNormHook
 
-__all__ = ["BatchableDropout", "batchable", "in_logical_order"]
+__all__ = ["BatchableDropout", "batchable", "in_logical_order", "twin_class"]
 
 
 def _cumulative_batch_norm(bn: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor:
@@ -202,6 +202,14 @@ _CUMULATIVE: dict[type, type] = {
 _BATCHABLE_HOOKS: dict[type, type] = {SpectralNorm: BatchableSpectralNormHook}
 
 
+def twin_class(module: nn.Module) -> type:
+    """The class ``batchable`` gives ``module``'s copy (``type(module)`` if none)."""
+    target = _BATCHABLE.get(type(module))
+    if getattr(module, "momentum", 0.1) is None:
+        target = _CUMULATIVE.get(type(module), target)
+    return target or type(module)
+
+
 def batchable(module: nn.Module) -> nn.Module:
     """A deep copy of ``module`` whose recurrent and attention layers ``vmap`` batches well.
 
@@ -246,11 +254,8 @@ def batchable(module: nn.Module) -> nn.Module:
         )
     clone = copy.deepcopy(module)
     for sub in clone.modules():
-        target = _BATCHABLE.get(type(sub))
-        if getattr(sub, "momentum", 0.1) is None:
-            target = _CUMULATIVE.get(type(sub), target)
-        if target is not None:
-            sub.__class__ = target
+        if twin_class(sub) is not type(sub):
+            sub.__class__ = twin_class(sub)
         for hook in sub._forward_pre_hooks.values():
             target = _BATCHABLE_HOOKS.get(type(hook))
             if target is not None:

@@ -78,8 +78,10 @@ def compile_failures() -> Iterator[None]:
         raise CompileFailed(
             f"step: the compiled step would compile one of its graphs more than {limit} times "
             "(dynamo's recompile_limit), once for each set of input shapes, mask or no mask, "
-            "train/eval modes, parameter dtypes and optimizer flags it has met; keep them fixed "
-            "or train with compile=False. Nothing was changed"
+            "train/eval modes, parameter dtypes, optimizer flags and values of the attributes "
+            "set on ens.template (a float read by the forward: a dropout rate, a temperature) "
+            "it has met; keep them fixed, pass a changing value as an input, or train with "
+            "compile=False. Nothing was changed"
         ) from err
     except (Unsupported, BackendCompilerFailed) as err:
         lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]

@@ -306,8 +306,8 @@ def check_applied(api: str, before: tuple, after: tuple, hooks_before: list, hoo
             what = f"changed `{f'{path}.{key}' if path else key}` ({a!r} -> {b!r})"
         raise ValueError(
             f"{api}: `fn` {what}; the ensemble keeps one structure for all members and carries "
-            "over only tensor values, train/eval modes and requires_grad: build the members "
-            "with it instead"
+            "over only tensor values, train/eval modes and requires_grad: set an attribute on "
+            "ens.template instead (every member follows it), or build the members with it"
         )
     for name, (shape, dtype, device, _) in after[1].items():
         if name not in tensors or tensors[name][:3] != (shape, dtype, device):

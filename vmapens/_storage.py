@@ -3,8 +3,8 @@
 The storage half of ``Ensemble``: it keeps every parameter and buffer of the member once,
 with a leading member dim, in ``_parameters``/``_buffers`` under the member's dotted names, so
 that ``state_dict()`` has the member's keys (tied aliases included); it loads state dicts all
-or nothing; the module that runs follows the meta-device template's submodule modes and the
-stacked parameters' grad flags; ``apply`` runs a function on every member.
+or nothing; the module that runs follows the meta-device template's submodule modes and
+attributes and the stacked parameters' grad flags; ``apply`` runs a function on every member.
 """
 
 from __future__ import annotations
@@ -21,14 +21,7 @@ from torch import nn
 from ._checks import as_ids, index_rows
 from ._members import check_same, named_tensors, non_persistent_buffers, signature
 from ._padding import Padding
-from ._stacking import (
-    check_applied,
-    follow_flags,
-    hooks_of,
-    migrated_keys,
-    scrub_,
-    staged,
-)
+from ._stacking import check_applied, follow_flags, hooks_of, migrated_keys, scrub_, staged
 from ._storage_parts import member_count_hint, member_format, padded_values, paired
 from ._unbatchable import SparseLayer, sparse_layers
 
@@ -94,12 +87,14 @@ class StackedModule(nn.Module):
         self._follow_template()  # links each template parameter to its twin (follow_flags)
 
     def _follow_template(self) -> None:
-        """The runner (and padded templates) in the template's train/eval modes, and the grad
-        flags of the template and the stacked parameters made one (``follow_flags``)."""
-        modules, params, _, synced = self._followers
+        """The runner (and padded templates) in the template's train/eval modes and with its
+        attributes (``Watched.follow``), and the grad flags of the template and the stacked
+        parameters made one (``follow_flags``)."""
+        modules, params, _, synced, attributes = self._followers
         for template, m in modules:
             if m.training != template.training:  # nn.Module's setattr costs ~1 us: on a change
                 m.training = template.training
+        attributes.follow()
         follow_flags(params, synced)
 
     @contextlib.contextmanager

@@ -10,18 +10,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._attributes import Watched
 from ._stacking import recomputed
 
 __all__ = ["member_count_hint", "member_format", "padded_values", "paired"]
 
 #: ``StackedModule._followers``: (template module, runner or padded module) pairs; (stacked
 #: parameter, template parameter) pairs; weight_norm's (module, name, meta tensor); the flags
-#: ``follow_flags`` last synced.
+#: ``follow_flags`` last synced; the template's plain attributes (``vmapens._attributes``).
 Followers = tuple[
     list[tuple[nn.Module, nn.Module]],
     list[tuple[torch.Tensor, torch.Tensor]],
     list[tuple[nn.Module, str, torch.Tensor]],
     list[bool],
+    Watched,
 ]
 
 
@@ -33,7 +35,8 @@ def paired(
 ) -> Followers:
     """What ``StackedModule._follow_template`` syncs, paired once (it runs before every call of
     the members): the runner's and padded templates' modules with the template's, for their
-    train/eval modes, and each stacked parameter with its template twins, for the grad flags."""
+    train/eval modes and plain attributes, and each stacked parameter with its template twins,
+    for the grad flags."""
     own = dict(template.named_modules())
     modules: list[tuple[nn.Module, nn.Module]] = [
         (own[name], m) for t in (runner, *padded) for name, m in t.named_modules()
@@ -47,7 +50,8 @@ def paired(
         for t in (template, runner, *padded)
         for m, name, _ in recomputed(t)
     ]
-    return modules, grads, hooked, [p.requires_grad for p, _ in grads]
+    attributes = Watched(template, runner, padded)
+    return modules, grads, hooked, [p.requires_grad for p, _ in grads], attributes
 
 
 #: Per member: the memory format's order of the dims after the first two (channels last).

@@ -23,7 +23,7 @@ from ._checks import tolerance
 from .ensemble import Ensemble
 from .optim import StackedOptimizer
 
-__all__ = ["CompiledStepMismatch", "checked_call", "written"]
+__all__ = ["CompiledStepMismatch", "checked_call", "static_addresses", "written"]
 
 
 class CompiledStepMismatch(RuntimeError):
@@ -136,6 +136,22 @@ def written(
     if scale is not None:
         yield ("scale", "scale"), scale.scale
         yield ("scale", "growth_tracker"), scale.growth_tracker
+
+
+def static_addresses(ens: Ensemble, optimizer: StackedOptimizer) -> None:
+    """Mark the tensors the step updates in place as static inputs of the compiled graph.
+
+    CUDA-graph trees (``mode="reduce-overhead"``) skip any graph that mutates an input that is
+    not static ("skipping cudagraphs due to mutated inputs"), which is every training step:
+    it writes the parameters, buffers and optimizer state. Marked, they keep their addresses
+    from step to step and the step replays as one CUDA graph (as ``torch.optim`` marks its own
+    state when compiled).
+    """
+    from torch._dynamo import mark_static_address
+
+    for _, t in written(ens, optimizer):
+        if not hasattr(t, "_dynamo_static_input_type"):
+            mark_static_address(t)
 
 
 class _Saved:

@@ -33,7 +33,7 @@ from ._step_parts import (
     trainable,
     undo_point,
 )
-from ._update_check import checked_call, written
+from ._update_check import checked_call, static_addresses
 from .ensemble import Ensemble
 from .optim import StackedOptimizer
 from .selfcheck import Probe, check_step_arguments
@@ -304,7 +304,7 @@ def _compiled_step(
     # torch.compile wraps now and compiles at the first call; a graph is keyed by (trainable
     # and held names, the names it differentiates) and which share step counts (None: any).
     graphs: dict[tuple, Callable[..., Any]] = {((first, first[0]), None): build(*first)}
-    # For each (graph key, input shapes, modules' train/eval modes): the graph, the parameters
+    # For each (graph key, input shapes, modes, dtypes): the graph, the parameters
     # that get a gradient (no_gradient: member 0 run eagerly; a forward may read a parameter
     # only in training mode, an auxiliary head, or for some shapes), and the ids of those it
     # steps when the optimizer holds others (they need step counts of their own: own_counters),
@@ -342,8 +342,14 @@ def _compiled_step(
                 tensors = True
                 graphs.clear()  # new code objects: the baked graphs' cache entries go with them
                 checked.clear()
-        # The parameters' dtypes too: after ens.double() dynamo compiles anew, to be checked.
-        part = (now, key, tuple([m.training for m in modules]), tuple([p.dtype for p in every]))
+        # The parameters' dtypes and the template's attributes (a flag may switch a head on) too:
+        # after ens.double() or such an edit dynamo compiles anew, to be checked. An edit's
+        # version never comes back: the parts of earlier ones go (a flag toggled every step).
+        modes = (tuple([m.training for m in modules]), ens._followers[4].version)
+        if parts and next(iter(parts))[2][1] != modes[1]:
+            parts.clear()
+            checked.clear()
+        part = (now, key, modes, tuple([p.dtype for p in every]))
         if part not in parts:
             unused = no_gradient(ens, member_loss, now[0], args, targets, in_dims, update)
             trained = tuple(name for name in now[0] if name not in unused)
@@ -361,7 +367,7 @@ def _compiled_step(
             graphs[graph] = build(trained, now[1]) if built is None else built
         cuda = every[0].device.type == "cuda"  # moved there after make_step, too
         if cuda:
-            _static_addresses(ens, optimizer)
+            static_addresses(ens, optimizer)
         # Gradients come from torch.func inside the graph: no autograd graph around it.
         with torch.no_grad(), ens.guard("step", loss=True), frozen_buffers(ens, mask):
             scale = None if update.scale is None else update.scale.scale
@@ -396,22 +402,6 @@ def _compiled_step(
         return losses
 
     return step
-
-
-def _static_addresses(ens: Ensemble, optimizer: StackedOptimizer) -> None:
-    """Mark the tensors the step updates in place as static inputs of the compiled graph.
-
-    CUDA-graph trees (``mode="reduce-overhead"``) skip any graph that mutates an input that is
-    not static ("skipping cudagraphs due to mutated inputs"), which is every training step:
-    it writes the parameters, buffers and optimizer state. Marked, they keep their addresses
-    from step to step and the step replays as one CUDA graph (as ``torch.optim`` marks its own
-    state when compiled).
-    """
-    from torch._dynamo import mark_static_address
-
-    for _, t in written(ens, optimizer):
-        if not hasattr(t, "_dynamo_static_input_type"):
-            mark_static_address(t)
 
 
 def _shapes(tree: Any) -> tuple:
