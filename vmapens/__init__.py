@@ -7,7 +7,8 @@ The core is here: the :class:`Ensemble` container, the verbs over it (``fit``, `
 ``CompileFailed``. The rest lives in namespaces: ``vmapens.optim`` (update rules, clipping,
 ``MemberValues``, ``ReduceLROnPlateau``), ``vmapens.callbacks`` (early stopping, schedulers,
 checkpoints, progress, loggers), ``vmapens.seeds``, ``vmapens.rl``, ``vmapens.pbt``,
-``vmapens.sweep``, ``vmapens.selection`` and the optional ``vmapens.lightning``.
+``vmapens.sweep``, ``vmapens.selection``, ``vmapens.swa`` (``update_bn`` for
+``torch.optim.swa_utils.AveragedModel(ens)``) and the optional ``vmapens.lightning``.
 """
 
 # The namespaces, reachable as vmapens.optim etc. after `import vmapens`.
@@ -17,6 +18,7 @@ from . import pbt as pbt
 from . import rl as rl
 from . import seeds as seeds
 from . import selection as selection
+from . import swa as swa
 from . import sweep as sweep
 from ._compiling import CompileFailed
 from ._mkl import warm_vml
