@@ -207,3 +207,80 @@ def test_the_compiled_step_trains_a_head_a_template_flag_switches_on() -> None:
             nn.functional.mse_loss(m(x), y).backward()
             o.step()
     truth.assert_members_equal(ens, models)
+
+
+def _conv() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Dropout(0.4),
+        nn.Linear(12, 2),
+    )  # fmt: skip
+
+
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(3, 4, num_layers=2, dropout=0.3, batch_first=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gru(x)[0][:, -1])
+
+
+def _encoder() -> nn.Module:
+    return nn.TransformerEncoderLayer(4, 2, dim_feedforward=6, dropout=0.2, batch_first=True)
+
+
+# Per kind: the input, and edits a user makes between steps. Before the first step every
+# dropout is switched off on the template and the members, an edit too (train mode's random
+# streams are not compared here).
+KINDS = {
+    "cnn": (lambda g: torch.randn(5, 1, 4, 4, generator=g, dtype=torch.float64), _conv, [
+        _set("1.momentum", None), _set("1.eps", 0.1), _set("1.momentum", 0.7),
+    ]),
+    "gru": (lambda g: torch.randn(5, 3, 3, generator=g, dtype=torch.float64), _Recurrent, [
+        _set("gru.batch_first", False), _set("gru.batch_first", True),
+    ]),
+    "encoder": (lambda g: torch.randn(5, 3, 4, generator=g, dtype=torch.float64), _encoder, [
+        _set("norm_first", True),
+        _set("activation", nn.functional.gelu), _set("norm1.eps", 0.5),
+    ]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_real_members_follow_edits_between_steps(kind: str) -> None:
+    make_input, factory, edits = KINDS[kind]
+    models = [m.double() for m in truth.seeded_members(factory, 2)]
+    ens = vmapens.Ensemble.from_modules(truth.twins(models))
+    opt = vmapens.StackedSGD(ens, lr=0.05, momentum=0.5)
+    step = vmapens.make_step(ens, nn.MSELoss(), opt)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.5) for m in models]
+    g = torch.Generator().manual_seed(1)
+    for k in range(len(edits) + 1):
+        x = make_input(g)
+        y = torch.randn(*((x.shape[0], 2) if kind != "encoder" else x.shape), generator=g,
+                        dtype=torch.float64)  # fmt: skip
+        if k:
+            for m in (ens.template, *models):
+                edits[k - 1](m)
+        else:
+            for m in (ens.template, *models):
+                for sub in m.modules():  # no dropout at all on the first step
+                    if isinstance(sub, nn.Dropout):
+                        sub.p = 0.0
+                    if isinstance(sub, (nn.GRU, nn.MultiheadAttention)):
+                        sub.dropout = 0.0
+        step(x, y)
+        for m, o in zip(models, opts, strict=True):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    truth.assert_members_equal(ens, models)
+    _assert_eval_outputs_equal_on(ens, models, make_input(g))
+
+
+def _assert_eval_outputs_equal_on(ens: vmapens.Ensemble, models: list, x: torch.Tensor) -> None:
+    ens.eval()
+    out = ens(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m.eval()(x), **truth.TOL64)
