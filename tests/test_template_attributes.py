@@ -284,3 +284,25 @@ def _assert_eval_outputs_equal_on(ens: vmapens.Ensemble, models: list, x: torch.
     out = ens(x)
     for i, m in enumerate(models):
         torch.testing.assert_close(out[i], m.eval()(x), **truth.TOL64)
+
+
+@pytest.mark.parametrize("how", ["assign", "overwrite_on_conversion"])
+def test_an_edit_before_the_storage_is_replaced_is_kept(how: str) -> None:
+    # Replacing the storage pairs the template with its copies anew: an edit made since the
+    # last call must reach the copies first, or the new pairing would take it as seen.
+    models = _members(2)
+    ens = vmapens.Ensemble.from_modules(truth.twins(models))
+    ens.template.temperature = 3.0
+    if how == "assign":
+        ens.load_state_dict(ens.state_dict(), assign=True)
+    else:
+        torch.__future__.set_overwrite_module_params_on_conversion(True)
+        try:
+            ens.double()
+        finally:
+            torch.__future__.set_overwrite_module_params_on_conversion(False)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    ens.eval()
+    for m in models:
+        m.temperature = 3.0
+    torch.testing.assert_close(ens(x), torch.stack([m.eval()(x) for m in models]), **truth.TOL64)

@@ -332,7 +332,8 @@ class StackedModule(nn.Module):
         out = super()._apply(fn, recurse)
         if any(p is not q for p, q in zip(before, self._parameters.values(), strict=True)):
             # set_overwrite_module_params_on_conversion(True): new Parameters, to link afresh
-            # (and to mark for optimizers, ``_member_padding``).
+            # (and to mark for optimizers, ``_member_padding``); the template's edits first.
+            self._follow_template()
             self._adopt(self.stacked_state(), self.member_ids, self.n_total, self.training)
         elif self._padding is not None:  # .to() / .double(): the masks follow the parameters
             self._padding.prepare(self.stacked_params())
