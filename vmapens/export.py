@@ -20,7 +20,9 @@ from torch import Tensor, nn
 from torch.export import ExportedProgram
 from torch.func import functional_call
 
+from ._attention import batched_attention
 from ._members import named_tensors
+from ._unbatchable import refuse_edits_in_turns
 from .distributed import member_blocks, rank, world_size
 from .ensemble import Ensemble, check_ensemble
 from .predict import REDUCTIONS, reduce_members
@@ -56,9 +58,12 @@ def export(
     The member count is fixed when exporting (export ``ens[idx]`` for a subset): loading the
     state of an ensemble of another size is torch's size-mismatch error naming every
     tensor. So is every size of every input: a call with another size fails torch's input
-    guard, ``AssertionError: Guard failed: x.size()[0] == 32``; export one program per batch
-    size, or pad the last batch. (A symbolic batch size is not offered: torch's vmap batching
-    rules for convolution, embedding, GRU and attention fix it while tracing.)
+    guard, ``AssertionError: Guard failed: args_0.size()[0] == 32``; export one program per
+    batch size, or pad the last batch. (A symbolic batch size is not offered: torch's vmap
+    batching rules for convolution, embedding, GRU and attention fix it while tracing.) The
+    program copies its inputs to contiguous memory first: it takes inputs of any strides,
+    and a forward that edits its input in place (``x.mul_(2)``) edits that copy, not the
+    caller's tensor. ``example_inputs`` are left as they are.
 
     The graph has no ``vmap`` and no vmapens code: the members' maths is batched over the
     member dim into aten ops (``matmul``, ``convolution``, BatchNorm with running statistics,
@@ -85,8 +90,10 @@ def export(
         TypeError: ``ens`` is not an Ensemble, ``example_inputs`` not tensors, a flag not a
             bool, a reduction of a non-tensor output.
         ValueError: an unknown or untraceable ``reduce``; a sharded ensemble (``vmapens.gather`` it first).
-        RuntimeError: ``torch.export`` cannot trace the forward (the message says why), or
-            the probe finds that member differs in the program from the member alone.
+        RuntimeError: ``torch.export`` cannot trace the forward (the message says why), the
+            probe finds that member differs in the program from the member alone, or the
+            forward edits its input in place while members run in turns (``backend="loop"``,
+            a ``chunk_size`` below n), which ``ens(x)`` refuses too.
 
     Example:
         >>> ens = Ensemble(lambda: nn.Linear(4, 3), n=5, seed=0)
@@ -99,6 +106,7 @@ def export(
     args = _check_args(api, ens, example_inputs, reduce, softmax, check)
     reduce = "none" if reduce is None else reduce
     with ens._evaluating():
+        _refuse_edits_in_turns(api, ens, args)
         if reduce != "none":
             _check_reducible(api, ens, args, reduce)
         members = _Program(ens, "none", False)
@@ -122,7 +130,9 @@ class _Program(nn.Module):
         super().__init__()
         stacked = ens.stacked_state()
         memo: dict[int, Any] = {}
-        with torch.no_grad():
+        # Not inference tensors, also when exporting under torch.inference_mode(): a buffer the
+        # forward updates could not be written by the program served outside it.
+        with torch.inference_mode(False), torch.no_grad():
             for name, meta in named_tensors(ens.template):
                 value = stacked[name].detach().clone()
                 if isinstance(meta, nn.Parameter):
@@ -139,6 +149,11 @@ class _Program(nn.Module):
     def forward(self, *args: Tensor) -> Any:
         ens = self.__dict__["_ens"]
         state = dict(named_tensors(self))
+        # vmap reshapes a shared input (a Linear on [batch, tokens, features] is one matmul
+        # over [batch * tokens, features]); traced on a contiguous example, that reshape is a
+        # view, which fails on an input of other strides (a sequence-first batch transposed)
+        # that the member alone takes. Copied to contiguous memory, every input is as traced.
+        args = tuple(a.clone(memory_format=torch.contiguous_format) for a in args)
 
         def member(member_state: dict[str, Tensor], *member_args: Tensor) -> Any:
             return functional_call(ens.runner, member_state, member_args)
@@ -190,11 +205,28 @@ def _check_args(
     return args
 
 
+def _refuse_edits_in_turns(api: str, ens: Ensemble, args: tuple[Tensor, ...]) -> None:
+    """A forward that edits its input in place, with members run in turns on that one input
+    (``backend="loop"``, a ``chunk_size`` below n): each member after the first would see the
+    edits before it, which the trace cannot notice and the probe (member 0) does not see.
+    Refused as ``ens(x)`` refuses it, from one forward of member 0 alone on a copy."""
+    if len(ens) == 1 or (ens.backend == "vmap" and (ens.chunk_size or len(ens)) >= len(ens)):
+        return
+    with torch.inference_mode(False):  # copies that count their versions
+        copies = _copies(args)
+    versions = [c._version for c in copies]
+    with torch.no_grad():
+        ens[0](*copies)
+    if any(c._version != v for c, v in zip(copies, versions, strict=True)):
+        name = type(ens.template).__name__
+        refuse_edits_in_turns(api, name, ens.backend, ens.chunk_size, len(ens))
+
+
 def _check_reducible(api: str, ens: Ensemble, args: tuple[Tensor, ...], reduce: str) -> None:
     """A reduction needs one output tensor: said from one forward of member 0 alone, before
     the traces (seconds each), and in ``export``'s name."""
     with torch.no_grad():
-        out = ens[0](*args)
+        out = ens[0](*_copies(args))
     if not isinstance(out, Tensor):
         raise TypeError(
             f"{api}: `reduce={reduce!r}` needs the members to return one tensor, got "
@@ -224,9 +256,23 @@ def _trace(
 
 def _probe(api: str, ens: Ensemble, program: ExportedProgram, args: tuple[Tensor, ...]) -> None:
     """Member 0 (the first of every size) in the program against that member run alone, as
-    ``vmapens.check``."""
-    for member in probed(ens):
-        _probe_member(api, ens, member, program, args)
+    ``vmapens.check``.
+
+    The program's buffers are given back afterwards: a forward that updates a buffer in eval
+    mode (a call counter, a running average of its inputs) would otherwise leave the served
+    program one call ahead of the member alone.
+    """
+    signature = program.graph_signature
+    held = {**program.constants, **program.state_dict}
+    buffers = [held[name] for name in signature.buffers if isinstance(held.get(name), Tensor)]
+    saved = [b.clone() for b in buffers]
+    try:
+        for member in probed(ens):
+            _probe_member(api, ens, member, program, args)
+    finally:
+        with torch.no_grad():
+            for b, s in zip(buffers, saved, strict=True):
+                b.copy_(s)
 
 
 def _probe_member(
@@ -234,9 +280,13 @@ def _probe_member(
 ) -> None:
     name = type(ens.template).__name__
     alone_module = ens[member]
+    # The eval-mode fast path of nn.TransformerEncoder writes zeros at padded positions, which
+    # the program (traced with it off, as every call of the ensemble) computes
+    # (docs/semantics.md): the member alone is run the ensemble's way too.
+    with torch.no_grad(), batched_attention():
+        alone = alone_module(*_copies(args))
     with torch.no_grad():
-        alone = alone_module(*args)
-        inside = program.module()(*args)
+        inside = program.module()(*_copies(args))
     alone_leaves, alone_spec = optree.tree_flatten(alone)
     inside_leaves, inside_spec = optree.tree_flatten(inside)
     found: list[str] = []
@@ -254,6 +304,12 @@ def _probe_member(
             "ensemble with backend='loop' to export the members one after another, "
             "each as it runs alone"
         )
+
+
+def _copies(args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """The example inputs for one run: a forward that edits its input in place (``x.mul_(2)``)
+    must neither change the caller's tensors nor feed its edit to the next run."""
+    return tuple(a.clone() for a in args)
 
 
 def _differs(what: str, alone: Any, inside: Any) -> list[str]:
