@@ -7,6 +7,7 @@ both every few epochs. Rows are this process's members (``ens[i]``), as everywhe
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -89,16 +90,31 @@ def exploit_(
                     # Shared tensors (one step count per group) are copied once.
                     if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == n:
                         tensors[id(v)] = v
-            for key, value in group.items():
-                if _per_member(value, n):
-                    group[key] = _copy_rows(value, s, d)
-                elif isinstance(value, (tuple, list)) and any(_per_member(v, n) for v in value):
-                    group[key] = type(value)(
-                        _copy_rows(v, s, d) if _per_member(v, n) else v for v in value
-                    )
+        copies = _copied(optimizer.param_groups, n, s, d)
+        for group, copied in zip(optimizer.param_groups, copies, strict=True):
+            group.update(copied)
     with torch.no_grad():
         for t in tensors.values():
             t[d.to(t.device)] = t[s.to(t.device)]
+
+
+def _copied(groups: list[dict[str, Any]], n: int, s: Tensor, d: Tensor) -> list[dict[str, Any]]:
+    """Each param group's per-member hyperparameters with rows ``d`` taken from rows ``s``,
+    as new values (the groups are left as they are)."""
+    out = []
+    for group in groups:
+        copied: dict[str, Any] = {}
+        for key, value in group.items():
+            if key == "params":  # the stacked parameters: a member's scalar one is [n]
+                continue
+            if _per_member(value, n):
+                copied[key] = _copy_rows(value, s, d)
+            elif isinstance(value, (tuple, list)) and any(_per_member(v, n) for v in value):
+                copied[key] = type(value)(
+                    _copy_rows(v, s, d) if _per_member(v, n) else v for v in value
+                )
+        out.append(copied)
+    return out
 
 
 def _per_member(value: Any, n: int) -> bool:
@@ -145,7 +161,7 @@ def explore(
         TypeError: ``optimizer`` is not a StackedOptimizer, or ``names`` is one string.
         ValueError: an unknown, paired or repeated hyperparameter, a repeated row in
             ``members``, empty ``factors``, or a perturbed value that the optimizer refuses
-            (e.g. ``momentum`` past 1).
+            (e.g. Adadelta's ``rho`` past 1).
 
     Example:
         >>> from vmapens import StackedSGD
@@ -178,21 +194,37 @@ def explore(
         if name not in hypers or hypers[name].pair:
             single = sorted(k for k, h in hypers.items() if not h.pair)
             raise ValueError(f"{api}: `names` must be among {single}, got {name!r}")
-    new_groups = []
+    perturbed = _perturbed(api, optimizer, optimizer.param_groups, rows, factors, generator, names)
+    for k, name, new in perturbed:  # all checked: nothing changes on error
+        optimizer.param_groups[k][name] = new
+
+
+def _perturbed(
+    api: str,
+    optimizer: StackedOptimizer,
+    groups: list[dict[str, Any]],
+    rows: list[int],
+    factors: list[float],
+    generator: torch.Generator | None,
+    names: Sequence[str],
+) -> list[tuple[int, str, MemberValues]]:
+    """``explore``'s draws and checked new values ``(group index, name, values)``; no writes."""
+    n, hypers, out = optimizer.num_members, optimizer.hyperparameters, []
     for name in names:
         draws = torch.randint(len(factors), (len(rows),), generator=generator).tolist()
-        for group in optimizer.param_groups:
+        for k, group in enumerate(groups):
             value = as_member_values(group[name])  # a 1-D tensor: n values, as the step reads
             values = list(value) if isinstance(value, MemberValues) else [float(value)] * n
-            for row, k in zip(rows, draws, strict=True):
-                values[row] *= factors[k]
+            for row, f in zip(rows, draws, strict=True):
+                values[row] *= factors[f]
             hyper = hypers[name]
-            for v in values:
+            for row, v in enumerate(values):
                 if not hyper.ok(v):
-                    raise ValueError(f"{api}: `{name}` would become {v}, must be {hyper.rule}")
-            new_groups.append((group, name, MemberValues(values)))
-    for group, name, new in new_groups:  # all checked: nothing changes on error
-        group[name] = new
+                    raise ValueError(
+                        f"{api}: member {row}'s `{name}` would become {v}, must be {hyper.rule}"
+                    )
+            out.append((k, name, MemberValues(values)))
+    return out
 
 
 class PBT(Callback):
@@ -220,8 +252,10 @@ class PBT(Callback):
         log: one ``(epoch, src, dst)`` entry per round: rows ``dst`` copied rows ``src``.
 
     Raises:
-        ValueError: bad settings; at ``fit``'s start, before the first step, a ``monitor``
-            that ``fit`` does not record or ``names`` the optimizer does not take.
+        ValueError: bad settings (``factors`` not finite and > 0); at ``fit``'s start, before
+            the first step, a ``monitor`` that ``fit`` does not record or ``names`` the
+            optimizer does not take; at a round, a perturbed value the optimizer refuses
+            (nothing is copied); on resume, settings other than the checkpoint's.
         TypeError: at ``fit``'s start, an optimizer that is not a ``vmapens.StackedOptimizer``.
 
     Example:
@@ -255,9 +289,7 @@ class PBT(Callback):
         self.interval, self.fraction, self.monitor, self.mode = interval, fraction, monitor, mode
         if isinstance(names, str):
             raise TypeError(f"{api}: `names` must be a sequence of names, e.g. ({names!r},)")
-        self.factors, self.names = tuple(factors), tuple(names)
-        if not self.factors:
-            raise ValueError(f"{api}: `factors` must not be empty")
+        self.factors, self.names = _factors(api, factors), tuple(names)
         if len(set(self.names)) != len(self.names):
             # explore would refuse it at the first round, after exploit_ had copied members
             raise ValueError(f"{api}: `names` must not repeat a name, got {list(self.names)}")
@@ -265,8 +297,7 @@ class PBT(Callback):
         self.log: list[tuple[int, list[int], list[int]]] = []
 
     def on_fit_start(self, ctx: Context) -> None:
-        # Checked before the first step: the first round would find out only after `interval`
-        # epochs of training, and a name `explore` refuses after `exploit_` had copied rows.
+        # Checked before the first step, not at the first round after `interval` epochs.
         metric_table(ctx.history, self.monitor, "PBT", "monitor")
         if not isinstance(ctx.optimizer, StackedOptimizer):
             raise TypeError(
@@ -299,29 +330,74 @@ class PBT(Callback):
             return
         order = eligible[torch.sort(key[eligible], stable=True).indices]
         top, bottom = order[:q], order[m - q :]
+        opt = ctx.optimizer
+        assert isinstance(opt, StackedOptimizer)  # on_fit_start checked it
+        before = self.generator.get_state()
         src = top[torch.randint(q, (q,), generator=self.generator)]
-        assert isinstance(ctx.optimizer, StackedOptimizer)  # on_fit_start checked it
+        # Perturbed on the side first: a value refused (a rho past 1) leaves the members be.
+        copies = _copied(opt.param_groups, len(ctx.ensemble), src, bottom)
+        groups = [{**g, **c} for g, c in zip(opt.param_groups, copies, strict=True)]
+        try:
+            perturbed = _perturbed("PBT", opt, groups, bottom.tolist(), list(self.factors),
+                                   self.generator, self.names)  # fmt: skip
+        except ValueError as err:
+            self.generator.set_state(before)
+            raise ValueError(
+                f"{err}, at epoch {ctx.epoch} (rows {bottom.tolist()} copying rows "
+                f"{src.tolist()}); nothing was copied: use `factors` that keep it in range, or "
+                "leave it out of `names`"
+            ) from err
         _warn_recomputing_schedulers(ctx)
-        exploit_(ctx.ensemble, ctx.optimizer, src, bottom, ctx.loss_scale)
+        exploit_(ctx.ensemble, opt, src, bottom, ctx.loss_scale)
         ctx.inherit(src, bottom)
-        explore(ctx.optimizer, bottom, self.factors, self.generator, names=self.names)
+        for k, name, new in perturbed:
+            opt.param_groups[k][name] = new
         self.log.append((ctx.epoch, src.tolist(), bottom.tolist()))
 
+    def settings(self) -> dict[str, Any]:
+        """What a resumed run must share with the checkpoint's (not the seed: its generator)."""
+        return {"interval": self.interval, "fraction": self.fraction, "monitor": self.monitor,
+                "mode": self.mode, "factors": self.factors, "names": self.names}  # fmt: skip
+
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state(), "log": list(self.log)}
+        state = {"pbt": self.settings(), "generator": self.generator.get_state()}
+        return {**state, "log": list(self.log)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()`` (checked first; nothing changes on error)."""
+        # Checkpoints written before the settings were kept hold none to compare.
+        stored = state.get("pbt", self.settings())
+        if stored != self.settings():  # the resumed run would be one neither settings give
+            raise ValueError(
+                f"the checkpoint's PBT has settings {stored}, this run's {self.settings()}; "
+                "resume with the same ones"
+            )
         self.generator.set_state(state["generator"])
         self.log = [(e, list(s), list(d)) for e, s, d in state["log"]]
 
 
+def _factors(api: str, factors: Sequence[Any]) -> tuple[float, ...]:
+    """``factors`` as floats, checked now, not at the first round after `interval` epochs."""
+    try:
+        values = tuple(float(f) for f in factors)
+    except (TypeError, ValueError):
+        values = (math.nan,)  # refused below
+    if not values:
+        raise ValueError(f"{api}: `factors` must not be empty")
+    if not all(0 < v < math.inf for v in values):
+        raise ValueError(f"{api}: `factors` must be finite numbers > 0, got {factors!r}")
+    return values
+
+
 #: torch schedulers that set each lr from the group's base lr (``base_lrs``), not from its
-#: current value: they undo what ``exploit_`` and ``explore`` wrote at their next step.
+#: current value: they undo what ``exploit_`` and ``explore`` wrote at their next step
+#: (SequentialLR at its next milestone: it restarts the next scheduler from ``base_lrs``).
 _RECOMPUTING = (
     torch.optim.lr_scheduler.LambdaLR,
     torch.optim.lr_scheduler.OneCycleLR,
     torch.optim.lr_scheduler.CyclicLR,
     torch.optim.lr_scheduler.CosineAnnealingWarmRestarts,
+    torch.optim.lr_scheduler.SequentialLR,
 )
 
 
@@ -333,7 +409,8 @@ def _warn_recomputing_schedulers(ctx: Context) -> None:
         if found:
             warnings.warn(
                 f"PBT: the {found[0]} scheduler sets each member's lr from its base lr at every "
-                "step, so the learning rates PBT copies and perturbs last only until then; use "
+                "step (SequentialLR: at each milestone), so the learning rates PBT copies and "
+                "perturbs last only until then; use "
                 "a scheduler that scales the current lr (StepLR, ExponentialLR, "
                 "CosineAnnealingLR, ...) or perturb other hyperparameters (`names`)",
                 UserWarning,

@@ -17,13 +17,24 @@ __all__ = ["best_k", "member_scores", "metric_table", "recorded"]
 
 def recorded(history: History) -> dict[str, Tensor]:
     """Every ``[epochs, n]`` table of ``history`` by the names :func:`metric_table` takes:
-    ``"train_loss"``, ``"val_loss"`` (with validation) and each metric, bare and as
-    ``"val_<name>"``."""
+    ``"train_loss"``, ``"val_loss"`` (with validation) and each metric, as ``"val_<name>"``
+    and bare, where no loss or other metric holds that name."""
     tables = {"train_loss": history.train_loss}
     if history.val_loss is not None:
         tables["val_loss"] = history.val_loss
-    for key, t in (history.metrics or {}).items():
-        tables[key] = tables[f"val_{key}"] = t
+    # The losses keep their names and ``"val_<name>"`` is metric ``name``, as for
+    # EarlyStopping's `monitor`: a metric named "loss" read as "val_loss" ranked PBT's rounds
+    # and best_k by it while early stopping followed the validation loss.
+    metrics = history.metrics or {}
+    names: dict[str, Tensor] = {}
+    for key, t in metrics.items():
+        names.setdefault(f"val_{key}", t)
+    for key, t in metrics.items():
+        names.setdefault(key, t)
+    for key in metrics:  # listed as before: each metric bare, then as "val_<name>"
+        for name in (key, f"val_{key}"):
+            if name in names:
+                tables.setdefault(name, names[name])
     return tables
 
 
@@ -40,7 +51,12 @@ def member_scores(history: History, metric: str = "val_loss", mode: str = "min")
     """Each member's best value of ``metric`` over the epochs, ``[n]`` float64.
 
     The best value is what ``fit(..., restore_best=True)`` leaves each member at when
-    ``metric`` is the monitored one. Members with no finite value get NaN.
+    ``metric`` is the monitored one: the epoch a member diverged in does not count (it was
+    frozen during it, on a non-finite loss). Members with no finite value get NaN. After
+    ``vmapens.pbt.PBT`` rounds a copied member's column still holds its own values from before
+    the copy, while ``restore_best`` gives it its source's best state: rank such a run by the
+    early stopper's ``best_val`` (lower is better in either mode): ``best_k(ens,
+    stopper.best_val, k)``.
 
     Args:
         history: what ``fit`` returned.
@@ -69,6 +85,13 @@ def _scores(history: History, metric: str, mode: str, api: str, arg: str) -> Ten
     table = metric_table(history, metric, api, "metric")
     if table.shape[0] == 0:
         raise ValueError(f"{api}: `{arg}` has no epochs recorded, so no member has a score")
+    # A member's row of the epoch it diverged in scores the weights a non-finite loss left it
+    # (an accuracy of NaN outputs is a number), which no best-epoch restore takes: no score.
+    gone = history.diverged & (history.stopped_epoch >= 0) & (history.stopped_epoch < len(table))
+    if bool(gone.any()):
+        cols = gone.nonzero().flatten()
+        table = table.clone()
+        table[history.stopped_epoch[cols], cols] = torch.nan
     finite = torch.isfinite(table)
     fill = torch.inf if mode == "min" else -torch.inf
     values = table.masked_fill(~finite, fill)

@@ -6,6 +6,7 @@ import copy
 import os
 import uuid
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,11 @@ from .base import Callback, Context
 from .scheduler import LRScheduler, attached_scheduler
 
 __all__ = ["Checkpoint"]
+
+#: Optimizers whose run raised after changing their settings past the checkpoint it wrote
+#: last (a PBT round at an epoch's end, before that epoch's write): (their settings when it
+#: raised, the checkpoint's). Resumed untouched since, such an optimizer is that run going on.
+_UNSAVED: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 
 
 class Checkpoint(Callback):
@@ -64,6 +70,8 @@ class Checkpoint(Callback):
         # last: a file there that is neither was written by another run.
         self.run: str | None = None
         self.seen: tuple[int, ...] | None = None
+        # The optimizer's and schedulers' settings in the checkpoint at `path` (`live_options`).
+        self.live: dict[str, Any] | None = None
         # Read, set just before the first step: torch's CPU and CUDA RNG states and those of
         # the generators the data draws from (``DataLoader(generator=...)``).
         self.rng: tuple[Any, list[Any], list[Any]] | None = None
@@ -108,6 +116,7 @@ class Checkpoint(Callback):
         # What the run was built with goes on in the checkpoints it writes (the same objects
         # continuing have scheduled settings; `override`s are this run's).
         self.options = {k: v for k, v in saved["fit"]["options"].items() if k != "seed"}
+        self.live = saved["fit"].get("live_options")
         parts: dict[str, Any] = {
             "ensemble": ctx.ensemble,
             "optimizer": ctx.optimizer,
@@ -132,8 +141,13 @@ class Checkpoint(Callback):
 
     def _checked(self, ctx: Context) -> dict[str, Any]:
         """The checkpoint at ``path``, read and checked against this run: nothing applied."""
+        options, unsaved = self.options, _UNSAVED.get(ctx.optimizer)
+        if unsaved is not None and live_options(ctx, options) == unsaved[0]:
+            # Its settings are those its interrupted run gave it after the checkpoint was
+            # written, which the checkpoint's replace: compared as that checkpoint holds them.
+            options = {**options, **unsaved[1]}
         saved = read_checkpoint(
-            self.path, ctx.ensemble, self.options, ctx.seed, self.override, ctx.optimizer
+            self.path, ctx.ensemble, options, ctx.seed, self.override, ctx.optimizer
         )
         done = saved.get("epoch")
         if isinstance(done, int) and done > ctx.epochs:
@@ -160,6 +174,13 @@ class Checkpoint(Callback):
     def on_epoch_end(self, ctx: Context) -> None:
         self.save(ctx)
 
+    def teardown(self, ctx: Context) -> None:
+        now = live_options(ctx, self.options)
+        if self.live is not None and now != self.live:  # raised past the last write
+            _UNSAVED[ctx.optimizer] = (now, self.live)
+        else:
+            _UNSAVED.pop(ctx.optimizer, None)
+
     def save(self, ctx: Context) -> None:
         """Write the checkpoint: one file, or under torch.distributed one block per rank.
 
@@ -184,6 +205,7 @@ class Checkpoint(Callback):
             "scheduler": keyed["scheduler"].state_dict() if "scheduler" in keyed else None,
             "fit": _FitState(ctx, self).state_dict(),
         }
+        self.live = payload["fit"]["live_options"]
         if world_size() > 1:
             self.seen = save_sharded(self.path, payload, ctx.ensemble.member_ids)
         else:
