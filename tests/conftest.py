@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 # The benchmark suite is the top-level package bench/, next to tests/ (not in the wheel).
 sys.path.insert(1, str(Path(__file__).parent.parent))
+
+# pytest-xdist runs one worker per core (`-n auto`), and torch gives each worker a thread per
+# core: on 2 cores, 4 threads whose OpenMP barriers wait for a core another worker holds. A
+# test of small ops took 2-25x its one-thread time (test_semantics' zero-gradient test 0.16 s
+# alone, 4 s beside another worker), and the CPU time spent spinning is lost to the suite.
+# One share of the cores per worker instead; `-n 0` runs (the CI's kernel reruns) keep
+# torch's default.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(
+        max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -66,19 +66,22 @@ LINUX_ONLY = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def memory_run() -> dict:
-    """One ``train_memory`` run (6 fresh processes, ~18 s) that the tests below read.
+    """One ``train_memory`` run (6 fresh processes, ~15 s of CPU, most of it importing torch)
+    that the tests below read.
 
-    16 CNN members on 64 MNIST-sized images, chunks of 4, 2 steps: ~130 MB of activations
-    unchunked, so a quarter of them stands far above allocator noise.
+    8 CNN members on 64 MNIST-sized images, chunks of 2, 2 steps: ~65 MB of activations
+    unchunked, so a quarter of them (~16 MB) stands far above allocator noise (~0.1 MB). 16
+    members in chunks of 4 gave the same ratios (step 0.29 vs 0.25, tensors 0.39, with the
+    mmap threshold fixed 0.30) for ~2 s more CPU.
     """
-    return train_memory(16, 4, batch=64, steps=2)
+    return train_memory(8, 2, batch=64, steps=2)
 
 
 @LINUX_ONLY
 def test_chunked_step_holds_one_chunk_of_activations(memory_run: dict):
-    # With glibc's defaults. With chunk_size=4 a step needs a quarter of the activations plus
-    # the same gradients; vmap's own chunking kept all four chunks (ratio >= 1). 0.75 leaves
-    # room for allocator noise.
+    # With glibc's defaults. In chunks of a quarter of the members a step needs a quarter of
+    # the activations plus the same gradients; vmap's own chunking kept all four chunks (ratio
+    # >= 1). 0.75 leaves room for allocator noise.
     m = memory_run
     assert m["same"], m
     assert m["step_ratio"] <= 0.75, m
@@ -105,7 +108,7 @@ def test_tensor_peak_counts_the_bytes_alive_at_once():
 
 def test_chunked_step_peaks_under_half_in_tensors(memory_run: dict):
     # Tensors only (torch's allocator; glibc's heap not counted): the run's peak over the
-    # build, chunks of 4 of 16 members. What the steps hold (parameters, old and new gradients,
+    # build, chunks of 2 of 8 members. What the steps hold (parameters, old and new gradients,
     # Adam's moments) plus one chunk's activations, where unchunked holds all of them:
     # 0.39 measured; 0.60 when each chunk's graph was kept (retain_graph) until the step ended.
     m = memory_run
