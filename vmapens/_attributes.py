@@ -9,23 +9,29 @@ attributes are compared with those seen last (by identity: one C-level pass per 
 and an attribute assigned a new value is set on every module that follows it. A BatchNorm
 given ``momentum=None`` (or given one back) is re-classed as ``batchable`` would have built it.
 
-Not followed: ``nn.Module``'s own bookkeeping (parameters, buffers, submodules, hooks,
-``training``, which ``_follow_template`` follows itself), the RNN layers' caches of their
-weights, weight_norm's recomputed tensors, and a mutable value changed in place
-(``ens.template.sizes.append(3)``): assign a new value instead.
+Not followed: ``nn.Module``'s own bookkeeping (parameters, buffers, hooks, ``training``,
+which ``_follow_template`` follows itself), the RNN layers' caches of their weights,
+weight_norm's recomputed tensors, and a mutable value changed in place
+(``ens.template.sizes.append(3)``): assign a new value instead. A submodule replaced on the
+template (``ens.template.act = nn.GELU()``) is refused at the next call: the copies are paired
+with the modules the ensemble was built with, and would go on running the old one.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 from ._batchable import twin_class
 from ._stacking import recomputed
+from ._unbatchable import unchunked
 
 __all__ = ["Watched"]
 
@@ -50,8 +56,26 @@ def _names(module: nn.Module, skip: set[str]) -> list[str]:
     return [k for k in module.__dict__ if k not in INTERNAL and k not in skip]
 
 
+def _left_by_forward(value: object) -> bool:
+    """A tensor a forward stored (``self.last = h``): batched, or with the graph of the last
+    member run in turns; what ``scrub_`` drops before a copy, and no member's own value."""
+    return isinstance(value, torch.Tensor) and (
+        is_functorch_wrapped_tensor(value) or value.grad_fn is not None
+    )
+
+
 def _same(a: object, b: object) -> bool:
-    return a is b or (type(a) is type(b) and isinstance(a, _PLAIN) and a == b)
+    """Whether ``b`` computes as ``a``: ``==`` alone took ``-0.0`` for ``0.0`` (``x / t`` is
+    ``-inf`` for one, ``inf`` for the other) and ``(1.0,)`` for ``(1,)``."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or not isinstance(a, _PLAIN):
+        return False
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+    return a == b
 
 
 class Watched:
@@ -68,6 +92,8 @@ class Watched:
             for name, m in tree.named_modules():
                 followers.setdefault(name, []).append((m, is_runner))
         self.modules = [m for _, m in template.named_modules()]
+        self.prefixes = [name for name, _ in template.named_modules()]
+        self.built_children = {name: dict(m._modules) for name, m in template.named_modules()}
         self.followers = [followers.get(name, []) for name, _ in template.named_modules()]
         self.skip = [skip.get(id(m), set()) for m in self.modules]
         self.names = [_names(m, s) for m, s in zip(self.modules, self.skip, strict=True)]
@@ -75,38 +101,58 @@ class Watched:
 
     def _seen(self) -> None:
         """The values now, flat: ``follow`` compares them in two C-level passes; a new
-        ``version`` (what a compiled step keys its graphs' parts by, as it keys modes)."""
+        ``version`` (what a compiled step keys its graphs' parts by, as it keys modes). The
+        submodules ride along, in ``_modules`` (``count``: the attributes' entries first)."""
         self.version = next(_VERSIONS)
-        self.dicts: list[dict[str, Any]] = [m.__dict__ for m in self.modules]
+        modules = self.modules
+        self.dicts: list[dict[str, Any]] = [m.__dict__ for m in modules] + [
+            m._modules for m in modules
+        ]
         self.sizes = list(map(len, self.dicts))
-        self.owners = [m for m, names in zip(self.modules, self.names, strict=True) for _ in names]
+        self.owners = [m for m, names in zip(modules, self.names, strict=True) for _ in names]
         self.keys = [k for names in self.names for k in names]
-        self.owned: list[dict[str, Any]] = [m.__dict__ for m in self.owners]
+        self.count = len(self.keys)
+        self.keys += [k for m in modules for k in m._modules]
+        self.owned = self._owned()
         self.values = list(map(dict.get, self.owned, self.keys))
 
+    def _owned(self) -> list[dict[str, Any]]:
+        """The dict each of ``keys`` is in: the owners' ``__dict__``, then ``_modules``."""
+        return [m.__dict__ for m in self.owners] + [
+            m._modules for m in self.modules for _ in m._modules
+        ]
+
     def __getstate__(self) -> dict[str, Any]:  # the copies' ``__dict__``s are other objects
-        return {k: v for k, v in vars(self).items() if k not in ("dicts", "owned")}
+        state = {k: v for k, v in vars(self).items() if k not in ("dicts", "owned")}
+        # as ``scrub_`` leaves the template: torch copies no tensor with a graph
+        state["values"] = [None if _left_by_forward(v) else v for v in self.values]
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         vars(self).update(state)
-        self.dicts = [m.__dict__ for m in self.modules]
-        self.owned = [m.__dict__ for m in self.owners]
+        self.dicts = [m.__dict__ for m in self.modules] + [m._modules for m in self.modules]
+        self.owned = self._owned()
 
     def follow(self) -> None:
-        """What changed on the template since the last call, set on its followers."""
+        """What changed on the template since the last call, set on its followers.
+
+        Raises:
+            ValueError: a submodule of the template was replaced, added or deleted.
+        """
         if list(map(len, self.dicts)) == self.sizes and all(
             map(operator.is_, map(dict.get, self.owned, self.keys), self.values)
         ):
             return
-        before = {
-            (id(m), k): v for m, k, v in zip(self.owners, self.keys, self.values, strict=True)
-        }
+        self._refuse_new_children()
+        attributes = zip(self.owners, self.keys[: self.count], self.values, strict=False)
+        before = {(id(m), k): v for m, k, v in attributes}
         for i, module in enumerate(self.modules):
             state, old = vars(module), self.names[i]
             self.names[i] = _names(module, self.skip[i])
             changed = [
                 k for k in self.names[i]
-                if (id(module), k) not in before or not _same(state[k], before[id(module), k])
+                if ((id(module), k) not in before or not _same(state[k], before[id(module), k]))
+                and not _left_by_forward(state[k])
             ]  # fmt: skip
             gone = [k for k in old if k not in state]
             for f, is_runner in self.followers[i]:
@@ -116,4 +162,23 @@ class Watched:
                     vars(f).pop(k, None)
                 if is_runner and type(f) is not twin_class(module):
                     f.__class__ = twin_class(module)
+                if is_runner and changed:
+                    unchunked(f)  # LinearCrossEntropyLoss's `options`: its chunked path
         self._seen()
+
+    def _refuse_new_children(self) -> None:
+        """A submodule replaced on the template would never run: the runner and the padded
+        templates keep the modules they were built with, their modes paired with those."""
+        for prefix, m in zip(self.prefixes, self.modules, strict=True):
+            built = self.built_children[prefix]
+            now = dict(m._modules)
+            for name in sorted(set(built) | set(now), key=str):
+                if built.get(name) is not now.get(name):
+                    path = f"{prefix}.{name}" if prefix else name
+                    raise ValueError(
+                        f"Ensemble: the submodule `ens.template.{path}` was replaced, added or "
+                        "deleted after building; the members run copies of the modules the "
+                        "ensemble was built with, so it would not run. Assign the built one "
+                        "back, or build a new ensemble with it (Ensemble.from_modules(ens."
+                        "unstack()) after editing the members, or a factory that makes it)"
+                    )
