@@ -79,7 +79,7 @@ class StackedModule(nn.Module):
         own_sd = self._template.state_dict(keep_vars=True)
         self._state_keys = {key: meta_names[id(t)] for key, t in own_sd.items()}
         self._member_metadata = getattr(own_sd, "_metadata", None)
-        self.__dict__["_sparse"] = sparse_layers(self._template, self._runner)
+        self.__dict__["_sparse"] = sparse_layers(self._template)
         self.training = training  # the template keeps each submodule's own mode
         padded = [] if self._padding is None else self._padding.templates
         flags = self.stacked_params()  # what _follow_template syncs, paired once (``paired``)

@@ -322,24 +322,24 @@ def refuse_template_hooks(template: nn.Module, runner: nn.Module) -> None:
 #: A layer whose ``sparse`` flag gives its weight a sparse gradient (``nn.Embedding``,
 #: ``nn.EmbeddingBag``): its name, its module in the template (the flag the user sets, the
 #: weight's grad flag) and in the runner.
-SparseLayer = tuple[str, nn.Module, nn.Module]
+SparseLayer = tuple[str, nn.Module]
 
 
-def sparse_layers(template: nn.Module, runner: nn.Module) -> list[SparseLayer]:
+def sparse_layers(template: nn.Module) -> list[SparseLayer]:
     """The layers ``follow_sparse`` watches, found once when the storage is adopted: an
     ensemble without them pays one empty-list test per call. Only torch's own layers: a
     ``sparse`` attribute of another module may mean anything."""
-    twins = dict(runner.named_modules())
     return [
-        (name, m, twins[name])
+        (name, m)
         for name, m in template.named_modules()
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and name in twins
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
     ]
 
 
 def follow_sparse(api: str, layers: Sequence[SparseLayer], grad: bool) -> None:
-    """The runner's layers take the template's ``sparse`` flag (set after building too); with
-    ``grad`` (a backward may follow), a trained one with ``sparse=True`` is refused.
+    """With ``grad`` (a backward may follow), a trained layer with ``sparse=True`` on the
+    template is refused. The runner takes the template's flag, set after building too, as it
+    takes every attribute (``vmapens._attributes``).
 
     Alone, ``nn.Embedding(sparse=True)`` gives its weight a sparse gradient; neither backend
     computes one for stacked members, and autograd fails in the backward with a message about
@@ -349,9 +349,7 @@ def follow_sparse(api: str, layers: Sequence[SparseLayer], grad: bool) -> None:
     Raises:
         ValueError: naming the layer and the way out.
     """
-    for name, module, twin in layers:
-        if twin.sparse is not module.sparse:
-            twin.sparse = module.sparse
+    for name, module in layers:
         weight = getattr(module, "weight", None)
         if grad and module.sparse and isinstance(weight, torch.Tensor) and weight.requires_grad:
             where = f"`{name}`" if name else "the member"
