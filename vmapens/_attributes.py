@@ -91,10 +91,11 @@ class Watched:
         for tree, is_runner in ((runner, True), *((t, False) for t in padded)):
             for name, m in tree.named_modules():
                 followers.setdefault(name, []).append((m, is_runner))
-        self.modules = [m for _, m in template.named_modules()]
-        self.prefixes = [name for name, _ in template.named_modules()]
-        self.built_children = {name: dict(m._modules) for name, m in template.named_modules()}
-        self.followers = [followers.get(name, []) for name, _ in template.named_modules()]
+        named = list(template.named_modules())
+        self.prefixes = [name for name, _ in named]
+        self.modules = [m for _, m in named]
+        self.built_children = [dict(m._modules) for m in self.modules]
+        self.followers = [followers.get(name, []) for name in self.prefixes]
         self.skip = [skip.get(id(m), set()) for m in self.modules]
         self.names = [_names(m, s) for m, s in zip(self.modules, self.skip, strict=True)]
         self._seen()
@@ -105,20 +106,22 @@ class Watched:
         submodules ride along, in ``_modules`` (``count``: the attributes' entries first)."""
         self.version = next(_VERSIONS)
         modules = self.modules
-        self.dicts: list[dict[str, Any]] = [m.__dict__ for m in modules] + [
-            m._modules for m in modules
-        ]
-        self.sizes = list(map(len, self.dicts))
         self.owners = [m for m, names in zip(modules, self.names, strict=True) for _ in names]
         self.keys = [k for names in self.names for k in names]
         self.count = len(self.keys)
         self.keys += [k for m in modules for k in m._modules]
-        self.owned = self._owned()
+        self._link()
+        self.sizes = list(map(len, self.dicts))
         self.values = list(map(dict.get, self.owned, self.keys))
 
-    def _owned(self) -> list[dict[str, Any]]:
-        """The dict each of ``keys`` is in: the owners' ``__dict__``, then ``_modules``."""
-        return [m.__dict__ for m in self.owners] + [
+    def _link(self) -> None:
+        """The dicts ``follow`` reads (a copy's are other objects): every module's ``__dict__``
+        and ``_modules``, and the dict each of ``keys`` is in (the owners' ``__dict__``, then
+        ``_modules``)."""
+        self.dicts: list[dict[str, Any]] = [m.__dict__ for m in self.modules] + [
+            m._modules for m in self.modules
+        ]
+        self.owned: list[dict[str, Any]] = [m.__dict__ for m in self.owners] + [
             m._modules for m in self.modules for _ in m._modules
         ]
 
@@ -130,8 +133,7 @@ class Watched:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         vars(self).update(state)
-        self.dicts = [m.__dict__ for m in self.modules] + [m._modules for m in self.modules]
-        self.owned = self._owned()
+        self._link()
 
     def follow(self) -> None:
         """What changed on the template since the last call, set on its followers.
@@ -169,8 +171,7 @@ class Watched:
     def _refuse_new_children(self) -> None:
         """A submodule replaced on the template would never run: the runner and the padded
         templates keep the modules they were built with, their modes paired with those."""
-        for prefix, m in zip(self.prefixes, self.modules, strict=True):
-            built = self.built_children[prefix]
+        for prefix, m, built in zip(self.prefixes, self.modules, self.built_children, strict=True):
             now = dict(m._modules)
             for name in sorted(set(built) | set(now), key=str):
                 if built.get(name) is not now.get(name):
