@@ -304,9 +304,10 @@ def _compiled_step(
     # torch.compile wraps now and compiles at the first call; a graph is keyed by (trainable
     # and held names, the names it differentiates) and which share step counts (None: any).
     graphs: dict[tuple, Callable[..., Any]] = {((first, first[0]), None): build(*first)}
-    # For each (graph key, input shapes, modes, dtypes): the graph, the parameters
-    # that get a gradient (no_gradient: member 0 run eagerly; a forward may read a parameter
-    # only in training mode, an auxiliary head, or for some shapes), and the ids of those it
+    # For each (graph key, input shapes, train/eval modes, dtypes), for the template's
+    # attributes as they are (`seen` below): the graph, the parameters that get a gradient
+    # (no_gradient: member 0 run eagerly; a forward may read a parameter only in training
+    # mode, an auxiliary head, or for some shapes), and the ids of those it
     # steps when the optimizer holds others (they need step counts of their own: own_counters),
     # and the parameters whose gradients the graph returns, held by the optimizer or not (.grad).
     parts: dict[tuple, tuple[tuple, tuple[str, ...], set[int] | None, list[torch.Tensor]]] = {}
@@ -323,11 +324,14 @@ def _compiled_step(
     # (graph_hyperparameters): a schedule recompiles once, not every step. As constants they
     # are 17-46 us a step cheaper at N = 15 (docs/performance.md).
     baked: tuple | None = None  # the floats the graphs were built with
+    # The template's attributes' version the parts were found with (a flag may switch a head
+    # on): an edit's version never comes back, so the parts of earlier ones go.
+    seen = ens._followers[4].version
     tensors = False  # whether they go in as tensors
     hooks = TemplateHooks(ens)  # the graphs' member maps are lifted once each
 
     def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        nonlocal baked, tensors
+        nonlocal baked, tensors, seen
         ens._follow_template()  # as the eager step: the template's flags, read below
         args = check_call(ens, optimizer, inputs, targets, mask, in_dims)
         hooks()
@@ -342,14 +346,12 @@ def _compiled_step(
                 tensors = True
                 graphs.clear()  # new code objects: the baked graphs' cache entries go with them
                 checked.clear()
-        # The parameters' dtypes and the template's attributes (a flag may switch a head on) too:
-        # after ens.double() or such an edit dynamo compiles anew, to be checked. An edit's
-        # version never comes back: the parts of earlier ones go (a flag toggled every step).
-        modes = (tuple([m.training for m in modules]), ens._followers[4].version)
-        if parts and next(iter(parts))[2][1] != modes[1]:
+        if ens._followers[4].version != seen:  # an edit: dynamo compiles anew, to be checked
+            seen = ens._followers[4].version
             parts.clear()
             checked.clear()
-        part = (now, key, modes, tuple([p.dtype for p in every]))
+        # The parameters' dtypes too: after ens.double() dynamo compiles anew, to be checked.
+        part = (now, key, tuple([m.training for m in modules]), tuple([p.dtype for p in every]))
         if part not in parts:
             unused = no_gradient(ens, member_loss, now[0], args, targets, in_dims, update)
             trained = tuple(name for name in now[0] if name not in unused)
