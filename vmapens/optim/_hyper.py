@@ -140,8 +140,7 @@ def check_hypers(
     for name, hyper in hypers.items():
         value, ranges = group[name], name not in free
         if hyper.pair:
-            if _member_pairs(value, n):  # [(b1, b2) of member 0, (b1, b2) of member 1, ...]
-                value = tuple(list(v) for v in zip(*value, strict=True))
+            value = _as_pair(value, n)
             if not isinstance(value, (tuple, list)) or len(value) != 2:
                 raise ValueError(f"{api}: `{name}` must be a pair, got {value!r}")
             group[name] = tuple(
@@ -152,12 +151,14 @@ def check_hypers(
             group[name] = check_hyper(api, name, local(value), hyper, n, "", ranges)
 
 
-def _member_pairs(value: Any, n: int) -> bool:
-    """Whether ``value`` is a list of n tuples of two, one pair per member. The documented form
-    is a pair of n values each, ``betas=(b1s, b2s)``; read the other way, with n = 2 members,
+def _as_pair(value: Any, n: int) -> Any:
+    """``value`` as the documented pair of n values each (``betas=(b1s, b2s)``) when it is a
+    list of n tuples of two, one pair per member; read the other way, with n = 2 members,
     ``[(0.9, 0.999), (0.8, 0.99)]`` would silently run member 1 with beta1 = 0.999."""
     pairs = isinstance(value, list) and len(value) == n >= 2
-    return pairs and all(isinstance(v, tuple) and len(v) == 2 for v in value)
+    if pairs and all(isinstance(v, tuple) and len(v) == 2 for v in value):
+        return tuple(list(v) for v in zip(*value, strict=True))
+    return value
 
 
 def _checked(api: str, name: str, vals: list[float], hyper: Hyper, where: str, out: Any) -> Any:
@@ -227,8 +228,7 @@ def group_args(
     for name, hyper in hypers.items():
         value = group[name]
         if hyper.pair:
-            if _member_pairs(value, n):  # [(b1, b2) of member 0, (b1, b2) of member 1, ...]
-                value = tuple(list(v) for v in zip(*value, strict=True))
+            value = _as_pair(value, n)
             if not isinstance(value, (tuple, list)) or len(value) != 2:
                 raise TypeError(f"{api}: param group `{name}` must be a pair, got {value!r}")
             out[name] = tuple(arg(f"{name}[{j}]", v) for j, v in enumerate(value))
