@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,9 +28,15 @@ __all__ = [
     "expand_in_dims",
     "index_rows",
     "is_int",
+    "repeated",
     "to_index",
     "tolerance",
 ]
+
+
+def repeated(ids: Sequence[int]) -> list[int]:
+    """The ids that occur more than once in ``ids``, sorted (one pass: a zoo has thousands)."""
+    return sorted(i for i, count in Counter(ids).items() if count > 1)
 
 
 def is_int(value: Any) -> bool:

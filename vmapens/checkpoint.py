@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ._checkpoint_files import check_member_ids, localise, read, write
-from ._checks import as_ids
+from ._checks import as_ids, repeated
 from ._padding import corner, gates_of
 from ._step_parts import check_optimizer
 from .ensemble import Ensemble, check_ensemble
@@ -229,7 +229,7 @@ def save(
     """
     _check_parts("save", ens, optimizer, history)
     ids = list(ens.member_ids)
-    if len(set(ids)) != len(ids):  # `load` refuses repeated ids: refused here, nothing written
+    if repeated(ids):  # `load` refuses repeated ids: refused here, nothing written
         raise ValueError(
             f"save: `ens` holds a member more than once (member ids {ids!r:.60}), which a "
             "checkpoint cannot name; save ens.select(...) of distinct members"

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ._checkpoint_files import FORMAT
+from ._checks import repeated
 from ._files import (
     atomic_write,
     check_path,
@@ -111,7 +112,7 @@ def save_members(ens: Ensemble, directory: str | os.PathLike, format: str = "pt"
         raise ValueError(f"save_members: `format` must be 'pt' or 'safetensors', got {format!r}")
     to_bytes = _safetensors("save", "save_members") if format == "safetensors" else None
     ids = list(ens.member_ids)
-    twice = sorted({i for i in ids if ids.count(i) > 1})
+    twice = repeated(ids)
     if twice:
         raise ValueError(
             f"save_members: `ens` holds member(s) {twice} more than once (member_ids {ids}); "
