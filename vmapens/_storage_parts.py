@@ -37,9 +37,11 @@ def paired(
     the members): the runner's and padded templates' modules with the template's, for their
     train/eval modes and plain attributes, and each stacked parameter with its template twins,
     for the grad flags."""
-    own = dict(template.named_modules())
+    attributes = Watched(template, runner, padded)  # pairs the modules by name
     modules: list[tuple[nn.Module, nn.Module]] = [
-        (own[name], m) for t in (runner, *padded) for name, m in t.named_modules()
+        (t, f)
+        for t, followers in zip(attributes.modules, attributes.followers, strict=True)
+        for f, _ in followers
     ]
     grads: list[tuple[torch.Tensor, torch.Tensor]] = [
         (stacked[name], meta) for t in (template, *padded) for name, meta in t.named_parameters()
@@ -50,7 +52,6 @@ def paired(
         for t in (template, runner, *padded)
         for m, name, _ in recomputed(t)
     ]
-    attributes = Watched(template, runner, padded)
     return modules, grads, hooked, [p.requires_grad for p, _ in grads], attributes
 
 
