@@ -34,7 +34,7 @@ import pytest
 import torch
 from models import CNN, MLP, Awkward, Encoder, Recurrent, Tied, TokenModel
 from torch import nn
-from truth import reduce_by_hand, search, twins
+from truth import reduce_by_hand, search, seeded_members, twins
 
 import vmapens
 
@@ -357,10 +357,7 @@ def test_program_starts_with_the_buffers_the_members_have(persistent: bool) -> N
             super().__init__()
             self.register_buffer("calls", torch.zeros((), dtype=F64), persistent=persistent)
 
-    modules = []
-    for i in range(2):
-        torch.manual_seed(i)
-        modules.append(Count().to(F64))
+    modules = seeded_members(lambda: Count().to(F64), 2)
     ens = vmapens.Ensemble.from_modules(twins(modules))
     x = torch.randn(3, 4, dtype=F64)
     served = vmapens.export(ens, x).module()
@@ -385,10 +382,7 @@ def test_transformer_with_a_padding_mask_exports() -> None:
     # zeros at padded positions; the ensemble computes them (docs/semantics.md), so export's
     # parity probe refused every such member ("computes something else in the exported
     # program"), though the program equals the member everywhere else.
-    modules = []
-    for i in range(2):
-        torch.manual_seed(i)
-        modules.append(FullEncoder().eval())
+    modules = seeded_members(lambda: FullEncoder().eval(), 2)
     ens = vmapens.Ensemble.from_modules(twins(modules))
     g = torch.Generator().manual_seed(0)
     x, pad = torch.randn(3, 4, 8, generator=g), _padding_mask(3, g)
@@ -413,10 +407,7 @@ def test_program_takes_inputs_of_other_strides() -> None:
     # [batch * tokens, features]; traced on a contiguous example that reshape became a view
     # of the input, and the program failed ("view size is not compatible with input tensor's
     # size and stride") on a sequence-first batch transposed, which the members alone take.
-    modules = []
-    for i in range(2):
-        torch.manual_seed(i)
-        modules.append(MLP().to(F64))
+    modules = seeded_members(lambda: MLP().to(F64), 2)
     ens = vmapens.Ensemble.from_modules(twins(modules))
     served = vmapens.export(ens, torch.randn(5, 3, 4, dtype=F64)).module()
     seq_first = torch.randn(3, 5, 4, dtype=F64)
@@ -430,10 +421,7 @@ def test_program_exported_under_inference_mode_serves_outside_it() -> None:
     # Exported under torch.inference_mode(), the program's copies of the buffers were
     # inference tensors: a forward that updates one (a call counter) failed outside it
     # ("Inplace update to inference tensor outside InferenceMode").
-    modules = []
-    for i in range(2):
-        torch.manual_seed(i)
-        modules.append(Counted().to(F64))
+    modules = seeded_members(lambda: Counted().to(F64), 2)
     ens = vmapens.Ensemble.from_modules(twins(modules))
     x = torch.randn(3, 4, dtype=F64)
     with torch.inference_mode():
@@ -449,10 +437,7 @@ def test_member_that_edits_its_input_exports(reduce: str | None) -> None:
     # The parity probe ran the member alone on `example_inputs` themselves: its edit doubled
     # the caller's example, the program then ran on the doubled values and the probe refused
     # a correct program ("computes something else in the exported program than alone").
-    modules = []
-    for i in range(2):
-        torch.manual_seed(i)
-        modules.append(EditsInput().to(F64))
+    modules = seeded_members(lambda: EditsInput().to(F64), 2)
     ens = vmapens.Ensemble.from_modules(twins(modules))
     x = torch.randn(3, 4, dtype=F64)
     example = x.clone()

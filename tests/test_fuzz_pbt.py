@@ -45,7 +45,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from truth import TOL64, assert_bit_identical, batch_plan, search
+from truth import TOL64, assert_bit_identical, batch_plan, search, seeded_members
 
 import vmapens
 from vmapens.callbacks import Checkpoint, EarlyStopping
@@ -200,10 +200,7 @@ def truth(s: dict[str, Any], rounds: list[tuple[int, list[int], list[int]]],
           after: dict[int, dict[str, list[float]]]) -> dict[str, Any]:  # fmt: skip
     """Each member trained alone, fit's callbacks written again from the docs."""
     n, epochs = s["n"], s["epochs"]
-    models = []
-    for i in range(n):
-        torch.manual_seed(i)
-        models.append(member(s))
+    models = seeded_members(lambda: member(s), n)
     opts = [plain_optimizer(s, i, m) for i, m in enumerate(models)]
     scheds = [plain_scheduler(s, o) for o in opts]
     per_pass = -(-ROWS // (s["batch"] or ROWS))

@@ -34,7 +34,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
-from truth import TOL64, search
+from truth import TOL64, search, seeded_members
 
 import vmapens
 
@@ -441,10 +441,7 @@ class Scaled(nn.Module):
 
 
 def _scaled_pair() -> tuple[vmapens.Ensemble, list[nn.Module]]:
-    models = []
-    for i in range(2):
-        torch.manual_seed(i)
-        models.append(Scaled().to(F64))
+    models = seeded_members(lambda: Scaled().to(F64), 2)
     return vmapens.Ensemble.from_modules(copy.deepcopy(models)), models
 
 
@@ -474,10 +471,7 @@ def test_linear_cross_entropy_options_set_on_the_template_keep_the_gradients() -
         def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return self.loss(torch.tanh(self.fc(x)), y)
 
-    models = []
-    for i in range(2):
-        torch.manual_seed(i)
-        models.append(Classifier().to(F64))
+    models = seeded_members(lambda: Classifier().to(F64), 2)
     ens = vmapens.Ensemble.from_modules(copy.deepcopy(models))
     opt = vmapens.StackedSGD(ens, lr=0.1)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
