@@ -54,12 +54,7 @@ EDITS: dict[int, list[Callable[[nn.Module], None]]] = {
 
 
 def _batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    return [
-        (torch.randn(8, 3, generator=g, dtype=torch.float64),
-         torch.randn(8, 2, generator=g, dtype=torch.float64))
-        for _ in range(steps)
-    ]  # fmt: skip
+    return truth.float64_batches(steps, rows=8, inputs=3, outputs=2)
 
 
 def _train_alone(models: list[nn.Module], batches: list) -> None:
