@@ -31,7 +31,9 @@ __all__ = [
     "ROWS",
     "block_name",
     "check_member_ids",
+    "describe_members",
     "localise",
+    "members_way_out",
     "parts_dir",
     "read",
     "split_rows",
@@ -135,6 +137,44 @@ def check_member_ids(members: Any, api: str, where: str) -> tuple[list[int], int
     if len(set(ids)) != len(ids):
         raise ValueError(f"{api}: {where}: `member_ids` repeat ids: {ids!r:.80}")
     return list(ids), n_total
+
+
+def describe_members(m: Any) -> str:
+    """A file's (or an ensemble's) ``members`` entry in words, for messages."""
+    ids = m.get("member_ids") if isinstance(m, dict) else None
+    if not isinstance(ids, (list, tuple)) or not all(type(i) is int for i in ids):
+        return f"{m!r:.120}"  # not what vmapens writes: shown as it is
+    # A range as first..last; any other list (a selection, another order) as itself.
+    ranged = bool(ids) and list(ids) == list(range(ids[0], ids[0] + len(ids)))
+    span = f"{ids[0]}..{ids[-1]}" if ranged else f"{list(ids)!r:.40}" if ids else "none"
+    return f"{len(ids)} members of {m.get('class')} (ids {span} of {m.get('n_total')})"
+
+
+def members_way_out(api: str, held: Any, ours: dict[str, Any]) -> str:
+    """What to do when a file holds other members than the ensemble (``check_members``)."""
+    if not isinstance(held, dict) or held.get("class") != ours["class"]:
+        return ""  # another class (or no member list): the classes named say it
+    if api == "fit":
+        return (
+            ": resume with the ensemble the run was started with (its `n_total` and member "
+            "ids; under torch.distributed, shard=True gives each rank its block), or write "
+            "this run's checkpoint to another path"
+        )
+    if api != "restore":  # load builds the stored members: only the class can differ
+        return ""
+    same_run = held.get("n_total") == ours["n_total"]
+    out = (
+        f": restore fills an ensemble of exactly the stored members{', in order' * same_run}; "
+        "vmapens.load(path, factory) builds one (then build its optimizer and restore(path, "
+        "ens, optimizer))"
+    )
+    if not same_run:
+        return out
+    return (
+        f"{out}; for some of them (this rank's block of a sharded ensemble too) take "
+        "ens.select(rows) and optimizer.select(rows, ens.select(rows)) of it; a fit "
+        "checkpoint resumes a sharded run with fit(..., checkpoint=path) on every rank"
+    )
 
 
 # -- the layout of a sharded fit checkpoint -----------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._checkpoint_files import localise, read
+from ._checkpoint_files import check_member_ids, localise, read
 from ._files import signature
 from .checkpoint import check_ensemble_state, check_members, relaid, same_class
 from .ensemble import Ensemble
@@ -134,6 +134,7 @@ def read_checkpoint(
     seen = signature(path)  # before reading: a later replacement shows as another file
     payload = read(path, "fit", whole=True)
     held = payload.get("members")
+    check_member_ids(held, "fit", where)  # a list of ids in range, before cutting rows by it
     if (
         isinstance(held, dict)
         and same_class(held.get("class"), ens)

@@ -18,7 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._checkpoint_files import check_member_ids, localise, read, write
+from ._checkpoint_files import (
+    check_member_ids,
+    describe_members,
+    localise,
+    members_way_out,
+    read,
+    write,
+)
 from ._checks import as_ids, repeated
 from ._padding import corner, gates_of
 from ._step_parts import check_optimizer
@@ -102,7 +109,8 @@ def check_members(payload: Mapping[str, Any], ens: Ensemble, api: str, where: st
         held = {**held, "class": ours["class"]}  # the same class under another module name
     if not isinstance(held, dict) or {**held, "sizes": None} != {**ours, "sizes": None}:
         raise ValueError(
-            f"{api}: {where} holds {_describe(held)}, this ensemble has {_describe(ours)}"
+            f"{api}: {where} holds {describe_members(held)}, this ensemble has {describe_members(ours)}"
+            f"{members_way_out(api, held, ours)}"
         )
     sized = "sizes" in held or "sizes" in ours
     if sized and _held_shapes(held, payload.get("ensemble"), ens) != _own_shapes(ens):
@@ -185,17 +193,12 @@ def check_ensemble_state(state: Any, ens: Ensemble, api: str, where: str) -> Non
         held = state[key]
         if not isinstance(held, torch.Tensor) or held.shape != t.shape or held.dtype != t.dtype:
             what = (tuple(held.shape), held.dtype) if isinstance(held, torch.Tensor) else type(held)
+            cast = isinstance(held, torch.Tensor) and held.shape == t.shape  # the dtype differs
             raise ValueError(
                 f"{api}: {where}: `{key}` is {what}, this ensemble has {(tuple(t.shape), t.dtype)}"
-            )
-
-
-def _describe(m: Any) -> str:
-    if not isinstance(m, dict):
-        return repr(m)
-    ids = m["member_ids"]
-    span = f"{ids[0]}..{ids[-1]}" if ids else "none"
-    return f"{len(ids)} members of {m['class']} (ids {span} of {m['n_total']})"
+                + (f"; build the members in {held.dtype} (ens.to({held.dtype}), or a `factory` "
+                   f"returning module.to({held.dtype}))" if cast else "")
+            )  # fmt: skip
 
 
 def save(
@@ -345,6 +348,7 @@ def _restore(
     payload: dict, path: Any, ens: Ensemble, optimizer: Any, history: Any, api: str
 ) -> None:
     where = os.fspath(path)
+    check_member_ids(payload.get("members"), api, where)  # a file's list, before comparing it
     if "blocks" in payload:
         payload = _unsharded(payload, path, ens, api)
     check_members(payload, ens, api, where)

@@ -89,7 +89,10 @@ def export(
     Raises:
         TypeError: ``ens`` is not an Ensemble, ``example_inputs`` not tensors, a flag not a
             bool, a reduction of a non-tensor output.
-        ValueError: an unknown or untraceable ``reduce``; a sharded ensemble (``vmapens.gather`` it first).
+        ValueError: an unknown or untraceable ``reduce``; a sharded ensemble (``vmapens.gather``
+            it first); members of different sizes (``Ensemble.from_factories``) whose own
+            outputs are not the padded program's shape (outputs of several widths): export
+            the members of each size apart.
         RuntimeError: ``torch.export`` cannot trace the forward (the message says why), the
             probe finds that member differs in the program from the member alone, or the
             forward edits its input in place while members run in turns (``backend="loop"``,
@@ -107,6 +110,7 @@ def export(
     reduce = "none" if reduce is None else reduce
     with ens._evaluating():
         _refuse_edits_in_turns(api, ens, args)
+        _refuse_output_sizes(api, ens, args)
         if reduce != "none":
             _check_reducible(api, ens, args, reduce)
         members = _Program(ens, "none", False)
@@ -222,6 +226,45 @@ def _refuse_edits_in_turns(api: str, ens: Ensemble, args: tuple[Tensor, ...]) ->
         refuse_edits_in_turns(api, name, ens.backend, ens.chunk_size, len(ens))
 
 
+def _refuse_output_sizes(api: str, ens: Ensemble, args: tuple[Tensor, ...]) -> None:
+    """Members of different sizes whose outputs are not the shape of the padded forward's (an
+    output layer of several widths; a sub-ensemble of the smaller members, still padded to the
+    largest): the program returns every member at that shape, a member's own output padded
+    with zeros. Said before the traces, with or without ``check`` (no ``backend`` changes it),
+    from one forward of the first member of every size alone and one padded forward, of a
+    copy (``select``: a buffer the forward updates stays as it is)."""
+    padding = ens._padding
+    if padding is None:
+        return
+    firsts = padding.rows_of_kinds()
+
+    def shapes(out: Any, row: bool = False) -> str:  # row: the member dim first, dropped
+        def shape(leaf: Any) -> Any:  # a non-tensor leaf (an int, a string) as it is
+            return tuple(leaf.shape[row:]) if isinstance(leaf, Tensor) else leaf
+
+        return repr(optree.tree_map(shape, out))
+
+    with torch.no_grad():
+        padded = shapes(ens.select(firsts[:1])(*_copies(args)), row=True)
+        own = {padding.kind_of[row]: shapes(ens[row](*_copies(args))) for row in firsts}
+    if all(shape == padded for shape in own.values()):
+        return
+    groups: dict[str, list[int]] = {}
+    for row, kind in enumerate(padding.kind_of):
+        groups.setdefault(own[kind], []).append(row)
+    said = "; ".join(f"members {rows} give {shape}" for shape, rows in groups.items())
+    raise ValueError(
+        f"{api}: `ens` holds members stored padded (of different sizes, or selected from such "
+        "an ensemble) whose outputs are not all the shape the program gives every member, "
+        f"{padded} ({said}): a member's own output "
+        "would come back padded with zeros; neither backend='loop' nor chunk_size changes "
+        "that. Export the members of each size apart (vmapens.export(vmapens.Ensemble."
+        "from_modules([ens[i] for i in rows]), example_inputs) for `rows` of one size, one "
+        "program each), or build the members with one output width (sizes that differ "
+        "only inside)"
+    )
+
+
 def _check_reducible(api: str, ens: Ensemble, args: tuple[Tensor, ...], reduce: str) -> None:
     """A reduction needs one output tensor: said from one forward of member 0 alone, before
     the traces (seconds each), and in ``export``'s name."""
@@ -296,14 +339,22 @@ def _probe_member(
         for i, (a, t) in enumerate(zip(alone_leaves, inside_leaves, strict=True)):
             what = f"output {i}" if len(alone_leaves) > 1 else "the output"
             found.extend(_differs(what, a, t[member]))
-    if found:
-        raise RuntimeError(
-            f"{api}: member {member} of {name} computes something else in the exported "
-            f"program than alone on `example_inputs`: {'; '.join(found[:4])}. Its forward "
-            "probably depends on something vmap changes (vmapens.check says what); build the "
-            "ensemble with backend='loop' to export the members one after another, "
-            "each as it runs alone"
-        )
+    if not found:
+        return
+    # A padded member runs at the largest size with either backend: loop is no way out there.
+    way_out = (
+        "build the ensemble with backend='loop' to export the members one after another, "
+        "each as it runs alone"
+        if ens._padding is None
+        else "members of different sizes run padded with either backend, so export the "
+        "members of each size apart (vmapens.export(vmapens.Ensemble.from_modules([ens[i] "
+        "for i in rows]), example_inputs), rows of one size)"
+    )
+    raise RuntimeError(
+        f"{api}: member {member} of {name} computes something else in the exported "
+        f"program than alone on `example_inputs`: {'; '.join(found[:4])}. Its forward "
+        f"probably depends on something vmap changes (vmapens.check says what); {way_out}"
+    )
 
 
 def _copies(args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
