@@ -10,9 +10,11 @@ from typing import Any
 import optree
 import torch
 
+from ._buffer_turns import Slices, Turns
+from ._fastcall import vmap_members
 from ._unbatchable import Versions, refuse_edited, shared_versions
 
-__all__ = ["chunk_bounds", "chunked_losses_and_grads", "in_turns", "rows"]
+__all__ = ["chunk_bounds", "chunked_losses_and_grads", "in_turns", "rows", "vmap_in_turns"]
 
 
 def chunk_bounds(n: int, chunk_size: int | None) -> list[tuple[int, int]] | None:
@@ -38,6 +40,40 @@ def in_turns(fn: Callable[..., Any], versions: Versions, size: int) -> Callable[
         return fn(*args)
 
     return turn
+
+
+def vmap_in_turns(
+    fn: Callable[..., Any],
+    randomness: str,
+    turns: Turns,
+    args: tuple,
+    in_dims: tuple,
+    size: int,
+) -> Any:
+    """``vmap(fn, in_dims=(0, *in_dims), randomness=randomness, chunk_size=size)(state, *args)``
+    with ``turns.state`` as ``state``, run chunk by chunk here, where torch.func would hand
+    every chunk views of one storage per tensor: a chunk's rows of the state come from
+    ``turns`` and its slices of the per-member inputs from ``Slices`` (copies once a chunk
+    before edited its own, see ``_buffer_turns``). The random draws are torch.func's: chunk
+    after chunk, the RNG state restored before each one for ``randomness="same"``; a chunk
+    after one that edited a shared input is refused (``in_turns``).
+    """
+    state = turns.state
+    n = next(iter(state.values())).shape[0]
+    shared = shared_versions(args, in_dims)
+    slices = Slices(args, in_dims)
+    rng = torch.get_rng_state() if randomness == "same" else None
+    outputs = []
+    for a, b in chunk_bounds(n, size) or [(0, n)]:
+        if a:
+            refuse_edited(shared, f"chunk_size={size}", a - size, a - 1)
+        if rng is not None:
+            torch.set_rng_state(rng)
+        part = slices.take(slice(a, b))
+        outputs.append(vmap_members(fn, b - a, randomness, turns.take(slice(a, b)), part, in_dims))
+        turns.give_back(slice(a, b))
+        slices.give_back()
+    return optree.tree_map(lambda *xs: torch.cat(xs), *outputs)
 
 
 def rows(tree: Any, a: int, b: int) -> Any:

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ._chunks import in_turns
+from ._buffer_turns import Slices, Turns
+from ._chunks import in_turns, vmap_in_turns
 from ._fastcall import forget_writes, no_random_ops, vmap_members
 from ._precision import autocast_members
 from ._unbatchable import refuse_edited, shared_versions
@@ -319,40 +320,30 @@ def non_persistent_buffers(module: nn.Module) -> set[str]:
 def looped(n: int, randomness: str, fn: Callable[..., Any], in_dims: tuple) -> Callable:
     """The loop backend: ``fn`` once per member on its slices, outputs stacked; a random op
     raises with ``randomness="error"``, as under vmap. Members run in turns on the inputs
-    they share: a member that edits one in place is refused before the next one runs."""
+    they share: a member that edits one in place is refused before the next one runs. Once
+    a member edited a buffer in place, the next ones get copies of theirs (``Turns``)."""
 
     def looped(state: dict[str, torch.Tensor], *args: Any) -> Any:
         rng = torch.get_rng_state() if randomness == "same" else None
         forget_writes()
         shared = shared_versions(args, in_dims) if n > 1 else []
-        # Per-member inputs: member i's slice shares its base's version counter, so a member
-        # that edits its slice would fail the backward of the members before it (their saved
-        # slices "modified by an inplace operation"); once one did, the rest get copies.
-        own = shared_versions(args, in_dims, per_member=True) if n > 1 else []
-        copied = False
+        turns, slices = Turns(state, n > 1), Slices(args, in_dims, n > 1)
         outputs = []
         for i in range(n):
             if i and shared:
                 refuse_edited(shared, "backend='loop'", i - 1, i - 1)
-            copied = copied or any(t._version != v for t, v in own)
             if rng is not None:
                 torch.set_rng_state(rng)
-            take = _copy_of if copied else torch.select
-            member_args = [
-                a if d is None else optree.tree_map(functools.partial(take, dim=d, index=i), a)
-                for a, d in zip(args, in_dims, strict=True)
-            ]
+            member_args = slices.take(i)
             uncache()  # member i - 1's parametrized tensors: cached by module, not by member
             with no_random_ops(randomness == "error"):
-                outputs.append(fn({k: v[i] for k, v in state.items()}, *member_args))
+                outputs.append(fn(turns.take(i), *member_args))
+            turns.give_back(i)
+            slices.give_back()
         uncache()
         return optree.tree_map(lambda *xs: torch.stack(xs), *outputs)
 
     return looped
-
-
-def _copy_of(t: torch.Tensor, dim: int, index: int) -> torch.Tensor:
-    return t.select(dim, index).clone()
 
 
 def vmapped(
@@ -377,10 +368,16 @@ def vmapped(
         # copies and its slower path around it.
         rows = next(iter(state.values())).shape[0]
         size = None if chunk_size is not None and rows <= chunk_size else chunk_size
-        if size is not None:  # torch.func runs the chunks in turns on the shared inputs
-            mapped = in_turns(mapped, shared_versions(args, in_dims), size)
+        # Chunks in turns: run here where a chunk may edit a buffer or its own input slices
+        # that a backward needs (later chunks get copies), else by torch.func.
+        turns = Turns(state) if size is not None else None
+        mine = any(d is not None for d in in_dims)
+        if size is not None and not (turns and (turns.active or turns.backward and mine)):
+            mapped, turns = in_turns(mapped, shared_versions(args, in_dims), size), None
         uncache()  # another module's, cached under the id a member's module has now
         try:
+            if turns is not None and size is not None:
+                return vmap_in_turns(mapped, randomness, turns, args, in_dims, size)
             return vmap_members(mapped, rows, randomness, state, args, in_dims, size)
         finally:
             uncache()  # batched tensors, dead outside vmap
