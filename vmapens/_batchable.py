@@ -9,9 +9,13 @@ batches and ``torch.compile(fullgraph=True)`` traces:
   batching rule for torch's fused recurrent kernels at all.
 * ``nn.MultiheadAttention`` (``_mha.py``): self-attention without the copies and the slow
   small-head CPU kernel of torch's own path.
-* ``nn.BatchNorm1d/2d/3d`` with ``momentum=None`` (a cumulative average of the batch
-  statistics): torch turns ``num_batches_tracked`` into a Python float for its factor, which
-  ``vmap`` cannot do (``.item()``); the twin keeps the factor a tensor, one per member.
+* ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` (where it does not sync: no process
+  group) with ``momentum=None`` (a cumulative average of the batch statistics): torch turns
+  ``num_batches_tracked`` into a Python float for its factor, which ``vmap`` cannot do
+  (``.item()``); the twin keeps the factor a tensor, one per member.
+  A subclass that keeps torch's ``forward`` gets a twin of its own class (made once per
+  class, pickled as one); one with its own ``forward`` gets a twin whose error under
+  ``vmap`` names it and says what to do.
 * ``nn.Dropout`` on CPU: alone it draws a non-contiguous input's mask in memory order,
   under ``vmap`` in logical order; the twin draws in memory order under both.
 * ``torch.nn.utils.parametrizations.spectral_norm``'s parametrization and the old-style
@@ -25,10 +29,12 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
+from typing import Any, SupportsIndex
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
@@ -46,7 +52,7 @@ from ._spectral import BatchableSpectralNorm, BatchableSpectralNormHook
 __all__ = ["BatchableDropout", "batchable", "in_logical_order", "twin_class"]
 
 
-def _cumulative_batch_norm(bn: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor:
+def _cumulative_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     """``bn(input)`` in training mode with ``momentum=None``, its factor kept a tensor.
 
     torch's ``_BatchNorm.forward``: ``num_batches_tracked += 1``, then the running statistics
@@ -56,7 +62,7 @@ def _cumulative_batch_norm(bn: nn.modules.batchnorm._BatchNorm, input: Tensor) -
     bn._check_input_dim(input)
     mean_, var_, count = bn.running_mean, bn.running_var, bn.num_batches_tracked
     if mean_ is None or var_ is None or count is None:  # not tracked: torch's own forward
-        return nn.modules.batchnorm._BatchNorm.forward(bn, input)
+        return _BatchNorm.forward(bn, input)
     count.add_(1)
     out = F.batch_norm(input, None, None, bn.weight, bn.bias, True, 0.0, bn.eps)
     with torch.no_grad():
@@ -70,31 +76,101 @@ def _cumulative_batch_norm(bn: nn.modules.batchnorm._BatchNorm, input: Tensor) -
     return out
 
 
-class BatchableBatchNorm1d(nn.BatchNorm1d):
+class _Cumulative(_BatchNorm):
+    """The ``momentum=None`` training forward ``vmap`` batches, before the class's own."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        # track_running_stats=False set on a layer that has the buffers: torch's forward
+        # neither counts nor updates them (nor calls `.item()`)
+        if self.momentum is None and self.training and self.track_running_stats:
+            return _cumulative_batch_norm(self, input)
+        return super().forward(input)
+
+
+class BatchableBatchNorm1d(_Cumulative, nn.BatchNorm1d):
     """``nn.BatchNorm1d`` whose ``momentum=None`` training forward ``vmap`` batches."""
 
-    def forward(self, input: Tensor) -> Tensor:
-        if self.momentum is None and self.training:
-            return _cumulative_batch_norm(self, input)
-        return super().forward(input)
 
-
-class BatchableBatchNorm2d(nn.BatchNorm2d):
+class BatchableBatchNorm2d(_Cumulative, nn.BatchNorm2d):
     """``nn.BatchNorm2d`` whose ``momentum=None`` training forward ``vmap`` batches."""
 
-    def forward(self, input: Tensor) -> Tensor:
-        if self.momentum is None and self.training:
-            return _cumulative_batch_norm(self, input)
-        return super().forward(input)
 
-
-class BatchableBatchNorm3d(nn.BatchNorm3d):
+class BatchableBatchNorm3d(_Cumulative, nn.BatchNorm3d):
     """``nn.BatchNorm3d`` whose ``momentum=None`` training forward ``vmap`` batches."""
 
+
+class _CumulativeSync(_Cumulative):
+    """``_Cumulative`` where ``SyncBatchNorm`` computes as ``_BatchNorm`` (no process group:
+    torch's own forward falls back to ``F.batch_norm``); torch's forward where it would sync."""
+
     def forward(self, input: Tensor) -> Tensor:
-        if self.momentum is None and self.training:
-            return _cumulative_batch_norm(self, input)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return nn.SyncBatchNorm.forward(self, input)  # type: ignore[arg-type]
         return super().forward(input)
+
+
+class BatchableSyncBatchNorm(_CumulativeSync, nn.SyncBatchNorm):
+    """``nn.SyncBatchNorm`` whose ``momentum=None`` training forward ``vmap`` batches, where
+    it does not sync (``torch.distributed`` not initialized)."""
+
+
+class _Refused(_BatchNorm):
+    """A BatchNorm subclass with its own ``forward``, ``momentum=None``: torch's cumulative
+    factor, if that forward reaches it, fails under ``vmap`` with an error that names neither
+    the layer nor the setting; this says both, and the ways out."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not (self.momentum is None and self.training):  # no try block for dynamo to trace
+            return super().forward(*args, **kwargs)
+        try:
+            return super().forward(*args, **kwargs)
+        except RuntimeError as err:
+            if ".item()" not in str(err):
+                raise
+            name = getattr(self, "_twin_of", type(self)).__name__
+            raise RuntimeError(
+                f"{name}, a BatchNorm subclass with its own `forward`, has momentum=None (a "
+                "cumulative average), whose factor torch computes as a Python float, which vmap "
+                "cannot batch; vmapens batches it for BatchNorm classes that keep torch's "
+                "`forward` only. Give it a float `momentum`, or build the ensemble with "
+                f"backend='loop' ({err})"  # whose words the ensemble's message recognises
+            ) from err
+
+
+class _Twin:
+    """What a twin made for a subclass (``_subclass_twin``) pickles and deep-copies as: a new
+    class each process, so it is rebuilt from the user's class, found by name as usual."""
+
+    _twin_of: type
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        reduced = super().__reduce_ex__(protocol)  # (copyreg's, (twin,), state, ...)
+        return (_rebuilt, (self._twin_of,), *reduced[2:])
+
+
+#: The twins made for BatchNorm subclasses, by the user's class.
+_TWINS: dict[type, type[nn.Module]] = {}
+
+
+def _subclass_twin(cls: type) -> type[nn.Module]:
+    """``cls`` (a subclass of one of ``_CUMULATIVE``) with its twin's forward first where
+    ``cls`` keeps torch's ``forward``, else ``_Refused``'s; one class per ``cls``."""
+    if cls not in _TWINS:
+        base = next(b for b in cls.__mro__ if b in _CUMULATIVE)
+        own = cls.forward is not base.forward  # type: ignore[attr-defined]
+        # the named twin's first base holds its forward (``_Cumulative``, ``_CumulativeSync``)
+        mixin = _Refused if own else _CUMULATIVE[base].__bases__[0]
+        name = f"Batchable{cls.__name__}"
+        twin = type(name, (_Twin, mixin, cls), {"_twin_of": cls, "__module__": cls.__module__})
+        twin.__qualname__ = f"{cls.__qualname__}<batchable>"
+        _TWINS[cls] = twin
+    return _TWINS[cls]
+
+
+def _rebuilt(cls: type) -> nn.Module:
+    """An empty module of ``cls``'s twin, for pickle to set the state of."""
+    twin: type[nn.Module] = _subclass_twin(cls)
+    return twin.__new__(twin)
 
 
 def _memory_order(t: Tensor) -> list[int] | None:
@@ -196,6 +272,7 @@ _CUMULATIVE: dict[type, type] = {
     nn.BatchNorm1d: BatchableBatchNorm1d,
     nn.BatchNorm2d: BatchableBatchNorm2d,
     nn.BatchNorm3d: BatchableBatchNorm3d,
+    nn.SyncBatchNorm: BatchableSyncBatchNorm,
 }
 
 #: Forward pre-hooks re-classed in place: the module's state_dict hooks hold the same object.
@@ -204,10 +281,10 @@ _BATCHABLE_HOOKS: dict[type, type] = {SpectralNorm: BatchableSpectralNormHook}
 
 def twin_class(module: nn.Module) -> type:
     """The class ``batchable`` gives ``module``'s copy (``type(module)`` if none)."""
-    target = _BATCHABLE.get(type(module))
-    if getattr(module, "momentum", 0.1) is None:
-        target = _CUMULATIVE.get(type(module), target)
-    return target or type(module)
+    cls = type(module)
+    if getattr(module, "momentum", 0.1) is None and issubclass(cls, tuple(_CUMULATIVE)):
+        return _CUMULATIVE.get(cls) or _subclass_twin(cls)
+    return _BATCHABLE.get(cls, cls)
 
 
 def batchable(module: nn.Module) -> nn.Module:
@@ -220,11 +297,14 @@ def batchable(module: nn.Module) -> nn.Module:
     support all flags (layers, bidirectional, batch_first, bias, dropout, nonlinearity,
     proj_size, unbatched input, given states); the attention twin takes its own path for
     plain self-attention and runs torch's ``forward`` for everything else. Subclasses of
-    those types are left alone, since their own ``forward`` may differ. So is an
-    ``nn.BatchNorm1d/2d/3d`` with ``momentum=None``, to a twin that computes torch's
-    cumulative average with a tensor factor, and ``spectral_norm``'s ``_SpectralNorm``
-    parametrization and old-style ``nn.utils.spectral_norm``'s ``SpectralNorm`` forward
-    pre-hook, to ones whose power iteration writes their buffers with ``copy_``.
+    those types are left alone, since their own ``forward`` may differ. Also re-classed: an
+    ``nn.BatchNorm1d/2d/3d`` or ``nn.SyncBatchNorm`` with ``momentum=None``, or a subclass
+    of one that keeps torch's ``forward``, to a twin that computes torch's cumulative
+    average with a tensor factor (a subclass with its own ``forward``, to one that says why
+    vmap fails on it), and
+    ``spectral_norm``'s ``_SpectralNorm`` parametrization and old-style
+    ``nn.utils.spectral_norm``'s ``SpectralNorm`` forward pre-hook, to ones whose power
+    iteration writes their buffers with ``copy_``.
     ``module`` itself is not changed; it may live on ``meta``.
 
     Args:

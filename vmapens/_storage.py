@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
@@ -22,7 +22,7 @@ from ._checks import as_ids, index_rows
 from ._members import check_same, named_tensors, non_persistent_buffers, signature
 from ._padding import Padding
 from ._stacking import check_applied, follow_flags, hooks_of, migrated_keys, scrub_, staged
-from ._storage_parts import member_count_hint, member_format, padded_values, paired
+from ._storage_parts import in_mode, member_count_hint, member_format, padded_values, paired
 from ._unbatchable import SparseLayer, sparse_layers
 
 __all__ = ["StackedModule"]
@@ -97,19 +97,10 @@ class StackedModule(nn.Module):
         attributes.follow()
         follow_flags(params, synced)
 
-    @contextlib.contextmanager
-    def _evaluating(self) -> Iterator[None]:
+    def _evaluating(self) -> contextlib.AbstractContextManager[None]:
         """``eval()`` inside; afterwards every submodule is back in its own mode, where
         ``train()`` would also switch a BatchNorm the user froze in eval mode."""
-        modules = [self, *self._template.modules()]
-        modes = [m.training for m in modules]
-        self.eval()
-        try:
-            yield
-        finally:
-            for m, mode in zip(modules, modes, strict=True):
-                m.training = mode
-            self._follow_template()
+        return in_mode(self, False, [self, *self._template.modules()], self._follow_template)
 
     def __len__(self) -> int:
         return len(self.member_ids)

@@ -4,7 +4,8 @@ state dict of another ensemble size gets."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 from ._attributes import Watched
 from ._stacking import recomputed
 
-__all__ = ["member_count_hint", "member_format", "padded_values", "paired"]
+__all__ = ["in_mode", "member_count_hint", "member_format", "padded_values", "paired"]
 
 #: ``StackedModule._followers``: (template module, runner or padded module) pairs; (stacked
 #: parameter, template parameter) pairs; weight_norm's (module, name, meta tensor); the flags
@@ -53,6 +54,24 @@ def paired(
         for m, name, _ in recomputed(t)
     ]
     return modules, grads, hooked, [p.requires_grad for p, _ in grads], attributes
+
+
+@contextlib.contextmanager
+def in_mode(
+    root: nn.Module, training: bool, modules: Iterable[nn.Module], then: Callable[[], None]
+) -> Iterator[None]:
+    """``root.train(training)`` inside; afterwards each of ``modules`` is back in its own mode
+    (where ``root.train(not training)`` would also switch a submodule set apart, a BatchNorm
+    the user froze in eval mode), then ``then()`` runs (the ensemble's ``_follow_template``,
+    for the modules it runs). ``modules`` must hold every module ``root.train`` reaches."""
+    kept = [(m, m.training) for m in modules]
+    try:
+        root.train(training)
+        yield
+    finally:
+        for m, mode in kept:
+            m.training = mode
+        then()
 
 
 #: Per member: the memory format's order of the dims after the first two (channels last).

@@ -14,10 +14,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim.swa_utils import AveragedModel
 
+from ._storage_parts import in_mode
 from .ensemble import Ensemble
 
 __all__ = ["update_bn"]
@@ -109,8 +109,12 @@ def update_bn(
     Raises:
         TypeError: ``model`` is not an Ensemble or an AveragedModel of one; ``loader`` is
             not iterable. Nothing changes then.
+        RuntimeError: a BatchNorm subclass with its own ``forward`` reaches torch's
+            cumulative factor, which ``vmap`` cannot batch: build with ``backend="loop"``
+            (``vmapens._batchable``). Nothing changes then.
 
     Example:
+        >>> from torch import nn
         >>> from torch.optim.swa_utils import AveragedModel
         >>> ens = Ensemble(lambda: nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), n=2, seed=0)
         >>> swa = AveragedModel(ens)
@@ -128,34 +132,30 @@ def update_bn(
     if not layers:
         return
     # Modes of every module involved: the wrapper, the ensemble and the member's submodules.
-    modules: list[nn.Module] = [*model.modules(), *ens.template.modules()]
-    modes = [m.training for m in modules]
+    modules = [*model.modules(), *ens.template.modules()]
     # Set on the template, as torch sets it on the model: the module the ensemble runs
     # follows it at the next call (under vmap, as a twin that keeps torch's 1/count factor a
     # tensor), and follows it back at the end.
     momenta = [(m, m.momentum) for _, m in layers]
     saved = {k: t.clone() for k, t in ens.stacked_buffers().items()}
-    try:
-        _reset_(ens, layers)
-        model.train()
-        for layer, _ in momenta:
-            layer.momentum = None
-        for batch in loader:
-            if isinstance(batch, (list, tuple)):
-                batch = batch[0]
-            if device is not None:
-                batch = batch.to(device)
-            if in_dims is None:
-                model(batch)
-            else:
-                model(batch, in_dims=in_dims)
-    except BaseException:
-        for k, t in ens.stacked_buffers().items():
-            t.copy_(saved[k])
-        raise
-    finally:
-        for layer, momentum in momenta:
-            layer.momentum = momentum
-        for module, mode in zip(modules, modes, strict=True):
-            module.training = mode
-        ens._follow_template()
+    with in_mode(model, True, modules, ens._follow_template):
+        try:
+            _reset_(ens, layers)
+            for layer, _ in momenta:
+                layer.momentum = None
+            for batch in loader:
+                if isinstance(batch, (list, tuple)):
+                    batch = batch[0]
+                if device is not None:
+                    batch = batch.to(device)
+                if in_dims is None:
+                    model(batch)
+                else:
+                    model(batch, in_dims=in_dims)
+        except BaseException:
+            for k, t in ens.stacked_buffers().items():
+                t.copy_(saved[k])
+            raise
+        finally:
+            for layer, momentum in momenta:
+                layer.momentum = momentum
