@@ -427,12 +427,13 @@ class Plain:
             bad_step = [False] * n
             if validated:
                 vals, outs = self.validate(d, stream)
-                vals = [v if running[i] else math.nan for i, v in enumerate(vals)]
+                scored = [running[i] and not diverged[i] for i in range(n)]  # not its bad epoch
+                vals = [v if scored[i] else math.nan for i, v in enumerate(vals)]
                 val_rows.append(vals)
                 watched = vals
                 if s["metric"]:
                     yv = d["val"][1]
-                    scores = [float(score(o, yv)) if running[i] else math.nan
+                    scores = [float(score(o, yv)) if scored[i] else math.nan
                               for i, o in enumerate(outs)]  # fmt: skip
                     metric_rows.append(scores)
                     kept = [o for o, gone in zip(outs, diverged, strict=True) if not gone]

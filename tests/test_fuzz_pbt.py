@@ -574,27 +574,25 @@ def test_a_resume_with_other_pbt_settings_is_refused(tmp_path: Path) -> None:
     assert [e for e, _, _ in run(1, None).log] == [0, 1, 2, 3]  # the same settings resume
 
 
-def test_a_metric_named_loss_leaves_val_loss_the_validation_loss() -> None:
+def test_a_metric_named_loss_is_refused_and_an_older_history_keeps_val_loss_its_own() -> None:
     # recorded() let metric "loss" take the name "val_loss": member_scores (whose default it
     # is) and PBT's default monitor ranked by that metric, while EarlyStopping("val_loss")
-    # followed the validation loss.
+    # followed the validation loss. fit now refuses the name before anything changes; a
+    # History written before that (built here by hand) still ranks by the validation loss.
     alone = [Net(3, False, False).double() for _ in range(3)]
     ens = vmapens.Ensemble.from_modules(alone)
-    want = []
-    for m, lr in zip(alone, [0.01, 0.1, 0.5], strict=True):  # the truth: each alone, 2 epochs
-        opt, losses = torch.optim.SGD(m.parameters(), lr=lr), []
-        for _ in range(2):
-            opt.zero_grad()
-            nn.functional.cross_entropy(m(X), Y).backward()
-            opt.step()
-            with torch.no_grad():
-                losses.append(float(nn.functional.cross_entropy(m(XV), YV)))
-        want.append(min(losses))
+    before = {k: v.clone() for k, v in ens.state_dict().items()}
     wrong = {"loss": lambda out, y: 1 - accuracy(out, y)}  # an error rate, named "loss"
-    h = vmapens.fit(ens, (X, Y), nn.CrossEntropyLoss(), epochs=2, optimizer=vmapens.StackedSGD,
+    with pytest.raises(ValueError, match="`metrics` cannot hold a metric named 'loss'"):
+        vmapens.fit(ens, (X, Y), nn.CrossEntropyLoss(), epochs=2, optimizer=vmapens.StackedSGD,
                     lr=[0.01, 0.1, 0.5], val_data=(XV, YV), metrics=wrong, progress=False)  # fmt: skip
-    scores = vmapens.selection.member_scores(h)
-    torch.testing.assert_close(scores, torch.tensor(want, dtype=torch.float64), **TOL64)
+    for k, v in ens.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    h = vmapens.History.empty([0, 1, 2], True, ["loss"])
+    g = torch.Generator().manual_seed(5)
+    h.val_loss = torch.rand(2, 3, generator=g, dtype=torch.float64)
+    h.metrics = {"loss": torch.rand(2, 3, generator=g, dtype=torch.float64)}
+    assert torch.equal(vmapens.selection.member_scores(h), h.val_loss.amin(0))
     assert torch.equal(vmapens.selection.member_scores(h, "loss"), h.metrics["loss"].amin(0))
 
 

@@ -77,17 +77,25 @@ class Evaluator:
 
     def record(self, h: History, mean_loss: Tensor, running: Tensor, diverged: Tensor) -> None:
         """Append this epoch's row to ``h``: NaN for members that did not train (``running``
-        False); the ensemble metrics average the members that have not ``diverged``."""
+        False); the ensemble metrics average the members that have not ``diverged``.
+
+        A member that diverged during this epoch (``running`` and ``diverged``) keeps its
+        non-finite training loss, but its validation loss and metrics are NaN: they would
+        score the weights a non-finite loss left it (an accuracy of NaN outputs is a number),
+        which no best-epoch restore gives back. Early stopping, schedulers, ``selection``,
+        ``Sweep`` and ``PBT`` read these tables, so this is the one place that rule lives.
+        """
         nan = torch.tensor(math.nan, dtype=torch.float64)
         h.train_loss = torch.cat([h.train_loss, torch.where(running, mean_loss.cpu(), nan)[None]])
         if self.val is None:
             return
         val, (per, whole) = self._forward(lambda out, y: self._score(out, y, diverged))
+        scored = running & ~diverged
         assert h.val_loss is not None  # History.empty made it: there is validation data
-        h.val_loss = torch.cat([h.val_loss, torch.where(running, val, nan)[None]])
+        h.val_loss = torch.cat([h.val_loss, torch.where(scored, val, nan)[None]])
         if h.metrics is not None and h.ensemble_metrics is not None:
             for k, value in per.items():
-                h.metrics[k] = torch.cat([h.metrics[k], torch.where(running, value, nan)[None]])
+                h.metrics[k] = torch.cat([h.metrics[k], torch.where(scored, value, nan)[None]])
                 h.ensemble_metrics[k] = torch.cat([h.ensemble_metrics[k], whole[k][None]])
 
     def _forward(self, then: Callable[[Any, Tensor], Any]) -> Any:

@@ -17,7 +17,30 @@ from .ensemble import Ensemble, check_ensemble
 from .optim import StackedAdam, StackedOptimizer
 from .step import make_step
 
-__all__ = ["MOVED", "STEP_OPTIONS", "Checked", "build_optimizer", "check_arguments"]
+__all__ = [
+    "MOVED",
+    "STEP_OPTIONS",
+    "Checked",
+    "build_optimizer",
+    "check_arguments",
+    "check_metric_names",
+]
+
+#: Names a metric cannot take, and what they would shadow: the History's loss tables (a metric
+#: is also read as ``"val_<name>"``, as EarlyStopping's ``monitor`` reads it) and the loggers'
+#: other per-member columns.
+RESERVED_METRIC_NAMES = {
+    "loss": "the validation loss 'val_loss' (a metric `name` is also read as 'val_<name>')",
+    "train_loss": "the History's training loss 'train_loss'",
+    "val_loss": "the History's validation loss 'val_loss'",
+    **{k: f"the loggers' column {k!r}" for k in ("lr", "epoch", "member")},
+}
+
+#: How others read metric ``name``: prefix -> who reads it so.
+_ALIASES = {
+    "val_": "EarlyStopping's `monitor`, vmapens.selection and Sweep",
+    "ensemble_": "the loggers' column of the averaged ensemble",
+}
 
 #: ``fit`` keywords of 0.2 that moved in 0.3.0, and where to (CHANGELOG.md lists them too).
 MOVED = {
@@ -85,6 +108,7 @@ def check_arguments(api: str, args: dict[str, Any]) -> Checked:
             )
     metrics = dict(args["metrics"] or {})
     check_metrics(api, metrics)
+    check_metric_names(api, metrics)
     if metrics and (val_data is None or isinstance(val_data, str) or val_dims is not None):
         raise ValueError(f"{api}: `metrics` need shared `val_data` as (X, Y) tensors")
     oob = isinstance(val_data, str)
@@ -125,6 +149,25 @@ def check_arguments(api: str, args: dict[str, Any]) -> Checked:
         step_options, hyperparameters, metrics, data_dims, val_dims, oob,
         None if oob or val_data is None else val_data,
     )  # fmt: skip
+
+
+def check_metric_names(api: str, metrics: Mapping[str, Any]) -> None:
+    """Refuse metric names that would shadow another table: a loss table of the History, a
+    logger column, or another metric's ``"val_<name>"`` (EarlyStopping's ``monitor``,
+    ``selection``) or ``"ensemble_<name>"`` (the loggers' averaged ensemble)."""
+    for name in metrics:
+        if name in RESERVED_METRIC_NAMES:
+            raise ValueError(
+                f"{api}: `metrics` cannot hold a metric named {name!r}: it would shadow "
+                f"{RESERVED_METRIC_NAMES[name]}; rename it"
+            )
+        for prefix, reader in _ALIASES.items():
+            other = name.removeprefix(prefix)
+            if name.startswith(prefix) and other in metrics:
+                raise ValueError(
+                    f"{api}: `metrics` names {name!r} and {other!r}, but {name!r} is also how "
+                    f"{reader} read metric {other!r}; rename one"
+                )
 
 
 def _in_dims(api: str, in_dims: Any) -> tuple[int | None, int | None]:

@@ -112,7 +112,10 @@ def fit(
             on ``val_data`` after each epoch in the same eval-mode forward as the validation
             loss: ``history.metrics[name]`` per member and ``history.ensemble_metrics[name]``
             for the output averaged over the members. Needs shared ``(X, Y)`` ``val_data``.
-            ``EarlyStopping(monitor="val_<name>")`` watches one.
+            ``EarlyStopping(monitor="val_<name>")`` watches one. A name may not shadow a
+            recorded table: ``"loss"`` (read as ``"val_loss"``), ``"train_loss"``,
+            ``"val_loss"``, the loggers' ``"lr"``, ``"epoch"``, ``"member"``, nor another
+            metric's ``"val_<name>"`` or ``"ensemble_<name>"``.
         optimizer: an optimizer over ``ens.parameters()``; or a ``vmapens.StackedOptimizer``
             class or a factory ``(ens) -> optimizer``, which ``fit`` calls as
             ``optimizer(ens, **hyperparameters)``. Default: ``vmapens.StackedAdam``. Freezing
@@ -190,10 +193,13 @@ def fit(
     # changes nothing; the seed is drawn after them, as a resume gives it.
     evaluator.check(api)  # one forward, loss and metrics: fails now, not after an epoch
     source = _source(api, ctx, data, c)  # draws nothing: a DataLoader is not iterated yet
-    with _kept_on_error(opt):  # a scheduler is built, then a resume can still be refused
+    # A scheduler is built, then a resume can still be refused, and the data is checked by the
+    # first step: until that step is done, a refused run gives the optimizer and RNG back.
+    kept = _Kept(opt)
+    with kept.on_error():
         for cb in objects:
             cb.on_fit_start(ctx)  # checks, then a resume (Checkpoint runs last)
-    ctx.stream.source = _seeded(api, ctx, source, data, c, evaluator)
+        ctx.stream.source = _seeded(api, ctx, source, data, c, evaluator)
     ctx.steps_per_epoch = steps if steps is not None else ctx.stream.source.length
     if compile == "auto":
         per_epoch = ctx.steps_per_epoch
@@ -202,6 +208,7 @@ def fit(
     masked = isinstance(opt, StackedOptimizer)  # the mask freezes stopped members whole
     eager_cpu = compile is False and device.type == "cpu"
     per_step = [cb for cb in objects if type(cb).on_step_end is not Callback.on_step_end]
+    first = ctx.step  # a resume's step count
     try:
         for cb in objects:
             cb.on_train_start(ctx)
@@ -239,6 +246,10 @@ def fit(
                 fn(history)
         for cb in objects:
             cb.on_fit_end(ctx)
+    except BaseException:
+        if ctx.step == first:  # refused by the first step (data that does not fit, the check)
+            kept.restore()
+        raise
     finally:
         for cb in objects:
             cb.teardown(ctx)
@@ -296,20 +307,34 @@ def _first(kinds: tuple[type, ...], cb: Callback) -> int:
     return order[0] if order else kinds.index(Callback)
 
 
-@contextlib.contextmanager
-def _kept_on_error(opt: torch.optim.Optimizer) -> Iterator[None]:
-    """Give ``opt``'s hyperparameters and ``step`` back if the block raises: a torch scheduler
-    built on it sets ``lr`` (``fill_`` for a tensor ``lr``), adds ``initial_lr`` and wraps
-    ``opt.step``, and the resume check that follows may refuse the run."""
-    groups = [
-        {k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups
-    ]
-    step = vars(opt).get("step")
-    try:
-        yield
-    except BaseException:
+class _Kept:
+    """``opt``'s hyperparameters and ``step``, and torch's global RNG, as they were when made.
+
+    A torch scheduler built on ``opt`` sets ``lr`` (``fill_`` for a tensor ``lr``), adds
+    ``initial_lr`` and wraps ``opt.step``, and ``fit`` draws its seed from the RNG: a run
+    refused before its first step (a resume refused, data that does not fit) gives them back,
+    so a second call with the same optimizer starts from the same learning rates.
+    """
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt, self.rng = opt, torch.get_rng_state()
+        self.groups = [
+            {k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups
+        ]
+        self.step = vars(opt).get("step")
+
+    @contextlib.contextmanager
+    def on_error(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            self.restore()
+            raise
+
+    def restore(self) -> None:
+        opt = self.opt
         with torch.no_grad():
-            for group, saved in zip(opt.param_groups, groups, strict=True):
+            for group, saved in zip(opt.param_groups, self.groups, strict=True):
                 for k in [k for k in group if k != "params" and k not in saved]:
                     del group[k]
                 for k, v in saved.items():
@@ -317,11 +342,11 @@ def _kept_on_error(opt: torch.optim.Optimizer) -> Iterator[None]:
                         group[k].copy_(v)  # the tensor itself: a scheduler holds on to it
                     else:
                         group[k] = v
-        if step is None:
+        if self.step is None:
             vars(opt).pop("step", None)
         else:
-            opt.step = step  # type: ignore[method-assign]
-        raise
+            opt.step = self.step  # type: ignore[method-assign]
+        torch.set_rng_state(self.rng)
 
 
 def _source(api: str, ctx: Context, data: Any, c: Checked) -> Any:

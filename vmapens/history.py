@@ -23,18 +23,20 @@ class History:
     Attributes:
         train_loss: ``[epochs, n]`` each member's mean training loss over each epoch: the
             mean of the epoch's step losses (as ``loss_fn`` gave them, before each update),
-            every step one weight whatever its batch's size; NaN once a member has stopped
-            (early stopping or divergence), non-finite in the epoch where it diverged.
-        val_loss: ``[epochs, n]`` validation loss (NaN once a member has stopped), or
-            ``None`` without ``val_data``.
+            every step one weight whatever its batch's size; NaN in the epochs after the one
+            a member stopped in (early stopping or divergence), non-finite in the epoch it
+            diverged in.
+        val_loss: ``[epochs, n]`` validation loss (NaN in the epochs after the one a member
+            stopped in, and in the epoch it diverged in: no score of the weights a non-finite
+            loss left), or ``None`` without ``val_data``.
         best_epoch: ``[n]`` epoch (0-based) of each member's lowest validation loss, ``-1``
             without ``val_data`` (or if it never had a finite one).
         stopped_epoch: ``[n]`` epoch at the end of which each member stopped training (patience
             ran out or it diverged), ``-1`` for members that trained to the end.
         diverged: ``[n]`` bool, True for members whose training loss became NaN/inf.
         member_ids: global index of each column (``ens.member_ids``).
-        metrics: name -> ``[epochs, n]`` validation metric of each member (NaN once it has
-            stopped), for ``fit(..., metrics={name: fn})``; ``None`` without metrics.
+        metrics: name -> ``[epochs, n]`` validation metric of each member (NaN where
+            ``val_loss`` is), for ``fit(..., metrics={name: fn})``; ``None`` without metrics.
         ensemble_metrics: name -> ``[epochs]`` the metric of the ensemble's averaged output
             (members that diverged left out); ``None`` without metrics, and in a history
             merged by ``vmapens.sharding.gather_history`` (each rank scored its own block).

@@ -25,6 +25,7 @@ except ImportError as err:  # pragma: no cover - exercised by a test that hides 
     ) from err
 
 from ._checks import check_choice, check_int
+from ._fit_checks import check_metric_names
 from ._lightning_rng import ResumesRNG
 from .ensemble import Ensemble, check_ensemble
 from .losses import per_member
@@ -154,6 +155,7 @@ class EnsembleModule(ResumesRNG, L.LightningModule):
                     f"{api}: `metrics` must map names to callables (output, target) -> scalar or "
                     f"metric objects, got {name!r}: {type(fn).__name__}"
                 )
+        check_metric_names(api, metrics)  # "loss" would log a second "val_loss", as in fit
         allowed = ["val_loss", *(f"val_{k}" for k in metrics)]
         if monitor not in allowed:
             raise ValueError(f"{api}: `monitor` must be one of {allowed}, got {monitor!r}")

@@ -51,8 +51,8 @@ def member_scores(history: History, metric: str = "val_loss", mode: str = "min")
     """Each member's best value of ``metric`` over the epochs, ``[n]`` float64.
 
     The best value is what ``fit(..., restore_best=True)`` leaves each member at when
-    ``metric`` is the monitored one: the epoch a member diverged in does not count (it was
-    frozen during it, on a non-finite loss). Members with no finite value get NaN. After
+    ``metric`` is the monitored one (``fit`` records no validation score in the epoch a
+    member diverged in). Members with no finite value get NaN. After
     ``vmapens.pbt.PBT`` rounds a copied member's column still holds its own values from before
     the copy, while ``restore_best`` gives it its source's best state: rank such a run by the
     early stopper's ``best_val`` (lower is better in either mode): ``best_k(ens,
@@ -85,13 +85,6 @@ def _scores(history: History, metric: str, mode: str, api: str, arg: str) -> Ten
     table = metric_table(history, metric, api, "metric")
     if table.shape[0] == 0:
         raise ValueError(f"{api}: `{arg}` has no epochs recorded, so no member has a score")
-    # A member's row of the epoch it diverged in scores the weights a non-finite loss left it
-    # (an accuracy of NaN outputs is a number), which no best-epoch restore takes: no score.
-    gone = history.diverged & (history.stopped_epoch >= 0) & (history.stopped_epoch < len(table))
-    if bool(gone.any()):
-        cols = gone.nonzero().flatten()
-        table = table.clone()
-        table[history.stopped_epoch[cols], cols] = torch.nan
     finite = torch.isfinite(table)
     fill = torch.inf if mode == "min" else -torch.inf
     values = table.masked_fill(~finite, fill)

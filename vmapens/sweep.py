@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ._checks import check_choice, check_int
+from ._fit_checks import check_metric_names
 from ._sweep_parts import PlainTrial, fixed_names, hyper_table, per_member
-from .callbacks import Callback, Context, EarlyStopping
+from .callbacks import Callback, Checkpoint, Context, EarlyStopping
 from .ensemble import Ensemble
 from .fit import fit
 from .history import History
@@ -226,7 +228,8 @@ class Sweep:
         Raises:
             ValueError: bad counts, ``fit`` options the sweep sets itself, a ``monitor`` that
                 ``fit`` will not record, hyperparameters the optimizer does not take,
-                ``bootstrap=True`` over several rounds.
+                ``bootstrap=True`` or a checkpoint over several rounds, a checkpoint that
+                exists once this Sweep has asked trials (its new trials would resume them).
         """
         api = "Sweep.run"
         if n_trials is None:
@@ -245,6 +248,25 @@ class Sweep:
                 f"{api}: bootstrap=True needs every trial in one ensemble (per_ensemble=None "
                 f"or >= n_trials), got per_ensemble={per_ensemble} for {n_trials} trials: "
                 "later rounds would reuse the first round's resamples"
+            )
+        paths = [fit_options["checkpoint"]] if fit_options.get("checkpoint") is not None else []
+        paths += [cb.path for cb in fit_options.get("callbacks", ()) if isinstance(cb, Checkpoint)]
+        if paths and self._asked and any(os.path.exists(p) for p in paths):
+            # This sweep's next trials are new ones: resuming would report the earlier trials'
+            # values for them. A new Sweep asks the same trials again and resumes them.
+            raise ValueError(
+                f"{api}: the checkpoint {os.fspath(paths[0])!r} exists and this Sweep has "
+                f"already asked {self._asked} trials: its new trials would resume the earlier "
+                "ones' run; pass another checkpoint path"
+            )
+        if paths and per < n_trials:
+            # One file for every round: the second round resumed the first's ensemble and
+            # history (same member rows, and the same hyperparameters with a cycling grid), so
+            # its trials reported the first round's values.
+            raise ValueError(
+                f"{api}: a checkpoint names one file, and each round trains its own ensemble: "
+                f"a later round would resume an earlier one; with per_ensemble={per_ensemble} "
+                f"for {n_trials} trials, pass per_ensemble=None (one round) or no checkpoint"
             )
         self._check_monitor(api, fit_options)
         names = self._probe(api)
@@ -269,6 +291,8 @@ class Sweep:
     def _check_monitor(self, api: str, options: dict[str, Any]) -> None:
         """Raise unless ``fit`` will record the monitor, given its options."""
         metrics, validated = options.get("metrics"), options.get("val_data") is not None
+        if isinstance(metrics, Mapping):
+            check_metric_names(api, metrics)  # fit would refuse them after trials were asked
         names = list(metrics) if validated and isinstance(metrics, Mapping) else []
         # The tables a History of fit with these options holds: what metric_table finds.
         tables = list(recorded(History.empty([], validated, names)))

@@ -18,9 +18,10 @@ def epoch_scalars(
 ) -> tuple[dict[str, list[float]], dict[str, float]]:
     """This epoch's per-member scalars (name -> one float per member) and ensemble scalars.
 
-    Per member: ``train_loss``, ``val_loss`` and every metric (NaN once a member has stopped),
-    and ``lr``: ``lr`` if given (the loggers give :func:`member_lrs` read at the epoch's
-    start), else :func:`member_lrs` now. Of the ensemble: ``ensemble_<metric>``.
+    Per member: ``train_loss``, ``val_loss`` and every metric (NaN after the epoch a member
+    stopped in, and the validation scores of the epoch it diverged in), and ``lr``: ``lr`` if
+    given (the loggers give :func:`member_lrs` read at the epoch's start), else
+    :func:`member_lrs` now. Of the ensemble: ``ensemble_<metric>``.
     """
     h = ctx.history
     per: dict[str, list[float]] = {"train_loss": h.train_loss[-1].tolist()}

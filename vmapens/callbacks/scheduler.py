@@ -96,21 +96,35 @@ class LRScheduler(Callback):
         interval, for the resume check; ``None`` before ``fit`` built it."""
         if self.scheduler is None:
             return None
-        state = self.scheduler.state_dict()
-        own = {k: repr(v) for k, v in state.items() if not k.startswith("_")}
-        # Derived from the optimizer, or the run's state (ReduceLROnPlateau's record, one
-        # entry per member here: a rank's block or another world size holds other members).
-        # default_min_lr: whether min_lr was one value, which min_lrs shows; checkpoints
-        # written before the per-member ReduceLROnPlateau kept it hold no such setting.
-        for derived in ("base_lrs", "last_epoch", "optimizer", "default_min_lr", *_RECORD):
-            own.pop(derived, None)
-        return {"class": type(self.scheduler).__name__, "interval": self.interval, **own}
+        return {"class": type(self.scheduler).__name__, "interval": self.interval,
+                **_own_settings(self.scheduler)}  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         return {} if self.scheduler is None else self.scheduler.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state)
+
+
+def _own_settings(scheduler: Any) -> dict[str, Any]:
+    """``scheduler``'s own settings as text, and those of the schedulers a ``SequentialLR`` /
+    ``ChainedScheduler`` holds with its milestones (their state keys start with ``_``, which a
+    resume compared as nothing: another inner scheduler or milestone resumed unnoticed, and
+    the checkpoint's states then overwrote this run's)."""
+    state = scheduler.state_dict()
+    own = {k: repr(v) for k, v in state.items() if not k.startswith("_")}
+    # Derived from the optimizer, or the run's state (ReduceLROnPlateau's record, one
+    # entry per member here: a rank's block or another world size holds other members).
+    # default_min_lr: whether min_lr was one value, which min_lrs shows; checkpoints
+    # written before the per-member ReduceLROnPlateau kept it hold no such setting.
+    for derived in ("base_lrs", "last_epoch", "optimizer", "default_min_lr", *_RECORD):
+        own.pop(derived, None)
+    if "_milestones" in state:
+        own["milestones"] = repr(state["_milestones"])
+    inner = getattr(scheduler, "_schedulers", None)
+    if inner:
+        own["schedulers"] = repr([{"class": type(s).__name__, **_own_settings(s)} for s in inner])
+    return own
 
 
 def build_scheduler(
@@ -142,6 +156,7 @@ def build_scheduler(
             )
         scheduler = scheduler(optimizer)
         return build_scheduler(api, scheduler, optimizer, interval, validated)
+    _refuse_nested_plateau(api, scheduler)
     if getattr(scheduler, "optimizer", optimizer) is not optimizer:
         raise ValueError(
             f"{api}: `scheduler` was built on another optimizer; build it on the one fit "
@@ -160,3 +175,22 @@ def build_scheduler(
                 "validation loss and needs `val_data`, got None"
             )
     return scheduler
+
+
+def _refuse_nested_plateau(api: str, scheduler: Any, outer: str = "") -> None:
+    """Refuse a ReduceLROnPlateau inside a ``ChainedScheduler`` / ``SequentialLR``.
+
+    Those step what they hold without a metric, so vmapens's ReduceLROnPlateau (torch refuses
+    its own there) failed at the first epoch's end, after an epoch of training.
+    """
+    for k, inner in enumerate(getattr(scheduler, "_schedulers", None) or ()):
+        where = f"{outer}{type(scheduler).__name__}[{k}]"
+        if isinstance(inner, (ReduceLROnPlateau, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+            raise ValueError(
+                f"{api}: `scheduler` holds a ReduceLROnPlateau inside {where}, which steps it "
+                "without the validation loss it needs; give vmapens.optim.ReduceLROnPlateau as "
+                "`scheduler=` on its own and the other schedulers as "
+                "`callbacks=[vmapens.callbacks.LRScheduler(...)]` (each steps after every epoch, "
+                "the `scheduler=` one first)"
+            )
+        _refuse_nested_plateau(api, inner, f"{where} > ")
