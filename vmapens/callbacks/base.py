@@ -15,7 +15,7 @@ checkpoint and a resumed run continues exactly. A callback with state gives it t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -82,7 +82,8 @@ class Context:
         """Stop training ``members`` (rows) from now on, as early stopping would.
 
         They are frozen through the optimizer's mask and ``history.stopped_epoch`` records
-        this epoch.
+        this epoch; ``fit``'s schedulers step them no more (their learning rates stay as they
+        are now). No members (``[]``, an empty index tensor) stops nobody.
 
         Raises:
             TypeError: the optimizer is not a ``vmapens.StackedOptimizer`` (nothing could
@@ -96,7 +97,7 @@ class Context:
                 "vmapens.optim.stacked(torch.optim.<Name>))"
             )
         stop = torch.zeros(len(self.ensemble), dtype=torch.bool)
-        stop[index_rows("Context.stop", members, len(self.ensemble))] = True
+        stop[_rows("Context.stop", members, len(self.ensemble))] = True
         self._stop(stop & self._active.cpu())
 
     def _stop(self, stop: Tensor) -> None:
@@ -114,7 +115,7 @@ class Context:
         does.
         """
         n = len(self.ensemble)
-        s, d = index_rows("Context.inherit", src, n), index_rows("Context.inherit", dst, n)
+        s, d = _rows("Context.inherit", src, n), _rows("Context.inherit", dst, n)
         if len(s) != len(d):
             raise ValueError(
                 f"Context.inherit: `src` and `dst` must have the same length, got {len(s)} and "
@@ -160,6 +161,18 @@ class Context:
         self.stream.pass_, self.stream.pos = state["pass"], state["pos"]
         self.stream.resumed_rng = state.get("pass_rng")
         self._active.copy_(active)
+
+
+def _rows(api: str, members: Any, n: int) -> Tensor:
+    """``members`` as rows; an empty selection as no rows (``index_rows`` refuses it, as an
+    Ensemble of no members): ``ctx.stop(bad.nonzero().flatten())`` stops nobody when no member
+    is bad, as ``ctx.stop(bad)`` with an all-False mask does."""
+    if isinstance(members, Tensor) or type(members).__module__ == "numpy":
+        mask = "bool" in str(members.dtype)  # torch's or numpy's: a mask keeps its shape check
+        empty = not mask and members.ndim == 1 and len(members) == 0
+    else:
+        empty = isinstance(members, Sequence) and not isinstance(members, str) and not members
+    return torch.zeros(0, dtype=torch.int64) if empty else index_rows(api, members, n)
 
 
 def _device(ens: Ensemble) -> torch.device:

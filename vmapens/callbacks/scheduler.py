@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+import warnings
 from typing import Any
 
 import torch
@@ -9,7 +11,7 @@ from torch import Tensor
 
 from .._checks import check_choice
 from .._step_parts import attached_scheduler
-from ..optim import ReduceLROnPlateau
+from ..optim import MemberValues, ReduceLROnPlateau, StackedOptimizer
 from .base import Callback, Context
 
 __all__ = ["LRScheduler", "attached_scheduler", "build_scheduler"]
@@ -27,6 +29,15 @@ class LRScheduler(Callback):
     ``vmapens.optim.ReduceLROnPlateau`` steps after every epoch on each member's validation loss (it
     needs ``val_data`` and ``interval="epoch"``, checked before the first step). The scheduler's
     state is in the checkpoint.
+
+    A member that stopped training (early stopping, divergence, ``Context.stop``) is not
+    stepped by the scheduler, as its own scheduler would no longer be stepped in a plain loop:
+    its learning rate (and what else the schedule sets, such as OneCycleLR's momentum) stays
+    as it was when it stopped, one value per member (``MemberValues``) from then on. The
+    schedulers run after ``Divergence`` and ``EarlyStopping``, so a member they stop at a step
+    or an epoch's end misses that step's or epoch's scheduler step. A 0-d tensor
+    hyperparameter holds one value for every member (torch's schedulers ``fill_`` it): the
+    stopped members' value then moves on with the others' (a ``UserWarning`` says so).
 
     Args:
         scheduler: an LR scheduler over the optimizer ``fit`` trains with, or a callable
@@ -57,6 +68,7 @@ class LRScheduler(Callback):
         check_choice("LRScheduler", "interval", interval, ("epoch", "step"))
         self.given, self.interval = scheduler, interval
         self.scheduler: Any = None
+        self._warned = False
 
     def on_fit_start(self, ctx: Context) -> None:
         validated = ctx.history.val_loss is not None
@@ -71,14 +83,70 @@ class LRScheduler(Callback):
 
     def on_step_end(self, ctx: Context) -> None:
         if self.interval == "step":
-            self.scheduler.step()
+            self._step(ctx, _stopped_at_step(ctx))
 
     def on_epoch_end(self, ctx: Context) -> None:
+        stopped = ~ctx._active.cpu()
         if isinstance(self.scheduler, ReduceLROnPlateau):
             assert ctx.history.val_loss is not None  # build_scheduler checked there is val_data
-            self.scheduler.step(ctx.history.val_loss[-1])
+            mask = ~stopped if bool(stopped.any()) else None
+            self.scheduler.step(ctx.history.val_loss[-1], mask=mask)
         elif self.interval == "epoch":
-            self.scheduler.step()
+            self._step(ctx, stopped)
+        elif ctx._active.device.type != "cpu":
+            self._warn_diverged(ctx)
+
+    def _step(self, ctx: Context, stopped: Tensor) -> None:
+        """Step the torch scheduler, then give the ``stopped`` members (``[n]`` bool) back
+        each group value the step changed for them."""
+        opt = ctx.optimizer
+        if not isinstance(opt, StackedOptimizer) or not bool(stopped.any()):
+            self.scheduler.step()  # the common path: nothing to keep
+            return
+        before = [
+            {k: v.clone() if isinstance(v, Tensor) else v for k, v in g.items() if k != "params"}
+            for g in opt.param_groups
+        ]
+        self.scheduler.step()
+        rows = stopped.tolist()
+        for group, old in zip(opt.param_groups, before, strict=True):
+            for key, value in old.items():
+                kept = _keep_rows(value, group[key], rows)
+                if kept is _SHARED:
+                    self._warn_tensor(key)
+                else:
+                    group[key] = kept
+        if isinstance(getattr(self.scheduler, "_last_lr", None), list):  # get_last_lr()
+            self.scheduler._last_lr = [
+                g["lr"].clone() if isinstance(g["lr"], Tensor) else g["lr"]
+                for g in opt.param_groups
+            ]
+
+    def _warn_tensor(self, key: str) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"fit: the scheduler changed `{key}`, a 0-d tensor, for the members that stopped "
+                "training too: a tensor holds one value for all members (torch's schedulers "
+                f"fill_ it), so theirs moves on with the others'; give `{key}` as a float or one "
+                "value per member to keep a stopped member's value",
+                stacklevel=3,
+            )
+
+    def _warn_diverged(self, ctx: Context) -> None:
+        """On an accelerator a per-step scheduler learns of a member that diverged mid-epoch at
+        the epoch's end (reading ``ctx._active`` on the host every step would wait for the
+        device every step): it stepped that member's values until then."""
+        h = ctx.history
+        late = h.diverged & (h.stopped_epoch == ctx.epoch)
+        if bool(late.any()) and isinstance(ctx.optimizer, StackedOptimizer):
+            warnings.warn(
+                f"fit: members {late.nonzero().flatten().tolist()} diverged during epoch "
+                f"{ctx.epoch}; on {ctx._active.device.type} the per-step scheduler kept stepping "
+                "their learning rates until the epoch's end (on the CPU they stop at the step "
+                "they diverged at)",
+                stacklevel=3,
+            )
 
     def on_inherit(self, ctx: Context, src: Tensor, dst: Tensor) -> None:
         # vmapens.optim.ReduceLROnPlateau keeps a best value, a bad-epoch count and a cooldown
@@ -104,6 +172,51 @@ class LRScheduler(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state)
+
+
+#: What :func:`_keep_rows` gives for a value that holds one number for every member.
+_SHARED = object()
+
+
+def _stopped_at_step(ctx: Context) -> Tensor:
+    """``[n]`` bool, the members a per-step scheduler leaves alone: those not training, read
+    from ``ctx._active`` on the CPU; on an accelerator those the host knows stopped
+    (``history.stopped_epoch``), without waiting for the device: one that diverged during
+    this epoch is known at the epoch's end."""
+    if ctx._active.device.type == "cpu":
+        return ~ctx._active
+    return ctx.history.stopped_epoch >= 0
+
+
+def _keep_rows(old: Any, new: Any, stopped: list[bool]) -> Any:
+    """``new``, one group value as a scheduler step left it, with the ``stopped`` members'
+    rows of ``old`` (its value before the step) put back: ``MemberValues`` where members then
+    differ, ``new`` itself where the step changed none of theirs. ``_SHARED`` where that cannot
+    be held: a 0-d tensor changed (one value for all members)."""
+    if new is old:
+        return new
+    if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
+        parts = [_keep_rows(o, w, stopped) for o, w in zip(old, new, strict=True)]
+        return _SHARED if any(p is _SHARED for p in parts) else tuple(parts)
+    olds, news = _rows(old, len(stopped)), _rows(new, len(stopped))
+    if olds is None or news is None:  # not a number: torch's schedulers set numbers only
+        if isinstance(old, Tensor) and isinstance(new, Tensor):
+            return new if torch.equal(old, new) else _SHARED
+        return new
+    if all(o == w for o, w, s in zip(olds, news, stopped, strict=True) if s):
+        return new
+    return MemberValues(o if s else w for o, w, s in zip(olds, news, stopped, strict=True))
+
+
+def _rows(value: Any, n: int) -> list[float] | None:
+    """A hyperparameter's value per member: ``None`` for a 0-d tensor or a non-number."""
+    if isinstance(value, MemberValues):
+        return value.tolist()
+    if isinstance(value, Tensor):
+        return value.tolist() if value.dim() == 1 and len(value) == n else None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return [float(value)] * n
+    return None
 
 
 def _own_settings(scheduler: Any) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .._checks import check_choice
+from .._checks import check_choice, check_mask
 from ._hyper import as_member_values
 from ._values import MemberValues
 from .base import StackedOptimizer
@@ -23,8 +23,10 @@ class ReduceLROnPlateau:
     ``step(metrics)`` takes one value per member; member ``i``'s learning rate, best value,
     bad-epoch count and cooldown evolve exactly as a torch ReduceLROnPlateau would evolve them
     on a plain optimizer fed member ``i``'s values alone. Learning rates become
-    :class:`~vmapens.optim.MemberValues` in ``param_groups``. A non-finite metric (a member
-    that stopped) never counts as an improvement.
+    :class:`~vmapens.optim.MemberValues` in ``param_groups``. A non-finite metric never counts
+    as an improvement (it is a bad epoch, as in torch's); ``step(metrics, mask=...)`` leaves the
+    members that stopped training out instead, as their own schedulers would no longer be
+    stepped (``fit`` passes the members still training).
 
     Args:
         optimizer: a StackedOptimizer.
@@ -112,16 +114,21 @@ class ReduceLROnPlateau:
         )
         return a > limit
 
-    def step(self, metrics: Tensor | Sequence[float]) -> None:
+    def step(self, metrics: Tensor | Sequence[float], mask: Tensor | None = None) -> None:
         """Record one value per member and reduce the learning rates of members on a plateau.
 
         Args:
             metrics: One value per member: a sequence, or a ``[n]`` tensor or numpy array.
+            mask: Optional bool ``[n]``: the members this step is for. The others keep their
+                best value, bad-epoch count, cooldown and learning rate, as a member's own
+                scheduler that is no longer stepped (their ``metrics`` are not read: NaN for
+                a member that stopped training).
 
         Raises:
             TypeError: ``metrics`` is one value (torch's scheduler takes one; this one takes
-                one per member) or holds something else than numbers.
-            ValueError: ``metrics`` does not hold n values.
+                one per member) or holds something else than numbers; ``mask`` is not a bool
+                tensor.
+            ValueError: ``metrics`` does not hold n values; ``mask`` is not ``[n]``.
             RuntimeError: a step that lowers a learning rate, after a param group was added
                 to the optimizer and ``min_lr`` was given one value per group (torch's scheduler
                 raises it then too); nothing changes.
@@ -142,6 +149,8 @@ class ReduceLROnPlateau:
             )
         if len(got) != n:
             raise ValueError(f"{api}: `metrics` needs {n} values, got {len(got)}")
+        check_mask(api, mask, n)
+        stepped = [True] * n if mask is None else mask.tolist()
         try:
             values = [float(v) for v in got]
         except (TypeError, ValueError) as err:
@@ -155,6 +164,8 @@ class ReduceLROnPlateau:
         )
         reduce = [False] * n
         for i, current in enumerate(values):
+            if not stepped[i]:
+                continue
             if self._better(current, best[i]):
                 best[i], bad[i] = current, 0
             else:
