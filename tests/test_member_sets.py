@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import vmapens
-from vmapens import member_files
+from vmapens import distributed, member_files
 from vmapens._member_manifest import _canonical
 from vmapens.distributed import member_blocks
 from vmapens.member_files import load_members
@@ -326,10 +326,10 @@ class TwoRanks:
 
 def test_a_sharded_save_writes_one_manifest_of_all_ranks(tmp_path, monkeypatch):
     ranks = TwoRanks()
-    monkeypatch.setattr(member_files, "world_size", lambda: 2)
-    monkeypatch.setattr(member_files, "rank", ranks.rank)
-    monkeypatch.setattr(member_files, "broadcast_object", ranks.broadcast_object)
-    monkeypatch.setattr(member_files.dist, "all_gather_object", ranks.all_gather_object)
+    for module in (member_files, distributed):
+        monkeypatch.setattr(module, "world_size", lambda: 2)
+        monkeypatch.setattr(module, "rank", ranks.rank)
+    monkeypatch.setattr(distributed.dist, "all_gather_object", ranks.all_gather_object)
     plain = linears(5, seed=0)
     full = vmapens.Ensemble.from_modules(plain)
     blocks = [full.select(list(b)) for b in member_blocks(5, 2)]  # each rank's block

@@ -162,18 +162,17 @@ def members_way_out(api: str, held: Any, ours: dict[str, Any]) -> str:
         )
     if api != "restore":  # load builds the stored members: only the class can differ
         return ""
-    same_run = held.get("n_total") == ours["n_total"]
-    out = (
-        f": restore fills an ensemble of exactly the stored members{', in order' * same_run}; "
-        "vmapens.load(path, factory) builds one (then build its optimizer and restore(path, "
-        "ens, optimizer))"
-    )
-    if not same_run:
-        return out
+    if held.get("n_total") == ours["n_total"]:  # the same run: `ours` holds others, or twice
+        return (
+            ": restore fills an ensemble of the stored members, or of some of them, each once "
+            "(ens.select(rows), a rank's block of a sharded ensemble); vmapens.load(path, "
+            "factory) builds one of them all (then build its optimizer and restore(path, ens, "
+            "optimizer))"
+        )
     return (
-        f"{out}; for some of them (this rank's block of a sharded ensemble too) take "
-        "ens.select(rows) and optimizer.select(rows, ens.select(rows)) of it; a fit "
-        "checkpoint resumes a sharded run with fit(..., checkpoint=path) on every rank"
+        ": restore fills an ensemble of the stored members (or some of them) of a run of "
+        f"{held.get('n_total')} members; vmapens.load(path, factory) builds one (then build "
+        "its optimizer and restore(path, ens, optimizer))"
     )
 
 

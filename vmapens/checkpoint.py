@@ -330,8 +330,13 @@ def restore(
 ) -> None:
     """Load a checkpoint into an existing ensemble (and optimizer, History), all or nothing.
 
-    A sharded ``fit`` checkpoint loads as the single-process run's would (``ens`` of all its
-    members), but for ``history.ensemble_metrics``: None, as ``gather_history`` gives.
+    ``ens`` holds the stored members, or some of them in any order (``ens.select(rows)`` of
+    the same run, or this rank's block of a sharded ensemble): each row gets the state of the
+    member whose global id it holds, as restoring the whole ensemble and then taking
+    ``ens.select(rows)`` and ``optimizer.select(rows, ...)`` would give. A sharded ``fit``
+    checkpoint loads as the single-process run's would. ``history.ensemble_metrics`` is
+    None when the file's members are not exactly ``ens``'s (it scored other members), as
+    ``gather_history`` gives.
 
     Raises:
         TypeError: ``ens``, ``optimizer``, ``history`` or ``path`` of the wrong type.
@@ -349,8 +354,7 @@ def _restore(
 ) -> None:
     where = os.fspath(path)
     check_member_ids(payload.get("members"), api, where)  # a file's list, before comparing it
-    if "blocks" in payload:
-        payload = _unsharded(payload, path, ens, api)
+    payload = _local(payload, path, ens, api)
     check_members(payload, ens, api, where)
     payload = relaid(payload, ens, optimizer)
     check_ensemble_state(payload.get("ensemble"), ens, api, where)
@@ -372,21 +376,42 @@ def _restore(
     apply_parts(payload, parts, api, where)
 
 
-def _unsharded(payload: dict, path: Any, ens: Ensemble, api: str) -> dict:
-    """A sharded fit checkpoint's parts as one process would hold them: the shared part at
-    ``path`` with every member's rows read from the blocks that hold them, in member-id order.
+def _local(payload: dict, path: Any, ens: Ensemble, api: str) -> dict:
+    """A checkpoint's parts for ``ens``'s members when it holds some of the file's, each once,
+    in its order: their rows, cut from a whole file or read from the blocks of a sharded one
+    that hold them (``localise``); else every member, in member-id order, from the blocks.
 
-    The members are checked against ``ens`` before any block is read; a missing, corrupt or
-    foreign block is a ValueError (``localise``), before anything changes. The History's
-    ``ensemble_metrics`` is None, as ``gather_history`` gives: the shared part holds rank 0's,
-    which scored its own block of members, not the ensemble.
+    A sharded checkpoint's members are checked against ``ens`` before any block is read; a
+    missing, corrupt or foreign block is a ValueError (``localise``), before anything changes.
+    Rows cut from a file of other members leave the History's ``ensemble_metrics`` None, as
+    ``gather_history`` gives: it scored those members (a sharded one holds rank 0's block's).
     """
     where = os.fspath(path)
-    ids, _ = check_member_ids(payload.get("members"), api, where)
-    whole = {**payload["members"], "member_ids": sorted(ids)}
-    check_members({**payload, "members": whole}, ens, api, where)
-    out = localise(payload, path, sorted(ids), api)
-    held = out.get("history")
-    if isinstance(held, dict) and held.get("ensemble_metrics") is not None:
-        out["history"] = {**held, "ensemble_metrics": None}
+    held, wanted = payload["members"], list(ens.member_ids)
+    ids = list(held["member_ids"])
+    same_run = same_class(held.get("class"), ens) and held["n_total"] == ens.n_total
+    if not same_run or not set(wanted) <= set(ids) or repeated(wanted):
+        if "blocks" not in payload:
+            return payload  # other members: check_members names them
+        wanted = sorted(ids)
+    elif wanted == ids and "blocks" not in payload:
+        return payload
+    if "blocks" in payload:
+        check_members({**payload, "members": _members_for(held, wanted)}, ens, api, where)
+    out = {**localise(payload, path, wanted, api), "members": _members_for(held, wanted)}
+    history = out.get("history")
+    if isinstance(history, dict) and history.get("ensemble_metrics") is not None:
+        out["history"] = {**history, "ensemble_metrics": None}
+    return out
+
+
+def _members_for(held: dict, wanted: list[int]) -> dict:
+    """A file's ``members`` entry for its members ``wanted``, in that order: their ids, and
+    for members of several sizes which size each has."""
+    out = {**held, "member_ids": wanted}
+    sizes, ids = held.get("sizes"), list(held["member_ids"])
+    kinds = sizes.get("kind_of") if isinstance(sizes, dict) else None
+    if isinstance(sizes, dict) and isinstance(kinds, list) and len(kinds) == len(ids):
+        at = {i: k for k, i in enumerate(ids)}
+        out["sizes"] = {**sizes, "kind_of": [kinds[at[i]] for i in wanted]}
     return out

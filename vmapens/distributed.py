@@ -227,25 +227,33 @@ def barrier() -> None:
         dist.barrier()
 
 
-def raise_together(api: str, err: BaseException | None) -> None:
-    """Raise on every rank if any rank failed: ``err`` where it happened, a ``RuntimeError``
-    naming that rank and its error on the others; nothing if none failed.
+def raise_together(
+    api: str,
+    err: BaseException | None,
+    value: Any = None,
+    what: str = "failed, so every rank stops",
+) -> list[Any]:
+    """Every rank's ``value``, in rank order; but if any rank failed, raise on every rank:
+    ``err`` where it happened, on the others a ``RuntimeError``
+    ``"{api}: rank {r} {what}: {its error}"``.
 
     A rank that raised alone would leave the others waiting in the next collective until the
-    group's timeout (30 minutes by default). A collective: every rank must call it at the same
-    point, with its own error or None.
+    group's timeout (30 minutes by default). A collective (one ``all_gather_object``): every
+    rank must call it at the same point, with its own error or None.
 
     Example:
-        >>> raise_together("fit", None)  # no process group, no error: returns
+        >>> raise_together("fit", None, 3)  # no process group, no error: this rank's value
+        [3]
     """
     if world_size() == 1:
         if err is not None:
             raise err
-        return
+        return [value]
     said: list[Any] = [None] * world_size()
-    dist.all_gather_object(said, None if err is None else f"{type(err).__name__}: {err}")
+    dist.all_gather_object(said, (value, None if err is None else f"{type(err).__name__}: {err}"))
     if err is not None:
         raise err
-    for r, message in enumerate(said):
+    for r, (_, message) in enumerate(said):
         if message is not None:
-            raise RuntimeError(f"{api}: rank {r} failed, so every rank stops: {message}")
+            raise RuntimeError(f"{api}: rank {r} {what}: {message}")
+    return [v for v, _ in said]

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-import torch.distributed as dist
 
 from ._checkpoint_files import FORMAT
 from ._checks import repeated
@@ -54,7 +53,7 @@ from ._member_manifest import (
     read_manifest,
     write_manifest,
 )
-from .distributed import broadcast_object, member_blocks, rank, world_size
+from .distributed import member_blocks, raise_together, rank, world_size
 from .ensemble import Ensemble, check_ensemble
 
 __all__ = ["MANIFEST", "MEMBER_KEY", "load_member", "load_members", "save_members"]
@@ -137,8 +136,9 @@ def save_members(ens: Ensemble, directory: str | os.PathLike, format: str = "pt"
         if not sharded:
             raise
         failed = err
-    if sharded:
-        entries = _all_ranks(entries, failed)
+    if sharded:  # every rank's entries, once every file is written; or every rank raises
+        why = f"could not write its member files, so no {MANIFEST} was written (not a set)"
+        entries = [e for part in raise_together("save_members", failed, entries, why) for e in part]
     left: list[str] = []
     if not sharded or rank() == 0:
         try:
@@ -148,11 +148,7 @@ def save_members(ens: Ensemble, directory: str | os.PathLike, format: str = "pt"
                 raise
             failed = err
     if sharded:
-        said = broadcast_object(_said(failed) if rank() == 0 else None)
-        if failed is not None:
-            raise failed
-        if said is not None:
-            raise RuntimeError(f"save_members: rank 0 could not write {MANIFEST}: {said}")
+        raise_together("save_members", failed, what=f"could not write {MANIFEST}")
     if left:
         warnings.warn(
             f"save_members: {directory} also holds member files that this save did not write "
@@ -171,25 +167,6 @@ def _sharded(ens: Ensemble) -> bool:
     if size == 1 or len(ens) == ens.n_total or size > ens.n_total:
         return False
     return list(ens.member_ids) == list(member_blocks(ens.n_total, size)[rank()])
-
-
-def _said(err: BaseException | None) -> str | None:
-    return None if err is None else f"{type(err).__name__}: {err}"
-
-
-def _all_ranks(entries: list[dict[str, Any]], failed: BaseException | None) -> list[Any]:
-    """Every rank's entries in rank order; every rank raises if any rank failed."""
-    listed: list[Any] = [None] * world_size()
-    dist.all_gather_object(listed, (entries, _said(failed)))  # also: every file is written
-    if failed is not None:
-        raise failed
-    for r, (_, said) in enumerate(listed):
-        if said is not None:
-            raise RuntimeError(
-                f"save_members: rank {r} could not write its member files ({said}); no "
-                f"{MANIFEST} was written, so this save is not a set"
-            )
-    return [e for part, _ in listed for e in part]
 
 
 def _write_files(
