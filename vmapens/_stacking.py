@@ -20,7 +20,8 @@ from torch.nn.utils import prune
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-from ._members import check_member, check_same, class_name, named_tensors, signature
+from ._ensemble_parts import refuse_compiled
+from ._members import check_same, class_name, named_tensors, signature
 from ._padding import Padding, check_pair, gates_of, largest, setting_advice
 
 #: nn.Module's hook registries: hooks that ``apply``'s ``fn`` registers cannot carry over.
@@ -31,8 +32,6 @@ __all__ = [
     "TemplateParameter",
     "check_applied",
     "check_extra_state",
-    "check_factories",
-    "check_modules",
     "check_settings",
     "first_difference",
     "follow_flags",
@@ -68,6 +67,7 @@ def stack_one_size(members: Iterable[nn.Module], member_ids: Sequence[int], api:
     slot = 0
     for member in members:
         if reference is None:
+            refuse_compiled(api, member, member_ids[slot])
             reference, training = signature(member), member.training
             check_extra_state(api, member)
             template = meta_copy(member)
@@ -94,6 +94,7 @@ def stack_sizes(members: list[nn.Module], api: str) -> Stacked:
         ValueError: members differ in anything but sizes, a layer that cannot be padded
             exactly differs in size (``check_pair``), or no member is the largest everywhere.
     """
+    refuse_compiled(api, members[0], 0)
     kinds: dict[tuple, int] = {}
     kind_of = [kinds.setdefault(_shapes_key(m), len(kinds)) for m in members]
     signatures = [signature(members[0])]
@@ -374,39 +375,6 @@ def check_extra_state(api: str, member: nn.Module) -> None:
                 "and buffers (a state_dict hook adds it): an ensemble stacks only those, per "
                 "member; register it as a buffer (self.register_buffer) instead"
             )
-
-
-def check_factories(api: str, factories: Any) -> None:
-    """``factories`` must be a non-empty sequence of zero-argument callables."""
-    _check_sequence(api, "factories", factories, "zero-argument callables")
-    for k, factory in enumerate(factories):
-        if isinstance(factory, nn.Module) or not callable(factory):
-            raise TypeError(
-                f"{api}: `factories[{k}]` must be a zero-argument callable returning an "
-                f"nn.Module, got {type(factory).__name__}"
-            )
-
-
-def check_modules(api: str, modules: Any) -> None:
-    """``modules`` must be a non-empty sequence of initialised modules of one size and one
-    setting (member 1's dropout rate would run as member 0's)."""
-    _check_sequence(api, "modules", modules, "nn.Module")
-    for i, module in enumerate(modules):
-        check_member(module, i, api)
-    reference = signature(modules[0])
-    for i, module in enumerate(modules[1:], start=1):
-        check_same(reference, module, i, api)
-        check_pair(api, modules[0], module, i, padded=False)
-
-
-def _check_sequence(api: str, name: str, value: Any, of: str) -> None:
-    if isinstance(value, nn.Module) or not isinstance(value, Sequence):
-        raise TypeError(
-            f"{api}: `{name}` must be a sequence (list or tuple) of {of}, got "
-            f"{type(value).__name__}"
-        )
-    if len(value) == 0:
-        raise ValueError(f"{api}: `{name}` must not be empty")
 
 
 def _shapes_key(module: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:

@@ -9,17 +9,22 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.utils.rnn import PackedSequence
 
 from ._batchable import batchable
-from ._checks import check_choice, check_int, expand_in_dims, to_index
-from ._container_ops import member_module, set_flags_
+from ._checks import check_choice, check_int, expand_in_dims
+from ._container_ops import (
+    check_call,
+    member_index,
+    member_module,
+    put_back,
+    refused_assignment,
+    set_flags_,
+)
+from ._ensemble_parts import check_factories, check_modules
 from ._fastcall import call_member, tracked
 from ._members import Factory, build_members, looped, member_ids_for, vmapped
 from ._stacking import (
     Stacked,
-    check_factories,
-    check_modules,
     recomputed,
     scrub_,
     stack_one_size,
@@ -140,8 +145,8 @@ class Ensemble(StackedModule):
         """Stack existing modules into an Ensemble (the modules are not modified).
 
         Args:
-            modules: a non-empty sequence of modules of one class with the same parameter and
-                buffer names, shapes, dtypes, devices and ``requires_grad``.
+            modules: a non-empty sequence (or ``nn.ModuleList``) of modules of one class with
+                the same parameter and buffer names, shapes, dtypes, devices and ``requires_grad``.
             randomness: see ``Ensemble``.
             chunk_size: see ``Ensemble``.
             backend: see ``Ensemble``.
@@ -160,7 +165,7 @@ class Ensemble(StackedModule):
             4
         """
         api = "Ensemble.from_modules"
-        check_modules(api, modules)
+        modules = check_modules(api, modules)
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._configure(randomness, chunk_size, backend, api)
@@ -238,7 +243,7 @@ class Ensemble(StackedModule):
         self.__dict__["_template"] = stacked.template
         self.__dict__["_runner"] = unchunked(batchable(stacked.template))
         for m, name, _ in recomputed(self._runner):  # leaked, a compiled step's graph fails
-            m.register_forward_hook(functools.partial(_put_back, name, m.__dict__[name]))
+            m.register_forward_hook(functools.partial(put_back, name, m.__dict__[name]))
         self._adopt(stacked.tensors, member_ids, n_total, stacked.training)
 
     # -- running ----------------------------------------------------------------------------
@@ -257,18 +262,13 @@ class Ensemble(StackedModule):
             The member's output pytree with a leading member dim on every tensor.
 
         Raises:
-            ValueError: a per-member input whose size along its ``in_dims`` is not ``len(ens)``.
+            ValueError: a per-member input whose size along its ``in_dims`` is not ``len(ens)``;
+                ``in_dims`` with keyword inputs only.
             RuntimeError: the member's forward cannot be batched by ``vmap``, draws random
                 numbers with ``randomness="error"``, or reassigns a buffer to a value the
                 stacked storage cannot hold (a buffer it reassigns is kept, as alone).
         """
-
-        packed = [a for a in (*args, *kwargs.values()) if isinstance(a, PackedSequence)]
-        if packed and self.backend == "vmap":
-            raise TypeError(
-                "Ensemble: PackedSequence inputs are not batched by vmap; pad the sequences "
-                "(torch.nn.utils.rnn.pad_sequence) or build the ensemble with backend='loop'"
-            )
+        check_call(args, kwargs, in_dims, self.backend)
 
         def member(state: dict[str, torch.Tensor], kw: dict, *args: Any) -> Any:
             return call_member(self.runner, state, args, kw)
@@ -371,7 +371,7 @@ class Ensemble(StackedModule):
 
         Any integer-like works as ``i`` (int, numpy integer, 0-d integer tensor).
         """
-        i = to_index(index)
+        i = member_index(index)
         if i is None:
             return self.select(index)
         if not -len(self) <= i < len(self):
@@ -382,6 +382,9 @@ class Ensemble(StackedModule):
         padding = self._padding
         template = self._template if padding is None else padding.templates[padding.kind_of[i]]
         return member_module(template, self.stacked_state(), padding, i)
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        raise TypeError(refused_assignment(index))
 
     def __iter__(self) -> Iterator[nn.Module]:
         return (self[i] for i in range(len(self)))
@@ -405,11 +408,6 @@ class Ensemble(StackedModule):
             'Linear'
         """
         return list(self)
-
-
-def _put_back(name: str, meta: torch.Tensor, module: nn.Module, *_: Any) -> None:
-    """A forward hook: weight_norm's tensor, computed under vmap, back to its meta tensor."""
-    setattr(module, name, meta)
 
 
 def check_ensemble(api: str, value: Any, name: str = "ens") -> None:

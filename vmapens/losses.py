@@ -50,6 +50,16 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
         raise TypeError(f"per_member: `loss_fn` must be callable, got {type(loss_fn).__name__}")
 
     def loss(*args: Any, **kwargs: Any) -> torch.Tensor:
+        flat = isinstance(in_dims, (tuple, list)) and not any(
+            isinstance(d, (tuple, list, dict)) for d in in_dims
+        )
+        if flat and len(in_dims) != len(args):  # vmap's own error prints two tree specs
+            raise ValueError(
+                f"per_member: `in_dims` has {len(in_dims)} entries, one per positional argument "
+                f"of the loss, but it was called with {len(args)} ({in_dims!r}); pass one entry "
+                "per argument, 0 for a stacked one, None for a shared one: e.g. "
+                f"per_member(loss_fn, in_dims={(0, *[None] * max(len(args) - 1, 0))!r})"
+            )
         # autocast casts below vmap's batching rules: a batched cross_entropy decomposes into
         # ops autocast leaves in bf16, where the member alone gets float32. The member's own
         # policy, applied per torch function (a no-op without an active autocast).

@@ -9,6 +9,7 @@ from typing import Any
 import optree
 import torch
 from torch import Tensor
+from torch.utils.data import Dataset, IterableDataset
 
 from ._checks import check_choice, check_int
 from .ensemble import Ensemble, check_ensemble
@@ -88,10 +89,12 @@ def predict(
             inputs of the wrong size, inputs of different sample counts cut by
             ``batch_size``, data with no batches, batches whose outputs do not have the
             samples first; ``entropy`` or ``mutual_information`` of outputs that are not
-            probabilities (logits without ``softmax=True``).
-        TypeError: ``ens`` is not an Ensemble; ``data`` is a dict (pass ``[data]``); a
-            reduction of a non-tensor output; a batch of more inputs than the member's
-            forward takes (a ``DataLoader`` that yields the targets too).
+            probabilities (logits without ``softmax=True``); a class reduction of outputs
+            with one class (a last dim of size 1, such as a sigmoid's probability).
+        TypeError: ``ens`` is not an Ensemble; ``data`` is a dict (pass ``[data]``) or a
+            map-style ``Dataset`` (pass a ``DataLoader``); a reduction of a non-tensor
+            output; a batch of more inputs than the member's forward takes (a
+            ``DataLoader`` that yields the targets too).
 
     Example:
         >>> ens = Ensemble(lambda: torch.nn.Linear(4, 3), n=5, seed=0)
@@ -111,6 +114,14 @@ def predict(
         raise TypeError(
             f"{api}: `data` is a {type(data).__name__}, which would be iterated over its keys; "
             "pass [data] for one batch whose input it is, or an iterable of such batches"
+        )
+    if isinstance(data, Dataset) and not isinstance(data, IterableDataset):
+        # Its items are single samples: each ran as a batch without a sample dim, and their
+        # outputs were joined along the classes ([samples * classes]), silently.
+        raise TypeError(
+            f"{api}: `data` is a {type(data).__name__}, whose items are single samples without "
+            "a batch dim; pass DataLoader(data, batch_size=...) (or DataLoader(data, "
+            "batch_size=None) when each item is already a batch)"
         )
     outputs: list[Any] = []
     samples: list[set[int]] = []
@@ -161,6 +172,17 @@ def reduce_members(out: Tensor, reduce: str) -> Tensor:
         )
     if reduce == "none":
         return out
+    if reduce in _CLASSES and (out.dim() < 2 or out.shape[-1] < 2):
+        # One column is no class dim: a vote, a disagreement, a softmax's entropy over it are
+        # all 0, whatever the members say (a sigmoid output, p = P(class 1)).
+        raise ValueError(
+            f"predict: `reduce={reduce!r}` reads the last dim of each member's output as its "
+            f"classes, got member outputs of shape {tuple(out.shape[1:])}: one class, for which "
+            "every vote, disagreement and entropy is 0; for a binary model with one output, "
+            "give both classes: from vmapens.predict import reduce_members; p = "
+            f"vmapens.predict(ens, x); reduce_members(torch.cat([1 - p, p], -1), {reduce!r}) "
+            "(for a logit z: torch.cat([torch.zeros_like(z), z], -1).softmax(-1))"
+        )
     if reduce == "mean":
         return out.mean(0)
     if reduce == "min":
@@ -180,8 +202,10 @@ def reduce_members(out: Tensor, reduce: str) -> Tensor:
         return counts.argmax(-1)  # argmax returns the first maximum: ties go to the lowest class
     if n == 1:
         return torch.zeros(counts.shape[:-1], dtype=out.dtype, device=out.device)
-    agree = (counts * (counts - 1)).sum(-1).to(out.dtype)
-    return 1 - agree / (n * (n - 1))
+    # In float64, then rounded once: float16 overflows past 256 members (counts 256 * 255),
+    # bfloat16 rounds the pair count (up to 20% off).
+    agree = (counts * (counts - 1)).sum(-1).to(torch.float64)
+    return (1 - agree / (n * (n - 1))).to(out.dtype)
 
 
 def _check_probabilities(p: Tensor, reduce: str) -> None:

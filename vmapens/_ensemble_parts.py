@@ -1,0 +1,76 @@
+"""What ``Ensemble``'s constructors accept: the sequences they take, and members they refuse
+before stacking (a ``torch.compile`` wrapper).
+
+This file imports only torch, ``_members`` and ``_padding``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from ._members import check_member, check_same, signature
+from ._padding import check_pair
+
+__all__ = ["check_factories", "check_modules", "refuse_compiled"]
+
+
+def check_factories(api: str, factories: Any) -> None:
+    """``factories`` must be a non-empty sequence of zero-argument callables."""
+    _check_sequence(api, "factories", factories, "zero-argument callables")
+    for k, factory in enumerate(factories):
+        if isinstance(factory, nn.Module) or not callable(factory):
+            raise TypeError(
+                f"{api}: `factories[{k}]` must be a zero-argument callable returning an "
+                f"nn.Module, got {type(factory).__name__}"
+            )
+
+
+def check_modules(api: str, modules: Any) -> list[nn.Module]:
+    """``modules`` as a list: a non-empty sequence (or an ``nn.ModuleList``, which
+    ``torch.func.stack_module_state`` takes too) of initialised modules of one size and one
+    setting (member 1's dropout rate would run as member 0's)."""
+    if isinstance(modules, nn.ModuleList):
+        modules = list(modules)
+    _check_sequence(api, "modules", modules, "nn.Module")
+    for i, module in enumerate(modules):
+        check_member(module, i, api)
+        refuse_compiled(api, module, i)
+    reference = signature(modules[0])
+    for i, module in enumerate(modules[1:], start=1):
+        check_same(reference, module, i, api)
+        check_pair(api, modules[0], module, i, padded=False)
+    return list(modules)
+
+
+def refuse_compiled(api: str, member: nn.Module, i: int) -> None:
+    """Refuse a member that is, or holds, a ``torch.compile`` wrapper (``OptimizedModule``).
+
+    Its settings differ per wrapper (``_torchdynamo_wrapper_id``), so members were refused as
+    "differing" at that attribute, and its compiled forward is not the member map's to batch.
+    """
+    for path, m in member.named_modules():
+        if type(m).__name__ == "OptimizedModule" and isinstance(
+            m._modules.get("_orig_mod"), nn.Module
+        ):
+            where = f"`{path}` of member {i}" if path else f"member {i}"
+            raise ValueError(
+                f"{api}: {where} is wrapped by torch.compile (OptimizedModule), which an "
+                "ensemble cannot stack: give it the module torch.compile wraps "
+                f"(`{path + '.' if path else ''}_orig_mod`, or build it without torch.compile) "
+                "and compile the ensemble's step instead: make_step(..., compile=True) or "
+                "fit(..., compile=True)"
+            )
+
+
+def _check_sequence(api: str, name: str, value: Any, of: str) -> None:
+    if isinstance(value, nn.Module) or not isinstance(value, Sequence):
+        modules = " or an nn.ModuleList" if of == "nn.Module" else ""
+        raise TypeError(
+            f"{api}: `{name}` must be a sequence (list or tuple){modules} of {of}, got "
+            f"{type(value).__name__}"
+        )
+    if len(value) == 0:
+        raise ValueError(f"{api}: `{name}` must not be empty")
