@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._checks import as_ids, index_rows
 from ._members import check_same, named_tensors, non_persistent_buffers, signature
@@ -25,7 +27,12 @@ from ._stacking import check_applied, follow_flags, hooks_of, migrated_keys, scr
 from ._storage_parts import in_mode, member_count_hint, member_format, padded_values, paired
 from ._unbatchable import SparseLayer, sparse_layers
 
-__all__ = ["StackedModule"]
+__all__ = ["CUT_FROM", "StackedModule"]
+
+#: A ``select``-ed parameter -> (a weak reference to the parent's tensor it was cut from, the
+#: rows), so that ``StackedOptimizer.select`` matches an optimizer's parameters by name, not by
+#: order. Keyed by identity (a tensor's ``==`` is elementwise); keeps neither tensor alive.
+CUT_FROM: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 _M = TypeVar("_M", bound="StackedModule")
 
@@ -199,6 +206,9 @@ class StackedModule(nn.Module):
             stacked = {k: v[rows].clone() for k, v in self.stacked_state().items()}
         ids = [self.member_ids[r] for r in rows.tolist()]
         sub._adopt(stacked, as_ids(ids), self.n_total, self.training)
+        parent, cut = self.stacked_params(), tuple(rows.tolist())
+        for name, p in sub.stacked_params().items():
+            CUT_FROM[p] = (weakref.ref(parent[name]), cut)
         return sub
 
     def __getitem__(self, index: Any) -> Any:  # Ensemble's: member ``i`` as a module
@@ -326,6 +336,9 @@ class StackedModule(nn.Module):
             # (and to mark for optimizers, ``_member_padding``); the template's edits first.
             self._follow_template()
             self._adopt(self.stacked_state(), self.member_ids, self.n_total, self.training)
+            for p, q in zip(before, self._parameters.values(), strict=True):
+                if p in CUT_FROM:  # select's record follows the new Parameters
+                    CUT_FROM[q] = CUT_FROM[p]
         elif self._padding is not None:  # .to() / .double(): the masks follow the parameters
             self._padding.prepare(self.stacked_params())
         return out

@@ -8,13 +8,15 @@ Free functions over a :class:`~vmapens.optim.StackedOptimizer` (which calls them
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .._checks import index_rows
-from ._hyper import FREE_ON_LOAD, IMPLEMENTATION, group_args, params_of, pick_group
+from .._storage import CUT_FROM
+from ._hyper import FREE_ON_LOAD, IMPLEMENTATION, group_args, params_of, pick_group, unnamed
 
 __all__ = ["check_state_dict", "copy_rows", "member_state_dict", "select_parts"]
 
@@ -30,14 +32,10 @@ def member_state_dict(opt: Any, i: int, module: nn.Module | None = None) -> dict
         raise IndexError(f"{api}: `i`={i} out of range for n={n}")
     i %= n
     params = [p for g in opt.param_groups for p in g["params"]]
+    if module is not None and not isinstance(module, nn.Module):
+        raise TypeError(f"{api}: `module` must be an nn.Module, got {type(module).__name__}")
     if module is not None:
-        shapes = [tuple(p.shape) for p in module.parameters()]
-        expected = [tuple(_own(p, p[i], i).shape) for p in params]
-        if shapes != expected:
-            raise ValueError(
-                f"{api}: `module` parameters do not match the stacked ones; got shapes "
-                f"{shapes}, expected {expected} (same order)"
-            )
+        _check_module(api, opt, [tuple(_own(p, p[i], i).shape) for p in params], module)
     groups, state, start = [], {}, 0
     for group in opt.param_groups:
         ids = list(range(start, start + len(group["params"])))
@@ -51,6 +49,34 @@ def member_state_dict(opt: Any, i: int, module: nn.Module | None = None) -> dict
                     for key, v in member.items()
                 }
     return {"state": state, "param_groups": groups}
+
+
+def _check_module(api: str, opt: Any, expected: list[tuple[int, ...]], module: nn.Module) -> None:
+    """``module``'s parameters against the member shapes ``expected`` (in group order): by name
+    where the groups keep ``param_names`` of ``module``'s; else as shapes in any order (a plain
+    optimizer takes them in any group layout), all of them or those that require grad (a
+    frozen backbone left out of the optimizer).
+
+    Raises:
+        ValueError: they do not match.
+    """
+    own = dict(module.named_parameters())
+    names = [name for g in opt.param_groups for name in g.get("param_names", ())]
+    if len(names) == len(expected) and all(name in own for name in names):
+        got = [tuple(own[name].shape) for name in names]
+        if got != expected:
+            raise ValueError(
+                f"{api}: `module` parameters {names} have shapes {got}, the stacked ones "
+                f"{expected}: not a member of this ensemble"
+            )
+        return
+    shapes = sorted(tuple(p.shape) for p in own.values())
+    trainable = sorted(tuple(p.shape) for p in own.values() if p.requires_grad)
+    if sorted(expected) not in (shapes, trainable):
+        raise ValueError(
+            f"{api}: `module` parameters do not match the stacked ones; got shapes {shapes} "
+            f"({trainable} requiring grad), expected {sorted(expected)} (in any order)"
+        )
 
 
 def _own(p: Tensor, row: Tensor, i: int) -> Tensor:
@@ -69,14 +95,7 @@ def select_parts(
         ValueError: ``params`` does not match the optimizer's parameters.
     """
     rows = index_rows(f"{opt._api}.select", index, opt.num_members)
-    new_params = params_of(params)
-    old = [p for g in opt.param_groups for p in g["params"]]
-    shapes = [tuple(p.shape[1:]) for p in new_params]
-    if shapes != [tuple(p.shape[1:]) for p in old]:
-        raise ValueError(
-            f"{opt._api}.select: `params` do not match this optimizer's parameters "
-            f"(member shapes {shapes})"
-        )
+    new_params = _matched(opt, rows, params)
     picked = rows.tolist()
     groups, start = [], 0
     for group in opt.param_groups:
@@ -85,6 +104,110 @@ def select_parts(
         groups.append({**picks, "params": new_params[start : start + size]})
         start += size
     return rows, groups, pick_group(opt.defaults, opt.hyperparameters, picked)
+
+
+def _matched(opt: Any, rows: Tensor, params: Any) -> list[Tensor]:
+    """``params``' tensors in the order of ``opt``'s (flattened over its param groups).
+
+    A parameter of ``ens.select(rows)`` knows the tensor it was cut from (``CUT_FROM``): each of
+    ``opt``'s parameters gets the one cut from it, by name, whatever the order of the groups
+    (biases in a group of their own) and whichever parameters ``opt`` leaves out. Without that
+    record (a copy of the sub-ensemble, tensors replaced since), a module's parameters are
+    matched by value (each row of ``opt``'s equal to exactly one of them) and a list's by
+    position, as documented.
+    """
+    api = f"{opt._api}.select"
+    old = [p for g in opt.param_groups for p in g["params"]]
+    known = {id(p): k for k, p in enumerate(old)}
+    given = unnamed(params_of(params)) if isinstance(params, (Iterable, nn.Module)) else [params]
+    if not all(isinstance(t, Tensor) for t in given):
+        got = next(type(t).__name__ for t in given if not isinstance(t, Tensor))
+        raise TypeError(
+            f"{api}: `params` must be the sub-ensemble or a list of its stacked tensors, got "
+            f"{type(params).__name__}"
+            + (f" holding a {got}" if got != type(params).__name__ else "")
+        )
+    parents: dict[int, Tensor] = {}
+    for t in given:
+        parent, cut = _cut_from(t)
+        if parent is not None and id(parent) in known:
+            if cut != tuple(rows.tolist()):
+                raise ValueError(
+                    f"{api}: `params` were cut from rows {list(cut)} (`ens.select`), not from "
+                    f"`index`'s rows {rows.tolist()}: select the same members of both"
+                )
+            parents.setdefault(id(parent), t)
+    if all(id(p) in parents for p in old):
+        return [parents[id(p)] for p in old]
+    way_out = (
+        "pass the sub-ensemble's stacked parameters in this optimizer's order "
+        "([sub.stacked_params()[name] for each parameter of each group]), or use "
+        "vmapens.selection.best_k(..., optimizer=)"
+    )
+    if isinstance(params, nn.Module):
+        return _by_value(api, old, given, rows, way_out)
+    shapes = [tuple(p.shape[1:]) for p in given]
+    if shapes != [tuple(p.shape[1:]) for p in old]:
+        raise ValueError(
+            f"{api}: `params` do not match this optimizer's parameters "
+            f"(member shapes {shapes}, expected {[tuple(p.shape[1:]) for p in old]})"
+        )
+    was: dict[int, int] = {}  # position in `params` -> the parameter whose rows it holds
+    for k, t in enumerate(given):
+        parent, _ = _cut_from(t)
+        if parent is not None and id(parent) in known and parent is not old[k]:
+            was[k] = known[id(parent)]
+    if not was and not all(_equal(p, rows, t) for p, t in zip(old, given, strict=True)):
+        # Other values: fresh tensors, taken as given; unless they are these rows, reordered.
+        hits = [[k for k, t in enumerate(given) if _equal(p, rows, t)] for p in old]
+        if sorted(h[0] for h in hits if len(h) == 1) == list(range(len(old))):
+            was = {h[0]: j for j, h in enumerate(hits) if h[0] != j}
+    if was:
+        k, j = min(was.items())
+        raise ValueError(
+            f"{api}: `params[{k}]` holds the rows of this optimizer's parameter {j}, not of "
+            f"its parameter {k}: `params` must be in this optimizer's order (its param "
+            f"groups', not the module's); {way_out}"
+        )
+    return given
+
+
+def _cut_from(t: Any) -> tuple[Tensor | None, tuple[int, ...]]:
+    """The live tensor ``t`` was cut from by ``ens.select``, and the rows (None, () if none)."""
+    found = CUT_FROM.get(t)
+    return (None, ()) if found is None else (found[0](), found[1])
+
+
+def _equal(p: Tensor, rows: Tensor, t: Tensor) -> bool:
+    """Whether ``t`` holds rows ``rows`` of ``p`` (in ``t``'s dtype and device: a sub-ensemble
+    moved or cast since)."""
+    if t.shape != (len(rows), *p.shape[1:]) or t.is_floating_point() != p.is_floating_point():
+        return False
+    return torch.equal(t.detach(), p.detach()[rows.to(p.device)].to(t.device, t.dtype))
+
+
+def _by_value(
+    api: str, old: list[Tensor], given: list[Tensor], rows: Tensor, way_out: str
+) -> list[Tensor]:
+    """Each of ``old``'s parameters matched to the one tensor of ``given`` that holds its rows.
+
+    Raises:
+        ValueError: a parameter with no such tensor, or with several, or with one that another
+            parameter matches too (equal values, such as biases initialised to zero).
+    """
+    out: list[Tensor] = []
+    for k, p in enumerate(old):
+        hits = [t for t in given if _equal(p, rows, t)]
+        if len(hits) != 1 or any(hits[0] is q for q in out):
+            how = "none" if not hits else "several (values alone do not say which)"
+            raise ValueError(
+                f"{api}: this optimizer's parameter {k} (member shape {tuple(p.shape[1:])}) "
+                "was not cut by `ens.select` into `params` (a copy of a sub-ensemble, or "
+                f"tensors replaced since), and by value it matches {how} of `params`' "
+                f"parameters; {way_out}"
+            )
+        out.append(hits[0])
+    return out
 
 
 def copy_rows(opt: Any, new: Any, rows: Tensor) -> None:

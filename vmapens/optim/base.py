@@ -385,7 +385,7 @@ class StackedOptimizer(EagerOptimizer):
         Args:
             i: Member index (negative counts from the end).
             module: Optional member module; its parameters are checked against the stacked
-                ones (count and shapes, in order).
+                ones (by name with ``param_names``, else their shapes in any order).
 
         Returns:
             A ``torch.optim.Optimizer`` state dict with member ``i``'s float hyperparameters
@@ -402,8 +402,8 @@ class StackedOptimizer(EagerOptimizer):
 
         Args:
             index: the members kept, as for ``Ensemble.select``.
-            params: the sub-ensemble (``ens.select(index)``) or its stacked parameters, in the
-                same order as this optimizer's.
+            params: the sub-ensemble ``ens.select(index)`` (matched by name) or its stacked
+                parameters, in this optimizer's order (docs/optim.md).
 
         Returns:
             An optimizer whose member ``k`` has member ``index[k]``'s hyperparameters and state.
