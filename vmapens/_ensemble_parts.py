@@ -1,5 +1,5 @@
 """What ``Ensemble``'s constructors accept: the sequences they take, and members they refuse
-before stacking (a ``torch.compile`` wrapper).
+(a ``torch.compile`` wrapper; ``nn.SyncBatchNorm`` in a sharded ensemble).
 
 This file imports only torch, ``_members`` and ``_padding``.
 """
@@ -14,7 +14,7 @@ from torch import nn
 from ._members import check_member, check_same, signature
 from ._padding import check_pair
 
-__all__ = ["check_factories", "check_modules", "refuse_compiled"]
+__all__ = ["check_factories", "check_modules", "refuse_compiled", "refuse_synced"]
 
 
 def check_factories(api: str, factories: Any) -> None:
@@ -28,10 +28,11 @@ def check_factories(api: str, factories: Any) -> None:
             )
 
 
-def check_modules(api: str, modules: Any) -> list[nn.Module]:
+def check_modules(api: str, modules: Any, shard: bool = False) -> list[nn.Module]:
     """``modules`` as a list: a non-empty sequence (or an ``nn.ModuleList``, which
     ``torch.func.stack_module_state`` takes too) of initialised modules of one size and one
-    setting (member 1's dropout rate would run as member 0's)."""
+    setting (member 1's dropout rate would run as member 0's); with ``shard``, no
+    ``nn.SyncBatchNorm`` (:func:`refuse_synced`), checked before any process group call."""
     if isinstance(modules, nn.ModuleList):
         modules = list(modules)
     _check_sequence(api, "modules", modules, "nn.Module")
@@ -42,6 +43,7 @@ def check_modules(api: str, modules: Any) -> list[nn.Module]:
     for i, module in enumerate(modules[1:], start=1):
         check_same(reference, module, i, api)
         check_pair(api, modules[0], module, i, padded=False)
+    refuse_synced(api, shard, modules)
     return list(modules)
 
 
@@ -63,6 +65,29 @@ def refuse_compiled(api: str, member: nn.Module, i: int) -> None:
                 "and compile the ensemble's step instead: make_step(..., compile=True) or "
                 "fit(..., compile=True)"
             )
+
+
+def refuse_synced(api: str, shard: bool, members: Sequence[nn.Module]) -> None:
+    """Refuse ``nn.SyncBatchNorm`` in the members of a sharded ensemble (``shard=True``).
+
+    In training it averages batch statistics over the process group's ranks, whose blocks
+    hold other members (on GPUs; torch raises on CPU): no member would train as it would
+    alone, where it computes plain BatchNorm over its own batch.
+    """
+    if not shard:
+        return
+    paths = sorted(
+        {p or "(the member itself)" for m in members for p, sub in m.named_modules()
+         if isinstance(sub, nn.SyncBatchNorm)}
+    )  # fmt: skip
+    if paths:
+        raise ValueError(
+            f"{api}: `shard=True` with nn.SyncBatchNorm in the members ({', '.join(paths)}): "
+            "in training it averages batch statistics over the processes, whose blocks hold "
+            "other members, so no member would train as it would alone; build the members "
+            "with nn.BatchNorm1d/2d/3d, which is what each member computes alone (with no "
+            "process group)"
+        )
 
 
 def _check_sequence(api: str, name: str, value: Any, of: str) -> None:

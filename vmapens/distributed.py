@@ -8,7 +8,7 @@ This module knows no Ensemble: it deals in member ids, tensors and floats.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ __all__ = [
     "member_block",
     "member_blocks",
     "barrier",
+    "claim",
     "raise_together",
     "rank",
     "world_size",
@@ -257,3 +258,31 @@ def raise_together(
         if message is not None:
             raise RuntimeError(f"{api}: rank {r} {what}: {message}")
     return [v for v, _ in said]
+
+
+def claim(key: str, value: str, renew: Callable[[str], bool] = lambda held: False) -> str:
+    """The value the rank that claimed ``key`` in the default process group gave: ``value``
+    if no rank had (this rank claims it now) or if ``renew(held)`` says the holder's value
+    ``held`` may be replaced (this rank's own, say), else the holder's. ``value`` without a
+    group, or where the group's store cannot be reached (nothing can be told then).
+
+    Not a collective: it reads and sets ``key`` in the group's store atomically
+    (``compare_set``), so it tells a rank that another rank got somewhere first (into one
+    directory) without the others calling anything.
+
+    Example:
+        >>> claim("save_members:/tmp/members", "0")  # no process group: this rank's value
+        '0'
+    """
+    if world_size() == 1:
+        return value
+    try:  # torch has no public way to the default group's store
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return value
+    got = store.compare_set(f"vmapens/{key}", "", value)
+    held = got.decode() if isinstance(got, bytes) else str(got)
+    if held != value and renew(held):
+        store.set(f"vmapens/{key}", value)
+        return value
+    return held

@@ -20,7 +20,7 @@ from ._container_ops import (
     refused_assignment,
     set_flags_,
 )
-from ._ensemble_parts import check_factories, check_modules
+from ._ensemble_parts import check_factories, check_modules, refuse_synced
 from ._fastcall import call_member, tracked
 from ._members import Factory, build_members, looped, member_ids_for, vmapped
 from ._stacking import (
@@ -83,7 +83,8 @@ class Ensemble(StackedModule):
 
     Raises:
         ValueError: ``n < 1``, an unknown ``randomness``/``backend``, members that differ,
-            an uninitialised lazy module, ``seeds`` of the wrong length.
+            an uninitialised lazy module, ``seeds`` of the wrong length, ``shard=True`` with
+            ``nn.SyncBatchNorm`` (build the members with ``nn.BatchNorm*d``).
         TypeError: ``factory`` is not callable or does not return an ``nn.Module``.
 
     Example:
@@ -127,7 +128,9 @@ class Ensemble(StackedModule):
         rng = torch.get_rng_state()
         try:
             members = build_members(factory, seed, seeds, member_ids)
-            self._take(stack_one_size(members, member_ids, api), member_ids, n)
+            stacked = stack_one_size(members, member_ids, api)
+            refuse_synced(api, shard, [stacked.template])
+            self._take(stacked, member_ids, n)
         except BaseException:
             torch.set_rng_state(rng)  # a failed build leaves the caller's RNG as it was
             raise
@@ -157,7 +160,8 @@ class Ensemble(StackedModule):
 
         Raises:
             TypeError: ``modules`` is not a sequence of ``nn.Module``.
-            ValueError: ``modules`` is empty, or a member differs from member 0.
+            ValueError: ``modules`` is empty, a member differs from member 0, ``shard``
+                with ``nn.SyncBatchNorm``.
 
         Example:
             >>> ens = Ensemble.from_modules([nn.Linear(3, 2) for _ in range(4)])
@@ -165,7 +169,7 @@ class Ensemble(StackedModule):
             4
         """
         api = "Ensemble.from_modules"
-        modules = check_modules(api, modules)
+        modules = check_modules(api, modules, shard)
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._configure(randomness, chunk_size, backend, api)

@@ -22,6 +22,7 @@ import hashlib
 import io
 import json
 import os
+import socket
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -53,7 +54,7 @@ from ._member_manifest import (
     read_manifest,
     write_manifest,
 )
-from .distributed import member_blocks, raise_together, rank, world_size
+from .distributed import claim, member_blocks, raise_together, rank, world_size
 from .ensemble import Ensemble, check_ensemble
 
 __all__ = ["MANIFEST", "MEMBER_KEY", "load_member", "load_members", "save_members"]
@@ -80,6 +81,8 @@ def save_members(ens: Ensemble, directory: str | os.PathLike, format: str = "pt"
     A sharded ensemble (``Ensemble(..., shard=True)``, this rank's block) is a collective:
     every rank writes its own files, then rank 0 writes the manifest of all ranks' members.
     Call it on every rank; if any rank fails, every rank raises and no manifest is written.
+    Any other ensemble is saved by the rank that calls it alone (a gathered one, on rank 0);
+    a second rank of the process group saving its own into that directory is refused.
 
     Args:
         ens: the ensemble, each member id at most once (a sub-ensemble keeps its global ids).
@@ -92,7 +95,10 @@ def save_members(ens: Ensemble, directory: str | os.PathLike, format: str = "pt"
     Raises:
         TypeError: ``ens`` is not an Ensemble, ``directory`` not a path.
         ValueError: unknown ``format``; ``ens`` holds a member id twice (``ens[[1, 1]]``:
-            both would be ``member_0001``). Nothing is written.
+            both would be ``member_0001``); under ``torch.distributed``, ``ens`` is not this
+            rank's block of a sharded ensemble and another rank saved its own members into
+            ``directory`` (each rank's ``members.json`` would replace the other's). Nothing is
+            written.
         ImportError: ``format="safetensors"`` without the safetensors package.
         OSError: ``directory`` cannot be created or written.
         RuntimeError: sharded, another rank could not write its files or the manifest.
@@ -120,6 +126,8 @@ def save_members(ens: Ensemble, directory: str | os.PathLike, format: str = "pt"
         )
     directory = Path(directory)
     sharded = _sharded(ens)
+    if not sharded and world_size() > 1:
+        _claim(directory, ids)
     entries: list[dict[str, Any]] = []
     failed: BaseException | None = None
     try:
@@ -167,6 +175,28 @@ def _sharded(ens: Ensemble) -> bool:
     if size == 1 or len(ens) == ens.n_total or size > ens.n_total:
         return False
     return list(ens.member_ids) == list(member_blocks(ens.n_total, size)[rank()])
+
+
+def _claim(directory: Path, ids: list[int]) -> None:
+    """Refuse a rank's save of an ensemble that is not its block (``best_k`` of it, an
+    unsharded ensemble per rank) into a directory another rank of the group saved into: no
+    collective joins the ranks' members, so each would commit its own manifest and the last
+    would win, silently. Keyed by host too: node-local directories may share a path."""
+    mine = f"{rank()}:{hashlib.sha256(repr(ids).encode()).hexdigest()}"
+    where = f"save_members:{socket.gethostname()}:{os.path.realpath(directory)}"
+    # This rank's own earlier save there is renewed with the members it saves now.
+    got = claim(where, mine, renew=lambda held: held.split(":", 1)[0] == str(rank()))
+    owner, held = got.split(":", 1)
+    # The same members from another rank (a gathered ensemble each rank saves): the same files.
+    if got != mine and held != mine.split(":", 1)[1]:
+        raise ValueError(
+            f"save_members: rank {rank()} saves members {ids} into {directory}, where rank "
+            f"{owner} of this process group saved its own: `ens` is not this rank's block of "
+            f"a sharded ensemble, so each rank would write its own {MANIFEST} and the last "
+            "would win (one rank's members). Save the sharded ensemble itself on every rank "
+            "(one set of all members), or gather first (vmapens.gather(ens, dst=0), then "
+            "save on rank 0 only), or give each rank its own directory"
+        )
 
 
 def _write_files(

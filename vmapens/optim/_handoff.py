@@ -86,10 +86,21 @@ def _own(p: Tensor, row: Tensor, i: int) -> Tensor:
     return row if found is None else found[0].take(found[1], row, i).clone()
 
 
+class _Groups(list):
+    """A sub-ensemble's param groups, with the global ids and ``n_total`` its members have
+    (``ens.select(index)``'s): the optimizer built from them reads both as it reads an
+    Ensemble's, so that per-member values given later for all ``n_total`` members are cut
+    to these members, as for an optimizer built on the sub-ensemble itself."""
+
+    member_ids: list[int]
+    n_total: int
+
+
 def select_parts(
     opt: Any, index: Any, params: Any
 ) -> tuple[Tensor, list[dict[str, Any]], dict[str, Any]]:
-    """What a sub-ensemble's optimizer is built from: its rows, param groups and defaults.
+    """What a sub-ensemble's optimizer is built from: its rows, param groups (with the
+    members' global ids, see :class:`_Groups`) and defaults.
 
     Raises:
         ValueError: ``params`` does not match the optimizer's parameters.
@@ -97,7 +108,9 @@ def select_parts(
     rows = index_rows(f"{opt._api}.select", index, opt.num_members)
     new_params = _matched(opt, rows, params)
     picked = rows.tolist()
-    groups, start = [], 0
+    groups, start = _Groups(), 0
+    ids = opt._block if opt._block is not None else range(opt._n_total)
+    groups.member_ids, groups.n_total = [ids[r] for r in picked], opt._n_total
     for group in opt.param_groups:
         size = len(group["params"])
         picks = pick_group(group, opt.hyperparameters, picked)
