@@ -23,8 +23,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ._checks import as_ids, index_rows
 from ._members import check_same, named_tensors, non_persistent_buffers, signature
 from ._padding import Padding
-from ._stacking import check_applied, follow_flags, hooks_of, migrated_keys, scrub_, staged
-from ._storage_parts import in_mode, member_count_hint, member_format, padded_values, paired
+from ._stacking import check_applied, follow_flags, hooks_of, migrated_keys, scrub_
+from ._state_loading import loadable
+from ._storage_parts import in_mode, member_format, paired
 from ._unbatchable import SparseLayer, sparse_layers
 
 __all__ = ["CUT_FROM", "StackedModule"]
@@ -380,41 +381,37 @@ class StackedModule(nn.Module):
         unexpected_keys: list,
         error_msgs: list,
     ) -> None:
-        # Ours checks every key before copying (nn.Module's splits keys at the first dot and
-        # copies as it goes); `strict` is known in ``ens.load_state_dict`` only (torch passes
-        # True here): inside a parent's, the matching keys load, as torch's do.
+        # Ours checks every key, and readies every value, before changing anything (nn.Module's
+        # splits keys at the first dot and copies as it goes); `strict` is known in
+        # ``ens.load_state_dict`` only (torch passes True here): inside a parent's, the
+        # matching keys load, as torch's do.
         persistent, (whole, metadata) = self._persistent(), self.__dict__.get("_loading", (0, 0))
-        ours = {prefix + k: (name, persistent[name]) for k, name in self._state_keys.items()}
-        unexpected = [k for k in state_dict if k.startswith(prefix) and k not in ours]
-        kept = migrated_keys(self._template, prefix, metadata)  # BatchNorm's old versions
-        missing = [k for k in ours if k not in state_dict and k not in kept]
-        unexpected_keys.extend(unexpected)
-        missing_keys.extend(missing)
-        errors, pending, mismatched = len(error_msgs), [], []
-        for key, (name, target) in ours.items():
-            if key not in state_dict:
-                continue
-            value = state_dict[key]
-            if not isinstance(value, torch.Tensor) or value.shape != target.shape:
-                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
-                error_msgs.append(
-                    f"size mismatch for {key}: copying a param with shape {got} from checkpoint, "
-                    f"the shape in current model is {tuple(target.shape)}."
-                )
-                mismatched.append((value, target))
-            pending.append((key, name, target, value))
-        hint = member_count_hint(mismatched, len(self)) or padded_values(pending, self._padding)
-        error_msgs.extend(hint)  # what the size mismatch means, or the sizes it hides
-        if len(error_msgs) > errors or whole and (missing or unexpected):
+        assign = bool(local_metadata.get("assign_to_params_buffers"))
+        if assign:
+            self._follow_template()  # the grad flags the assigned Parameters take
+        ready = loadable(
+            state_dict,
+            {prefix + k: (name, persistent[name]) for k, name in self._state_keys.items()},
+            prefix=prefix,
+            whole=bool(whole),
+            kept=migrated_keys(self._template, prefix, metadata),  # BatchNorm's old versions
+            n=len(self),
+            padding=self._padding,
+            flags={k: p.requires_grad for k, p in self.stacked_params().items()}
+            if assign
+            else None,
+            missing_keys=missing_keys,
+            unexpected_keys=unexpected_keys,
+            error_msgs=error_msgs,
+        )
+        if ready is None:
             return
-        if local_metadata.get("assign_to_params_buffers"):
-            # assign=True: the state dict's tensors become the storage, in their own dtype and
-            # device, as torch's loader assigns them (an ensemble built on the meta device).
-            self._follow_template()  # the grad flags _adopt reads
-            stacked = {**self.stacked_state(), **{name: v for _, name, _, v in pending}}
+        if assign:
+            # The state dict's tensors become the storage, in their own dtype and device, as
+            # torch's loader assigns them (an ensemble built on the meta device).
+            stacked = {**self.stacked_state(), **{name: v for name, _, v in ready}}
             self._adopt(stacked, self.member_ids, self.n_total, self.training)
             return
         with torch.no_grad():
-            ready = staged(pending, error_msgs)  # all or nothing: every value converts first
-            for target, value in ready if len(error_msgs) == errors else ():
+            for _, target, value in ready:
                 target.copy_(value)

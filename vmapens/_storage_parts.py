@@ -93,10 +93,24 @@ def member_format(t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
     return t.permute(order).contiguous().permute(inverse)
 
 
-def member_count_hint(mismatched: Sequence[tuple[object, torch.Tensor]], n: int) -> list[str]:
+def member_count_hint(
+    mismatched: Sequence[tuple[object, torch.Tensor]], n: int, *, padded: bool = False
+) -> list[str]:
     """The one error message to add (or none) when every refused ``(value, target)`` pair differs
-    in dim 0 alone, by one count: a state dict of an ensemble of another size, which torch's
-    per-key "size mismatch" text never says."""
+    in dim 0 alone, by one count: a state dict of an ensemble of another size; or when every
+    value is one member's (no member dim; within the padded shape where members differ in size,
+    ``padded``): a member's own state dict. Torch's per-key "size mismatch" text says neither."""
+    one = bool(mismatched) and all(
+        isinstance(value, torch.Tensor)
+        and value.dim() == target.dim() - 1
+        and (value.shape == target.shape[1:] or padded and _within(value.shape, target.shape))
+        for value, target in mismatched
+    )
+    if one:
+        return [
+            "this is one member's state dict (no member dim): load it into a member module "
+            "(`ens[i]`'s class), or stack members with `Ensemble.from_modules`"
+        ]
     counts = {
         value.shape[0]
         if isinstance(value, torch.Tensor)
@@ -112,6 +126,11 @@ def member_count_hint(mismatched: Sequence[tuple[object, torch.Tensor]], n: int)
         "members first (other.select(rows).state_dict()) or load one member's state dict into "
         "ens[i]'s class"
     ]
+
+
+def _within(member: torch.Size, stacked: torch.Size) -> bool:
+    """Whether a member's shape fits in a padded stacked one, dim by dim."""
+    return all(a <= b for a, b in zip(member, stacked[1:], strict=True))
 
 
 def padded_values(
