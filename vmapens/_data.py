@@ -172,7 +172,7 @@ def set_rng_state(state: Any, generators: Sequence[torch.Generator]) -> None:
 class IterableSource:
     """Any re-iterable of (inputs, targets) batches: a DataLoader, a list."""
 
-    def __init__(self, data: Iterable, api: str):
+    def __init__(self, data: Iterable, api: str, name: str = "data"):
         # Not ``iter(data) is data``: a DataLoader's iterator draws a seed from the RNG (and
         # starts its workers) when it is made, so the first pass would see another order.
         if isinstance(data, Iterator):
@@ -180,6 +180,9 @@ class IterableSource:
                 f"{api}: `data` must be re-iterable (a DataLoader, a list of batches or an "
                 "(X, Y) tuple of tensors), got a one-shot iterator"
             )
+        if isinstance(data, (list, tuple)):  # its batches are known now: check them before a step
+            for k, item in enumerate(data):
+                _check_listed_batch(api, name, k, item, data)
         self.data = data
         self.length = _length(data)
         self.generators = data_generators(data)
@@ -209,11 +212,7 @@ class IterableSource:
         if batch is None:
             return None
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise TypeError(
-                f"fit: each batch of `data` must be an (inputs, targets) pair, got "
-                f"{type(batch).__name__} (`data` as arrays is a tuple of two torch tensors: "
-                "(torch.as_tensor(X), torch.as_tensor(Y)))"
-            )
+            raise TypeError(f"fit: each batch of `data` must be an {_PAIR}, got {_kind(batch)}")
         for part, tree in zip(("inputs", "targets"), batch):
             odd = [type(t).__name__ for t in optree.tree_leaves(tree) if not isinstance(t, Tensor)]
             if odd:
@@ -223,6 +222,40 @@ class IterableSource:
                     "or a DataLoader `collate_fn`"
                 )
         return tuple(batch)
+
+
+_PAIR = "(inputs, targets) pair (several inputs: ((x1, x2), y))"
+
+
+def _kind(batch: Any, loader: bool = True) -> str:
+    """What a batch that is no pair is, and the likely fix (``loader``: a DataLoader's)."""
+    if isinstance(batch, (tuple, list)):  # TensorDataset(x1, x2, y) yields [x1, x2, y]
+        fix = "; give the Dataset or the DataLoader's `collate_fn` ((x1, x2), y) pairs"
+        return f"a {type(batch).__name__} of {len(batch)} items" + (fix if loader else "")
+    if type(batch).__module__ == "numpy":
+        return f"{type(batch).__name__} (arrays: pass (torch.as_tensor(X), torch.as_tensor(Y)))"
+    return type(batch).__name__
+
+
+def _check_listed_batch(api: str, name: str, k: int, item: Any, data: Sequence) -> None:
+    """Item ``k`` of ``data`` given as a list or tuple of batches must be a batch: a pair."""
+    if isinstance(item, (tuple, list)) and len(item) == 2:
+        return
+    per_member = name != "data"  # one item of in_dims=0's list
+    # An iterable that is no batch: a DataLoader, not a tensor or an array (_kind says that).
+    loader = isinstance(item, Iterable) and not isinstance(item, (Tensor, str, bytes))
+    loader = loader and type(item).__module__ != "numpy"
+    hint = ""
+    if per_member and is_tensor_data(tuple(data)):  # [(X0, Y0), (X1, Y1), ...]
+        hint = "; per-member tensors go stacked: data=(torch.stack(Xs), torch.stack(Ys))"
+    elif is_tensor_data(tuple(data)):  # [X, Y]: read as two batches, X and Y
+        hint = "; (X, Y) tensors go in a tuple: data=(X, Y)"
+    elif not per_member and loader:
+        hint = "; a list of one DataLoader per member needs in_dims=0"
+    raise TypeError(
+        f"{api}: `{name}` as a {type(data).__name__} holds batches, each an {_PAIR}; "
+        f"`{name}[{k}]` is {_kind(item, loader=False)}{hint}"
+    )
 
 
 def _length(data: Iterable) -> int | None:
@@ -245,7 +278,7 @@ class MemberIterables:
                 f"{api}: with `in_dims=0`, `data` as a list holds one DataLoader per member: "
                 f"expected {n}, got {len(loaders)}"
             )
-        self.sources = [IterableSource(loader, api) for loader in loaders]
+        self.sources = [IterableSource(d, api, f"data[{i}]") for i, d in enumerate(loaders)]
         lengths = {src.length for src in self.sources}
         if len(lengths) != 1:
             raise ValueError(
@@ -319,9 +352,10 @@ def warn_stacked_data(api: str, data: Any, n: int, in_dims: int | None) -> None:
 
     Per-member data is stacked ``[n, samples, ...]``, inputs and targets alike. Without
     ``in_dims=0`` every member trains on all of it with the member dim taken as the samples,
-    which runs without error. The sign: inputs and targets both have ``n`` rows and agree on
-    dim 1 as well (the samples of a stack). Shared data can look like that (``n`` samples,
-    as many features as target columns), so this warns instead of refusing.
+    which runs without error. The sign: every input (each of a tuple of inputs) and the
+    targets have ``n`` rows and agree on dim 1 as well (the samples of a stack). Shared data
+    can look like that (``n`` samples, as many features as target columns), so this warns
+    instead of refusing.
 
     Args:
         api: the calling function's name, for the message.
@@ -340,11 +374,15 @@ def warn_stacked_data(api: str, data: Any, n: int, in_dims: int | None) -> None:
     if in_dims is not None or not isinstance(data, (tuple, list)) or len(data) != 2:
         return
     x, y = data
-    if not (isinstance(x, Tensor) and isinstance(y, Tensor)) or min(x.dim(), y.dim()) < 2:
+    # Every input, not only a lone tensor: `X` may be a tuple (or dict) of inputs, each stacked.
+    leaves = optree.tree_leaves(x)
+    tensors = [t for t in leaves if isinstance(t, Tensor)]
+    if not leaves or len(tensors) != len(leaves) or not isinstance(y, Tensor) or y.dim() < 2:
         return
-    if x.shape[0] == n and y.shape[0] == n and x.shape[1] == y.shape[1]:
+    if y.shape[0] == n and all(t.dim() >= 2 and t.shape[:2] == y.shape[:2] for t in tensors):
+        shapes = tuple(x.shape) if isinstance(x, Tensor) else [tuple(t.shape) for t in tensors]
         warnings.warn(
-            f"{api}: `data` inputs {tuple(x.shape)} and targets {tuple(y.shape)} both have "
+            f"{api}: `data` inputs {shapes} and targets {tuple(y.shape)} both have "
             f"{n} rows, the number of members, and agree on dim 1: if they hold one slice per "
             "member ([n, samples, ...]), pass in_dims=0; as given, every member trains on all "
             f"of it with dim 0 as the samples. If they are {n} shared samples, silence this "

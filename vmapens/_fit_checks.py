@@ -94,6 +94,9 @@ def check_arguments(api: str, args: dict[str, Any]) -> Checked:
     seed = args["seed"]
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise TypeError(f"{api}: `seed` must be an int or None, got {type(seed).__name__}")
+    for name in ("shuffle", "bootstrap"):  # a string "no" would be read as True, silently
+        if not isinstance(args[name], bool):
+            raise TypeError(f"{api}: `{name}` must be a bool, got {type(args[name]).__name__}")
     data_dims, val_dims = _in_dims(api, args["in_dims"])
     val_data, bootstrap = args["val_data"], args["bootstrap"]
     for name, kind, example in (
