@@ -142,3 +142,36 @@ def test_strict_false_and_a_parent_module_report_keys_as_torch_does() -> None:
     assert parent.load_state_dict(full) == twin.load_state_dict(twin.state_dict())
     for k, v in parent.state_dict().items():
         torch.testing.assert_close(v, full[k], rtol=0, atol=0)
+
+
+class Halved(nn.Module):
+    """A member whose load_state_dict pre-hook halves the weight it loads: alone, torch runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.fc.register_load_state_dict_pre_hook(self._halve)
+
+    @staticmethod
+    def _halve(module: nn.Module, state_dict: dict, prefix: str, *args: object) -> None:
+        state_dict[prefix + "weight"] = state_dict[prefix + "weight"] / 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_members_load_hooks_that_the_ensemble_does_not_run_are_warned_of() -> None:
+    torch.manual_seed(0)
+    plain = [Halved().double() for _ in range(2)]
+    ens = vmapens.Ensemble.from_modules(plain)
+    sd = {k: v + 1 for k, v in ens.state_dict().items()}
+    alone = Halved().double()
+    alone.load_state_dict({k: v[0] for k, v in sd.items()})  # the truth: torch runs the hook
+    assert torch.equal(alone.fc.weight, sd["fc.weight"][0] / 2)
+    with pytest.warns(UserWarning, match=r"modules \['fc'\] have load_state_dict hooks, which the "
+                      r"ensemble does not run.*Ensemble\.from_modules"):  # fmt: skip
+        ens.load_state_dict(sd)
+    assert not torch.equal(ens.stacked_params()["fc.weight"][0], alone.fc.weight)  # as warned
+    # torch's own hooks (old spectral_norm's, for old state dict versions) are not warned of.
+    normed = vmapens.Ensemble(lambda: nn.utils.spectral_norm(nn.Linear(3, 2)), 2, seed=0)
+    normed.load_state_dict(normed.state_dict())

@@ -5,6 +5,7 @@ loader copies, or assigns, the keys before the one it raises on)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,7 +15,7 @@ from torch import nn
 from ._stacking import staged
 from ._storage_parts import member_count_hint, padded_values
 
-__all__ = ["loadable"]
+__all__ = ["loadable", "warn_member_hooks"]
 
 
 def loadable(
@@ -104,3 +105,35 @@ def _adoptable(value: torch.Tensor, flag: bool | None) -> torch.Tensor:
     if flag and not (value.is_floating_point() or value.is_complex()):
         value.requires_grad_(flag)  # raises torch's own error, changing nothing
     return value
+
+
+def warn_member_hooks(template: nn.Module) -> None:
+    """Warn that the members' own load_state_dict hooks do not run: the ensemble loads its
+    stacked tensors and never calls its members' loaders, so a hook that renames keys fails
+    as a missing key, and one that changes values is skipped. torch's own hooks (the old
+    ``spectral_norm``'s, for state dicts of old versions) are left out: they read the formats
+    of old torch versions, which an ensemble's state dict never is."""
+    found = []
+    for path, module in template.named_modules():
+        hooks = [
+            *module._load_state_dict_pre_hooks.values(),
+            *module._load_state_dict_post_hooks.values(),
+        ]
+        if any(not _of_torch(getattr(h, "hook", h)) for h in hooks):
+            found.append(path or "(the member)")
+    if found:
+        warnings.warn(
+            f"load_state_dict: the members' modules {found} have load_state_dict hooks, which "
+            "the ensemble does not run (it loads stacked tensors, not each member's state "
+            "dict): a hook that changes values is not applied. To apply them, load each "
+            "member's state dict into its own module and stack them with "
+            "Ensemble.from_modules",
+            stacklevel=4,
+        )
+
+
+def _of_torch(hook: Any) -> bool:
+    """Whether ``hook`` (a function, a bound method or a callable object) is torch's."""
+    owner = getattr(hook, "__func__", hook)
+    module = getattr(owner, "__module__", None) or type(owner).__module__
+    return module == "torch" or module.startswith("torch.")

@@ -24,7 +24,7 @@ from ._checks import as_ids, index_rows
 from ._members import check_same, named_tensors, non_persistent_buffers, signature
 from ._padding import Padding
 from ._stacking import check_applied, follow_flags, hooks_of, migrated_keys, scrub_
-from ._state_loading import loadable
+from ._state_loading import loadable, warn_member_hooks
 from ._storage_parts import in_mode, member_format, paired
 from ._unbatchable import SparseLayer, sparse_layers
 
@@ -385,6 +385,7 @@ class StackedModule(nn.Module):
         # splits keys at the first dot and copies as it goes); `strict` is known in
         # ``ens.load_state_dict`` only (torch passes True here): inside a parent's, the
         # matching keys load, as torch's do.
+        warn_member_hooks(self._template)
         persistent, (whole, metadata) = self._persistent(), self.__dict__.get("_loading", (0, 0))
         assign = bool(local_metadata.get("assign_to_params_buffers"))
         if assign:
