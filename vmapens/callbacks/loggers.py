@@ -5,7 +5,12 @@ from __future__ import annotations
 import csv
 import math
 import os
+import re
+import time
+import warnings
 from typing import Any
+
+from torch import Tensor
 
 from ..optim import MemberValues
 from .base import Callback, Context
@@ -37,16 +42,20 @@ def epoch_scalars(
 
 
 def member_lrs(ctx: Context) -> list[float] | None:
-    """Each member's learning rate in the first param group now (``None`` for a tensor lr).
+    """Each member's learning rate in the first param group now (``None`` without one).
 
-    The loggers read it when an epoch starts: the rate the epoch trained with (its first
-    step's), as a per-epoch scheduler (and PBT) change it at the epoch's end.
+    A float, or a 0-d tensor (``lr=torch.tensor(1e-3)``, which torch's schedulers ``fill_``),
+    is every member's. The loggers read it when an epoch starts: the rate the epoch trained
+    with (its first step's), as a per-epoch scheduler (and PBT) change it at the epoch's end.
     """
     lr = ctx.optimizer.param_groups[0].get("lr")
+    n = len(ctx.history.member_ids)
     if isinstance(lr, MemberValues):
         return lr.tolist()
-    if isinstance(lr, (int, float)):
-        return [float(lr)] * len(ctx.history.member_ids)
+    if isinstance(lr, Tensor) and tuple(lr.shape) == (n,):
+        return lr.tolist()
+    if isinstance(lr, (int, float)) or (isinstance(lr, Tensor) and lr.numel() == 1):
+        return [float(lr)] * n
     return None
 
 
@@ -57,7 +66,8 @@ class CSVLogger(Callback):
     (``train_loss``, ``val_loss``, metrics, ``lr``, ``ensemble_<metric>``, the last the same
     on every row of an epoch). Stopped members' losses are empty cells. A run that starts at
     epoch 0 writes a new file; a resumed run appends to it, after dropping any rows of the
-    epochs it redoes (logged by the interrupted run after its last checkpoint).
+    epochs it redoes (logged by the interrupted run after its last checkpoint). Under
+    ``torch.distributed`` each rank logs its own members: give each rank its own ``path``.
 
     Args:
         path: the CSV file.
@@ -127,7 +137,15 @@ class TensorBoardLogger(Callback):
     ``purge_step`` at the first epoch the run trains: steps logged earlier in ``log_dir`` from
     that epoch on (by an interrupted run after its last checkpoint, which the resumed run
     redoes; by a run that started at epoch 0 there before) are hidden, so no epoch is shown
-    twice, as :class:`CSVLogger` drops those rows.
+    twice, as :class:`CSVLogger` drops those rows. TensorBoard reads a directory's event files
+    in the order of their names, which start with the second they were opened in: when an
+    event file in ``log_dir`` was opened in the current second, the logger waits for the
+    next one (at most a second), so its file is read after the earlier ones (in the same
+    second the names sort by host, process id and a counter, and a reader could take this
+    run's file first and show the steps the purge hides in place of this run's). The file
+    is closed when ``fit`` ends (normally or not). Under ``torch.distributed`` each rank logs
+    its own members: give each rank its own ``log_dir`` (one event file's purge hides the
+    steps of every file read before it).
 
     Args:
         log_dir: TensorBoard's run directory.
@@ -153,6 +171,7 @@ class TensorBoardLogger(Callback):
         # have logged already: TensorBoard drops the steps from `purge_step` on that came
         # before this file's start event.
         self.close()
+        _after_earlier_event_files(self.log_dir)
         self.writer = self.summary_writer(self.log_dir, purge_step=ctx.history.epochs)
 
     def on_epoch_start(self, ctx: Context) -> None:
@@ -173,8 +192,33 @@ class TensorBoardLogger(Callback):
             self.writer.add_scalar(f"ensemble/{name.removeprefix('ensemble_')}", v, ctx.epoch)
         self.writer.flush()
 
+    def teardown(self, ctx: Context) -> None:
+        self.close()
+
     def close(self) -> None:
-        """Flush and close the event file."""
+        """Flush and close the event file (``fit`` does, when it ends)."""
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+_EVENT_FILE = re.compile(r"events\.out\.tfevents\.(\d+)\.")
+
+
+def _after_earlier_event_files(log_dir: str) -> None:
+    """Wait until the clock's second is past every event file's in ``log_dir``, so that a
+    file opened now sorts after them (its name starts with that second)."""
+    names = os.listdir(log_dir) if os.path.isdir(log_dir) else []
+    seconds = [int(m.group(1)) for m in map(_EVENT_FILE.match, names) if m]
+    if not seconds:
+        return
+    wait = max(seconds) + 1 - time.time()
+    if wait > 1:  # a file from a clock ahead of this one: no short wait orders them
+        warnings.warn(
+            f"TensorBoardLogger: `log_dir` {log_dir!r} holds an event file dated "
+            f"{wait - 1:.0f} s in the future; TensorBoard may read this run's events before "
+            "it and show that file's steps in place of this run's. Log to a new directory",
+            stacklevel=2,
+        )
+    elif wait > 0:
+        time.sleep(wait)

@@ -31,12 +31,15 @@ class ProgressBar(Callback):
     """
 
     def __init__(self, progress: Any = True) -> None:
-        if progress not in (True, False) and not callable(getattr(progress, "write", None)):
+        # 0/1 and numpy's bools pass as False/True (`progress=verbose`), and are read as such:
+        # `_open` tells them apart by identity, and took 0 for a stream to write to.
+        flag = isinstance(progress, int) or type(progress).__name__ in ("bool", "bool_")
+        if not (flag and progress in (0, 1)) and not callable(getattr(progress, "write", None)):
             raise TypeError(
                 f"fit: `progress` must be True, False or a text stream, got "
                 f"{type(progress).__name__}"
             )
-        self.progress = progress
+        self.progress = bool(progress) if flag else progress
         self.bar: Any = _NoBar()
         self.last_shown = 0.0
 
