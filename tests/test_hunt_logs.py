@@ -203,3 +203,27 @@ def test_csv_of_a_sub_ensemble_against_a_plain_loop(tmp_path):
     torch.testing.assert_close(
         torch.tensor(whole, **F64), torch.tensor(truth["ensemble_mae"], **F64), **TOL
     )
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["one-path", "a-path-each"])
+def test_one_csv_for_several_ranks_is_refused_before_a_row_is_written(tmp_path, monkeypatch, same):
+    # Under torch.distributed every rank logs its own members: two ranks on one file wrote it
+    # at once. The paths the ranks give are gathered (here: rank 1's as given, or its own).
+    from vmapens.callbacks import loggers
+
+    def gathered(api, err, value):
+        return [value, value if same else value + ".rank1"]
+
+    monkeypatch.setattr(loggers, "world_size", lambda: 2)
+    monkeypatch.setattr(loggers, "raise_together", gathered)
+    ens = vmapens.Ensemble(lambda: nn.Linear(3, 1), 2, seed=0)
+    path = tmp_path / "log.csv"
+    data = (torch.randn(8, 3), torch.randn(8, 1))
+    logger = vmapens.callbacks.CSVLogger(path)
+    if same:
+        with pytest.raises(ValueError, match=r"^CSVLogger: ranks \[0, 1\] log to one `path`"):
+            vmapens.fit(ens, data, nn.MSELoss(), callbacks=[logger], progress=False)
+        assert not path.exists()
+    else:
+        vmapens.fit(ens, data, nn.MSELoss(), callbacks=[logger], progress=False)
+        assert path.exists()

@@ -6,12 +6,14 @@ import csv
 import math
 import os
 import re
+import socket
 import time
 import warnings
 from typing import Any
 
 from torch import Tensor
 
+from ..distributed import raise_together, world_size
 from ..optim import MemberValues
 from .base import Callback, Context
 
@@ -67,7 +69,8 @@ class CSVLogger(Callback):
     on every row of an epoch). Stopped members' losses are empty cells. A run that starts at
     epoch 0 writes a new file; a resumed run appends to it, after dropping any rows of the
     epochs it redoes (logged by the interrupted run after its last checkpoint). Under
-    ``torch.distributed`` each rank logs its own members: give each rank its own ``path``.
+    ``torch.distributed`` each rank logs its own members: give each rank its own ``path``
+    (one path for several ranks is refused when training starts).
 
     Args:
         path: the CSV file.
@@ -91,6 +94,7 @@ class CSVLogger(Callback):
         self.lr: list[float] | None = None
 
     def on_train_start(self, ctx: Context) -> None:
+        _one_per_rank("CSVLogger", "path", self.path)
         # A resumed run redoes the epochs after its checkpoint. The interrupted run may have
         # logged some of them already (a callback raised after this one, before the
         # checkpoint was written): drop those rows so that no epoch is logged twice.
@@ -122,6 +126,23 @@ class CSVLogger(Callback):
                 writer.writerow([ctx.epoch, member, *(_cell(v) for v in values)])
 
 
+def _one_per_rank(api: str, name: str, where: str) -> None:
+    """Refuse one file (or log directory) for several ranks of a process group: each rank logs
+    its own members, so they would write it at once (CSV rows interleaved and truncated, or
+    TensorBoard purges hiding the other ranks' steps). A collective: every rank's logger calls
+    it when training starts, and every rank gets the same answer."""
+    if world_size() == 1:
+        return
+    mine = f"{socket.gethostname()}:{os.path.realpath(where)}"
+    shared = [r for r, other in enumerate(raise_together(api, None, mine)) if other == mine]
+    if len(shared) > 1:
+        raise ValueError(
+            f"{api}: ranks {shared} log to one `{name}` ({where!r}), and each rank logs its own "
+            f"members: give each rank its own, e.g. with its rank in the name "
+            f'(f"...rank{{torch.distributed.get_rank()}}...")'
+        )
+
+
 def _cell(v: float) -> str:
     return "" if math.isnan(v) else repr(v)
 
@@ -145,7 +166,8 @@ class TensorBoardLogger(Callback):
     run's file first and show the steps the purge hides in place of this run's). The file
     is closed when ``fit`` ends (normally or not). Under ``torch.distributed`` each rank logs
     its own members: give each rank its own ``log_dir`` (one event file's purge hides the
-    steps of every file read before it).
+    steps of every file read before it; one ``log_dir`` for several ranks is refused when
+    training starts).
 
     Args:
         log_dir: TensorBoard's run directory.
@@ -167,6 +189,7 @@ class TensorBoardLogger(Callback):
         self.lr: list[float] | None = None
 
     def on_train_start(self, ctx: Context) -> None:
+        _one_per_rank("TensorBoardLogger", "log_dir", self.log_dir)
         # A resumed run redoes the epochs after its checkpoint, which the interrupted run may
         # have logged already: TensorBoard drops the steps from `purge_step` on that came
         # before this file's start event.
