@@ -13,7 +13,7 @@ itself").
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -27,6 +27,16 @@ from ._fastcall import call_member
 from ._locate import first_padded_difference
 from ._members import named_tensors
 from ._padding import masked
+from ._selfcheck_parts import (
+    Attributes,
+    carried,
+    differences,
+    fingerprints,
+    in_turns,
+    plain_attributes,
+    refuse_carried,
+    set_attributes,
+)
 from ._unbatchable import batch_kept, explain_failure, follow_sparse, refuse_edits_in_turns
 from .ensemble import Ensemble, check_ensemble
 
@@ -218,9 +228,13 @@ def _alone(
     targets: Tensor,
     in_dims: int | None,
     autocast: torch.dtype | None,
+    attributes: Attributes | None = None,
 ) -> dict[str, Any]:
-    """Member ``member`` as a plain module: outputs, loss, state after, ``.grad``s."""
+    """Member ``member`` as a plain module: outputs, loss, state after, ``.grad``s, and the
+    plain attributes its forward set (``attributes``: set these first)."""
     module = ens[member]
+    set_attributes(module, attributes or {})
+    before = fingerprints(plain_attributes(module))
     for sub in module.modules() if ens.backend == "vmap" else ():  # see in_logical_order
         sub.__class__ = BatchableDropout if type(sub) is torch.nn.Dropout else type(sub)
     with batch_kept(args, targets) as edited, _forked_rng(ens), _logical(ens):
@@ -232,7 +246,15 @@ def _alone(
         out = _copied(out)  # an output that is the input edited in place is put back next
     grads = {name: p.grad for name, p in module.named_parameters() if p.requires_grad}
     state = {name: t.detach() for name, t in named_tensors(module)}
-    return {"out": out, "loss": loss.detach(), "state": state, "grads": grads, "edits": edited}
+    kept = carried(before, plain_attributes(module))
+    return {
+        "out": out,
+        "loss": loss.detach(),
+        "state": state,
+        "grads": grads,
+        "edits": edited,
+        "carried": kept,
+    }
 
 
 def _together(
@@ -299,6 +321,11 @@ def _compare(
     name = type(ens.template).__name__
     if alone["edits"] and in_dims is None:  # shared by all members
         refuse_edits_in_turns(api, name, ens.backend, ens.chunk_size, len(ens))
+    how = in_turns(ens.backend, ens.chunk_size, len(ens))
+    if alone["carried"] and how is not None:
+        _refuse_reads_of_carried(
+            api, ens, member, alone, how, loss_fn, args, targets, in_dims, autocast
+        )
     sub = ens.select([member])  # a copy: the probe's forward changes nothing of ens
     try:
         together = _together(sub, member, loss_fn, args, targets, in_dims, autocast)
@@ -310,7 +337,7 @@ def _compare(
             f"{api}: member {member} of {name} runs alone on this batch but fails inside the "
             f"ensemble ({type(err).__name__}: {err}). {_WAY_OUT[sub.backend]}"
         ) from err
-    found = list(_differences(alone, together, autocast))
+    found = list(differences(alone, together, autocast))
     if found:
         padded = ens._padding is not None
         where = _padded_layer(sub, member, args, in_dims) if padded else None
@@ -320,6 +347,24 @@ def _compare(
             f"{'; '.join(found[:4])}. {'' if where is None else f'It first differs at {where}. '}"
             f"{_PADDED if padded else _VMAPPED if ens.backend == 'vmap' else _WAY_OUT['loop']}"
         )
+
+
+def _refuse_reads_of_carried(
+    api: str, ens: Ensemble, member: int, alone: dict[str, Any], how: str, *batch: Any
+) -> None:
+    """Raise if the member's forward reads the plain attributes it set (``alone["carried"]``):
+    run it again on the same batch with them set, as the next member in turn would
+    (``batch``: ``_alone``'s loss, inputs, targets, ``in_dims`` and autocast)."""
+    loss_fn, args, targets, in_dims, autocast = batch
+    try:
+        again = _alone(ens, member, loss_fn, args, targets, in_dims, autocast, alone["carried"])
+    except Exception as err:
+        why = f"member {member} run again on the same batch fails: {type(err).__name__}"
+    else:
+        if not any(differences(alone, again, autocast)):
+            return
+        why = f"member {member} run again on the same batch computes something else"
+    refuse_carried(api, type(ens.template).__name__, how, alone["carried"], why)
 
 
 def _padded_layer(sub: Ensemble, member: int, args: tuple, in_dims: int | None) -> str | None:
@@ -353,68 +398,3 @@ _PADDED = (
     "docs/semantics.md, 'Members of different sizes'). Give these members one size, or "
     "train each size as its own Ensemble"
 )
-
-
-def _differences(
-    alone: dict[str, Any], together: dict[str, Any], low: torch.dtype | None
-) -> Iterator[str]:
-    """What differs, in words, beyond ``tolerance``."""
-    outs_a, spec_a = optree.tree_flatten(alone["out"])
-    outs_t, spec_t = optree.tree_flatten(together["out"])
-    if spec_a != spec_t:
-        yield f"the output is {spec_t} inside the ensemble and {spec_a} alone"
-    else:
-        for i, (a, t) in enumerate(zip(outs_a, outs_t, strict=True)):
-            yield from _close(f"output {i}" if len(outs_a) > 1 else "the output", a, t, low)
-    yield from _close("the loss", alone["loss"], together["loss"], low)
-    layers: dict[str, float] = {}  # each layer's largest float tensor, a floor for its own:
-    for key, a in alone["state"].items():  # a running mean of normalised inputs is round-off
-        if a.is_floating_point() and a.numel():
-            layer, at = key.rpartition(".")[0], float(a.abs().nan_to_num().max())
-            layers[layer] = max(layers.get(layer, 0.0), at)
-    for key, a in alone["state"].items():
-        floor = layers.get(key.rpartition(".")[0], 0.0)
-        yield from _close(f"`{key}` after the forward", a, together["state"][key], low, floor)
-    grads = [g for g in alone["grads"].values() if g is not None]
-    scale = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
-    for key, a in alone["grads"].items():
-        t = together["grads"].get(key)
-        if (a is None) != (t is None):
-            yield (
-                f"`{key}` gets {'no' if t is None else 'a'} gradient inside the ensemble and "
-                f"{'no' if a is None else 'a'} gradient alone"
-            )
-        elif a is not None and t is not None:
-            # Relative to the member's largest gradient: a gradient that is 0 in exact
-            # arithmetic (a bias before BatchNorm) is round-off of the terms around it.
-            yield from _close(f"the gradient of `{key}`", a, t, low, floor=scale)
-
-
-def _close(
-    what: str, alone: Any, together: Any, low: torch.dtype | None, floor: float = 0.0
-) -> Iterator[str]:
-    if not (isinstance(alone, Tensor) and isinstance(together, Tensor)):
-        if alone != together:
-            yield f"{what} is {together!r} inside the ensemble and {alone!r} alone"
-        return
-    if alone.shape != together.shape or alone.dtype != together.dtype:
-        yield (
-            f"{what} is {together.dtype} {tuple(together.shape)} inside the ensemble and "
-            f"{alone.dtype} {tuple(alone.shape)} alone"
-        )
-        return
-    a, t = alone.detach(), together.detach().to(alone.device)
-    if not a.is_floating_point() and not a.is_complex():
-        if not torch.equal(a, t):
-            yield f"{what} differs (exact values expected for {a.dtype})"
-        return
-    if not torch.equal(a.isnan(), t.isnan()):
-        yield f"{what} is NaN in other places"
-        return
-    a, t = a.nan_to_num(0.0, 0.0, 0.0), t.nan_to_num(0.0, 0.0, 0.0)
-    dtypes = [a.dtype] if low is None else [a.dtype, low]
-    tol = max(tolerance(d) for d in dtypes)
-    scale = max(float(a.abs().max()) if a.numel() else 0.0, floor)
-    diff = float((a - t).abs().max()) if a.numel() else 0.0
-    if diff > tol * scale:
-        yield f"{what} differs by {diff:.3g} (tolerance {tol:.2g} x scale {scale:.3g})"

@@ -1,0 +1,193 @@
+"""Hunt: state a member's forward carries in plain attributes, with members run in turns.
+
+A member's parameters and buffers are stacked per member; any other attribute (a Python
+counter, a flag set on the first call as in Glow's ActNorm, a tensor kept for the next call)
+lives once on the module all members run. With ``backend="loop"`` or ``chunk_size`` below
+``n`` member ``i`` read what member ``i - 1`` left there: every member after the first trained
+elsewhere than alone, without an error. The first-step self-check now refuses it; one run for
+all members (vmap, no ``chunk_size``) stays exact, and so does the way out, a buffer.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from truth import TOL64, assert_members_equal, train_each
+
+import vmapens
+
+N = 3
+STEPS = 3
+
+
+class Counted(nn.Module):
+    """Scales its output by the number of calls so far, a Python int."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.fc(x) * self.calls
+
+
+class ActNorm(nn.Module):
+    """Glow's data-dependent init: the first call sets the shift from the batch, once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.loc = nn.Parameter(torch.zeros(2))
+        self.initialized = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if not self.initialized:
+            with torch.no_grad():
+                self.loc.copy_(-h.mean(0))
+            self.initialized = True
+        return h + self.loc
+
+
+class Carried(nn.Module):
+    """Adds the previous call's output (a stateful model carrying a tensor across batches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.previous: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        if self.previous is not None:
+            y = y + self.previous
+        self.previous = y.detach()
+        return y
+
+
+class Appended(nn.Module):
+    """Scales its output by the length of a list it appends to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.shape[0])
+        return self.fc(x) * len(self.seen)
+
+
+class EditedTensor(nn.Module):
+    """Edits a plain tensor attribute (no buffer) in place and scales by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.scale = torch.ones(2, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.scale.mul_(2.0)
+        return self.fc(x) * self.scale.clone()
+
+
+class KeptOnly(nn.Module):
+    """Keeps its last output on the module but never reads it: nothing to refuse."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.last: torch.Tensor | None = None
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last = y = self.fc(x)
+        self.calls += 1  # counted, never read
+        return y
+
+
+class BufferCounted(nn.Module):
+    """The way out: ``Counted`` with its count in a buffer, one row per member."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return self.fc(x) * self.calls.clone()
+
+
+CARRYING = [Counted, ActNorm, Carried, Appended, EditedTensor]
+IN_TURNS = {"loop": dict(backend="loop"), "chunk": dict(chunk_size=2)}
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(6, 3, generator=g, dtype=torch.float64), torch.randn(6, 2, generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+def _factory(cls: type[nn.Module]) -> Callable[[], nn.Module]:
+    return lambda: cls().double()
+
+
+def _train(ens: vmapens.Ensemble, check: bool = True) -> list[nn.Module]:
+    """Train ``ens`` with the eager step; return its members alone trained on the same
+    batches with ``torch.optim.SGD`` (copies taken before)."""
+    alone = [copy.deepcopy(m) for m in ens.unstack()]
+    batches = [(x, y.double()) for x, y in _batches()]
+    opt = vmapens.StackedSGD(ens, lr=0.1)
+    step = vmapens.make_step(ens, nn.MSELoss(), opt, check=check)
+    for x, y in batches:
+        step(x.clone(), y)
+    train_each(alone, batches, nn.MSELoss(), lambda i, m: torch.optim.SGD(m.parameters(), lr=0.1))
+    return alone
+
+
+@pytest.mark.parametrize("how", list(IN_TURNS), ids=list(IN_TURNS))
+@pytest.mark.parametrize("cls", CARRYING, ids=lambda c: c.__name__)
+def test_state_carried_in_plain_attributes_is_refused_in_turns(
+    cls: type[nn.Module], how: str
+) -> None:
+    unchecked = vmapens.Ensemble(_factory(cls), n=N, seed=0, **IN_TURNS[how])
+    alone = _train(unchecked, check=False)  # what the probe refuses: members trained elsewhere
+    with pytest.raises(AssertionError):
+        assert_members_equal(unchecked, alone, **TOL64)
+    ens = vmapens.Ensemble(_factory(cls), n=N, seed=0, **IN_TURNS[how])
+    before = {k: v.clone() for k, v in ens.state_dict().items()}
+    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedSGD(ens, lr=0.1))
+    x, y = _batches()[0]
+    with pytest.raises(RuntimeError, match="register_buffer") as err:
+        step(x, y.double())
+    assert cls.__name__ in str(err.value) and "Nothing was changed" in str(err.value)
+    for key, value in ens.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    with pytest.raises(RuntimeError, match="register_buffer"):
+        vmapens.check(ens, x, y.double(), nn.MSELoss())
+
+
+@pytest.mark.parametrize("cls", CARRYING, ids=lambda c: c.__name__)
+def test_one_run_for_all_members_carries_state_as_alone(cls: type[nn.Module]) -> None:
+    ens = vmapens.Ensemble(_factory(cls), n=N, seed=0)
+    alone = _train(ens)
+    assert_members_equal(ens, alone, **TOL64)
+
+
+@pytest.mark.parametrize("how", list(IN_TURNS), ids=list(IN_TURNS))
+@pytest.mark.parametrize("cls", [KeptOnly, BufferCounted], ids=lambda c: c.__name__)
+def test_state_never_read_or_in_a_buffer_trains_as_alone_in_turns(
+    cls: type[nn.Module], how: str
+) -> None:
+    ens = vmapens.Ensemble(_factory(cls), n=N, seed=0, **IN_TURNS[how])
+    alone = _train(ens)
+    assert_members_equal(ens, alone, **TOL64)
