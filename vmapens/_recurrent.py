@@ -106,6 +106,8 @@ class _Recurrent(nn.RNNBase):
         lstm = self.mode == "LSTM"
         batched = input.dim() == 3
         batch_first = batched and self.batch_first
+        if input.size(1 if batch_first else 0) == 0:  # torch's kernels refuse it too
+            raise ValueError(f"{api}: `input` must have at least one time step, got 0")
         # Time first inside, as torch's kernels: a batch_first output is then a transposed
         # view with torch's strides, and a Dropout after the layer, which draws its mask in
         # memory order, draws the member's own mask (docs/semantics.md, "Randomness").
@@ -306,7 +308,7 @@ class BatchableLSTM(_Recurrent):
         super().__init__("LSTM", *args, **kwargs)
 
 
-def _cell_inputs(cell: nn.RNNCellBase, input: Tensor, hx: Tensor | None) -> tuple[Tensor, bool]:
+def _cell_inputs(cell: nn.RNNCellBase, input: Tensor) -> tuple[Tensor, bool]:
     """Check a cell's input and return it with a batch dim, and whether it had one."""
     api = type(cell).__name__
     if isinstance(input, PackedSequence):
@@ -319,16 +321,24 @@ def _cell_inputs(cell: nn.RNNCellBase, input: Tensor, hx: Tensor | None) -> tupl
         raise ValueError(
             f"{api}: `input` must have {cell.input_size} features (last dim), got {input.size(-1)}"
         )
-    if hx is not None and hx.dim() != input.dim():
-        raise ValueError(f"{api}: `hx` must be {input.dim()}-D like `input`, got {hx.dim()}-D")
     batched = input.dim() == 2
     return (input if batched else input.unsqueeze(0)), batched
 
 
-def _cell_state(hx: Tensor | None, x: Tensor, size: int, batched: bool) -> Tensor:
-    """A cell state with a batch dim: ``hx`` as given, or zeros."""
+def _cell_state(
+    cell: nn.RNNCellBase, hx: Tensor | None, x: Tensor, batched: bool, name: str = "hx"
+) -> Tensor:
+    """A cell state with a batch dim: ``hx`` as given (checked), or zeros."""
     if hx is None:
-        return torch.zeros(x.size(0), size, dtype=x.dtype, device=x.device)
+        return torch.zeros(x.size(0), cell.hidden_size, dtype=x.dtype, device=x.device)
+    # Exactly torch's shape: a state of another batch size (one row, say) would broadcast
+    # in the twin's ops and run, where torch's cell kernels refuse it.
+    want = (x.size(0), cell.hidden_size) if batched else (cell.hidden_size,)
+    if tuple(hx.shape) != want:
+        raise ValueError(
+            f"{type(cell).__name__}: `{name}` must have shape {list(want)} (batch and hidden "
+            f"size of `input`), got {list(hx.shape)}"
+        )
     return hx if batched else hx.unsqueeze(0)
 
 
@@ -343,8 +353,8 @@ class BatchableRNNCell(nn.RNNCell):
 
     def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
         _warn_if_autocast(self, input)
-        x, batched = _cell_inputs(self, input, hx)
-        h = _cell_state(hx, x, self.hidden_size, batched)
+        x, batched = _cell_inputs(self, input)
+        h = _cell_state(self, hx, x, batched)
         gi = project(x, self.weight_ih, self.bias_ih, self.bias_hh, gru=False)
         h = rnn_step(gi, h, self.weight_hh.t(), self.nonlinearity == "relu")
         return h if batched else h.squeeze(0)
@@ -361,8 +371,8 @@ class BatchableGRUCell(nn.GRUCell):
 
     def forward(self, input: Tensor, hx: Tensor | None = None) -> Tensor:
         _warn_if_autocast(self, input)
-        x, batched = _cell_inputs(self, input, hx)
-        h = _cell_state(hx, x, self.hidden_size, batched)
+        x, batched = _cell_inputs(self, input)
+        h = _cell_state(self, hx, x, batched)
         gi = project(x, self.weight_ih, self.bias_ih, self.bias_hh, gru=True)
         gi_rz, gi_n = gi.split([2 * self.hidden_size, self.hidden_size], -1)
         h = gru_step(gi_rz, gi_n, h, self.weight_hh.t(), self.bias_hh)
@@ -387,9 +397,9 @@ class BatchableLSTMCell(nn.LSTMCell):
                 f"BatchableLSTMCell: `hx` must be a tuple (h_0, c_0), got {type(hx).__name__}"
             )
         _warn_if_autocast(self, input)
-        x, batched = _cell_inputs(self, input, None if hx is None else hx[0])
-        h = _cell_state(None if hx is None else hx[0], x, self.hidden_size, batched)
-        c = _cell_state(None if hx is None else hx[1], x, self.hidden_size, batched)
+        x, batched = _cell_inputs(self, input)
+        h = _cell_state(self, None if hx is None else hx[0], x, batched, "hx[0]")
+        c = _cell_state(self, None if hx is None else hx[1], x, batched, "hx[1]")
         w_ih, w_hh_t, bias = lstm_weights(
             self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh
         )
