@@ -302,7 +302,10 @@ def test_fit_on_a_dataloader_over_an_iterable_dataset_equals_training_alone(step
             [({"x": X, "k": 3}, Y)],
             r"fit: each batch of `data` must hold tensors.*int in its inputs",
         ),
-        ((X.numpy(), Y.numpy()), r"fit: each batch .* pair, got ndarray .*torch.as_tensor"),
+        (
+            (X.numpy(), Y.numpy()),
+            r"fit: `data` as a tuple holds batches.*`data\[0\]` is ndarray .*torch.as_tensor",
+        ),
     ],
     ids=["strings", "int-in-dict", "numpy-arrays"],
 )
