@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 from torchrun import torchrun
+from truth import assert_states
 
 import vmapens
 from vmapens import _members, distributed, member_files
@@ -31,15 +32,6 @@ def seeded(factory, ids, seed: int = worker.SEED) -> list[nn.Module]:
         torch.manual_seed(vmapens.seeds.member_seed(seed, i))
         out.append(factory())
     return out
-
-
-def assert_states(got: list[dict], plain: list[nn.Module]) -> None:
-    assert len(got) == len(plain)
-    for state, module in zip(got, plain, strict=True):
-        truth = module.state_dict()
-        assert sorted(state) == sorted(truth)
-        for key in truth:
-            torch.testing.assert_close(state[key], truth[key], **EXACT, msg=key)
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:

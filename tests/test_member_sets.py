@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from truth import assert_states
 
 import vmapens
 from vmapens import distributed, member_files
@@ -55,15 +56,6 @@ def modules(n: int, seed: int, dtype: torch.dtype = torch.float64, cls: type = A
 def linears(n: int, seed: int) -> list[nn.Module]:
     torch.manual_seed(seed)
     return [nn.Linear(3, 2).double() for _ in range(n)]
-
-
-def assert_states(got: list[dict], plain: list[nn.Module]) -> None:
-    assert len(got) == len(plain)
-    for state, module in zip(got, plain, strict=True):
-        truth = module.state_dict()
-        assert sorted(state) == sorted(truth)
-        for key in truth:
-            torch.testing.assert_close(state[key], truth[key], **EXACT, msg=key)
 
 
 def snapshot(directory: Path) -> dict[str, bytes | None]:

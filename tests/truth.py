@@ -170,6 +170,17 @@ def seeded_members(factory: Callable[[], nn.Module], n: int) -> list[nn.Module]:
     return out
 
 
+def assert_states(got: Sequence[dict], plain: Sequence[nn.Module]) -> None:
+    """State dicts (loaded member files, say) equal, key for key and bit for bit, to those of
+    the plain modules, in order."""
+    assert len(got) == len(plain)
+    for state, module in zip(got, plain, strict=True):
+        truth = module.state_dict()
+        assert sorted(state) == sorted(truth)
+        for key in truth:
+            torch.testing.assert_close(state[key], truth[key], rtol=0, atol=0, msg=key)
+
+
 def twins(modules: Iterable[nn.Module]) -> list[nn.Module]:
     """Independent deep copies (for `ens.unstack()` or a list of plain modules)."""
     return [copy.deepcopy(m) for m in modules]
