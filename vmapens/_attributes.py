@@ -33,7 +33,7 @@ from ._batchable import twin_class
 from ._stacking import recomputed
 from ._unbatchable import unchunked
 
-__all__ = ["Watched"]
+__all__ = ["Watched", "forward_set"]
 
 #: ``nn.Module``'s own entries in a module's ``__dict__``, and ``nn.RNNBase``'s views of its
 #: weights (kept per module object; functional_call writes them in place).
@@ -76,6 +76,36 @@ def _same(a: object, b: object) -> bool:
     if isinstance(a, float) and isinstance(b, float):
         return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
     return a == b
+
+
+def _plain_value(value: object) -> bool:
+    """A value a member can take as its own: no tensor, module or callable, which the
+    members share or which hold other members' rows."""
+    if type(value) is tuple:
+        return all(map(_plain_value, value))
+    return type(value) in (bool, int, float, str, type(None))
+
+
+def forward_set(template: nn.Module, runner: nn.Module) -> dict[str, dict[str, object]]:
+    """The plain values a forward set on ``runner``'s modules (``self.initialized = True``, a
+    counter), by module path: those that differ from the template's (``Watched.follow`` set
+    the template's last). A plain module keeps what its forward set, so ``ens[i]`` must too.
+    ``unchunked``'s ``options=None`` is the runner's own, not the forward's."""
+    found: dict[str, dict[str, object]] = {}
+    if runner is template:  # backend="loop": the forward ran on the template itself
+        return found
+    own = dict(template.named_modules())
+    loss = getattr(nn, "LinearCrossEntropyLoss", None)
+    for path, m in runner.named_modules():
+        kept = vars(own[path]) if path in own else {}
+        values = {
+            k: v for k, v in vars(m).items()
+            if k not in INTERNAL and _plain_value(v) and (k not in kept or not _same(v, kept[k]))
+            and not (k == "options" and type(m) is loss)
+        }  # fmt: skip
+        if values:
+            found[path] = values
+    return found
 
 
 class Watched:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from ._attributes import forward_set
 from ._checks import to_index
 from ._members import named_tensors
 from ._padding import Padding
@@ -28,10 +29,20 @@ __all__ = [
 
 
 def member_module(
-    template: nn.Module, stacked: dict[str, torch.Tensor], padding: Padding | None, i: int
+    template: nn.Module,
+    runner: nn.Module,
+    stacked: dict[str, torch.Tensor],
+    padding: Padding | None,
+    i: int,
 ) -> nn.Module:
-    """Member ``i`` as a module of the user's class: a deep copy of its (meta) ``template`` with
-    row ``i`` of every stacked tensor (at its own size when ``padding``), cloned."""
+    """Member ``i`` as a module of the user's class: a deep copy of its (meta) template (the
+    ensemble's ``template``, or its size's when ``padding``) with row ``i`` of every stacked
+    tensor (at its own size when ``padding``), cloned, and the plain values the forward set on
+    ``runner``, the module the members ran (``forward_set``): a module trained alone keeps
+    them (a flag set on the first call, a counter)."""
+    set_by_forward = forward_set(template, runner)
+    if padding is not None:
+        template = padding.templates[padding.kind_of[i]]
     memo: dict[int, Any] = {}
     with torch.no_grad():
         for name, meta in named_tensors(template):
@@ -41,6 +52,10 @@ def member_module(
                 value = nn.Parameter(value, requires_grad=meta.requires_grad)
             memo[id(meta)] = value
     member = copy.deepcopy(template, memo)
+    modules = dict(member.named_modules())
+    for path, values in set_by_forward.items():
+        if path in modules:
+            modules[path].__dict__.update(values)
     recompute_(member)
     return member
 

@@ -383,9 +383,7 @@ class Ensemble(StackedModule):
         i %= len(self)
         self._follow_template()
         scrub_(self._template)
-        padding = self._padding
-        template = self._template if padding is None else padding.templates[padding.kind_of[i]]
-        return member_module(template, self.stacked_state(), padding, i)
+        return member_module(self._template, self.runner, self.stacked_state(), self._padding, i)
 
     def __setitem__(self, index: Any, value: Any) -> None:
         raise TypeError(refused_assignment(index))
