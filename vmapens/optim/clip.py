@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from .._checks import column
 
-__all__ = ["clip_grad_norm_", "clip_grad_value_", "clip_norms_", "clip_values_"]
+__all__ = ["clip_grad_norm_", "clip_grad_value_", "clip_norms_", "clip_values_", "member_norms"]
 
 
 def _grads(
@@ -42,7 +42,11 @@ def _grads(
 
 
 def clip_grad_norm_(
-    ens_or_params: nn.Module | Tensor | Iterable[Tensor], max_norm: float, norm_type: float = 2.0
+    ens_or_params: nn.Module | Tensor | Iterable[Tensor],
+    max_norm: float | Tensor,
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
 ) -> Tensor:
     """Clip each member's gradients by that member's own total norm, in place.
 
@@ -52,8 +56,13 @@ def clip_grad_norm_(
 
     Args:
         ens_or_params: An ensemble (``nn.Module``), a stacked tensor or an iterable of them.
-        max_norm: Maximum total norm per member.
-        norm_type: p of the p-norm (``inf`` allowed).
+        max_norm: Maximum total norm per member (a number or a 0-d tensor, as torch takes).
+        norm_type: p of the p-norm (``inf`` or ``"inf"`` allowed).
+        error_if_nonfinite: raise, with no gradient changed, if some member's norm is NaN or
+            inf, as torch raises for the member alone (default: that member gets the
+            non-finite norm and the others are clipped).
+        foreach: accepted for torch's signature; the stacked gradients always take the
+            foreach kernels, which clip as torch's per-tensor loop does.
 
     Returns:
         The per-member total gradient norms, shape [n] (before clipping).
@@ -62,6 +71,7 @@ def clip_grad_norm_(
         ValueError: No parameters, mismatched leading sizes, ``max_norm`` < 0, or
             ``norm_type`` < 0 on members of different sizes (padded zeros would count).
         TypeError: ``max_norm`` is not a number.
+        RuntimeError: ``error_if_nonfinite`` and a member's norm is not finite.
 
     Example:
         >>> w = torch.zeros(2, 3, requires_grad=True)
@@ -69,23 +79,52 @@ def clip_grad_norm_(
         >>> clip_grad_norm_([w], max_norm=1.0)
         tensor([5.0000, 0.5000])
     """
+    api = "clip_grad_norm_"
+    if isinstance(max_norm, Tensor) and max_norm.dim() == 0 and not max_norm.is_complex():
+        max_norm = float(max_norm)  # torch.nn.utils takes a 0-d tensor too
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
-        raise TypeError(
-            f"clip_grad_norm_: `max_norm` must be a float, got {type(max_norm).__name__}"
-        )
+        raise TypeError(f"{api}: `max_norm` must be a float, got {type(max_norm).__name__}")
     if not max_norm >= 0:
-        raise ValueError(f"clip_grad_norm_: `max_norm` must be >= 0, got {max_norm}")
-    grads, n, device = _grads("clip_grad_norm_", ens_or_params, float(norm_type))
+        raise ValueError(f"{api}: `max_norm` must be >= 0, got {max_norm}")
+    try:
+        p = float(norm_type)  # torch reads "inf" as float("inf") too
+    except (TypeError, ValueError):
+        raise TypeError(f"{api}: `norm_type` must be a float, got {norm_type!r}") from None
+    grads, n, device = _grads(api, ens_or_params, p)
     if not grads:
         return torch.zeros(n, device=device)
-    return clip_norms_(grads, max_norm, norm_type)
+    if not error_if_nonfinite:
+        return clip_norms_(grads, max_norm, p)
+    norms = member_norms(grads, p)
+    bad = (~norms.isfinite()).nonzero().flatten().tolist()
+    if bad:
+        # torch.nn.utils raises before it scales anything: so does this, for the whole stack.
+        raise RuntimeError(
+            f"{api}: the total norm of order {p} of the gradients of member(s) {bad} is "
+            "non-finite, so it cannot be clipped; nothing was changed. Pass "
+            "`error_if_nonfinite=False` to clip the others (and skip those members with "
+            "`opt.step(mask=norms.isfinite())`)"
+        )
+    return clip_norms_(grads, max_norm, p, norms)
 
 
-def clip_norms_(grads: list[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+def clip_norms_(
+    grads: list[Tensor], max_norm: float, norm_type: float = 2.0, norms: Tensor | None = None
+) -> Tensor:
     """:func:`clip_grad_norm_` on stacked gradient tensors ``[n, ...]`` (non-empty, none None).
 
     No host sync and no data-dependent branch: it runs inside a compiled step's graph.
+    ``norms``: :func:`member_norms` of ``grads``, where already computed.
     """
+    if norms is None:
+        norms = member_norms(grads, norm_type)
+    coef = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, [column(coef.to(g.device, g.dtype), g) for g in grads])
+    return norms
+
+
+def member_norms(grads: list[Tensor], norm_type: float = 2.0) -> Tensor:
+    """Each member's total ``norm_type``-norm over the stacked gradients ``grads``: ``[n]``."""
     n = grads[0].shape[0]
     per_tensor = [
         torch.linalg.vector_norm(g.reshape(n, math.prod(g.shape[1:])), float(norm_type), dim=1)
@@ -94,18 +133,18 @@ def clip_norms_(grads: list[Tensor], max_norm: float, norm_type: float = 2.0) ->
     # Each member's row of per-tensor norms reduced as one contiguous vector, as torch reduces
     # the stacked norms of a model alone (over dim 0 of [tensors, n], the order of the sum
     # depended on n: 1 ulp off the member alone now and then).
-    norms = torch.linalg.vector_norm(torch.stack(per_tensor, dim=1), float(norm_type), dim=1)
-    coef = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, [column(coef.to(g.device, g.dtype), g) for g in grads])
-    return norms
+    return torch.linalg.vector_norm(torch.stack(per_tensor, dim=1), float(norm_type), dim=1)
 
 
 def clip_grad_value_(
-    ens_or_params: nn.Module | Tensor | Iterable[Tensor], clip_value: float
+    ens_or_params: nn.Module | Tensor | Iterable[Tensor],
+    clip_value: float | str | Tensor,
+    foreach: bool | None = None,
 ) -> None:
     """Clamp every gradient element to ``[-clip_value, clip_value]``, as torch.nn.utils does.
 
-    Elementwise, so each member is clipped exactly as it would be alone.
+    Elementwise, so each member is clipped exactly as it would be alone. ``foreach`` is
+    accepted for torch's signature (the foreach kernels clip as torch's loop does).
 
     Example:
         >>> w = torch.zeros(2, 2, requires_grad=True)
@@ -115,9 +154,15 @@ def clip_grad_value_(
         tensor([[ 1.0000, -0.5000],
                 [-1.0000,  0.1000]])
     """
+    try:
+        value = float(clip_value)  # as torch.nn.utils reads it: a 0-d tensor, "0.5"
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(
+            f"clip_grad_value_: `clip_value` must be a float, got {clip_value!r}"
+        ) from None
     grads, _, _ = _grads("clip_grad_value_", ens_or_params)
     if grads:
-        clip_values_(grads, clip_value)
+        clip_values_(grads, value)
 
 
 def clip_values_(grads: list[Tensor], clip_value: float) -> None:
