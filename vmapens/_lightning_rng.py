@@ -13,6 +13,8 @@ two points:
   that epoch, and setting up its data draws a shuffle the first run never drew. The state is
   then set in the next epoch's ``on_train_epoch_start``, before that epoch's loader draws.
 A checkpoint written inside an epoch (``every_n_train_steps``) sets the state when loaded.
+Only ``trainer.fit`` sets it: loading the checkpoint to test, predict or into
+``load_from_checkpoint`` leaves the global RNG alone, as for a plain ``LightningModule``.
 
 No import of lightning here: the mixin reads ``self.trainer`` as the module it is mixed into
 has it, so the module that needs lightning stays ``vmapens.lightning``.
@@ -52,7 +54,10 @@ class ResumesRNG:
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Set the saved RNG state now, or when the epoch after a re-entered one starts."""
         held = checkpoint.get("vmapens", {})
-        if held.get("rng") is None:
+        # Only a resumed fit continues the run: `load_from_checkpoint` and `trainer.test(...,
+        # ckpt_path=...)` leave the global RNG as a plain module leaves it.
+        trainer = getattr(self, "_trainer", None)
+        if held.get("rng") is None or trainer is None or trainer.state.fn != "fit":
             return
         if held.get("reenters"):
             self._resume_rng = (held["epoch"], held["rng"])

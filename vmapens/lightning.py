@@ -94,7 +94,8 @@ class EnsembleModule(ResumesRNG, L.LightningModule):
             object.
         ValueError: ``patience`` < 1, an unknown ``mode``, ``in_dims`` not None or 0,
             ``monitor`` not ``"val_loss"`` or ``"val_<name>"`` of ``metrics``; in fit, the
-            Trainer's ``gradient_clip_val`` or ``accumulate_grad_batches``, torch's plateau.
+            Trainer's ``gradient_clip_val`` or ``accumulate_grad_batches``, torch's plateau,
+            several optimizers from ``configure_optimizers``.
 
     Example:
         >>> import lightning as L
@@ -234,7 +235,12 @@ class EnsembleModule(ResumesRNG, L.LightningModule):
         return []
 
     def on_fit_start(self) -> None:
-        """Refuse plateau schedulers that cannot be stepped per member."""
+        """Refuse several optimizers and plateau schedulers that cannot be stepped per member."""
+        if len(self.trainer.optimizers) != 1:
+            raise ValueError(
+                "EnsembleModule: `configure_optimizers` must return one StackedOptimizer (each "
+                f"step is one make_step on it), got {len(self.trainer.optimizers)} optimizers"
+            )
         for config in self.trainer.lr_scheduler_configs:
             if isinstance(config.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) or (
                 isinstance(config.scheduler, ReduceLROnPlateau) and config.interval != "epoch"
