@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import optree
@@ -14,7 +14,14 @@ from ._buffer_turns import Slices, Turns
 from ._fastcall import vmap_members
 from ._unbatchable import Versions, refuse_edited, shared_versions
 
-__all__ = ["chunk_bounds", "chunked_losses_and_grads", "in_turns", "rows", "vmap_in_turns"]
+__all__ = [
+    "chunk_bounds",
+    "chunked_losses_and_grads",
+    "in_order",
+    "in_turns",
+    "rows",
+    "vmap_in_turns",
+]
 
 
 def chunk_bounds(n: int, chunk_size: int | None) -> list[tuple[int, int]] | None:
@@ -23,6 +30,25 @@ def chunk_bounds(n: int, chunk_size: int | None) -> list[tuple[int, int]] | None
     if chunk_size is None or chunk_size >= n:
         return None
     return [(a, min(a + chunk_size, n)) for a in range(0, n, chunk_size)]
+
+
+def in_order(
+    bounds: Iterable[tuple[int, int]], shared: Versions, how: str, same_randomness: bool
+) -> Iterator[tuple[int, int]]:
+    """The turns ``bounds`` (members ``a`` to ``b - 1`` each), one after another, as vmap runs
+    its chunks: before every turn after the first, one that follows a turn that edited a
+    tensor of ``shared`` (the batch all members share) is refused (``refuse_edited``, ``how``:
+    the setting that runs turns), and for ``randomness="same"`` (``same_randomness``) the RNG
+    state is put back, so that every turn draws what the first drew."""
+    rng = torch.get_rng_state() if same_randomness else None
+    last: tuple[int, int] | None = None
+    for a, b in bounds:
+        if last is not None:
+            refuse_edited(shared, how, *last)
+        if rng is not None:
+            torch.set_rng_state(rng)
+        yield a, b
+        last = (a, b - 1)
 
 
 def in_turns(fn: Callable[..., Any], versions: Versions, size: int) -> Callable[..., Any]:
@@ -62,13 +88,9 @@ def vmap_in_turns(
     n = next(iter(state.values())).shape[0]
     shared = shared_versions(args, in_dims)
     slices = Slices(args, in_dims)
-    rng = torch.get_rng_state() if randomness == "same" else None
     outputs = []
-    for a, b in chunk_bounds(n, size) or [(0, n)]:
-        if a:
-            refuse_edited(shared, f"chunk_size={size}", a - size, a - 1)
-        if rng is not None:
-            torch.set_rng_state(rng)
+    bounds = chunk_bounds(n, size) or [(0, n)]
+    for a, b in in_order(bounds, shared, f"chunk_size={size}", randomness == "same"):
         part = slices.take(slice(a, b))
         outputs.append(vmap_members(fn, b - a, randomness, turns.take(slice(a, b)), part, in_dims))
         turns.give_back(slice(a, b))
@@ -127,15 +149,9 @@ def chunked_losses_and_grads(
     trained = [names[id(p)] for p in params]
     grads: list[torch.Tensor | None] = [None] * len(params)
     losses = []
-    rng = torch.get_rng_state() if same_randomness else None
     # A forward that edits a shared batch tensor would show chunk k the edits of chunks < k.
     shared = shared_versions((args, targets), (in_dims, in_dims))
-    size = chunks[0][1]
-    for a, b in chunks:
-        if a:
-            refuse_edited(shared, f"chunk_size={size}", a - size, a - 1)
-        if rng is not None:
-            torch.set_rng_state(rng)
+    for a, b in in_order(chunks, shared, f"chunk_size={chunks[0][1]}", same_randomness):
         member_args = (args, targets) if in_dims is None else rows((args, targets), a, b)
         losses.append(
             _run_chunk(batched, state, trained, grads, member_args, scale, a, b, autocast)

@@ -14,10 +14,10 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ._buffer_turns import Slices, Turns
-from ._chunks import in_turns, vmap_in_turns
+from ._chunks import in_order, in_turns, vmap_in_turns
 from ._fastcall import forget_writes, no_random_ops, vmap_members
 from ._precision import autocast_members
-from ._unbatchable import refuse_edited, shared_versions
+from ._unbatchable import shared_versions
 from .distributed import member_block
 from .seeds import member_seed
 
@@ -324,16 +324,12 @@ def looped(n: int, randomness: str, fn: Callable[..., Any], in_dims: tuple) -> C
     a member edited a buffer in place, the next ones get copies of theirs (``Turns``)."""
 
     def looped(state: dict[str, torch.Tensor], *args: Any) -> Any:
-        rng = torch.get_rng_state() if randomness == "same" else None
         forget_writes()
         shared = shared_versions(args, in_dims) if n > 1 else []
         turns, slices = Turns(state, n > 1), Slices(args, in_dims, n > 1)
         outputs = []
-        for i in range(n):
-            if i and shared:
-                refuse_edited(shared, "backend='loop'", i - 1, i - 1)
-            if rng is not None:
-                torch.set_rng_state(rng)
+        members = ((i, i + 1) for i in range(n))
+        for i, _ in in_order(members, shared, "backend='loop'", randomness == "same"):
             member_args = slices.take(i)
             uncache()  # member i - 1's parametrized tensors: cached by module, not by member
             with no_random_ops(randomness == "error"):
