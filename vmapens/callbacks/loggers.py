@@ -14,7 +14,7 @@ from typing import Any
 from torch import Tensor
 
 from ..distributed import raise_together, world_size
-from ..optim import MemberValues
+from ..optim._hyper import per_member
 from .base import Callback, Context
 
 __all__ = ["CSVLogger", "TensorBoardLogger", "epoch_scalars", "member_lrs"]
@@ -52,13 +52,10 @@ def member_lrs(ctx: Context) -> list[float] | None:
     """
     lr = ctx.optimizer.param_groups[0].get("lr")
     n = len(ctx.history.member_ids)
-    if isinstance(lr, MemberValues):
-        return lr.tolist()
-    if isinstance(lr, Tensor) and tuple(lr.shape) == (n,):
-        return lr.tolist()
-    if isinstance(lr, (int, float)) or (isinstance(lr, Tensor) and lr.numel() == 1):
+    values = per_member(lr, n)
+    if values is None and isinstance(lr, Tensor) and lr.numel() == 1:  # one rate for all
         return [float(lr)] * n
-    return None
+    return values
 
 
 class CSVLogger(Callback):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 import warnings
 from typing import Any
 
@@ -12,6 +11,7 @@ from torch import Tensor
 from .._checks import check_choice
 from .._step_parts import attached_scheduler
 from ..optim import MemberValues, ReduceLROnPlateau, StackedOptimizer
+from ..optim._hyper import per_member
 from .base import Callback, Context
 
 __all__ = ["LRScheduler", "attached_scheduler", "build_scheduler"]
@@ -198,7 +198,7 @@ def _keep_rows(old: Any, new: Any, stopped: list[bool]) -> Any:
     if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
         parts = [_keep_rows(o, w, stopped) for o, w in zip(old, new, strict=True)]
         return _SHARED if any(p is _SHARED for p in parts) else tuple(parts)
-    olds, news = _rows(old, len(stopped)), _rows(new, len(stopped))
+    olds, news = per_member(old, len(stopped)), per_member(new, len(stopped))
     if olds is None or news is None:  # not a number: torch's schedulers set numbers only
         if isinstance(old, Tensor) and isinstance(new, Tensor):
             return new if torch.equal(old, new) else _SHARED
@@ -206,17 +206,6 @@ def _keep_rows(old: Any, new: Any, stopped: list[bool]) -> Any:
     if all(o == w for o, w, s in zip(olds, news, stopped, strict=True) if s):
         return new
     return MemberValues(o if s else w for o, w, s in zip(olds, news, stopped, strict=True))
-
-
-def _rows(value: Any, n: int) -> list[float] | None:
-    """A hyperparameter's value per member: ``None`` for a 0-d tensor or a non-number."""
-    if isinstance(value, MemberValues):
-        return value.tolist()
-    if isinstance(value, Tensor):
-        return value.tolist() if value.dim() == 1 and len(value) == n else None
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return [float(value)] * n
-    return None
 
 
 def _own_settings(scheduler: Any) -> dict[str, Any]:

@@ -41,6 +41,7 @@ __all__ = [
     "leading_n",
     "nonnegative",
     "params_of",
+    "per_member",
     "pick_group",
     "unnamed",
 ]
@@ -335,6 +336,19 @@ def any_positive(v: Any) -> bool:
 def member_floats(v: Any) -> list[float]:
     """A hyperparameter's values: one per member (MemberValues), or the shared float alone."""
     return list(v) if not isinstance(v, (int, float)) else [float(v)]
+
+
+def per_member(value: Any, n: int) -> list[float] | None:
+    """A hyperparameter's value for each of the ``n`` members: ``MemberValues``' values, a
+    1-D tensor's of ``n`` values, a number ``n`` times; ``None`` for anything else, a 0-d
+    tensor too (one value every member shares, which torch's schedulers ``fill_``)."""
+    if isinstance(value, MemberValues):
+        return value.tolist()
+    if isinstance(value, Tensor):
+        return value.tolist() if value.dim() == 1 and len(value) == n else None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return [float(value)] * n
+    return None
 
 
 def params_of(params: Any) -> list[Any]:
