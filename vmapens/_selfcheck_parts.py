@@ -16,6 +16,7 @@ import optree
 import torch
 from torch import Tensor, nn
 
+from ._attributes import INTERNAL
 from ._checks import tolerance
 
 __all__ = [
@@ -31,9 +32,6 @@ __all__ = [
 
 #: A module's plain attributes, by (submodule path, attribute name).
 Attributes = dict[tuple[str, str], Any]
-#: What every ``nn.Module`` keeps in its ``__dict__`` (parameters, buffers, hooks, mode): not
-#: state of the user's.
-_MODULE_KEYS = frozenset(vars(nn.Module()))
 
 
 def plain_attributes(module: nn.Module) -> Attributes:
@@ -43,7 +41,7 @@ def plain_attributes(module: nn.Module) -> Attributes:
         (path, key): value
         for path, sub in module.named_modules(remove_duplicate=False)
         for key, value in vars(sub).items()
-        if key not in _MODULE_KEYS
+        if key not in INTERNAL  # nn.Module's own entries, RNNs' views of their weights
     }
 
 
