@@ -36,18 +36,19 @@ def polyak_(target: Ensemble, online: Ensemble, tau: float) -> None:
 
     The parameters move in one fused ``torch._foreach_lerp_`` over the stacked tensors (the
     update of TD3/SAC/REDQ target networks, Lillicrap et al., 2016); buffers (BatchNorm
-    statistics) are copied from ``online``, as ``load_state_dict`` would.
+    statistics), non-persistent ones included, are copied from ``online``.
 
     Args:
         target: the ensemble updated in place (e.g. from :func:`make_target`).
         online: the ensemble it follows: same members, names and shapes.
-        tau: the step toward ``online``, a real number in ``[0, 1]`` (``1.0``: a hard copy).
+        tau: the step toward ``online``, a real number in ``[0, 1]`` (``1.0``: a hard copy,
+            exact as ``load_state_dict``'s, also over a NaN or inf in ``target``).
 
     Raises:
         TypeError: not Ensembles, or ``tau`` not a number.
         ValueError: ``tau`` outside ``[0, 1]``, or the ensembles do not match: other members
             (``member_ids``: a target must follow the members it was copied from) or other
-            tensors.
+            tensors (names, shapes, dtypes, devices). Nothing changes then.
 
     Example:
         >>> online = Ensemble(lambda: torch.nn.Linear(3, 1), n=4, seed=0)
@@ -83,21 +84,38 @@ def polyak_(target: Ensemble, online: Ensemble, tau: float) -> None:
             "`make_target(online)`"
         )
     ours, theirs = target.stacked_state(), online.stacked_state()
-    shapes = {k: (t.shape, t.dtype) for k, t in ours.items()}
-    if shapes != {k: (t.shape, t.dtype) for k, t in theirs.items()}:
-        raise ValueError(
-            f"{api}: `target` and `online` must hold the same tensors (names, shapes, dtypes)"
-        )
+    _check_same_tensors(api, ours, theirs)
     params = target.stacked_params()
     # Complex parameters move as real ones do; an integer "parameter" (requires_grad=False)
-    # cannot be interpolated and is copied.
-    names = [k for k in params if ours[k].is_floating_point() or ours[k].is_complex()]
+    # cannot be interpolated and is copied. tau == 1 is a hard copy, as load_state_dict is:
+    # lerp's `end - (end - self) * 0` keeps a NaN or inf of the target.
+    movable = [k for k in params if ours[k].is_floating_point() or ours[k].is_complex()]
+    names = movable if tau < 1.0 else []
     with torch.no_grad():
         if names:
             torch._foreach_lerp_([ours[k] for k in names], [theirs[k] for k in names], tau)
         for k, t in ours.items():
             if k not in names:
                 t.copy_(theirs[k])
+
+
+def _check_same_tensors(api: str, ours: dict[str, Tensor], theirs: dict[str, Tensor]) -> None:
+    """Raise ValueError naming the first tensor that ``target`` and ``online`` hold differently
+    (missing, or another shape, dtype or device), before anything moves."""
+    missing = sorted(ours.keys() ^ theirs.keys())
+    if missing:
+        side, other = ("`target`", "`online`") if missing[0] in ours else ("`online`", "`target`")
+        raise ValueError(
+            f"{api}: {side} holds `{missing[0]}` and {other} does not; `target` and `online` "
+            "must hold the same tensors: build the target with `make_target(online)`"
+        )
+    for k, t in ours.items():
+        got, want = (f"{list(u.shape)} {u.dtype} on {u.device}" for u in (t, theirs[k]))
+        if got != want:
+            raise ValueError(
+                f"{api}: `{k}` is {got} in `target` and {want} in `online`; they must "
+                "match (shape, dtype, device): move or convert both alike (`target.to(...)`)"
+            )
 
 
 def random_members(
@@ -118,6 +136,10 @@ def random_members(
         generator: the generator to draw from (``None``: torch's global one).
         device: where the mask lives.
 
+    Raises:
+        TypeError: ``n`` or ``k`` not integer-like, or ``generator`` not a torch.Generator.
+        ValueError: ``k`` outside ``[1, n]``.
+
     Example:
         >>> mask = random_members(10, 2, torch.Generator().manual_seed(0))
         >>> mask.shape, int(mask.sum())
@@ -129,6 +151,11 @@ def random_members(
     k = check_int(api, "k", k if to_index(k) is None else to_index(k), minimum=1)
     if k > n:
         raise ValueError(f"{api}: `k` must be <= `n` ({n}), got {k}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"{api}: `generator` must be a torch.Generator or None, got "
+            f"{type(generator).__name__} (for a seed: `torch.Generator().manual_seed(seed)`)"
+        )
     # On the generator's device: randperm draws on the CPU by default and refuses a CUDA one.
     where = generator.device if generator is not None else torch.device("cpu")
     rows = torch.randperm(n, generator=generator, device=where)[:k].cpu()
