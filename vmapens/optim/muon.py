@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import column
-from ._columns import decay_factor, member_column
+from ._columns import decay_factor, is_tensor_lr, member_column
 from ._hyper import LR, NONNEGATIVE, Hyper, PerMember, Scalar
 from .base import StackedOptimizer
 
@@ -99,6 +99,17 @@ def _check_mode(api: str, mode: Any) -> None:
         raise ValueError(f"{api}: `newton_schulz` must be one of {MODES}, got {mode!r}")
 
 
+def _check_iteration(api: str, ns_steps: Any, ns_coefficients: Any) -> None:
+    """Raise where torch's Newton-Schulz iteration raises: ``ns_steps`` >= 100 or not 3
+    coefficients (torch checks a param group's at its step, so before anything is written)."""
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
+        raise ValueError(f"{api}: `ns_steps` must be an int in [0, 100), got {ns_steps!r}")
+    if not hasattr(ns_coefficients, "__len__") or len(ns_coefficients) != 3:
+        raise ValueError(
+            f"{api}: `ns_coefficients` must be 3 floats (a, b, c), got {ns_coefficients!r}"
+        )
+
+
 def _newton_schulz_alone(
     update: Tensor, coefficients: tuple[float, float, float], steps: int, eps: Scalar
 ) -> Tensor:
@@ -142,6 +153,8 @@ def muon_rule(
             ``newton_schulz`` (the ``mode`` of :func:`newton_schulz`).
     """
     lr, wd, momentum, eps = group["lr"], group["weight_decay"], group["momentum"], group["eps"]
+    # A group edited after construction: refused before any write, as torch refuses it.
+    _check_iteration("StackedMuon.step", group["ns_steps"], group["ns_coefficients"])
     state["step"].add_(1)
     for p, g, buf in zip(params, grads, state["momentum_buffer"], strict=True):
 
@@ -156,10 +169,17 @@ def muon_rule(
         rows, cols = p.shape[1:]
         if group["adjust_lr_fn"] in (None, "original"):
             ratio = math.sqrt(max(1, rows / cols))
-        else:
+        elif group["adjust_lr_fn"] == "match_rms_adamw":
             ratio = 0.2 * math.sqrt(max(rows, cols))
+        else:  # torch's _adjust_lr: any other value (a param group's own) leaves lr as it is
+            ratio = 1.0
         p.mul_(col(decay_factor(lr, wd)))
-        if isinstance(lr, Tensor):
+        if is_tensor_lr(lr) and not torch.compiler.is_compiling():
+            # torch's add_(update, alpha=-adjusted_lr): lr * ratio rounded in the 0-d tensor's
+            # dtype, read as the float alpha of one rounded add (a product then a sum rounds
+            # twice: an ulp off in float32). A trace keeps the product (no host read).
+            p.add_(ortho, alpha=float(-(lr * ratio)))
+        elif isinstance(lr, Tensor):
             p.add_(ortho.to(p.dtype).mul_(col(-(lr * ratio))))
         else:
             p.add_(ortho, alpha=-(lr * ratio))
@@ -249,12 +269,7 @@ class StackedMuon(StackedOptimizer):
             raise ValueError(
                 f"{api}: `adjust_lr_fn` must be one of {_ADJUST}, got {adjust_lr_fn!r}"
             )
-        if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
-            raise ValueError(f"{api}: `ns_steps` must be an int in [0, 100), got {ns_steps!r}")
-        if len(ns_coefficients) != 3:
-            raise ValueError(
-                f"{api}: `ns_coefficients` must be 3 floats (a, b, c), got {ns_coefficients!r}"
-            )
+        _check_iteration(api, ns_steps, ns_coefficients)
         ns_coefficients = tuple(map(float, ns_coefficients))  # type: ignore[assignment]
         del api
         super().__init__(params, locals())
@@ -266,11 +281,17 @@ class StackedMuon(StackedOptimizer):
             param_group: A dict with ``params`` and optional hyperparameter overrides.
 
         Raises:
-            ValueError: A parameter whose member shape is not 2-D, or an unknown
-                ``newton_schulz``.
+            ValueError: A parameter whose member shape is not 2-D, an unknown
+                ``newton_schulz``, ``ns_steps`` >= 100 or not 3 ``ns_coefficients``.
         """
         if "newton_schulz" in param_group:
             _check_mode(self._api, param_group["newton_schulz"])
+        # A group's own, refused now rather than at its first step (the defaults are checked).
+        _check_iteration(
+            self._api,
+            param_group.get("ns_steps", self.defaults["ns_steps"]),
+            param_group.get("ns_coefficients", self.defaults["ns_coefficients"]),
+        )
         params = param_group["params"]
         for p in [params] if isinstance(params, Tensor) else list(params):
             if isinstance(p, Tensor) and p.dim() != 3:
