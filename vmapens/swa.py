@@ -48,6 +48,23 @@ def _batch_norms(ens: Ensemble) -> list[tuple[str, _BatchNorm]]:
     ]
 
 
+def _check_device(device: Any) -> None:
+    """Refuse a ``device`` that ``batch.to(device)`` would misread (a float or a bool as a dtype)
+    or would refuse only after the statistics were reset."""
+    if device is None or isinstance(device, torch.device):
+        return
+    if isinstance(device, bool) or not isinstance(device, (int, str)):
+        raise TypeError(
+            "update_bn: `device` must be None, an int, a str or a torch.device, got "
+            f"{type(device).__name__}"
+        )
+    if isinstance(device, str):
+        try:
+            torch.device(device)
+        except RuntimeError as e:
+            raise ValueError(f"update_bn: `device` {device!r} is not a device ({e})") from None
+
+
 def _stat_name(prefix: str, stat: str) -> str:
     return f"{prefix}.{stat}" if prefix else stat
 
@@ -90,8 +107,10 @@ def update_bn(
     mode, under ``torch.no_grad()``. Afterwards each member's statistics are those that
     ``update_bn(loader, AveragedModel(member))`` gives it alone; ``momentum`` and the
     train/eval mode of every submodule (the template's included) are back as they were (torch
-    sets every submodule to the root's mode). A member without such a layer returns at once
-    and ``loader`` is not read. Members of different sizes (``Ensemble.from_factories``) each
+    sets every submodule to the root's mode). As in torch, a member without any BatchNorm
+    layer returns at once and ``loader`` is not read; one whose BatchNorm layers keep no
+    statistics still has the pass run (other buffers, such as ``spectral_norm``'s, move as
+    they do in torch's pass). Members of different sizes (``Ensemble.from_factories``) each
     get their own statistics; their padded channels stay 0.
 
     If anything raises during the pass (the forward, the loader), every buffer, ``momentum``
@@ -108,7 +127,9 @@ def update_bn(
 
     Raises:
         TypeError: ``model`` is not an Ensemble or an AveragedModel of one; ``loader`` is
-            not iterable. Nothing changes then.
+            not iterable; ``device`` is not an int, a str or a ``torch.device``. Nothing
+            changes then.
+        ValueError: ``device`` is a string that names no device. Nothing changes then.
         RuntimeError: a BatchNorm subclass with its own ``forward`` reaches torch's
             cumulative factor, which ``vmap`` cannot batch: build with ``backend="loop"``
             (``vmapens._batchable``). Nothing changes then.
@@ -123,14 +144,20 @@ def update_bn(
         [2, 2]
     """
     ens = _ensemble_of(model)
-    if not isinstance(loader, Iterable):
+    # `for` also walks an object with only `__getitem__` (a map-style Dataset of batches), as
+    # in torch's update_bn.
+    if not isinstance(loader, Iterable) and not hasattr(type(loader), "__getitem__"):
         raise TypeError(
             "update_bn: `loader` must be an iterable of batches (a DataLoader, a list of "
             f"tensors), got {type(loader).__name__}"
         )
-    layers = _batch_norms(ens)
-    if not layers:
+    _check_device(device)
+    # torch's update_bn returns only where the member holds no BatchNorm at all: one that
+    # keeps no statistics still has the pass run in train mode, which moves other buffers
+    # (spectral_norm's power iteration, a buffer the forward updates) as torch's pass does.
+    if not any(isinstance(m, _BatchNorm) for m in ens.template.modules()):
         return
+    layers = _batch_norms(ens)
     # Modes of every module involved: the wrapper, the ensemble and the member's submodules.
     modules = [*model.modules(), *ens.template.modules()]
     # Set on the template, as torch sets it on the model: the module the ensemble runs
