@@ -130,9 +130,19 @@ class LossScale:
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 #: The tensors of a LossScale's state: (dtypes, check, what the check asks for).
+#: Checked as stored: a float64 scale of 1e39 becomes float32 inf (every step then skipped and
+#: the scale stuck), 1e-50 becomes 0, a tracker of 2**32 wraps to 0 in int32.
 _TENSORS: dict[str, tuple[tuple[torch.dtype, ...], Callable[[torch.Tensor], Any], str]] = {
-    "scale": (_FLOATS, lambda t: torch.isfinite(t) & (t > 0), "finite values > 0"),
-    "growth_tracker": (_INTS, lambda t: t >= 0, "integer values >= 0"),
+    "scale": (
+        _FLOATS,
+        lambda t: torch.isfinite(t.float()) & (t.float() > 0),
+        "values finite and > 0 in float32",
+    ),
+    "growth_tracker": (
+        _INTS,
+        lambda t: (t >= 0) & (t <= torch.iinfo(torch.int32).max),
+        "integer values in [0, 2**31 - 1]",
+    ),
 }
 _OPTIONS = ("growth_factor", "backoff_factor", "growth_interval")
 
@@ -146,7 +156,13 @@ def _check_options(
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
     for name, value, ok, rule in (
-        ("init_scale", init_scale, number(init_scale) and init_scale > 0, "a finite float > 0"),
+        (
+            "init_scale",
+            init_scale,
+            # kept in float32, as GradScaler keeps it: 1e39 would be inf there, 1e-50 zero
+            number(init_scale) and _positive_float32(init_scale),
+            "a finite float > 0, in float32 too",
+        ),
         ("growth_factor", growth_factor, number(growth_factor) and growth_factor > 1, "> 1"),
         (
             "backoff_factor",
@@ -163,3 +179,9 @@ def _check_options(
     ):
         if not ok:
             raise ValueError(f"{api}: `{name}` must be {rule}, got {value!r}")
+
+
+def _positive_float32(value: float) -> bool:
+    """Whether ``value`` stays finite and > 0 rounded to float32."""
+    as32 = torch.tensor(float(value), dtype=torch.float32)
+    return bool(torch.isfinite(as32)) and bool(as32 > 0)

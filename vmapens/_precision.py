@@ -190,6 +190,11 @@ POLICIES: dict[str, tuple[frozenset[str], frozenset[str], frozenset[str]]] = {
 # mixed-dtype kernel (float32 arithmetic, output in the input's dtype); the batched rule has none.
 _NORMS = frozenset({"batch_norm", "group_norm", "instance_norm", "layer_norm"})
 _NO_BATCH_RULE = frozenset({"scaled_dot_product_attention"})
+# C++ composites on no autocast list whose decompositions call listed products (einsum and
+# tensordot become bmm/mm): alone autocast casts those inner products, which no torch function
+# reaches. vmap decomposes them into the same products; autocast on around them casts those.
+_COMPOSITES = frozenset({"bilinear", "einsum", "inner", "tensordot"})
+_COMPOSITES |= frozenset({"linalg_matmul", "linalg_multi_dot"})
 _redispatch = getattr(torch.overrides, "redispatch_function", None)
 
 
@@ -264,6 +269,9 @@ class MemberAutocast(TorchFunctionMode):
         elif name in self.promote:
             dtypes = {t.dtype for t in tree_leaves(inputs) if self._eligible(t)}
             inputs = self._cast(inputs, torch.float32 if torch.float32 in dtypes else self.dtype)
+        elif name in _COMPOSITES:
+            with torch.autocast(self.device_type, dtype=self.dtype):
+                return func(*inputs[0], **inputs[1])
         elif name in _NORMS and self._eligible(args[0]) and args[0].dtype != torch.float32:
             out = func(*self._cast(args, torch.float32), **self._cast(kwargs or {}, torch.float32))
             return out.to(args[0].dtype)

@@ -14,8 +14,15 @@ from ._precision import autocast_members
 __all__ = ["per_member"]
 
 # What torch.func.vmap says of a function that reads tensor values: a Python branch on one
-# (``nn.GaussianNLLLoss`` checks ``var < 0``), ``.item()``, a boolean mask as an index.
-_READS_VALUES = ("data-dependent control flow", ".item()", "dynamic shape")
+# (``nn.GaussianNLLLoss`` checks ``var < 0``), ``.item()``, a boolean mask as an index,
+# ``masked_select`` over a per-member mask (``nn.CrossEntropyLoss`` with ``weight``,
+# ``ignore_index`` and ``label_smoothing`` on per-member targets).
+_READS_VALUES = (
+    "data-dependent control flow",
+    ".item()",
+    "dynamic shape",
+    "a differently shaped Tensor",
+)
 
 
 def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -> Callable:
