@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .._checks import index_rows
+from .._checks import index_rows, to_index
 from .._data import Stream
 from .._precision import LossScale
 from ..distributed import all_reduce_stats
@@ -79,7 +79,8 @@ class Context:
         return self._active.clone()
 
     def stop(self, members: Any) -> None:
-        """Stop training ``members`` (rows) from now on, as early stopping would.
+        """Stop training ``members`` (a row, rows, or an ``[n]`` bool mask) from now on, as early
+        stopping would.
 
         They are frozen through the optimizer's mask and ``history.stopped_epoch`` records
         this epoch; ``fit``'s schedulers step them no more (their learning rates stay as they
@@ -166,7 +167,13 @@ class Context:
 def _rows(api: str, members: Any, n: int) -> Tensor:
     """``members`` as rows; an empty selection as no rows (``index_rows`` refuses it, as an
     Ensemble of no members): ``ctx.stop(bad.nonzero().flatten())`` stops nobody when no member
-    is bad, as ``ctx.stop(bad)`` with an all-False mask does."""
+    is bad, as ``ctx.stop(bad)`` with an all-False mask does. One member (``ctx.stop(3)``, a
+    numpy or 0-d tensor integer) is a row, and a list of ``n`` bools a mask, as torch indexes."""
+    one = to_index(members)
+    if one is not None:
+        members = [one]
+    elif isinstance(members, (list, tuple)) and members and all(type(m) is bool for m in members):
+        members = torch.tensor(members)
     if isinstance(members, Tensor) or type(members).__module__ == "numpy":
         mask = "bool" in str(members.dtype)  # torch's or numpy's: a mask keeps its shape check
         empty = not mask and members.ndim == 1 and len(members) == 0

@@ -53,12 +53,18 @@ class Checkpoint(Callback):
             is dropped; ``"val_data"``, ``"batch_size"``, ``"data"``, ...: this run's is used).
 
     Raises:
+        TypeError: ``path`` not a str or ``os.PathLike``, ``override`` not a sequence of names.
         ValueError: at fit start, a directory that cannot be written, a torch scheduler built on
-            the optimizer that ``fit`` does not step (its state would be lost), a checkpoint of
-            another run; ``FileExistsError`` when another run replaced the file.
+            the optimizer that ``fit`` does not step (its state would be lost), an ``override``
+            that names no option of ``fit``, a checkpoint of another run; ``FileExistsError``
+            when another run replaced the file.
     """
 
     def __init__(self, path: str | os.PathLike, override: Sequence[str] = ()) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(
+                f"Checkpoint: `path` must be a str or os.PathLike, got {type(path).__name__}"
+            )
         check_writable_dir("Checkpoint", "path", path)
         if isinstance(override, str) or not all(isinstance(o, str) for o in override):
             raise TypeError(
@@ -92,6 +98,13 @@ class Checkpoint(Callback):
                 "a resumed run would restart it; pass it as fit(scheduler=...)"
             )
         self.options = run_options(ctx)
+        # Checked on the first run too: a name that is no option would refuse its resume.
+        known = sorted({*self.options, "seed"})
+        unknown = [k for k in self.override if k not in known]
+        if unknown:
+            raise ValueError(
+                f"fit: `Checkpoint.override` names unknown options {unknown}; known: {known}"
+            )
         if _keeps_workers(ctx.arguments.get("data")):
             warnings.warn(
                 "fit: `data` is a DataLoader with persistent_workers=True: its worker processes "
@@ -138,6 +151,9 @@ class Checkpoint(Callback):
             for group, new in zip(optimizer.param_groups, fresh, strict=True):
                 group.update(new)
         ctx.seed = saved["fit"]["options"]["seed"]
+        # The epoch the run goes on with, as a fresh run's 0: a callback stopping members before
+        # it (`on_train_start`) records that epoch, not 0.
+        ctx.epoch = ctx.history.epochs
 
     def _checked(self, ctx: Context) -> dict[str, Any]:
         """The checkpoint at ``path``, read and checked against this run: nothing applied."""
@@ -341,10 +357,18 @@ class _FitState:
                 f"callbacks {names}; pass the same callbacks to resume"
             )
         merged = _keyed(self.ctx).get("fit")
-        if merged is not None:
-            merged.load_state_dict(state)
-        for cb, (_, s) in zip(stateful, state["callbacks"], strict=True):
-            cb.load_state_dict(s)
-        self.ctx.load_state_dict(state)
+        loaded = ([] if merged is None else [merged]) + stateful
+        # A callback's own load_state_dict may refuse its state (it raises anything): those
+        # loaded before it get theirs back, so a refused resume leaves every callback as it was.
+        before = [copy.deepcopy(cb.state_dict()) for cb in loaded]
+        states = [state] * (merged is not None) + [s for _, s in state["callbacks"]]
+        try:
+            for cb, s in zip(loaded, states, strict=True):
+                cb.load_state_dict(s)
+            self.ctx.load_state_dict(state)
+        except Exception:
+            for cb, s in zip(loaded, before, strict=True):
+                cb.load_state_dict(s)
+            raise
         self.owner.run, self.owner.seen = state.get("run"), state.get("seen")
         self.owner.rng = (state["rng"], state["cuda_rng"], data_rng or [])

@@ -34,7 +34,8 @@ class EarlyStopping(Callback):
 
     Raises:
         ValueError: bad values; at fit start, no ``val_data`` or an unknown ``monitor``.
-        TypeError: ``patience`` with an optimizer that is not a ``vmapens.StackedOptimizer``.
+        TypeError: ``restore_best`` not a bool; ``patience`` with an optimizer that is not a
+            ``vmapens.StackedOptimizer``.
 
     Example:
         >>> import torch
@@ -64,6 +65,11 @@ class EarlyStopping(Callback):
             raise TypeError(f"{api}: `monitor` must be a str, got {type(monitor).__name__}")
         if patience is not None:
             check_int(api, "patience", patience, minimum=1)
+        # bool() would read "no" or a stray None as a choice: only a bool (numpy's too) is one.
+        if not isinstance(restore_best, bool) and type(restore_best).__name__ != "bool_":
+            raise TypeError(
+                f"{api}: `restore_best` must be a bool, got {type(restore_best).__name__}"
+            )
         self.monitor, self.mode, self.patience = monitor, mode, patience
         self.restore_best = bool(restore_best)
         self.sign = 1.0 if mode == "min" else -1.0
