@@ -1,15 +1,27 @@
-"""The sweep's parts: the plain backends' trial, hyperparameters as the optimizer takes them."""
+"""The sweep's parts: the plain backends' trial, hyperparameters as the optimizer takes them,
+grid and study checks; and PBT's warning about schedulers that undo its learning rates."""
 
 from __future__ import annotations
 
 import functools
 import math
 import random
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any
 
-__all__ = ["PlainTrial", "fixed_names", "hyper_table", "per_member"]
+import torch
+
+__all__ = [
+    "PlainTrial",
+    "check_direction",
+    "fixed_names",
+    "grid_values",
+    "hyper_table",
+    "per_member",
+    "warn_recomputing_schedulers",
+]
 
 
 class PlainTrial:
@@ -21,6 +33,8 @@ class PlainTrial:
         self.intermediate_values: dict[int, float] = {}
 
     def _pick(self, name: str, draw: Callable[[], Any]) -> Any:
+        if name in self.params:  # as optuna: a name asked again gives the value it gave first
+            return self.params[name]
         if self._grid is not None:
             if name not in self._grid:
                 raise ValueError(f"Sweep: `space` asked for {name!r}, which `grid` does not hold")
@@ -34,6 +48,7 @@ class PlainTrial:
         self, name: str, low: float, high: float, *, log: bool = False, step: float | None = None
     ) -> float:
         def draw() -> float:
+            _check_range("suggest_float", name, low, high, log, step, 0.0)
             if log:
                 return math.exp(self._rng.uniform(math.log(low), math.log(high)))
             if step is not None:
@@ -49,6 +64,7 @@ class PlainTrial:
         self, name: str, low: int, high: int, *, step: int = 1, log: bool = False
     ) -> int:
         def draw() -> int:
+            _check_range("suggest_int", name, low, high, log, None if step == 1 else step, 1)
             if log:
                 return round(math.exp(self._rng.uniform(math.log(low), math.log(high))))
             return low + step * self._rng.randint(0, (high - low) // step)
@@ -56,13 +72,33 @@ class PlainTrial:
         return self._pick(name, draw)
 
     def suggest_categorical(self, name: str, choices: Sequence[Any]) -> Any:
-        return self._pick(name, lambda: self._rng.choice(list(choices)))
+        options = list(choices)
+        if not options:
+            raise ValueError(f"Sweep: suggest_categorical({name!r}): `choices` must not be empty")
+        return self._pick(name, lambda: self._rng.choice(options))
 
     def report(self, value: float, step: int) -> None:
         self.intermediate_values[step] = value
 
     def should_prune(self) -> bool:
         return False  # the plain backends do not prune
+
+
+def _check_range(
+    method: str, name: str, low: float, high: float, log: bool, step: float | None, least: float
+) -> None:
+    """Refuse what optuna's ``method`` refuses (the draws would leave the range, or fail in
+    ``math.log``, a modulo by zero); ``least``: the lowest ``low`` with ``log`` (1 for ints)."""
+    where = f"Sweep: {method}({name!r})"
+    if not low <= high:
+        raise ValueError(f"{where}: `low` must be <= `high`, got low={low}, high={high}")
+    if log and step is not None:
+        raise ValueError(f"{where}: `step` cannot be combined with `log=True`, got step={step}")
+    if log and not (low > 0 and low >= least):
+        bound = f">= {least}" if least else "> 0"
+        raise ValueError(f"{where}: `low` must be {bound} with `log=True`, got {low}")
+    if step is not None and not step > 0:
+        raise ValueError(f"{where}: `step` must be > 0, got {step}")
 
 
 def _unwrapped(optimizer: Any) -> Any:
@@ -99,3 +135,57 @@ def per_member(values: list[Any], table: dict[str, Any] | None, name: str) -> An
     if pair:
         return tuple(list(v) for v in zip(*values, strict=True))
     return values
+
+
+def grid_values(values: Any) -> list[Any] | None:
+    """A grid entry as a list of values; ``None`` for one value (a number, a string)."""
+    if isinstance(values, (str, bytes)):
+        return None
+    try:
+        return list(values)
+    except TypeError:  # not iterable (a 0-d tensor too)
+        return None
+
+
+def check_direction(api: str, study: Any, mode: str) -> None:
+    """Refuse a study that optimizes the other way (or several objectives)."""
+    directions = [getattr(d, "name", str(d)).lower() for d in study.directions]
+    want = "minimize" if mode == "min" else "maximize"
+    if directions != [want]:
+        raise ValueError(
+            f"{api}: `study` has directions {directions}, but `mode` is {mode!r}: optuna would "
+            f"rank and prune the trials the other way; create it with direction={want!r} or "
+            f"pass mode={'max' if mode == 'min' else 'min'!r}"
+        )
+
+
+#: torch schedulers that set each lr from the group's base lr (``base_lrs``), not from its
+#: current value: they undo what PBT's ``exploit_`` and ``explore`` wrote at their next step
+#: (SequentialLR at its next milestone: it restarts the next scheduler from ``base_lrs``).
+_RECOMPUTING = (
+    torch.optim.lr_scheduler.LambdaLR,
+    torch.optim.lr_scheduler.OneCycleLR,
+    torch.optim.lr_scheduler.CyclicLR,
+    torch.optim.lr_scheduler.CosineAnnealingWarmRestarts,
+    torch.optim.lr_scheduler.SequentialLR,
+)
+
+
+def warn_recomputing_schedulers(callbacks: Sequence[Any]) -> None:
+    """Warn (once per call) when a scheduler callback among ``callbacks`` would undo the
+    learning rates a PBT round copies and perturbs."""
+    for cb in callbacks:
+        scheduler = getattr(cb, "scheduler", None)
+        inner = [scheduler, *getattr(scheduler, "_schedulers", [])]
+        found = [type(s).__name__ for s in inner if isinstance(s, _RECOMPUTING)]
+        if found:
+            warnings.warn(
+                f"PBT: the {found[0]} scheduler sets each member's lr from its base lr at every "
+                "step (SequentialLR: at each milestone), so the learning rates PBT copies and "
+                "perturbs last only until then; use "
+                "a scheduler that scales the current lr (StepLR, ExponentialLR, "
+                "CosineAnnealingLR, ...) or perturb other hyperparameters (`names`)",
+                UserWarning,
+                stacklevel=2,
+            )
+            return

@@ -8,7 +8,6 @@ both every few epochs. Rows are this process's members (``ens[i]``), as everywhe
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +16,7 @@ from torch import Tensor
 
 from ._checks import check_choice, check_int, index_rows
 from ._precision import LossScale
+from ._sweep_parts import warn_recomputing_schedulers
 from .callbacks.base import Callback, Context
 from .ensemble import Ensemble
 from .optim import MemberValues, StackedOptimizer
@@ -51,7 +51,8 @@ def exploit_(
         loss_scale: the run's per-member loss scale (``fit(precision="fp16")``), or ``None``.
 
     Raises:
-        ValueError: ``src`` and ``dst`` differ in length, or ``dst`` repeats a row.
+        ValueError: ``src`` and ``dst`` differ in length, ``dst`` repeats a row, or
+            ``optimizer`` / ``loss_scale`` hold another number of members (nothing changes).
         IndexError: a row out of range.
 
     Example:
@@ -73,6 +74,21 @@ def exploit_(
         )
     if len(set(d.tolist())) != len(d):
         raise ValueError(f"{api}: `dst` must not repeat a row, got {d.tolist()}")
+    # Another ensemble's optimizer or loss scale: its rows are not these members' (its state
+    # was skipped, or written in part before an IndexError); refused before anything changes.
+    groups = optimizer.param_groups if optimizer is not None else []
+    params = [p for g in groups for p in g["params"]]
+    rows = sorted({p.shape[0] for p in params if p.dim()})
+    if params and n not in rows:
+        raise ValueError(
+            f"{api}: `optimizer` holds parameters of {rows} members, the ensemble has {n}: "
+            "pass the optimizer built over this ensemble's parameters"
+        )
+    if loss_scale is not None and tuple(loss_scale.scale.shape) != (n,):
+        raise ValueError(
+            f"{api}: `loss_scale` holds {list(loss_scale.scale.shape)} scales, the ensemble has "
+            f"{n} members: pass the loss scale of this ensemble's run"
+        )
     padding = ens._padding
     for a, b in zip(s.tolist(), d.tolist(), strict=True):
         if padding is not None and padding.kind_of[a] != padding.kind_of[b]:
@@ -347,7 +363,7 @@ class PBT(Callback):
                 f"{src.tolist()}); nothing was copied: use `factors` that keep it in range, or "
                 "leave it out of `names`"
             ) from err
-        _warn_recomputing_schedulers(ctx)
+        warn_recomputing_schedulers(ctx.callbacks)
         exploit_(ctx.ensemble, opt, src, bottom, ctx.loss_scale)
         ctx.inherit(src, bottom)
         for k, name, new in perturbed:
@@ -372,8 +388,9 @@ class PBT(Callback):
                 f"the checkpoint's PBT has settings {stored}, this run's {self.settings()}; "
                 "resume with the same ones"
             )
+        log = [(e, list(s), list(d)) for e, s, d in state["log"]]  # read before any write
         self.generator.set_state(state["generator"])
-        self.log = [(e, list(s), list(d)) for e, s, d in state["log"]]
+        self.log = log
 
 
 def _factors(api: str, factors: Sequence[Any]) -> tuple[float, ...]:
@@ -387,33 +404,3 @@ def _factors(api: str, factors: Sequence[Any]) -> tuple[float, ...]:
     if not all(0 < v < math.inf for v in values):
         raise ValueError(f"{api}: `factors` must be finite numbers > 0, got {factors!r}")
     return values
-
-
-#: torch schedulers that set each lr from the group's base lr (``base_lrs``), not from its
-#: current value: they undo what ``exploit_`` and ``explore`` wrote at their next step
-#: (SequentialLR at its next milestone: it restarts the next scheduler from ``base_lrs``).
-_RECOMPUTING = (
-    torch.optim.lr_scheduler.LambdaLR,
-    torch.optim.lr_scheduler.OneCycleLR,
-    torch.optim.lr_scheduler.CyclicLR,
-    torch.optim.lr_scheduler.CosineAnnealingWarmRestarts,
-    torch.optim.lr_scheduler.SequentialLR,
-)
-
-
-def _warn_recomputing_schedulers(ctx: Context) -> None:
-    for cb in ctx.callbacks:
-        scheduler = getattr(cb, "scheduler", None)
-        inner = [scheduler, *getattr(scheduler, "_schedulers", [])]
-        found = [type(s).__name__ for s in inner if isinstance(s, _RECOMPUTING)]
-        if found:
-            warnings.warn(
-                f"PBT: the {found[0]} scheduler sets each member's lr from its base lr at every "
-                "step (SequentialLR: at each milestone), so the learning rates PBT copies and "
-                "perturbs last only until then; use "
-                "a scheduler that scales the current lr (StepLR, ExponentialLR, "
-                "CosineAnnealingLR, ...) or perturb other hyperparameters (`names`)",
-                UserWarning,
-                stacklevel=2,
-            )
-            return

@@ -18,7 +18,14 @@ from typing import Any
 
 from ._checks import check_choice, check_int
 from ._fit_checks import check_metric_names
-from ._sweep_parts import PlainTrial, fixed_names, hyper_table, per_member
+from ._sweep_parts import (
+    PlainTrial,
+    check_direction,
+    fixed_names,
+    grid_values,
+    hyper_table,
+    per_member,
+)
 from .callbacks import Callback, Checkpoint, Context, EarlyStopping
 from .ensemble import Ensemble
 from .fit import fit
@@ -79,6 +86,15 @@ class _Report(Callback):
     def __init__(self, trials: list[Any], monitor: str, pruning: bool):
         self.trials, self.monitor, self.pruning = trials, monitor, pruning
         self.pruned: set[int] = set()
+
+    def on_train_start(self, ctx: Context) -> None:
+        # A resumed run's trials (asked anew) hear the epochs its checkpoint holds, as the
+        # interrupted run's did: optuna's intermediate values list the trial's values.
+        table = metric_table(ctx.history, self.monitor, "Sweep", "monitor")
+        for epoch, row in enumerate(table.tolist()):
+            for trial, value in zip(self.trials, row, strict=True):
+                if math.isfinite(value):
+                    trial.report(value, epoch)
 
     def on_epoch_end(self, ctx: Context) -> None:
         row = metric_table(ctx.history, self.monitor, "Sweep", "monitor")[-1]
@@ -152,7 +168,11 @@ class Sweep:
             raise TypeError(f"{api}: `monitor` must be a str, got {type(monitor).__name__}")
         if (grid is None) != (backend != "grid"):
             raise ValueError(f"{api}: `grid` is needed with backend='grid', and only there")
-        empty = sorted(k for k, v in (grid or {}).items() if len(v) == 0)
+        lists = {k: grid_values(v) for k, v in (grid or {}).items()}
+        scalars = {k: v for k, v in (grid or {}).items() if lists[k] is None}
+        if scalars:  # a float has no len(); a string's letters were tried as values
+            raise TypeError(f"{api}: `grid` maps each name to a list of values, got {scalars!r}")
+        empty = sorted(k for k, v in lists.items() if not v)
         if empty:
             raise ValueError(
                 f"{api}: `grid` needs at least one value per name, got none for {empty}"
@@ -160,10 +180,10 @@ class Sweep:
         if study is not None and backend != "optuna":
             raise ValueError(f"{api}: `study` needs backend='optuna', got {backend!r}")
         if study is not None:
-            _check_direction(api, study, mode)
+            check_direction(api, study, mode)
         self.factory, self.space, self.backend, self.seed = factory, space, backend, seed
         self.optimizer, self.monitor, self.mode = optimizer, monitor, mode
-        self.grid = None if grid is None else {k: list(v) for k, v in grid.items()}
+        self.grid = None if grid is None else {k: v or [] for k, v in lists.items()}
         self.study = study
         if backend == "optuna":
             self.study = study if study is not None else self._new_study()
@@ -228,8 +248,9 @@ class Sweep:
         Raises:
             ValueError: bad counts, ``fit`` options the sweep sets itself, a ``monitor`` that
                 ``fit`` will not record, hyperparameters the optimizer does not take,
-                ``bootstrap=True`` or a checkpoint over several rounds, a checkpoint that
-                exists once this Sweep has asked trials (its new trials would resume them).
+                ``bootstrap=True`` over several rounds or runs, a checkpoint over several
+                rounds, a checkpoint that exists once this Sweep has asked trials (its new
+                trials would resume them).
         """
         api = "Sweep.run"
         if n_trials is None:
@@ -248,6 +269,13 @@ class Sweep:
                 f"{api}: bootstrap=True needs every trial in one ensemble (per_ensemble=None "
                 f"or >= n_trials), got per_ensemble={per_ensemble} for {n_trials} trials: "
                 "later rounds would reuse the first round's resamples"
+            )
+        if fit_options.get("bootstrap") and self._asked:
+            # The same: this run's member j would train on the resample of the first run's.
+            raise ValueError(
+                f"{api}: bootstrap=True needs every trial in one ensemble, and this Sweep has "
+                f"already asked {self._asked} trials: its new trials would train on their "
+                "resamples; ask every trial in one run, or build a new Sweep with another seed"
             )
         paths = [fit_options["checkpoint"]] if fit_options.get("checkpoint") is not None else []
         paths += [cb.path for cb in fit_options.get("callbacks", ()) if isinstance(cb, Checkpoint)]
@@ -380,15 +408,3 @@ class Sweep:
         else:
             kind = optuna.trial.TrialState
             self.study.tell(trial, state=kind.PRUNED if state == "pruned" else kind.FAIL)
-
-
-def _check_direction(api: str, study: Any, mode: str) -> None:
-    """Refuse a study that optimizes the other way (or several objectives)."""
-    directions = [getattr(d, "name", str(d)).lower() for d in study.directions]
-    want = "minimize" if mode == "min" else "maximize"
-    if directions != [want]:
-        raise ValueError(
-            f"{api}: `study` has directions {directions}, but `mode` is {mode!r}: optuna would "
-            f"rank and prune the trials the other way; create it with direction={want!r} or "
-            f"pass mode={'max' if mode == 'min' else 'min'!r}"
-        )
