@@ -88,6 +88,8 @@ def check_mask(api: str, mask: Any, n: int, name: str = "mask") -> None:
 
 def check_writable_dir(api: str, name: str, path: str | os.PathLike) -> None:
     """The directory that file ``path`` goes in must exist and be writable."""
+    if not isinstance(path, (str, os.PathLike)):  # os.fspath's error names no argument
+        raise TypeError(f"{api}: `{name}` must be a str or os.PathLike, got {type(path).__name__}")
     parent = os.path.dirname(os.fspath(path)) or "."
     if not os.path.exists(parent):
         raise FileNotFoundError(
@@ -133,8 +135,11 @@ def expand_in_dims(api: str, in_dims: Any, args: tuple, n: int) -> tuple:
 
 
 def index_rows(api: str, index: Any, n: int) -> torch.Tensor:
-    """A selection (slice, sequence, int or bool tensor or numpy array) as a 1-D int64 tensor
-    of rows."""
+    """A selection (one integer-like, slice, sequence, int or bool tensor or numpy array) as a
+    1-D int64 tensor of rows; one integer-like is one row."""
+    one = to_index(index)
+    if one is not None:  # pbt.exploit_(ens, opt, 0, 3), ens.select(2): one row, as [2]
+        index = [one]
     if isinstance(index, slice):  # range's slicing: negative steps too, as nn.Sequential's
         return torch.tensor(range(n)[index], dtype=torch.int64)
     if type(index).__module__ == "numpy" and getattr(index, "ndim", None) == 1:

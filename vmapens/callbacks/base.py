@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .._checks import index_rows, to_index
+from .._checks import index_rows
 from .._data import Stream
 from .._precision import LossScale
 from ..distributed import all_reduce_stats
@@ -169,10 +169,7 @@ def _rows(api: str, members: Any, n: int) -> Tensor:
     Ensemble of no members): ``ctx.stop(bad.nonzero().flatten())`` stops nobody when no member
     is bad, as ``ctx.stop(bad)`` with an all-False mask does. One member (``ctx.stop(3)``, a
     numpy or 0-d tensor integer) is a row, and a list of ``n`` bools a mask, as torch indexes."""
-    one = to_index(members)
-    if one is not None:
-        members = [one]
-    elif isinstance(members, (list, tuple)) and members and all(type(m) is bool for m in members):
+    if isinstance(members, (list, tuple)) and members and all(type(m) is bool for m in members):
         members = torch.tensor(members)
     if isinstance(members, Tensor) or type(members).__module__ == "numpy":
         mask = "bool" in str(members.dtype)  # torch's or numpy's: a mask keeps its shape check
