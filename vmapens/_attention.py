@@ -70,6 +70,9 @@ def batched_attention() -> Iterator[None]:
       Calls without vmapped inputs are untouched. Calls that torch routes to the composite
       math path (``dropout_p > 0``, an attention mask that requires grad) were never
       looped and are untouched too; dropout keeps ``vmap``'s ``randomness`` semantics.
+      A mask that requires grad but reaches the kernel anyway (``vmap`` hides the flag
+      from SDPA: ``nn.MultiheadAttention``'s learned float ``attn_mask``) runs torch's
+      math path, as the member alone does.
     * CUDA's memory-efficient attention kernel, whose backward fails under ``vmap``, is
       switched off (``torch.backends.cuda.enable_mem_efficient_sdp(False)``), restored as
       the fast path below is; SDPA picks flash, cuDNN or the math path instead.
@@ -158,10 +161,56 @@ def _batching_rule(name: str) -> Any:
             query, query_dim = unwrapped[1 if name == _BACKWARD else 0]
             batch = query.shape[0] if query_dim is None else query.movedim(query_dim, 0).shape[1]
             folded = [_fold(t, d, n) for t, d in unwrapped]
-            outs = op(*folded, *rest, attn_mask=_fold_mask(mask, mask_dim, n, batch), scale=scale)
+            mask = _fold_mask(mask, mask_dim, n, batch)
+            if name == _FORWARD and mask is not None and _learned(mask):
+                # SDPA reads ``requires_grad`` off the vmapped mask, where it is always False,
+                # so a learned mask that a view made 4-D (``nn.MultiheadAttention``'s float
+                # ``attn_mask``) reaches this kernel, which cannot differentiate it. Alone,
+                # torch runs its math path for such a mask: so does the ensemble.
+                outs = _math_forward(folded, rest, mask, scale)
+            else:
+                outs = op(*folded, *rest, attn_mask=mask, scale=scale)
         return tuple(_add_batch_dim(o.unflatten(0, (n, -1)), 0, level) for o in outs)
 
     return rule
+
+
+def _learned(mask: Tensor) -> bool:
+    """Whether autograd records ``mask`` here: SDPA alone then takes its math path."""
+    return mask.requires_grad and torch.is_grad_enabled()
+
+
+def _math_forward(
+    tensors: list[Tensor], rest: tuple, attn_mask: Tensor, scale: float | None
+) -> tuple[Tensor, Tensor]:
+    """The flash forward's ``(output, logsumexp)`` from torch's math path, differentiable in
+    ``attn_mask``: the output is what SDPA computes for the member alone; the logsumexp (which
+    an outer ``torch.func.grad`` hands to the flash backward) is the flash kernel's.
+
+    ``tensors`` are the folded query, key and value; ``rest`` the op's ``dropout_p`` and
+    ``is_causal``, where given.
+    """
+    query, key, value = tensors
+    dropout_p = rest[0] if rest else 0.0
+    is_causal = rest[1] if len(rest) > 1 else False
+    heads = query.size(-3)
+    gqa = key.size(-3) != heads
+    out, _ = torch.ops.aten._scaled_dot_product_attention_math(
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=gqa,
+    )
+    if gqa:
+        key = key.repeat_interleave(heads // key.size(-3), -3)
+    factor = query.size(-1) ** -0.5 if scale is None else scale
+    # SDPA never passes ``is_causal`` with a mask: the math op above has refused that pair.
+    scores = torch.matmul(query, key.transpose(-2, -1)).mul(factor) + attn_mask
+    return out, scores.logsumexp(-1)
 
 
 def _member_loop(
