@@ -28,7 +28,9 @@ class AutoStep:
 
     After a warm-up step and ``TIMED_STEPS`` timed eager steps, it estimates the eager time of
     the steps still to come; above ``COMPILE_PAYS_AFTER_S`` it builds the compiled step and
-    uses it from then on. With an unknown number of steps it stays eager. The compiled step
+    uses it from then on (if ``make_step`` refuses to compile, a torch.optim optimizer or
+    ``backend="loop"``, it warns and stays eager). With an unknown number of steps it stays
+    eager. The compiled step
     equals the eager one up to round-off (tests: 1e-9 in float64).
 
     Args:
@@ -68,5 +70,11 @@ class AutoStep:
         if deciding and self.done == TIMED_STEPS + 1 and self.total_steps is not None:
             left = self.total_steps - self.done
             if left * self.timed_s / TIMED_STEPS > COMPILE_PAYS_AFTER_S:
-                self.step, self.compiled = self.build_compiled(), True
+                self.compiled = True  # decided: not built again after a refusal
+                try:
+                    self.step = self.build_compiled()
+                except (TypeError, ValueError) as err:
+                    # make_step refuses to compile what the eager step trains (a torch.optim
+                    # optimizer, backend="loop"): that stopped the run after its timed steps.
+                    warnings.warn(f"fit: {err}. fit(compile='auto') goes on eagerly.", stacklevel=3)
         return losses

@@ -142,4 +142,7 @@ _made = itertools.count()
 def own_code(fn: Callable) -> Callable:
     """``fn`` with a code object of its own (same bytecode, a unique name)."""
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_made)}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    made = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    # FunctionType takes no keyword-only defaults: without them `def f(x, *, k=1)` needed `k`.
+    made.__kwdefaults__ = None if fn.__kwdefaults__ is None else dict(fn.__kwdefaults__)
+    return made
