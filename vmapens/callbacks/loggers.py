@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import Tensor
 
+from .._checks import check_writable_dir
 from ..distributed import raise_together, world_size
 from ..optim._hyper import per_member
 from .base import Callback, Context
@@ -72,6 +73,12 @@ class CSVLogger(Callback):
     Args:
         path: the CSV file.
 
+    Raises:
+        TypeError: ``path`` is not a str or os.PathLike.
+        FileNotFoundError, NotADirectoryError, PermissionError: its directory does not exist,
+            is no directory or is not writable.
+        IsADirectoryError: ``path`` is a directory.
+
     Example:
         >>> import torch
         >>> import csv, tempfile, os
@@ -87,6 +94,11 @@ class CSVLogger(Callback):
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
+        # Checked here, as Checkpoint checks its path: the first row is written after a whole
+        # epoch of training, too late to refuse a path that cannot take it.
+        check_writable_dir("CSVLogger", "path", path)
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"CSVLogger: `path` {os.fspath(path)!r} is a directory")
         self.path = os.fspath(path)
         self.lr: list[float] | None = None
 
@@ -171,9 +183,21 @@ class TensorBoardLogger(Callback):
 
     Raises:
         ImportError: tensorboard is not installed (``pip install 'vmapens[tensorboard]'``).
+        TypeError: ``log_dir`` is not a str or os.PathLike.
+        NotADirectoryError: ``log_dir`` is a file.
     """
 
     def __init__(self, log_dir: str | os.PathLike) -> None:
+        if not isinstance(log_dir, (str, os.PathLike)):
+            raise TypeError(
+                "TensorBoardLogger: `log_dir` must be a str or os.PathLike, got "
+                f"{type(log_dir).__name__}"
+            )
+        if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+            # Refused now, not when training starts (after a checkpoint's resume loaded).
+            raise NotADirectoryError(
+                f"TensorBoardLogger: `log_dir` {os.fspath(log_dir)!r} is a file, not a directory"
+            )
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:
