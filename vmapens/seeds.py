@@ -85,4 +85,11 @@ def check_seeds(api: str, seeds: Any, n: int, seed: int | None) -> list[int]:
     for k, (s, v) in enumerate(zip(seeds, out, strict=True)):
         if v is None:
             raise TypeError(f"{api}: `seeds[{k}]` must be an int, got {type(s).__name__}")
+        # Refused here, before any member is built: torch.manual_seed would fail only at
+        # member k, with an overflow error that names neither the API nor the argument.
+        if not -(2**63) <= v < 2**64:
+            raise ValueError(
+                f"{api}: `seeds[{k}]` must be in [-2**63, 2**64 - 1], the range "
+                f"torch.manual_seed takes, got {v}"
+            )
     return [int(v) for v in out if v is not None]

@@ -52,7 +52,9 @@ def member_scores(history: History, metric: str = "val_loss", mode: str = "min")
 
     The best value is what ``fit(..., restore_best=True)`` leaves each member at when
     ``metric`` is the monitored one (``fit`` records no validation score in the epoch a
-    member diverged in). Members with no finite value get NaN. After
+    member diverged in). Members with no finite value get NaN, and an infinite value is
+    none here (``best_k`` with a History counts the best infinity, ``-inf`` for ``"min"``, as
+    ``EarlyStopping`` does). After
     ``vmapens.pbt.PBT`` rounds a copied member's column still holds its own values from before
     the copy, while ``restore_best`` gives it its source's best state: rank such a run by the
     early stopper's ``best_val`` (lower is better in either mode): ``best_k(ens,
@@ -79,17 +81,22 @@ def member_scores(history: History, metric: str = "val_loss", mode: str = "min")
     return _scores(history, metric, mode, "member_scores", "history")
 
 
-def _scores(history: History, metric: str, mode: str, api: str, arg: str) -> Tensor:
-    """:func:`member_scores`, its errors in the words of ``api`` (``history`` is its ``arg``)."""
+def _scores(
+    history: History, metric: str, mode: str, api: str, arg: str, best_infinity: bool = False
+) -> Tensor:
+    """:func:`member_scores`, its errors in the words of ``api`` (``history`` is its ``arg``);
+    with ``best_infinity`` the best infinity (``-inf`` for ``"min"``) counts as a value."""
     check_choice(api, "mode", mode, ("min", "max"))
     table = metric_table(history, metric, api, "metric")
     if table.shape[0] == 0:
         raise ValueError(f"{api}: `{arg}` has no epochs recorded, so no member has a score")
-    finite = torch.isfinite(table)
-    fill = torch.inf if mode == "min" else -torch.inf
-    values = table.masked_fill(~finite, fill)
-    best = values.amin(0) if mode == "min" else values.amax(0)
-    return best.masked_fill(~finite.any(0), torch.nan).double()
+    key = table.double() if mode == "min" else -table.double()  # lower is better
+    # EarlyStopping keeps an epoch whose value beats +inf in these terms: a PSNR of +inf
+    # (a perfect member, mode "max") is its best epoch, the one restore_best leaves.
+    valid = key < torch.inf if best_infinity else torch.isfinite(key)
+    best = key.masked_fill(~valid, torch.inf).amin(0)
+    best = best if mode == "min" else -best
+    return best.masked_fill(~valid.any(0), torch.nan)
 
 
 def best_k(
@@ -106,7 +113,9 @@ def best_k(
     Args:
         ens: the ensemble.
         history_or_scores: the :class:`History` of its training (each member scored by its
-            best ``metric``, see :func:`member_scores`) or a ``[n]`` tensor of scores.
+            best ``metric``, see :func:`member_scores`, where the best infinity counts as
+            ``EarlyStopping`` counts it: a member with a validation PSNR of ``+inf`` in mode
+            ``"max"`` ranks first) or a ``[n]`` tensor of scores.
         k: how many members to keep, ``1 <= k <= n``.
         metric: the recorded metric to rank by (with a History).
         mode: ``"min"`` (lower is better) or ``"max"``.
@@ -142,7 +151,7 @@ def best_k(
                 f"{api}: `history_or_scores` is a History of members {ids}, but `ens` holds "
                 f"members {own}; pass the History of this ensemble's training"
             )
-        scores = _scores(history_or_scores, metric, mode, api, "history_or_scores")
+        scores = _scores(history_or_scores, metric, mode, api, "history_or_scores", True)
     elif isinstance(history_or_scores, Tensor):
         scores = history_or_scores.detach().double().cpu()
     else:
