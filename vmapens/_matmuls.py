@@ -17,7 +17,8 @@ merged into one ``mm`` as above for small products and as a transposed ``bmm`` f
 Only the order of additions inside each dot product can change (the BLAS kernel differs), as
 inductor's own fusions already change it: see docs/semantics.md, "compiled vs eager step".
 It applies on CPU to float32 and float64 (the dtypes whose compiled steps are tested against
-members alone); other graphs keep their ``bmm``.
+members alone) with static sizes (``make_step`` compiles with ``dynamic=False``); other graphs
+keep their ``bmm``.
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node) -> int:
     if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)):
         return 0
     if va.device.type != "cpu" or va.dtype not in _DTYPES or vb.dtype != va.dtype:
+        return 0
+    # Symbolic sizes (a graph compiled with dynamic shapes) would enter the new nodes' args as
+    # raw SymInts, which the graph cannot run: such a bmm is left as it is.
+    if not all(type(d) is int for d in (*va.shape, *vb.shape, *va.stride(), *vb.stride())):
         return 0
     (n, m, k), w = va.shape, vb.shape[2]
     if n < 2 or not (va.stride(0) == 0 or vb.stride(0) == 0) or min(m, w) < 2:

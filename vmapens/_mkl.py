@@ -56,6 +56,8 @@ def warm_vml() -> None:
         return
     with torch.inference_mode():
         for dtype in (torch.float32, torch.float64):
-            x = torch.full((1,), 0.5, dtype=dtype)
+            # On the CPU whatever torch.set_default_device says: a CUDA or meta tensor would
+            # resolve nothing, and the CPU step's first large op would race as above.
+            x = torch.full((1,), 0.5, dtype=dtype, device="cpu")
             for name in VML_OPS:
                 getattr(torch, name)(x)
