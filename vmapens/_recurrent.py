@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 import warnings
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from ._lstm_fused import fused_direction
 from ._precision import member_autocast
-from ._recurrent_steps import gru_step, lstm_step, lstm_weights, project, rnn_step
+from ._recurrent_steps import check_dtype, gru_step, lstm_step, lstm_weights, project, rnn_step
 
 __all__ = [
     "BatchableGRU",
@@ -103,6 +103,7 @@ class _Recurrent(nn.RNNBase):
                 f"{api}: `input` must have {self.input_size} features (last dim), "
                 f"got {input.size(-1)}"
             )
+        check_dtype(api, input, cast(Tensor, self.weight_ih_l0).dtype)
         lstm = self.mode == "LSTM"
         batched = input.dim() == 3
         batch_first = batched and self.batch_first

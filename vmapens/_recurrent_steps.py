@@ -1,7 +1,8 @@
 """The maths of one recurrent step, written in ops that ``vmap`` batches and dynamo traces.
 
 ``vmapens._recurrent``'s layers and cells run these; they follow torch's gate order and bias
-placement (``nn.GRU``, ``nn.LSTM``, ``nn.RNN``). This file imports only torch.
+placement (``nn.GRU``, ``nn.LSTM``, ``nn.RNN``), and refuse the input dtypes those refuse.
+This file imports only torch.
 """
 
 from __future__ import annotations
@@ -10,7 +11,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["gru_step", "lstm_step", "lstm_weights", "project", "rnn_step"]
+__all__ = ["check_dtype", "gru_step", "lstm_step", "lstm_weights", "project", "rnn_step"]
+
+
+def check_dtype(api: str, input: Tensor, weight: torch.dtype) -> None:
+    """Refuse ``input`` of another dtype than the weights, as torch's layers do.
+
+    Not under autocast (ours is a ``TorchFunctionMode``, torch's its own flag), where torch
+    lets the layer cast, nor while dynamo traces: the eager first step has checked it.
+    """
+    if input.dtype == weight or torch.compiler.is_compiling():
+        return
+    if torch._C._is_any_autocast_enabled() or torch._C._is_torch_function_mode_enabled():
+        return
+    raise ValueError(
+        f"{api}: `input` dtype ({input.dtype}) must match the weights' ({weight}): convert "
+        f"the input, input.to({weight}), or the model, as torch's own layer asks"
+    )
 
 
 def gru_step(gi_rz: Tensor, gi_n: Tensor, h: Tensor, w_hh_t: Tensor, b_hh: Tensor | None) -> Tensor:
