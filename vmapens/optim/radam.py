@@ -113,38 +113,66 @@ def radam_rule(
     write_then_count(writes, step)
 
 
+def _scratch(like: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    """Scratch for tensors shaped like ``like``: what the whole-buffer ops of
+    :func:`_in_place` run on, and the per-tensor views.
+
+    One flat buffer (``joined_empty``) where ``like`` has one dtype; else a tensor each, in
+    its own dtype: a flat buffer in the first tensor's dtype would round a float64
+    parameter's update to float32 (or compute a float32 one in float64), where torch
+    computes each parameter's update in its own dtype.
+    """
+    if len({t.dtype for t in like}) == 1:
+        flat, views = joined_empty(like)
+        return [flat], views
+    views = [torch.empty_like(t) for t in like]
+    return views, views
+
+
+def _in_place(name: str, out: list[Tensor], arg: Any = None) -> Callable[[], Any]:
+    """The write ``out.<name>_(arg)`` on :func:`_scratch`'s buffers: one call on one flat
+    buffer, else a ``torch._foreach_<name>_`` (a list ``arg`` pairs with ``out``)."""
+    if len(out) == 1:
+        method = getattr(out[0], f"{name}_")
+        other = arg[0] if isinstance(arg, list) else arg
+        return method if arg is None else functools.partial(method, other)
+    op = getattr(torch, f"_foreach_{name}_")
+    return functools.partial(op, out) if arg is None else functools.partial(op, out, arg)
+
+
 def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -> Writes:
     """``torch.optim.RAdam``'s single-tensor step at step ``count + 1``, op for op, on whole
     stacked tensors ``t`` (params, grads, exp_avg, exp_avg_sq) with shared float
     hyperparameters: the same roundings as each member alone. What allocates comes first,
     then the writes (``optim/_fused.py``); the step's scratch is one flat buffer each
-    (``joined_empty``), so that its ops are one call each."""
+    (``joined_empty``), so that its ops are one call each, or a tensor per parameter where the
+    group mixes dtypes (:func:`_scratch`)."""
     lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
     p, m, v = t[0], t[2], t[3]
     g, writes = decayed_writes(signed(t[1], group), p, group)
     step = count + 1
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    update, updates = joined_empty(m)
+    update, updates = _scratch(m)
     writes += [
         *moment_writes(m, v, g, beta1, beta2),
         *into(torch.div, updates, m, cpu_scalar(bias_correction1, p[0])),
-        functools.partial(update.mul_, lr),
+        _in_place("mul", update, lr),
     ]
     rho_inf = 2 / (1 - beta2) - 1
     rho_t = rho_inf - 2 * step * (beta2**step) / bias_correction2
     if rho_t > 5.0:
         # torch: m_hat * lr * (bc2**0.5 / (sqrt(v) + eps)) * rect; a float over a tensor is
         # its reciprocal times the float.
-        adaptive, adaptives = joined_empty(v)
+        adaptive, adaptives = _scratch(v)
         rect = (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
         writes += [
             *into(torch.sqrt, adaptives, v),
-            functools.partial(adaptive.add_, eps),
-            adaptive.reciprocal_,
-            functools.partial(adaptive.mul_, bias_correction2**0.5),
-            functools.partial(update.mul_, adaptive),
-            functools.partial(update.mul_, rect**0.5),
+            _in_place("add", adaptive, eps),
+            _in_place("reciprocal", adaptive),
+            _in_place("mul", adaptive, bias_correction2**0.5),
+            _in_place("mul", update, adaptive),
+            _in_place("mul", update, rect**0.5),
         ]
     return [*writes, functools.partial(torch._foreach_add_, p, updates, alpha=-1.0)]
 

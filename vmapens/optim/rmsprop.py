@@ -33,6 +33,7 @@ from ._hyper import (
     nonnegative,
 )
 from ._keep import step_one
+from ._values import MemberValues
 from .base import StackedOptimizer
 
 __all__ = ["StackedRMSprop", "rmsprop_rule", "rmsprop_update_"]
@@ -241,8 +242,12 @@ class StackedRMSprop(StackedOptimizer):
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         names: tuple[str, ...] = ("square_avg",)
-        # any_positive: a compiled step guards on its answer, not on the momenta (sgd.py).
-        names += ("momentum_buffer",) if any_positive(group["momentum"]) else ()
+        momentum = group["momentum"]
+        # any_positive: a compiled step guards on its answer, not on the momenta (sgd.py). A
+        # value of another type (a list set by hand) is left to the step's check, which names
+        # `momentum`, where comparing it with 0 would raise a TypeError that names nothing.
+        known = isinstance(momentum, (int, float, Tensor, MemberValues))
+        names += ("momentum_buffer",) if not known or any_positive(momentum) else ()
         return (*names, "grad_avg") if group["centered"] else names
 
     def member_state(
