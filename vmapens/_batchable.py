@@ -22,12 +22,19 @@ batches and ``torch.compile(fullgraph=True)`` traces:
   ``torch.nn.utils.spectral_norm``'s forward pre-hook (``_spectral.py``): their power
   iteration writes ``u``/``v`` with ``out=``, which ``vmap`` cannot batch; the twins compute
   them out of place and copy them into the buffers.
+
+A parametrized module (``torch.nn.utils.parametrize``: its class is the ``Parametrized<Class>``
+torch made, whose properties compute the tensors) is re-classed to a copy of that class over
+``<Class>``'s twin: its parametrized tensors take the twin's path (an Embedding's padding row,
+a GRU's batched recurrence), and the runner's class is its own, untouched by a
+``remove_parametrizations`` on a member.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections.abc import Iterator
 from typing import Any, SupportsIndex
 
@@ -35,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
@@ -49,7 +57,13 @@ from ._recurrent import (
 )
 from ._spectral import BatchableSpectralNorm, BatchableSpectralNormHook
 
-__all__ = ["BatchableDropout", "batchable", "in_logical_order", "twin_class"]
+__all__ = [
+    "BatchableDropout",
+    "batchable",
+    "in_logical_order",
+    "own_parametrized_classes_",
+    "twin_class",
+]
 
 
 def _cumulative_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
@@ -279,12 +293,63 @@ _CUMULATIVE: dict[type, type] = {
 _BATCHABLE_HOOKS: dict[type, type] = {SpectralNorm: BatchableSpectralNormHook}
 
 
-def twin_class(module: nn.Module) -> type:
-    """The class ``batchable`` gives ``module``'s copy (``type(module)`` if none)."""
-    cls = type(module)
+#: The runner's own ``Parametrized*`` classes, by the template's class and the twin below it;
+#: weak: each ensemble's template has a class of its own (a sweep builds many).
+_PARAMETRIZED: weakref.WeakKeyDictionary[type, dict[type, type]] = weakref.WeakKeyDictionary()
+_RUNNER_CLASSES: weakref.WeakSet[type] = weakref.WeakSet()
+
+
+def _plain_twin(module: nn.Module, cls: type) -> type:
+    """The twin of ``cls``, ``module``'s class or the one below its parametrization."""
     if getattr(module, "momentum", 0.1) is None and issubclass(cls, tuple(_CUMULATIVE)):
         return _CUMULATIVE.get(cls) or _subclass_twin(cls)
     return _BATCHABLE.get(cls, cls)
+
+
+def twin_class(module: nn.Module) -> type:
+    """The class ``batchable`` gives ``module``'s copy (``type(module)`` if none).
+
+    A parametrized module's class is the ``Parametrized<Class>`` torch made for it, whose
+    properties compute the tensors; its twin is a copy of that class (the same properties) over
+    the twin of ``<Class>``: an ``nn.Embedding`` with a parametrized weight needs the padding
+    row's fix too. The copy is the runner's own: torch's ``remove_parametrizations`` on a
+    member (``ens[i]``, which deep-copies the template and so shares its class) deletes the
+    property from that class, which must not take the runner's weight with it.
+    """
+    cls = type(module)
+    # torch's class: the module's own class is its first base (``type_before_parametrizations``)
+    if not parametrize.is_parametrized(module) or cls in _RUNNER_CLASSES:
+        return _plain_twin(module, cls)
+    base = _plain_twin(module, cls.__bases__[0])
+    twins = _PARAMETRIZED.setdefault(cls, {})
+    if base not in twins:
+        twins[base] = _class_copy(cls, base)
+        _RUNNER_CLASSES.add(twins[base])
+    return twins[base]
+
+
+def _class_copy(cls: type, base: type) -> type:
+    """A new class with ``cls``'s name and namespace (a ``Parametrized*`` class's properties)
+    over ``base``."""
+    body = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+    copied = type(cls.__name__, (base,), body)
+    copied.__qualname__ = cls.__qualname__
+    return copied
+
+
+def own_parametrized_classes_(module: nn.Module) -> nn.Module:
+    """``module`` with each parametrized submodule given a ``Parametrized*`` class of its own.
+
+    torch's deep copy of a parametrized module keeps its class, and ``remove_parametrizations``
+    deletes the property from that class: on one copy, it takes the tensor from every other
+    copy. A module built alone has its own class; a member (``ens[i]``, a deep copy of the
+    template) needs one too.
+    """
+    for sub in module.modules():
+        cls = type(sub)
+        if parametrize.is_parametrized(sub):
+            sub.__class__ = _class_copy(cls, cls.__bases__[0])
+    return module
 
 
 def batchable(module: nn.Module) -> nn.Module:
@@ -304,7 +369,8 @@ def batchable(module: nn.Module) -> nn.Module:
     vmap fails on it), and
     ``spectral_norm``'s ``_SpectralNorm`` parametrization and old-style
     ``nn.utils.spectral_norm``'s ``SpectralNorm`` forward pre-hook, to ones whose power
-    iteration writes their buffers with ``copy_``.
+    iteration writes their buffers with ``copy_``. A parametrized submodule is re-classed to
+    a copy of its ``Parametrized*`` class over its own class's twin (``twin_class``).
     ``module`` itself is not changed; it may live on ``meta``.
 
     Args:
