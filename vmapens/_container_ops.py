@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from ._attributes import forward_set
+from ._batchable import own_parametrized_classes_
 from ._checks import to_index
 from ._members import named_tensors
 from ._padding import Padding
@@ -51,7 +52,9 @@ def member_module(
             if isinstance(meta, nn.Parameter):
                 value = nn.Parameter(value, requires_grad=meta.requires_grad)
             memo[id(meta)] = value
-    member = copy.deepcopy(template, memo)
+    # A class of its own per parametrized submodule: torch's remove_parametrizations on this
+    # member deletes the property from its class, which a deep copy shares with the template.
+    member = own_parametrized_classes_(copy.deepcopy(template, memo))
     modules = dict(member.named_modules())
     for path, values in set_by_forward.items():
         if path in modules:

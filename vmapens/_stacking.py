@@ -20,6 +20,7 @@ from torch.nn.utils import prune
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
+from ._batchable import own_parametrized_classes_
 from ._ensemble_parts import refuse_compiled
 from ._members import check_same, class_name, named_tensors, signature
 from ._padding import Padding, check_pair, gates_of, largest, setting_advice
@@ -192,7 +193,9 @@ def meta_copy(module: nn.Module) -> nn.Module:
         memo[id(t)] = meta
     for m, name, _ in recomputed(module):  # a non-leaf (weight_norm's): deepcopy refuses it
         memo[id(m.__dict__[name])] = torch.empty_like(m.__dict__[name], device="meta")
-    return copy.deepcopy(module, memo)
+    # The user's parametrized modules keep their classes (remove_parametrizations on one of
+    # them deletes a property from its class): the template gets classes of its own.
+    return own_parametrized_classes_(copy.deepcopy(module, memo))
 
 
 def migrated_keys(module: nn.Module, prefix: str, metadata: Any) -> set[str]:
