@@ -170,7 +170,7 @@ CASES: list[tuple[str, Callable[[World], Any], type[BaseException], str]] = [
     ("opt-step-mask-shape", lambda w: w.opt.step(mask=_mask(2)), ValueError, r"^StackedAdam: `mask` must have shape \[4\]"),
     ("opt-step-mask-dtype", lambda w: w.opt.step(mask=_mask(N, torch.int64)), TypeError, r"^StackedAdam: `mask` must be a bool tensor"),
     ("apply-gradients-count", lambda w: w.opt.apply_gradients([None]), ValueError, r"^StackedAdam.apply_gradients: `grads` has 1 entries"),
-    ("apply-gradients-shape", lambda w: w.opt.apply_gradients([torch.zeros(1)] * len(list(w.ens.parameters()))), ValueError, r"^StackedAdam.apply_gradients: `grads\[0\]` has shape"),
+    ("apply-gradients-shape", lambda w: w.opt.apply_gradients([torch.zeros(1)] * len(list(w.ens.parameters()))), ValueError, r"^StackedAdam.apply_gradients: `grads\[0\]` is \[1\] "),
     ("apply-gradients-mask", lambda w: w.opt.apply_gradients([p.grad for p in w.ens.parameters()], mask=_mask(3)), ValueError, r"^StackedAdam.apply_gradients: `mask` must have shape"),
     ("member-state-dict-range", lambda w: w.opt.member_state_dict(N), IndexError, r"^StackedAdam.member_state_dict: `i`=4 out of range"),
     ("member-state-dict-module", lambda w: w.opt.member_state_dict(0, _linear()), ValueError, r"^StackedAdam.member_state_dict: `module` parameters do not match"),

@@ -360,7 +360,7 @@ def test_apply_gradients_rejects_misaligned_grads() -> None:
     opt = StackedAdam(params)
     with pytest.raises(ValueError, match=r"`grads` has 2 entries, expected 1"):
         opt.apply_gradients([None, None])
-    with pytest.raises(ValueError, match=r"`grads\[0\]` has shape \[5, 2\], expected \[5, 3, 2\]"):
+    with pytest.raises(ValueError, match=r"`grads\[0\]` is \[5, 2\] .*, expected .*\[5, 3, 2\]"):
         opt.apply_gradients([torch.ones(N, 2)])
 
 

@@ -284,12 +284,25 @@ def check_state_dict(opt: Any, state_dict: Any) -> None:
         _check_state(opt, api, k, state, params[ids[k]], options[where[k]])
 
 
+#: State that a step creates when a flag changed mid-run asks for it (a momentum set from 0,
+#: ``amsgrad``, ``centered``), as torch's optimizers create it: a stepped state may lack it.
+LAZY_STATE = frozenset({"momentum_buffer", "max_exp_avg_sq", "grad_avg"})
+
+
 def _check_state(
     opt: Any, api: str, k: Any, state: dict[str, Any], p: Tensor, options: dict[str, Any]
 ) -> None:
     """Parameter ``k``'s state: counters ``[n]`` tensors, the rest as ``opt`` makes it (the
     shapes of its ``initial_state``, built on the meta device: no memory)."""
     n, counters, names = opt.num_members, opt.scalar_state(options), opt.state_names(options)
+    missing = [name for name in names if name not in state and name not in LAZY_STATE]
+    if state and missing:
+        # A stepped parameter without one of its moments: the step would start it at zeros
+        # while the counts go on (torch's next step raises a KeyError).
+        raise ValueError(
+            f"{api}: the state of parameter {k} has {sorted(state)} but no `{missing[0]}`, "
+            "which every step keeps: load a state dict this optimizer (or torch's) saved"
+        )
     meta = torch.device("meta")
     args = group_args(options, opt.hyperparameters, meta, **opt._who) if names else {}
     for name, v in state.items():

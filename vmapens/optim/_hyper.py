@@ -378,9 +378,38 @@ def leading_n(api: str, tensors: Sequence[Any], n: int | None = None) -> int:
         raise TypeError(f"{api}: `params` must hold tensors, got {type(tensors[0]).__name__}")
     if any(t.dim() == 0 for t in tensors):
         raise ValueError(f"{api}: every parameter needs a leading member dim, got a 0-dim tensor")
+    first: dict[int, int] = {}
+    for j, t in enumerate(tensors):
+        if first.setdefault(id(t), j) != j:
+            # torch steps such a tensor once per listing (and warns that this will be an
+            # error); one stacked step per tensor would end elsewhere without a word.
+            raise ValueError(
+                f"{api}: `params` holds the same tensor twice (at {first[id(t)]} and {j}); "
+                "list each parameter once"
+            )
     sizes = sorted({t.shape[0] for t in tensors} | ({n} if n is not None else set()))
     if len(sizes) != 1:
         raise ValueError(
             f"{api}: all parameters must share the leading member dim n, got sizes {sizes}"
         )
     return sizes[0]
+
+
+def check_grads(api: str, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
+    """One gradient (or ``None``) per parameter, each of its parameter's shape and gradient
+    dtype (``p.grad_dtype``: its dtype unless set; ``None`` takes any), as ``p.grad = g``
+    asks."""
+    if len(grads) != len(params):
+        raise ValueError(
+            f"{api}: `grads` has {len(grads)} entries, expected {len(params)} (one per parameter)"
+        )
+    for k, (p, g) in enumerate(zip(params, grads, strict=True)):
+        if g is None:
+            continue
+        # grad_dtype read only on a mismatch: dynamo cannot trace that attribute.
+        want = p.dtype if g.dtype == p.dtype else getattr(p, "grad_dtype", p.dtype)
+        if g.shape != p.shape or g.dtype != (want or g.dtype):
+            raise ValueError(
+                f"{api}: `grads[{k}]` is {list(g.shape)} {g.dtype}, expected its parameter's "
+                f"{list(p.shape)} {want or g.dtype}"
+            )

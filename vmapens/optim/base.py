@@ -28,6 +28,7 @@ from ._hyper import (
     FREE_ON_LOAD,
     IMPLEMENTATION,
     Hyper,
+    check_grads,
     check_hypers,
     check_implementation,
     group_args,
@@ -356,20 +357,12 @@ class StackedOptimizer(EagerOptimizer):
             mask: Optional bool [n]: which members step.
 
         Raises:
-            ValueError: Wrong number or shapes of gradients, or a bad ``mask``.
+            ValueError: Wrong number, shapes or dtypes of gradients, or a bad ``mask``.
             TypeError: ``mask`` is not a bool tensor.
         """
         api = f"{self._api}.apply_gradients"
-        params, grads = [p for g in self.param_groups for p in g["params"]], list(grads)
-        if len(grads) != len(params):
-            raise ValueError(
-                f"{api}: `grads` has {len(grads)} entries, expected {len(params)} (one per parameter)"
-            )
-        for k, (p, g) in enumerate(zip(params, grads, strict=True)):
-            if g is not None and g.shape != p.shape:
-                raise ValueError(
-                    f"{api}: `grads[{k}]` has shape {list(g.shape)}, expected {list(p.shape)}"
-                )
+        grads = list(grads)
+        check_grads(api, [p for g in self.param_groups for p in g["params"]], grads)
         check_mask(api, mask, self.num_members)
         self._update(grads, mask)
 
