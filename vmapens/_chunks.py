@@ -9,6 +9,7 @@ from typing import Any
 
 import optree
 import torch
+from torch.nn.utils import parametrize
 
 from ._buffer_turns import Slices, Turns
 from ._fastcall import vmap_members
@@ -20,6 +21,8 @@ __all__ = [
     "in_order",
     "in_turns",
     "rows",
+    "uncache",
+    "uncached",
     "vmap_in_turns",
 ]
 
@@ -193,3 +196,22 @@ def _run_chunk(
             full = grads[j] = torch.zeros_like(state[trained[j]])
         full[a:b] = g
     return loss.detach()
+
+
+def uncache() -> None:
+    """Drop what ``torch.nn.utils.parametrize.cached()`` holds: it caches a parametrized tensor
+    by module, and the members share their modules."""
+    if parametrize._cache_enabled:
+        parametrize._cache.clear()
+
+
+def uncached(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` starting each call (one chunk of members) with an empty ``parametrize`` cache:
+    a later chunk read the first chunk's parametrized tensors (members 2 and 3 of 4 off by
+    ~0.6 under ``parametrize.cached()`` with ``chunk_size=2``)."""
+
+    def call(*args: Any) -> Any:
+        uncache()
+        return fn(*args)
+
+    return call

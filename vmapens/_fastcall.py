@@ -51,7 +51,7 @@ from torch._C._functorch import (
 from torch._functorch.vmap import _maybe_remove_batch_dim, lazy_load_decompositions
 from torch.func import functional_call, vmap
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
     "WRITTEN",
@@ -112,7 +112,8 @@ def vmap_members(
     """
     if chunk_size is not None or _traced() or not _plain(n, state, args, in_dims):
         flat_fn, shape = _tensors_only(fn)
-        lifted = vmap(flat_fn, in_dims=(0, *in_dims), randomness=randomness, chunk_size=chunk_size)
+        dims = tuple(_tensor_dims(a, d) for a, d in zip(args, in_dims, strict=True))
+        lifted = vmap(flat_fn, in_dims=(0, *dims), randomness=randomness, chunk_size=chunk_size)
         out = iter(lifted(state, *args))
         spec, holes = shape[-1]
         return tree_unflatten([None if hole else next(out) for hole in holes], spec)
@@ -149,6 +150,16 @@ def _tensors_only(
 
     flat_fn.__name__ = getattr(fn, "__name__", "fn")
     return flat_fn, shape
+
+
+def _tensor_dims(arg: Any, dim: int | None) -> Any:
+    """``dim`` for every leaf of ``arg`` but a ``None`` (an LSTM's ``hx=None`` under
+    ``in_dims=0``), which maps to nothing, as with the loop backend and in chunks, where
+    torch.func refuses it as a mapped non-tensor (it refuses a number there, as they do)."""
+    leaves = [] if dim is None or isinstance(arg, torch.Tensor) else tree_flatten(arg)[0]
+    if not any(leaf is None for leaf in leaves):
+        return dim  # torch.func's own in_dims, and so its own errors
+    return tree_map(lambda leaf: None if leaf is None else dim, arg)
 
 
 def _plain(n: int, state: dict[str, torch.Tensor], args: tuple, in_dims: tuple) -> bool:

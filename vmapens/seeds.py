@@ -6,8 +6,9 @@ a member gets the same ones alone, in one process or in any shard.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -93,3 +94,25 @@ def check_seeds(api: str, seeds: Any, n: int, seed: int | None) -> list[int]:
                 f"torch.manual_seed takes, got {v}"
             )
     return [int(v) for v in out if v is not None]
+
+
+@contextlib.contextmanager
+def lazy_seeds_kept() -> Iterator[None]:
+    """Give back the seeds ``torch.manual_seed`` queues for CUDA before it is initialized.
+
+    ``torch.random.fork_rng`` restores initialized devices only: each member's
+    ``torch.manual_seed`` replaced the seed the caller had queued (``torch.manual_seed(123)``,
+    then the ensemble, then the first CUDA draw: not seed 123's). A factory that initializes
+    CUDA applies the last queued seed; the caller's queued seeds then run again.
+    """
+    tracker = getattr(torch.cuda, "_lazy_seed_tracker", None)
+    saved = None if tracker is None or torch.cuda.is_initialized() else dict(vars(tracker))
+    try:
+        yield
+    finally:
+        if saved is not None and not torch.cuda.is_initialized():
+            vars(tracker).update(saved)
+        elif saved is not None:
+            for call in saved["call_order"]:
+                if call:
+                    call[0]()
