@@ -122,9 +122,13 @@ def expand_in_dims(api: str, in_dims: Any, args: tuple, n: int) -> tuple:
             continue
         if not isinstance(dim, int) or isinstance(dim, bool):
             raise ValueError(f"{api}: `in_dims[{pos}]` must be an int or None, got {dim!r}")
-        for leaf in optree.tree_leaves(arg):
+        for leaf in optree.tree_leaves(arg):  # optree drops None leaves: shared, as alone
             if not isinstance(leaf, Tensor):
-                continue
+                raise ValueError(
+                    f"{api}: argument {pos} is mapped with in_dims={dim} but holds a "
+                    f"{type(leaf).__name__} ({leaf!r:.40}), which has no member dim; pass it "
+                    f"in an argument of its own with in_dims None, e.g. in_dims=(0, None)"
+                )
             if not -leaf.dim() <= dim < leaf.dim() or leaf.shape[dim] != n:
                 size = leaf.shape[dim] if -leaf.dim() <= dim < leaf.dim() else "no such dim"
                 raise ValueError(
