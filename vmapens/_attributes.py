@@ -30,6 +30,7 @@ from torch import nn
 from torch._C._functorch import is_functorch_wrapped_tensor
 
 from ._batchable import twin_class
+from ._members import held_tensor, named_tensors
 from ._stacking import recomputed
 from ._unbatchable import unchunked
 
@@ -178,14 +179,19 @@ class Watched:
         self._refuse_new_children()
         attributes = zip(self.owners, self.keys[: self.count], self.values, strict=False)
         before = {(id(m), k): v for m, k, v in attributes}
+        changes = []
         for i, module in enumerate(self.modules):
-            state, old = vars(module), self.names[i]
-            self.names[i] = _names(module, self.skip[i])
+            state, names = vars(module), _names(module, self.skip[i])
             changed = [
-                k for k in self.names[i]
+                k for k in names
                 if ((id(module), k) not in before or not _same(state[k], before[id(module), k]))
                 and not _left_by_forward(state[k])
             ]  # fmt: skip
+            changes.append((names, changed))
+        self._refuse_held_tensors(changes)
+        for i, module in enumerate(self.modules):
+            state, old = vars(module), self.names[i]
+            self.names[i], changed = changes[i]
             gone = [k for k in old if k not in state]
             for f, is_runner in self.followers[i]:
                 for k in changed:
@@ -197,6 +203,23 @@ class Watched:
                 if is_runner and changed:
                     unchunked(f)  # LinearCrossEntropyLoss's `options`: its chunked path
         self._seen()
+
+    def _refuse_held_tensors(self, changes: list[tuple[list[str], list[str]]]) -> None:
+        """A value set on the template that holds one of its tensors (``template.ws =
+        [template.fc.weight]``): a member would read the template's ``meta`` tensor, not its
+        own (as at build, ``_members.check_member``). Refused before any follower changes."""
+        if not any(changed for _, changed in changes):
+            return
+        ids = {id(t): name for name, t in named_tensors(self.modules[0])}
+        for prefix, module, (_, changed) in zip(self.prefixes, self.modules, changes, strict=True):
+            for k in changed:
+                if (held := held_tensor(vars(module)[k], ids)) is not None:
+                    path = f"{prefix}.{k}" if prefix else k
+                    raise ValueError(
+                        f"Ensemble: `ens.template.{path}` holds the template's tensor `{held}`; "
+                        "members' tensors are swapped into module slots only, so a forward "
+                        "would read the template's (on meta) there: read it via its module"
+                    )
 
     def _refuse_new_children(self) -> None:
         """A submodule replaced on the template would never run: the runner and the padded

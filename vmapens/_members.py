@@ -112,7 +112,7 @@ def check_member(member: Any, i: int, api: str) -> nn.Module:
     ids = {id(t): name for name, t in named_tensors(member)} if i == 0 else {}
     for path, sub in member.named_modules() if ids else ():  # a list, closure: its own tensor
         for key in sorted((vars(sub).keys() - _INTERNAL) | _HOOKS):
-            if (held := _held(vars(sub)[key], ids)) is not None:
+            if (held := held_tensor(vars(sub)[key], ids)) is not None:
                 raise ValueError(
                     f"{api}: member {i}'s attribute `{path}{'.' * bool(path)}{key}` holds its "
                     f"tensor `{held}`; members' tensors are swapped into module slots only, so a "
@@ -121,7 +121,7 @@ def check_member(member: Any, i: int, api: str) -> nn.Module:
     return member
 
 
-def _held(v: Any, ids: dict[int, str], depth: int = 0) -> str | None:
+def held_tensor(v: Any, ids: dict[int, str], depth: int = 0) -> str | None:
     """The name of the member's tensor (``ids``) a plain attribute value holds, if any."""
     if isinstance(v, torch.Tensor):
         return ids.get(id(v))
@@ -133,7 +133,7 @@ def _held(v: Any, ids: dict[int, str], depth: int = 0) -> str | None:
         v = [v.func, *v.args, *v.keywords.values()]
     elif not isinstance(v, (tuple, list, set, frozenset)):
         v = list((v if isinstance(v, dict) else getattr(v, "__dict__", {})).values())
-    return next((h for x in v if (h := _held(x, ids, depth + 1)) is not None), None)
+    return next((h for x in v if (h := held_tensor(x, ids, depth + 1)) is not None), None)
 
 
 def named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
