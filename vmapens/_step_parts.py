@@ -17,6 +17,7 @@ import torch
 from ._checks import check_choice, check_mask, expand_in_dims
 from ._chunks import rows
 from ._precision import LossScale
+from ._step_more import check_targets, clip_bound
 from ._unbatchable import batch_kept, refuse_edits_in_turns
 from .ensemble import Ensemble
 from .optim import StackedOptimizer
@@ -90,19 +91,16 @@ def build_update(
     api: str,
     ens: Ensemble,
     optimizer: Any,
-    clip_norm: float | None,
-    clip_value: float | None,
+    clip_norm: float | torch.Tensor | None,
+    clip_value: float | torch.Tensor | None,
     precision: str | None,
     loss_scale: LossScale | None,
 ) -> Update:
     """make_step's options checked, as the step uses them."""
     if clip_norm is not None and clip_value is not None:
         raise ValueError(f"{api}: give one of `clip_grad_norm` and `clip_grad_value`, not both")
-    for name, bound in (("clip_grad_norm", clip_norm), ("clip_grad_value", clip_value)):
-        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))):
-            raise TypeError(f"{api}: `{name}` must be a float, got {type(bound).__name__}")
-        if bound is not None and not bound > 0:
-            raise ValueError(f"{api}: `{name}` must be > 0, got {bound}")
+    norm = clip_bound(api, "clip_grad_norm", clip_norm)
+    value = clip_bound(api, "clip_grad_value", clip_value)
     if precision is not None:
         check_choice(api, "precision", precision, tuple(PRECISIONS))
     device = next(iter(ens.parameters())).device
@@ -136,7 +134,7 @@ def build_update(
         loss_scale.scale = loss_scale.scale.to(device)
         loss_scale.growth_tracker = loss_scale.growth_tracker.to(device)
     dtype = None if precision is None else PRECISIONS[precision]
-    return Update(device.type, dtype, clip_norm, clip_value, loss_scale)
+    return Update(device.type, dtype, norm, value, loss_scale)
 
 
 def check_optimizer(api: str, ens: Ensemble, optimizer: Any) -> None:
@@ -173,8 +171,7 @@ def check_call(
             f"step: `mask` needs a vmapens.StackedOptimizer, got {type(optimizer).__name__}"
         )
     check_mask("step", mask, len(ens))
-    if not isinstance(targets, torch.Tensor):
-        raise TypeError(f"step: `targets` must be a tensor, got {type(targets).__name__}")
+    check_targets(targets)
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     expand_in_dims("step", (in_dims, in_dims), (args, targets), len(ens))
     return args

@@ -52,8 +52,8 @@ def make_step(
     *,
     in_dims: int | None = None,
     compile: bool = False,
-    clip_grad_norm: float | None = None,
-    clip_grad_value: float | None = None,
+    clip_grad_norm: float | torch.Tensor | None = None,
+    clip_grad_value: float | torch.Tensor | None = None,
     precision: str | None = None,
     loss_scale: LossScale | None = None,
     check: bool = True,
@@ -91,9 +91,10 @@ def make_step(
         compile: compile the whole step into one graph.
         clip_grad_norm: clip each member's gradients to this total 2-norm, as
             ``torch.nn.utils.clip_grad_norm_(member.parameters(), clip_grad_norm)`` would
-            clip that member alone (see ``vmapens.optim.clip_grad_norm_``).
+            clip that member alone (see ``vmapens.optim.clip_grad_norm_``). A number or, as
+            torch takes it, a 0-d tensor (read once, here).
         clip_grad_value: clamp every gradient element to ``[-v, v]``, as
-            ``torch.nn.utils.clip_grad_value_`` would.
+            ``torch.nn.utils.clip_grad_value_`` would (a number or a 0-d tensor).
         precision: ``"bf16"`` or ``"fp16"``: each member's forward and loss run as under
             ``torch.autocast(device_type, dtype)`` for that member alone (docs/semantics.md,
             "Mixed precision"). ``"fp16"`` adds a per-member dynamic loss scale, as one
@@ -107,12 +108,15 @@ def make_step(
 
     Returns:
         ``step(inputs, targets, mask=None)`` returning the detached per-member losses
-        ``[n]`` computed before the update. ``mask`` (bool ``[n]``) freezes the members where
-        it is False: their parameters, optimizer state and buffers stay exactly as they were.
+        ``[n]`` computed before the update. ``targets`` is one tensor or a tuple, list or
+        dict of tensors, given to ``loss_fn`` as it is (each member's rows with
+        ``in_dims=0``). ``mask`` (bool ``[n]``) freezes the members where it is False: their
+        parameters, optimizer state and buffers stay exactly as they were.
 
     Raises:
         TypeError: ``loss_fn`` not callable; ``optimizer`` not an optimizer; ``compile=True``
-            with an optimizer that is not a StackedOptimizer.
+            with an optimizer that is not a StackedOptimizer; a clip bound that is not a
+            number or a 0-d real tensor.
         ValueError: ``in_dims`` is not ``None`` or ``0``; ``optimizer`` holds tensors that
             are not this ensemble's parameters; ``compile=True`` with ``backend="loop"``;
             both clip options, a clip bound <= 0, an unknown ``precision``, ``loss_scale``
@@ -155,7 +159,7 @@ def make_step(
     every: list[torch.Tensor] = list(ens.parameters())
     hooks = TemplateHooks(ens)  # `batched` was lifted now: hooks added later are seen here
 
-    def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def step(inputs: Any, targets: Any, mask: torch.Tensor | None = None) -> torch.Tensor:
         ens._follow_template()  # ens.template.<layer>.requires_grad_(False) before the flags
         args = check_call(ens, optimizer, inputs, targets, mask, in_dims)
         hooks()
@@ -209,7 +213,7 @@ def make_step(
 def _member_loss(ens: Ensemble, loss_fn: Callable) -> Callable[..., torch.Tensor]:
     """``(member_state, inputs, target) -> loss`` for one member, as it would run alone."""
 
-    def member_loss(state: Any, inputs: tuple, target: torch.Tensor) -> torch.Tensor:
+    def member_loss(state: Any, inputs: tuple, target: Any) -> torch.Tensor:
         loss = loss_fn(call_member(ens.runner, state, inputs), target)
         # loss.backward() alone refuses more than one value; the sum over members would not.
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -239,13 +243,11 @@ def _compiled_step(
         """The compiled step that trains the parameters named ``trained`` with an optimizer
         over those named ``order``."""
 
-        def loss_of(
-            params: dict, fixed: dict, inputs: tuple, target: torch.Tensor, scale: Any
-        ) -> Any:
+        def loss_of(params: dict, fixed: dict, inputs: tuple, target: Any, scale: Any) -> Any:
             loss = member_loss({**params, **fixed}, inputs, target)
             return (loss if scale is None else loss * scale), loss
 
-        def member_grads(state: dict, inputs: tuple, target: torch.Tensor, scale: Any) -> Any:
+        def member_grads(state: dict, inputs: tuple, target: Any, scale: Any) -> Any:
             # Buffers go in as an argument, not a closure: grad must not see them as captured
             # tensors, which BatchNorm updates in place.
             fixed = {k: v for k, v in state.items() if k not in trained}
@@ -257,7 +259,7 @@ def _compiled_step(
 
         batched = ens._member_map(member_grads, (in_dims, in_dims, 0 if scaled else None))
 
-        def body(state: dict, inputs: tuple, targets: torch.Tensor, mask: Any, scale: Any) -> Any:
+        def body(state: dict, inputs: tuple, targets: Any, mask: Any, scale: Any) -> Any:
             with update.autocast():
                 grads, losses = batched(state, inputs, targets, scale)
             if ens._padding is not None:  # grad takes the masked parameters: padded entries 0
@@ -330,7 +332,7 @@ def _compiled_step(
     tensors = False  # whether they go in as tensors
     hooks = TemplateHooks(ens)  # the graphs' member maps are lifted once each
 
-    def step(inputs: Any, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def step(inputs: Any, targets: Any, mask: torch.Tensor | None = None) -> torch.Tensor:
         nonlocal baked, tensors, seen
         ens._follow_template()  # as the eager step: the template's flags, read below
         args = check_call(ens, optimizer, inputs, targets, mask, in_dims)
