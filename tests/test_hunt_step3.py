@@ -176,3 +176,15 @@ def test_several_targets_pass_the_first_calls_self_check():
     step(x, targets)
     step_alone(members, opts, x, lambda i: targets, two_targets)
     assert_members_equal(ens, members)
+
+
+def test_the_first_calls_self_check_leaves_inputs_and_targets_grads_as_the_step_does() -> None:
+    # The step differentiates the parameters only: a teacher's output that requires grad
+    # keeps `.grad` None, with the self-check (the first call's default) as without it.
+    for check in (True, False):
+        ens = vmapens.Ensemble(lambda: nn.Linear(3, 5, dtype=torch.float64), n=3, seed=0)
+        opt = torch.optim.SGD(ens.parameters(), lr=0.1)
+        x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+        t = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+        vmapens.make_step(ens, nn.MSELoss(), opt, check=check)(x, t)
+        assert x.grad is None and t.grad is None, check

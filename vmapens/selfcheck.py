@@ -241,8 +241,11 @@ def _alone(
         with _autocast(ens, autocast):
             out = module(*_member_slice(args, member, in_dims, False))
             loss = loss_fn(out, _member_slice(targets, member, in_dims, False))
-        if loss.requires_grad:  # all parameters frozen: nothing to differentiate
-            loss.backward()
+        # Into the parameters only, as the step differentiates: a target or input that
+        # requires grad (a teacher's output) keeps its `.grad` (None).
+        trained = [p for p in module.parameters() if p.requires_grad]
+        if loss.requires_grad and trained:  # all parameters frozen: nothing to differentiate
+            loss.backward(inputs=trained)
         out = _copied(out)  # an output that is the input edited in place is put back next
     grads = {name: p.grad for name, p in module.named_parameters() if p.requires_grad}
     state = {name: t.detach() for name, t in named_tensors(module)}
