@@ -28,7 +28,7 @@ def metric_pair(fn: Any) -> Metric:
         def single(out: Tensor, y: Tensor) -> Tensor:
             fn.reset()
             fn.update(out, y)
-            value = torch.as_tensor(fn.compute())
+            value = _as_scalar(fn.compute())
             fn.reset()
             return value
 
@@ -38,6 +38,16 @@ def metric_pair(fn: Any) -> Metric:
 
         return members, single
     return per_member(fn), fn
+
+
+def _as_scalar(value: Any) -> Tensor:
+    """A metric object's value as a tensor: a Python number in float64, as exact as it is
+    (``torch.as_tensor`` rounds a float to float32: 1/3 to 0.3333333433)."""
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, (bool, int, float)):
+        return torch.tensor(value, dtype=torch.float64)
+    return torch.as_tensor(value)
 
 
 def score(

@@ -200,12 +200,15 @@ def reduce_members(out: Tensor, reduce: str) -> Tensor:
     counts = torch.nn.functional.one_hot(out.argmax(-1), classes).sum(0)  # [samples, ..., C]
     if reduce == "vote":
         return counts.argmax(-1)  # argmax returns the first maximum: ties go to the lowest class
+    # A fraction: in the outputs' float dtype, or the default one for integer outputs (scores
+    # or counts), which int64 would truncate to 0 whenever the members are not unanimous.
+    dtype = out.dtype if out.is_floating_point() else torch.get_default_dtype()
     if n == 1:
-        return torch.zeros(counts.shape[:-1], dtype=out.dtype, device=out.device)
+        return torch.zeros(counts.shape[:-1], dtype=dtype, device=out.device)
     # In float64, then rounded once: float16 overflows past 256 members (counts 256 * 255),
     # bfloat16 rounds the pair count (up to 20% off).
     agree = (counts * (counts - 1)).sum(-1).to(torch.float64)
-    return (1 - agree / (n * (n - 1))).to(out.dtype)
+    return (1 - agree / (n * (n - 1))).to(dtype)
 
 
 def _check_probabilities(p: Tensor, reduce: str) -> None:
@@ -213,10 +216,13 @@ def _check_probabilities(p: Tensor, reduce: str) -> None:
 
     Probabilities are in ``[0, 1]`` and sum to 1 over the last dim, up to ``sqrt(eps)`` of
     their dtype (a softmax rounds each entry by ``eps`` of itself, so the sum is off by about
-    ``eps``; the bound is 3e-4 in float32, 0.09 in bfloat16).
+    ``eps``; the bound is 3e-4 in float32, 0.09 in bfloat16), and never tighter than float32's:
+    float64 outputs of a softmax taken in float32 (``softmax(x, -1, dtype=torch.float32)
+    .type_as(x)``, as attention code does) sum to 1 only to float32's precision.
     Non-finite entries (a diverged member) are left to show as NaN.
     """
-    tol = math.sqrt(torch.finfo(p.dtype).eps) if p.is_floating_point() else 0.0
+    dtype = p.dtype if p.is_floating_point() else torch.float32
+    tol = math.sqrt(max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps))
     finite = p.isfinite().all(-1)
     rows = p[finite]
     if rows.numel() == 0:
