@@ -17,13 +17,12 @@ padded zeros in its statistics, attention splits the padded width into heads, an
 forward that mixes padded entries by itself (``x.mean(-1)`` over a padded width, a reshape)
 is caught by the self-check that ``make_step`` and ``vmapens.check`` run on every size.
 
-This file imports only torch and ``_members``.
+This file imports only torch, ``_checks``, ``_members`` and ``_padding_parts``.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,8 +32,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from ._checks import is_int
 from ._members import Names, class_name, class_of, named_tensors, own_settings
+from ._padding_parts import largest
 
-__all__ = ["Padding", "check_pair", "gates_of", "masked", "setting_advice"]
+__all__ = ["Padding", "check_pair", "gates_of", "largest", "masked", "setting_advice"]
 
 #: Layer attributes that may differ between members of one padded ensemble: the sizes the
 #: padding covers. Any other attribute of a torch layer must be equal in all members.
@@ -367,9 +367,34 @@ class Padding:
             masks = self.masks({k: v for k, v in state.items() if k in params})
             if rows is not None:  # a chunk of members (vmapens._chunks)
                 masks = {k: m[rows] for k, m in masks.items()}
-            return lifted(state, masks, *args)
+            out = lifted(state, masks, *args)
+            self._rezero({k: v for k, v in state.items() if k not in params}, rows)
+            return out
 
         return run
+
+    def _rezero(self, buffers: Mapping[str, Tensor], rows: slice | None) -> None:
+        """Zero again the padded entries of ``buffers`` after a forward.
+
+        A padded BatchNorm channel sees a padded unit's activation (``sigmoid(0) = 0.5``),
+        so its running mean drifts from 0: harmless to the forward (the next weights are
+        masked), but the ensemble's own state dict then held non-zero padded entries, which
+        ``load_state_dict`` (and ``vmapens.load``) refused as another ensemble's members.
+        vmap's in-place updates leave no version to tell an updated buffer by, so every
+        padded buffer is masked: a row's own entries are multiplied by 1, unchanged. Through
+        ``.data``: autograd saved the buffer (BatchNorm's backward keeps it) and must not see
+        a new version; its padded entries reach no member's output or gradient.
+        """
+        for name, buf in buffers.items():
+            if name not in self.padded or buf.dtype == torch.bool or isinstance(buf, FakeTensor):
+                continue
+            mask = self.masks({name: buf})[name]
+            mask = mask if rows is None else mask[rows]
+            if torch.compiler.is_compiling():  # functionalised: the graph keeps the old value
+                with torch.no_grad():
+                    buf.mul_(mask)
+            else:
+                buf.data.mul_(mask)
 
     def select(self, rows: Sequence[int]) -> Padding:
         """The padding of the sub-ensemble of ``rows`` (same kinds, same full shapes; its own
@@ -388,32 +413,3 @@ class Padding:
 def masked(state: Mapping[str, Tensor], masks: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """``state`` with each tensor that has a mask multiplied by it (see ``Padding.masks``)."""
     return {k: v * masks[k] if k in masks else v for k, v in state.items()}
-
-
-def largest(api: str, shapes: Sequence[Mapping[str, tuple[int, ...]]]) -> int:
-    """The kind whose every tensor is at least as large as every other kind's, in every dim.
-
-    Raises:
-        ValueError: no kind is largest everywhere, or a tensor's number of dims differs.
-    """
-    for k, candidate in enumerate(shapes):
-        if all(
-            len(s[name]) == len(candidate[name])
-            and all(a <= b for a, b in zip(s[name], candidate[name], strict=True))
-            for s in shapes
-            for name in candidate
-        ):
-            return k
-    for s in shapes[1:]:
-        for name, shape in s.items():
-            if len(shape) != len(shapes[0][name]):
-                raise ValueError(
-                    f"{api}: members differ in the number of dims of `{name}`: {shape} vs "
-                    f"{shapes[0][name]}"
-                )
-    sizes = [sum(math.prod(v) for v in s.values()) for s in shapes]
-    raise ValueError(
-        f"{api}: no member is the largest in every dimension (e.g. hidden sizes (16, 64) "
-        "and (64, 16)): members are padded to one member's module, which must be at least as "
-        f"wide as every other everywhere; got {len(shapes)} sizes (parameter counts {sizes})"
-    )

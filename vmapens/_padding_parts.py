@@ -1,0 +1,40 @@
+"""Members of different sizes: which member's module the others are padded to.
+
+This file imports only torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+__all__ = ["largest"]
+
+
+def largest(api: str, shapes: Sequence[Mapping[str, tuple[int, ...]]]) -> int:
+    """The kind whose every tensor is at least as large as every other kind's, in every dim.
+
+    Raises:
+        ValueError: no kind is largest everywhere, or a tensor's number of dims differs.
+    """
+    for k, candidate in enumerate(shapes):
+        if all(
+            len(s[name]) == len(candidate[name])
+            and all(a <= b for a, b in zip(s[name], candidate[name], strict=True))
+            for s in shapes
+            for name in candidate
+        ):
+            return k
+    for s in shapes[1:]:
+        for name, shape in s.items():
+            if len(shape) != len(shapes[0][name]):
+                raise ValueError(
+                    f"{api}: members differ in the number of dims of `{name}`: {shape} vs "
+                    f"{shapes[0][name]}"
+                )
+    sizes = [sum(math.prod(v) for v in s.values()) for s in shapes]
+    raise ValueError(
+        f"{api}: no member is the largest in every dimension (e.g. hidden sizes (16, 64) "
+        "and (64, 16)): members are padded to one member's module, which must be at least as "
+        f"wide as every other everywhere; got {len(shapes)} sizes (parameter counts {sizes})"
+    )
