@@ -23,7 +23,10 @@ __all__ = [
     "data_generators",
     "is_tensor_data",
     "oob_mask",
+    "rng_state",
     "rows_of",
+    "set_rng_state",
+    "spread_inputs",
 ]
 
 
@@ -42,6 +45,14 @@ def is_tensor_data(data: Any) -> bool:
         return False
     leaves = optree.tree_leaves(data[0])
     return bool(leaves) and all(isinstance(t, Tensor) for t in leaves)
+
+
+def spread_inputs(data: tuple) -> tuple:
+    """``(inputs, targets)`` with a list of inputs made a tuple: ``forward(x1, x2)``, as a
+    training step spreads them (a DataLoader collates ``((u, v), y)`` into a list), so that
+    validation calls the forward the way training does."""
+    x, y = data
+    return (tuple(x), y) if isinstance(x, list) else (x, y)
 
 
 def rows_of(x: Any, member_dim: bool = False) -> int:
@@ -250,12 +261,22 @@ def _check_listed_batch(api: str, name: str, k: int, item: Any, data: Sequence) 
         hint = "; per-member tensors go stacked: data=(torch.stack(Xs), torch.stack(Ys))"
     elif is_tensor_data(tuple(data)):  # [X, Y]: read as two batches, X and Y
         hint = "; (X, Y) tensors go in a tuple: data=(X, Y)"
+    elif isinstance(data, tuple) and len(data) == 2 and all(map(_tensor_tree, data)):
+        hint = (  # (X, {"a": Ya, "b": Yb}): targets in a tree are cut only by a DataLoader
+            "; as (X, Y) tensors, `Y` must be one tensor: give targets held in a dict or a "
+            "tuple as batches (a DataLoader, or a list of (inputs, targets) pairs)"
+        )
     elif not per_member and loader:
         hint = "; a list of one DataLoader per member needs in_dims=0"
     raise TypeError(
         f"{api}: `{name}` as a {type(data).__name__} holds batches, each an {_PAIR}; "
         f"`{name}[{k}]` is {_kind(item, loader=False)}{hint}"
     )
+
+
+def _tensor_tree(tree: Any) -> bool:
+    leaves = optree.tree_leaves(tree)
+    return bool(leaves) and all(isinstance(t, Tensor) for t in leaves)
 
 
 def _length(data: Iterable) -> int | None:

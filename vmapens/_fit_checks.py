@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ._checks import check_choice, check_int, check_writable_dir
-from ._data import check_member_dim, is_tensor_data
+from ._data import check_member_dim, is_tensor_data, spread_inputs
 from ._metrics import check_metrics
 from ._step_parts import check_optimizer
 from .ensemble import Ensemble, check_ensemble
@@ -150,7 +150,7 @@ def check_arguments(api: str, args: dict[str, Any]) -> Checked:
     hyperparameters = {k: v for k, v in options.items() if k not in STEP_OPTIONS}
     return Checked(
         step_options, hyperparameters, metrics, data_dims, val_dims, oob,
-        None if oob or val_data is None else val_data,
+        None if oob or val_data is None else spread_inputs(val_data),  # forward(x1, x2)
     )  # fmt: skip
 
 

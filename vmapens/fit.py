@@ -17,8 +17,12 @@ from ._data import (
     IterableSource,
     MemberIterables,
     TensorSource,
+    data_generators,
     is_tensor_data,
     oob_mask,
+    rng_state,
+    set_rng_state,
+    spread_inputs,
     warn_stacked_data,
 )
 from ._evaluate import Evaluator, to_device
@@ -195,7 +199,7 @@ def fit(
     source = _source(api, ctx, data, c)  # draws nothing: a DataLoader is not iterated yet
     # A scheduler is built, then a resume can still be refused, and the data is checked by the
     # first step: until that step is done, a refused run gives the optimizer and RNG back.
-    kept = _Kept(opt)
+    kept = _Kept(opt, data_generators(data))  # a DataLoader's own generator is drawn too
     with kept.on_error():
         for cb in objects:
             cb.on_fit_start(ctx)  # checks, then a resume (Checkpoint runs last)
@@ -308,7 +312,8 @@ def _first(kinds: tuple[type, ...], cb: Callback) -> int:
 
 
 class _Kept:
-    """``opt``'s hyperparameters and ``step``, and torch's global RNG, as they were when made.
+    """``opt``'s hyperparameters and ``step``, torch's global RNG and ``generators`` (the data's
+    own), as they were when made.
 
     A torch scheduler built on ``opt`` sets ``lr`` (``fill_`` for a tensor ``lr``), adds
     ``initial_lr`` and wraps ``opt.step``, and ``fit`` draws its seed from the RNG: a run
@@ -316,8 +321,8 @@ class _Kept:
     so a second call with the same optimizer starts from the same learning rates.
     """
 
-    def __init__(self, opt: torch.optim.Optimizer) -> None:
-        self.opt, self.rng = opt, torch.get_rng_state()
+    def __init__(self, opt: torch.optim.Optimizer, generators: list[torch.Generator]) -> None:
+        self.opt, self.generators, self.rng = opt, generators, rng_state(generators)
         self.groups = [
             {k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups
         ]
@@ -346,7 +351,7 @@ class _Kept:
             vars(opt).pop("step", None)
         else:
             opt.step = self.step  # type: ignore[method-assign]
-        torch.set_rng_state(self.rng)
+        set_rng_state(self.rng, self.generators)
 
 
 def _source(api: str, ctx: Context, data: Any, c: Checked) -> Any:
@@ -398,6 +403,7 @@ def _seeded(
         boot = torch.stack([bootstrap_indices(size, seed, i) for i in ens.member_ids])
         if c.oob:
             device = next(ens.parameters()).device
-            evaluator.use_out_of_bag(to_device(data, device), oob_mask(boot, size), c.data_dims)
+            rows = to_device(spread_inputs(data), device)  # [x1, x2]: forward(x1, x2)
+            evaluator.use_out_of_bag(rows, oob_mask(boot, size), c.data_dims)
     source.seed, source.boot = seed, boot  # checked by _source: keyed now
     return source
