@@ -28,6 +28,7 @@ import json
 import os
 import pickle
 import re
+import stat
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -39,6 +40,7 @@ from .optim._values import MemberValues
 
 __all__ = [
     "DIGEST_KEY",
+    "MANIFEST",
     "atomic_write",
     "check_path",
     "open_checked",
@@ -53,6 +55,7 @@ __all__ = [
 ]
 
 DIGEST_KEY = "vmapens-sha256"
+MANIFEST = "members.json"  # names a set of member files (vmapens._member_manifest)
 _MARK = DIGEST_KEY.encode() + b":"
 _HEX = 64
 _COMMENT = len(_MARK) + _HEX  # the zip comment vmapens writes
@@ -143,12 +146,17 @@ def open_checked(path: str | os.PathLike, api: str, what: str = "file") -> IO[by
     """
     check_path(api, "path", path)
     where = os.fspath(path)
+    if os.path.basename(where) == MANIFEST and os.path.isfile(where):
+        raise ValueError(
+            f"{api}: {where} is the {MANIFEST} of a set of member files (save_members), not a "
+            f"{what} of tensors: read the set with vmapens.load_members(directory)"
+        )
     try:
         f = open(where, "rb")  # noqa: SIM115  # returned open, or closed below
     except FileNotFoundError:
         raise FileNotFoundError(f"{api}: no {what} at {where}") from None
     except OSError as err:
-        raise ValueError(f"{api}: cannot read {where}: {err.strerror or err}") from err
+        raise _unreadable(api, where, err) from err
     try:
         _check_zip_digest(f, where, api)
     except BaseException:
@@ -167,7 +175,17 @@ def read_bytes(path: str | os.PathLike, api: str) -> bytes:
     except FileNotFoundError:
         raise FileNotFoundError(f"{api}: no file at {where}") from None
     except OSError as err:
-        raise ValueError(f"{api}: cannot read {where}: {err.strerror or err}") from err
+        raise _unreadable(api, where, err) from err
+
+
+def _unreadable(api: str, where: str, err: OSError) -> ValueError:
+    """The error for a path that cannot be read, saying what reads a set of member files."""
+    hint = ""
+    if os.path.isfile(os.path.join(where, MANIFEST)):
+        hint = (
+            "; it is a directory of member files (save_members): read it with vmapens.load_members"
+        )
+    return ValueError(f"{api}: cannot read {where}: {err.strerror or err}{hint}")
 
 
 def _check_zip_digest(f: IO[bytes], where: str, api: str) -> None:
@@ -271,7 +289,9 @@ def atomic_write(
             the size limit; the message says which and that the previous file is intact.
     """
     check_path(api, "path", path)
-    path = Path(path)
+    # Through a symlink to its target, as torch.save writes: replacing the link itself would
+    # leave the file it points to stale (and the link gone).
+    path = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
     if path.parent.is_dir():
         _remove_unowned(path.parent.glob(f".{path.name}.*.tmp"))
     try:
@@ -283,6 +303,9 @@ def atomic_write(
     try:
         with os.fdopen(fd, "w+b") as f:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # "in use", for writers on other hosts
+            # mkstemp makes 0600; the file gets the mode torch.save would give it: the
+            # replaced file's, else 0666 less the umask (readable by the group, as usual).
+            os.fchmod(f.fileno(), _mode(path))
             write_to(f)
             f.flush()
             os.fsync(f.fileno())
@@ -295,6 +318,21 @@ def atomic_write(
             raise write_error(api, path, err) from err
         raise
     return written
+
+
+def _mode(path: Path) -> int:
+    """The permission bits a plain ``open(path, "wb")`` leaves ``path`` with."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        pass
+    try:  # Linux: the umask without setting it (os.umask would race other threads)
+        with open("/proc/self/status") as f:
+            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
 
 
 _REASONS = {

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from ._files import DIGEST_KEY, atomic_write, read_bytes
+from ._files import DIGEST_KEY, MANIFEST, atomic_write, read_bytes
 
 __all__ = [
     "MANIFEST",
@@ -31,7 +31,6 @@ __all__ = [
     "write_manifest",
 ]
 
-MANIFEST = "members.json"
 NAMED = re.compile(r"member_(\d+)\.(pt|safetensors)")
 _KIND = "vmapens.members"
 _VERSION = 1

@@ -10,12 +10,14 @@ they were built with.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader, TensorDataset
 
 from ._checkpoint_files import check_member_ids, localise, read
 from ._files import signature
@@ -53,14 +55,29 @@ def fingerprint(value: Any) -> Any:
     if isinstance(value, torch.nn.Module):
         # A loss's repr leaves its settings out: CrossEntropyLoss(label_smoothing=0.3) prints
         # "CrossEntropyLoss()". Its plain attributes and tensors (a class weight) go in too.
+        # A loss wrapping another (self.inner = CrossEntropyLoss(label_smoothing=...)): the
+        # inner one's repr says as little, so every submodule's settings go in, by prefix.
         plain = (int, float, str, bool, type(None))
         settings = [
-            f"{k}={v!r}"
-            for k, v in sorted(vars(value).items())
+            f"{prefix}{'.' if prefix else ''}{k}={v!r}"
+            for prefix, module in value.named_modules()
+            for k, v in sorted(vars(module).items())
             if not k.startswith("_") and k != "training" and isinstance(v, plain)
         ]
         settings += [f"{k}={fingerprint(t)}" for k, t in value.state_dict().items()]
         return repr(value) + (f" with {', '.join(settings)}" if settings else "")
+    if isinstance(value, DataLoader):  # its repr is an address: what it yields, instead
+        data = value.dataset
+        held = fingerprint(data.tensors) if isinstance(data, TensorDataset) else None
+        return (
+            f"DataLoader of length {_length(value)}, batch_size={value.batch_size}, "
+            f"drop_last={value.drop_last}, {type(value.sampler).__name__}, "
+            f"{type(data).__qualname__}{'' if held is None else f' of {held}'}"
+        )
+    if isinstance(value, functools.partial):  # its repr names the function by address
+        bound = [fingerprint(value.func), *map(fingerprint, value.args)]
+        bound += [f"{k}={fingerprint(v)!r}" for k, v in sorted(value.keywords.items())]
+        return f"partial({', '.join(map(str, bound))})"
     text = repr(value)
     if " at 0x" not in text and "object at" not in text:
         return text
