@@ -21,6 +21,7 @@ from torch.export import ExportedProgram
 from torch.func import functional_call
 
 from ._attention import batched_attention
+from ._attributes import INTERNAL
 from ._members import named_tensors
 from ._unbatchable import refuse_edits_in_turns
 from .distributed import member_blocks, rank, world_size
@@ -30,10 +31,12 @@ from .selfcheck import probed, tolerance
 
 __all__ = ["export"]
 
-# torch's run_decompositions deep-copies its module call graph, whose pytree specs warn
-# about their own deprecated ``LeafSpec`` alias (torch 2.13): nothing the caller can act on.
 #: Reductions whose data-dependent input check (vmapens.predict) torch.export cannot trace.
 _CHECKED = ("entropy", "mutual_information")
+#: Plain values a forward may set on its module (constants in a program); mutable holders.
+_PLAIN, _ITEMS = (bool, int, float, str, tuple), (list, dict, set)
+# torch's run_decompositions deep-copies its module call graph, whose pytree specs warn
+# about their own deprecated ``LeafSpec`` alias (torch 2.13): nothing the caller can act on.
 _TORCH_NOISE = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 
 
@@ -70,7 +73,9 @@ def export(
     the GRU unrolled over time steps, attention as one call with the members folded into the
     batch). Before returning, the program's output for member ``vmapens.selfcheck.MEMBER`` on
     ``example_inputs`` is compared with that member run alone as a plain module (the parity
-    probe of ``vmapens.check``, same tolerance).
+    probe of ``vmapens.check``, same tolerance), on two calls in a row. State the forward keeps
+    in plain attributes (a counter, a first-call flag) would be constants there: refused, and
+    left on ``ens`` as it was.
 
     Args:
         ens: the ensemble; it is exported in eval mode and its mode is restored afterwards.
@@ -94,9 +99,9 @@ def export(
             outputs are not the padded program's shape (outputs of several widths): export
             the members of each size apart.
         RuntimeError: ``torch.export`` cannot trace the forward (the message says why), the
-            probe finds that member differs in the program from the member alone, or the
-            forward edits its input in place while members run in turns (``backend="loop"``,
-            a ``chunk_size`` below n), which ``ens(x)`` refuses too.
+            probe finds that member differs in the program from the member alone, the forward
+            changes a plain attribute, or it edits its input in place while members run in
+            turns (``backend="loop"``, a ``chunk_size`` below n), which ``ens(x)`` refuses too.
 
     Example:
         >>> ens = Ensemble(lambda: nn.Linear(4, 3), n=5, seed=0)
@@ -147,11 +152,12 @@ class _Program(nn.Module):
         self._parameters, self._buffers = tree._parameters, tree._buffers
         self._modules = tree._modules
         self._non_persistent_buffers_set = tree._non_persistent_buffers_set
+        # In __dict__: setattr refuses a flag over the member's own `softmax` (an nn.Softmax).
         self.__dict__["_ens"] = ens  # not a submodule: its tensors are not the program's
-        self.reduce, self.softmax = reduce, softmax
+        self.__dict__["_reduction"] = (reduce, softmax)
 
     def forward(self, *args: Tensor) -> Any:
-        ens = self.__dict__["_ens"]
+        ens, (reduce, softmax) = self.__dict__["_ens"], self.__dict__["_reduction"]
         state = dict(named_tensors(self))
         # vmap reshapes a shared input (a Linear on [batch, tokens, features] is one matmul
         # over [batch * tokens, features]); traced on a contiguous example, that reshape is a
@@ -163,18 +169,13 @@ class _Program(nn.Module):
             return functional_call(ens.runner, member_state, member_args)
 
         out = ens._member_map(member, (None,) * len(args))(state, *args)
-        if self.softmax:
+        if softmax:
             out = optree.tree_map(lambda t: t.softmax(-1), out)
-        return out if self.reduce == "none" else reduce_members(out, self.reduce)
+        return out if reduce == "none" else reduce_members(out, reduce)
 
 
 def _check_args(
-    api: str,
-    ens: Any,
-    example_inputs: Any,
-    reduce: Any,
-    softmax: Any,
-    check: Any,
+    api: str, ens: Any, example_inputs: Any, reduce: Any, softmax: Any, check: Any
 ) -> tuple[Tensor, ...]:
     check_ensemble(api, ens)
     # This rank's block of a sharded ensemble is refused; a sub-ensemble (`ens[idx]`, `select`)
@@ -228,11 +229,10 @@ def _refuse_edits_in_turns(api: str, ens: Ensemble, args: tuple[Tensor, ...]) ->
 
 def _refuse_output_sizes(api: str, ens: Ensemble, args: tuple[Tensor, ...]) -> None:
     """Members of different sizes whose outputs are not the shape of the padded forward's (an
-    output layer of several widths; a sub-ensemble of the smaller members, still padded to the
-    largest): the program returns every member at that shape, a member's own output padded
-    with zeros. Said before the traces, with or without ``check`` (no ``backend`` changes it),
-    from one forward of the first member of every size alone and one padded forward, of a
-    copy (``select``: a buffer the forward updates stays as it is)."""
+    output layer of several widths; a sub-ensemble of the smaller members, still padded): the
+    program returns every member at that shape, padded with zeros. Said before the traces, with
+    or without ``check``, from one forward of the first member of every size alone and one
+    padded forward of a copy (``select``: a buffer the forward updates stays as it is)."""
     padding = ens._padding
     if padding is None:
         return
@@ -256,18 +256,16 @@ def _refuse_output_sizes(api: str, ens: Ensemble, args: tuple[Tensor, ...]) -> N
     raise ValueError(
         f"{api}: `ens` holds members stored padded (of different sizes, or selected from such "
         "an ensemble) whose outputs are not all the shape the program gives every member, "
-        f"{padded} ({said}): a member's own output "
-        "would come back padded with zeros; neither backend='loop' nor chunk_size changes "
-        "that. Export the members of each size apart (vmapens.export(vmapens.Ensemble."
-        "from_modules([ens[i] for i in rows]), example_inputs) for `rows` of one size, one "
-        "program each), or build the members with one output width (sizes that differ "
-        "only inside)"
+        f"{padded} ({said}): a member's own output would come back padded with zeros; neither "
+        "backend='loop' nor chunk_size changes that. Export the members of each size apart "
+        "(vmapens.export(vmapens.Ensemble.from_modules([ens[i] for i in rows]), example_inputs)"
+        " for `rows` of one size, one program each), or build the members with one output "
+        "width (sizes that differ only inside)"
     )
 
 
 def _check_reducible(api: str, ens: Ensemble, args: tuple[Tensor, ...], reduce: str) -> None:
-    """A reduction needs one output tensor: said from one forward of member 0 alone, before
-    the traces (seconds each), and in ``export``'s name."""
+    """A reduction needs one output tensor: said from member 0 alone, before the traces."""
     with torch.no_grad():
         out = ens[0](*_copies(args))
     if not isinstance(out, Tensor):
@@ -278,33 +276,65 @@ def _check_reducible(api: str, ens: Ensemble, args: tuple[Tensor, ...], reduce: 
         )
 
 
-def _trace(
-    api: str,
-    ens: Ensemble,
-    module: _Program,
-    args: tuple[Tensor, ...],
-) -> ExportedProgram:
+def _trace(api: str, ens: Ensemble, module: _Program, args: tuple[Tensor, ...]) -> ExportedProgram:
     """``torch.export`` of ``module``, decomposed so that no ``vmap`` is left in the graph."""
     name = type(ens.template).__name__
+    kept = _attributes(ens)
     # guard(): the attention batching rule and the fast path off, buffers given back on error.
-    with ens.guard(api), torch.no_grad():
-        try:
-            program = torch.export.export(module, args, strict=False)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", _TORCH_NOISE, FutureWarning)
-                return program.run_decompositions({})
-        except torch._dynamo.exc.UserError as err:
-            raise RuntimeError(f"{api}: torch.export cannot trace {name}: {err}") from err
+    try:
+        with ens.guard(api), torch.no_grad():
+            try:
+                program = torch.export.export(module, args, strict=False)
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", _TORCH_NOISE, FutureWarning)
+                    program = program.run_decompositions({})
+            except torch._dynamo.exc.UserError as err:
+                raise RuntimeError(f"{api}: torch.export cannot trace {name}: {err}") from err
+    finally:
+        changed = _give_back(kept)
+    if changed:
+        raise RuntimeError(
+            f"{api}: the forward of {name} changes {', '.join(changed)} on its module: the "
+            "program would hold this call's value, the member alone goes on from the new one. "
+            "A flag set on the first call: run ens(x) once first; state carried from call to "
+            "call: keep it in a buffer (one row per member), which the program updates"
+        )
+    return program
+
+
+def _attributes(ens: Ensemble) -> list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]:
+    """The plain attributes of the modules the members run, and the items of their lists, dicts
+    and sets. A trace runs the forward there: what it sets (a Python counter, a list it appends
+    to) would change the next ``ens(x)`` and the ``ens[i]`` the probe holds the program to."""
+    modules = {id(m): m for root in (ens.template, ens.runner) for m in root.modules()}
+    own = [(m, {k: v for k, v in vars(m).items() if k not in INTERNAL}) for m in modules.values()]
+    return [(m, a, {k: copy.copy(v) for k, v in a.items() if type(v) in _ITEMS}) for m, a in own]
+
+
+def _give_back(kept: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]) -> list[str]:
+    """The attributes set back as ``_attributes`` kept them; the plain values (not ``None``:
+    a cache) the forward changed, which the program holds as constants, said."""
+    changed = []
+    for m, own, items in kept:
+        for key in [k for k in vars(m) if k not in INTERNAL]:
+            old, new = own.get(key), m.__dict__[key]
+            plain = old is not None and type(old) in _PLAIN and new is not old
+            if plain and (type(new), new) != (type(old), old):
+                changed.append(f"`{key}` ({old!r} -> {new!r})")
+            if key not in own:
+                del m.__dict__[key]
+        m.__dict__.update(own)
+        for key, held in items.items():
+            own[key].clear()
+            (own[key].update if isinstance(held, dict | set) else own[key].extend)(held)
+    return changed
 
 
 def _probe(api: str, ens: Ensemble, program: ExportedProgram, args: tuple[Tensor, ...]) -> None:
     """Member 0 (the first of every size) in the program against that member run alone, as
-    ``vmapens.check``.
-
-    The program's buffers are given back afterwards: a forward that updates a buffer in eval
-    mode (a call counter, a running average of its inputs) would otherwise leave the served
-    program one call ahead of the member alone.
-    """
+    ``vmapens.check``. The program's buffers are given back afterwards: a forward that updates
+    a buffer in eval mode (a call counter, a running average of its inputs) would otherwise
+    leave the served program calls ahead of the member alone."""
     signature = program.graph_signature
     held = {**program.constants, **program.state_dict}
     buffers = [held[name] for name in signature.buffers if isinstance(held.get(name), Tensor)]
@@ -321,29 +351,35 @@ def _probe(api: str, ens: Ensemble, program: ExportedProgram, args: tuple[Tensor
 def _probe_member(
     api: str, ens: Ensemble, member: int, program: ExportedProgram, args: tuple[Tensor, ...]
 ) -> None:
-    name = type(ens.template).__name__
-    alone_module = ens[member]
+    name, alone_module = type(ens.template).__name__, ens[member]
     # The eval-mode fast path of nn.TransformerEncoder writes zeros at padded positions, which
-    # the program (traced with it off, as every call of the ensemble) computes
-    # (docs/semantics.md): the member alone is run the ensemble's way too.
-    with torch.no_grad(), batched_attention():
-        alone = alone_module(*_copies(args))
-    with torch.no_grad():
-        inside = program.module()(*_copies(args))
-    alone_leaves, alone_spec = optree.tree_flatten(alone)
-    inside_leaves, inside_spec = optree.tree_flatten(inside)
-    found: list[str] = []
-    if alone_spec != inside_spec:
-        found.append(f"the output is {inside_spec} in the program and {alone_spec} alone")
-    else:
-        for i, (a, t) in enumerate(zip(alone_leaves, inside_leaves, strict=True)):
-            what = f"output {i}" if len(alone_leaves) > 1 else "the output"
-            found.extend(_differs(what, a, t[member]))
+    # the program (traced with it off, as every call of the ensemble) computes: the member
+    # alone is run the ensemble's way too. Twice: state carried to the next call in a plain
+    # attribute (a list appended to) is a constant in the program, seen on the second call.
+    served, found = program.module(), []
+    for call in ("", " on a second call"):
+        with torch.no_grad(), batched_attention():
+            alone = alone_module(*_copies(args))
+        with torch.no_grad():
+            inside = served(*_copies(args))
+        alone_leaves, alone_spec = optree.tree_flatten(alone)
+        inside_leaves, inside_spec = optree.tree_flatten(inside)
+        if alone_spec != inside_spec:
+            found.append(f"the output is {inside_spec} in the program and {alone_spec} alone")
+        else:
+            for i, (a, t) in enumerate(zip(alone_leaves, inside_leaves, strict=True)):
+                what = (f"output {i}" if len(alone_leaves) > 1 else "the output") + call
+                found.extend(_differs(what, a, t[member]))
+        if found:
+            break
     if not found:
         return
     # A padded member runs at the largest size with either backend: loop is no way out there.
     way_out = (
-        "build the ensemble with backend='loop' to export the members one after another, "
+        "keep what the forward carries from one call to the next in a buffer (one row per "
+        "member), which the program updates; a plain attribute is a constant in it"
+        if "on a second call" in found[0]
+        else "build the ensemble with backend='loop' to export the members one after another, "
         "each as it runs alone"
         if ens._padding is None
         else "members of different sizes run padded with either backend, so export the "
@@ -358,8 +394,7 @@ def _probe_member(
 
 
 def _copies(args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """The example inputs for one run: a forward that edits its input in place (``x.mul_(2)``)
-    must neither change the caller's tensors nor feed its edit to the next run."""
+    """Copies of the inputs: a forward's in-place edit (``x.mul_(2)``) stays in one run."""
     return tuple(a.clone() for a in args)
 
 
