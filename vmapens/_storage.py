@@ -25,7 +25,7 @@ from ._members import check_same, named_tensors, non_persistent_buffers, signatu
 from ._padding import Padding
 from ._stacking import check_applied, follow_flags, hooks_of, migrated_keys, scrub_
 from ._state_loading import loadable, warn_member_hooks
-from ._storage_parts import in_mode, member_format, paired
+from ._storage_parts import in_mode, member_format, metadata_of_member, paired
 from ._unbatchable import SparseLayer, sparse_layers
 
 __all__ = ["CUT_FROM", "StackedModule"]
@@ -309,9 +309,9 @@ class StackedModule(nn.Module):
         return super().__getstate__()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # Parameter.__deepcopy__ and TemplateParameter.__reduce_ex__ drop attributes: the
-        # stacked parameters' padding marks (each member's size, for the optimizers' hand-off
-        # and refusals) and the template's links to them (linked now, not at the first call).
+        # Parameter.__deepcopy__ and TemplateParameter.__reduce_ex__ drop attributes: the stacked
+        # parameters' padding marks (each member's size, for the optimizers) and the template's
+        # links to them (linked now, not at the first call).
         super().__setstate__(state)
         for name, p in self._parameters.items() if self._padding is not None else ():
             p._member_padding = (self._padding, name)  # type: ignore[union-attr]
@@ -355,11 +355,11 @@ class StackedModule(nn.Module):
         return f"n={len(self)}, backend={self.backend!r}{sizes}, member={self._template!r}"
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        # The member's own keys, in its own order, tied aliases included.
+        # The member's own keys, in its own order, tied aliases included, and its `_metadata`.
+        metadata_of_member(destination, prefix, self._member_metadata)
         persistent = self._persistent()
         for key, name in self._state_keys.items():
-            t = persistent[name]
-            destination[prefix + key] = t if keep_vars else t.detach()
+            destination[prefix + key] = persistent[name] if keep_vars else persistent[name].detach()
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """``nn.Module.load_state_dict``, all or nothing (torch's own loader copies the keys before
@@ -381,10 +381,11 @@ class StackedModule(nn.Module):
         unexpected_keys: list,
         error_msgs: list,
     ) -> None:
-        # Ours checks every key, and readies every value, before changing anything (nn.Module's
-        # splits keys at the first dot and copies as it goes); `strict` is known in
-        # ``ens.load_state_dict`` only (torch passes True here): inside a parent's, the
-        # matching keys load, as torch's do.
+        # Every key checked and value readied before anything changes (nn.Module's copies as it
+        # goes); `strict` is known in ``ens.load_state_dict`` only (torch passes True here).
+        lists = (missing_keys, unexpected_keys, error_msgs)
+        for hook in self._load_state_dict_pre_hooks.values():  # the ensemble's own, as torch's
+            hook(state_dict, prefix, local_metadata, strict, *lists)
         warn_member_hooks(self._template)
         persistent, (whole, metadata) = self._persistent(), self.__dict__.get("_loading", (0, 0))
         assign = bool(local_metadata.get("assign_to_params_buffers"))

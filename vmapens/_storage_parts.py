@@ -14,7 +14,14 @@ from torch import nn
 from ._attributes import Watched
 from ._stacking import recomputed
 
-__all__ = ["in_mode", "member_count_hint", "member_format", "padded_values", "paired"]
+__all__ = [
+    "in_mode",
+    "member_count_hint",
+    "member_format",
+    "metadata_of_member",
+    "padded_values",
+    "paired",
+]
 
 #: ``StackedModule._followers``: (template module, runner or padded module) pairs; (stacked
 #: parameter, template parameter) pairs; weight_norm's (module, name, meta tensor); the flags
@@ -154,3 +161,15 @@ def padded_values(
         "another's entries; load it into an ensemble built from the same factories, in order"
         for key in bad
     ]
+
+
+def metadata_of_member(destination: Any, prefix: str, member: Mapping[str, Any] | None) -> None:
+    """The member's ``_metadata`` (each submodule's ``_version``, ``member``) into the
+    ``_metadata`` of a state dict being saved (``destination``), under ``prefix``, as a plain
+    module's ``state_dict`` writes it: without it, a state dict that lacks BatchNorm's
+    ``num_batches_tracked`` reads as one of an old version and loads, where torch refuses it."""
+    metadata = getattr(destination, "_metadata", None)
+    if metadata is None or member is None:
+        return
+    for path, local in member.items():
+        metadata[prefix + path if path else prefix[:-1]] = dict(local)
