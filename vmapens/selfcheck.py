@@ -356,18 +356,30 @@ def _refuse_reads_of_carried(
     api: str, ens: Ensemble, member: int, alone: dict[str, Any], how: str, *batch: Any
 ) -> None:
     """Raise if the member's forward reads the plain attributes it set (``alone["carried"]``):
-    run it again on the same batch with them set, as the next member in turn would
-    (``batch``: ``_alone``'s loss, inputs, targets, ``in_dims`` and autocast)."""
+    run it and the next member again on the same batch with them set, as the next member in
+    turn would (``batch``: ``_alone``'s loss, inputs, targets, ``in_dims`` and autocast)."""
     loss_fn, args, targets, in_dims, autocast = batch
+    # The next member in turn too: state keyed on what every member shares (a parameter's
+    # `_version`, 0 for each) reads back the same for member 0 and another member's for it.
+    others = [member + 1] if member + 1 < len(ens) else []
+    other, why = member, ""
     try:
-        again = _alone(ens, member, loss_fn, args, targets, in_dims, autocast, alone["carried"])
-    except Exception as err:
-        why = f"member {member} run again on the same batch fails: {type(err).__name__}"
-    else:
-        if not any(differences(alone, again, autocast)):
+        for other in [member, *others]:
+            plain = alone if other == member else _alone(ens, other, *batch)
+            again = _alone(ens, other, loss_fn, args, targets, in_dims, autocast, alone["carried"])
+            if any(differences(plain, again, autocast)):
+                why = f"member {other} {_after(member, other)} computes something else"
+                break
+        else:
             return
-        why = f"member {member} run again on the same batch computes something else"
+    except Exception as err:
+        why = f"member {other} {_after(member, other)} fails: {type(err).__name__}"
     refuse_carried(api, type(ens.template).__name__, how, alone["carried"], why)
+
+
+def _after(member: int, other: int) -> str:
+    same = other == member
+    return "run again on the same batch" if same else f"run after member {member}"
 
 
 def _padded_layer(sub: Ensemble, member: int, args: tuple, in_dims: int | None) -> str | None:
