@@ -126,6 +126,7 @@ class Watched:
         self.prefixes = [name for name, _ in named]
         self.modules = [m for _, m in named]
         self.built_children = [dict(m._modules) for m in self.modules]
+        self.built_tensors = [(set(m._parameters), set(m._buffers)) for m in self.modules]
         self.followers = [followers.get(name, []) for name in self.prefixes]
         self.skip = [skip.get(id(m), set()) for m in self.modules]
         self.names = [_names(m, s) for m, s in zip(self.modules, self.skip, strict=True)]
@@ -152,6 +153,8 @@ class Watched:
         self.dicts: list[dict[str, Any]] = [m.__dict__ for m in self.modules] + [
             m._modules for m in self.modules
         ]
+        # Their lengths too: a parameter or buffer registered after building is no member's.
+        self.dicts += [d for m in self.modules for d in (m._parameters, m._buffers)]
         self.owned: list[dict[str, Any]] = [m.__dict__ for m in self.owners] + [
             m._modules for m in self.modules for _ in m._modules
         ]
@@ -223,7 +226,21 @@ class Watched:
 
     def _refuse_new_children(self) -> None:
         """A submodule replaced on the template would never run: the runner and the padded
-        templates keep the modules they were built with, their modes paired with those."""
+        templates keep the modules they were built with, their modes paired with those. A
+        parameter or buffer registered (or deleted) after building is held by no member: the
+        forward would read one tensor for all, never trained nor saved."""
+        for prefix, m, (params, buffers) in zip(
+            self.prefixes, self.modules, self.built_tensors, strict=True
+        ):
+            added = sorted((set(m._parameters) ^ params) | (set(m._buffers) ^ buffers))
+            if added:
+                path = f"{prefix}.{added[0]}" if prefix else added[0]
+                raise ValueError(
+                    f"Ensemble: the parameter or buffer `ens.template.{path}` was registered "
+                    "or deleted after building; the ensemble stacks the tensors it was built "
+                    "with, so no member would hold (train, save) it. Build a new ensemble from "
+                    "members that have it (Ensemble.from_modules(...), or a factory that makes it)"
+                )
         for prefix, m, built in zip(self.prefixes, self.modules, self.built_children, strict=True):
             now = dict(m._modules)
             for name in sorted(set(built) | set(now), key=str):
