@@ -119,13 +119,48 @@ def clip_norms_(
     if norms is None:
         norms = member_norms(grads, norm_type)
     coef = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, [column(coef.to(g.device, g.dtype), g) for g in grads])
+    # torch multiplies each gradient by the coefficient as a 0-d tensor, which type promotion
+    # reads as a scalar: in float32 for a float16/bfloat16 gradient, in the coefficient's dtype
+    # for a 0-d gradient (a member's scalar parameter), rounded once. The coefficient rounded
+    # to the gradient's dtype first, a model with parameters of several dtypes got gradients
+    # 1 ulp off the member clipped alone.
+    torch._foreach_mul_(grads, [column(coef.to(g.device, _mul_dtype(g, coef)), g) for g in grads])
     return norms
+
+
+@torch._dynamo.assume_constant_result  # not traced: run as it is while compiling
+def _torch_order(keys: tuple[tuple[torch.device, torch.dtype], ...]) -> tuple[int, ...]:
+    """The order torch.nn.utils stacks per-tensor norms in: its (device, dtype) grouping's.
+
+    Read from torch's grouping at trace time too: dynamo's stand-in for it keeps the groups
+    in the order they first occur, which eager torch does not.
+    """
+    if keys in _ORDERS:  # once per model, not an allocation each step
+        return _ORDERS[keys]
+    probes: list[Tensor | None] = [torch.empty(0, device=d, dtype=t) for d, t in keys]
+    groups = torch._C._group_tensors_by_device_and_dtype([probes], True)
+    order = _ORDERS[keys] = tuple(i for _, (_, indices) in groups.items() for i in indices)
+    return order
+
+
+_ORDERS: dict[tuple[tuple[torch.device, torch.dtype], ...], tuple[int, ...]] = {}
+
+
+def _mul_dtype(grad: Tensor, coef: Tensor) -> torch.dtype:
+    """The dtype torch computes ``grad_alone * coef_0d`` in (``grad``: stacked ``[n, ...]``)."""
+    if grad.dim() == 1:  # both 0-d for the member alone: promoted as tensors
+        return torch.promote_types(grad.dtype, coef.dtype)
+    return torch.promote_types(grad.dtype, torch.float32)
 
 
 def member_norms(grads: list[Tensor], norm_type: float = 2.0) -> Tensor:
     """Each member's total ``norm_type``-norm over the stacked gradients ``grads``: ``[n]``."""
     n = grads[0].shape[0]
+    if len({(g.device, g.dtype) for g in grads}) > 1:
+        # torch.nn.utils stacks the per-tensor norms group by group, (device, dtype) groups in
+        # the order of its grouping (not the parameters'); summed in another order, a model
+        # with float32 and float16 parameters got a total norm 1 ulp off the member alone.
+        grads = [grads[i] for i in _torch_order(tuple((g.device, g.dtype) for g in grads))]
     per_tensor = [
         torch.linalg.vector_norm(g.reshape(n, math.prod(g.shape[1:])), float(norm_type), dim=1)
         for g in grads

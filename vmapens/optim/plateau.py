@@ -23,8 +23,9 @@ class ReduceLROnPlateau:
     ``step(metrics)`` takes one value per member; member ``i``'s learning rate, best value,
     bad-epoch count and cooldown evolve exactly as a torch ReduceLROnPlateau would evolve them
     on a plain optimizer fed member ``i``'s values alone. Learning rates become
-    :class:`~vmapens.optim.MemberValues` in ``param_groups``. A non-finite metric never counts
-    as an improvement (it is a bad epoch, as in torch's); ``step(metrics, mask=...)`` leaves the
+    :class:`~vmapens.optim.MemberValues` in ``param_groups``. Metrics compare as in torch's: a
+    NaN is a bad epoch, and so is an infinity, but for ``-inf`` in mode ``"min"`` (``inf`` in
+    ``"max"``), which is an improvement and the new best; ``step(metrics, mask=...)`` leaves the
     members that stopped training out instead, as their own schedulers would no longer be
     stepped (``fit`` passes the members still training).
 
@@ -100,8 +101,8 @@ class ReduceLROnPlateau:
         _BUILT.setdefault(optimizer, weakref.WeakSet()).add(self)
 
     def _better(self, a: float, best: float) -> bool:
-        if not math.isfinite(a):
-            return False
+        # torch's comparisons as they are: NaN compares False (a bad epoch), and -inf in "min"
+        # ("inf" in "max") beats any finite best, as it does for torch's scheduler.
         if self.mode == "min":
             limit = (
                 best * (1 - self.threshold)
