@@ -26,6 +26,7 @@ except ImportError as err:  # pragma: no cover - exercised by a test that hides 
 
 from ._checks import check_choice, check_int
 from ._fit_checks import check_metric_names
+from ._lightning_parts import batch_rows, check_optimizer_arg, is_metric_object
 from ._lightning_rng import ResumesRNG
 from .ensemble import Ensemble, check_ensemble
 from .losses import per_member
@@ -137,13 +138,7 @@ class EnsembleModule(ResumesRNG, L.LightningModule):
         check_ensemble(api, ens)
         if not callable(loss_fn):
             raise TypeError(f"{api}: `loss_fn` must be callable, got {type(loss_fn).__name__}")
-        if optimizer is not None and not (
-            isinstance(optimizer, StackedOptimizer) or callable(optimizer)
-        ):
-            raise TypeError(
-                f"{api}: `optimizer` must be a vmapens.StackedOptimizer or a callable (ens) -> "
-                f"StackedOptimizer, got {type(optimizer).__name__}"
-            )
+        check_optimizer_arg(api, optimizer)
         if in_dims not in (None, 0):
             raise ValueError(f"{api}: `in_dims` must be None or 0, got {in_dims!r}")
         if patience is not None:
@@ -151,7 +146,7 @@ class EnsembleModule(ResumesRNG, L.LightningModule):
         check_choice(api, "mode", mode, ("min", "max"))
         metrics = dict(metrics or {})
         for name, fn in metrics.items():
-            if not isinstance(name, str) or not (callable(fn) or _is_metric_object(fn)):
+            if not isinstance(name, str) or not (callable(fn) or is_metric_object(fn)):
                 raise TypeError(
                     f"{api}: `metrics` must map names to callables (output, target) -> scalar or "
                     f"metric objects, got {name!r}: {type(fn).__name__}"
@@ -176,7 +171,7 @@ class EnsembleModule(ResumesRNG, L.LightningModule):
         self._metric_lists: dict[str, list[Any]] = {}
         self._metric_fns: dict[str, Callable[..., Tensor]] = {}
         for name, fn in metrics.items():
-            if _is_metric_object(fn):
+            if is_metric_object(fn):
                 copies = [copy.deepcopy(fn) for _ in range(n + 1)]
                 if all(isinstance(c, nn.Module) for c in copies):
                     self.metric_objects[name] = nn.ModuleList(copies)
@@ -284,22 +279,25 @@ class EnsembleModule(ResumesRNG, L.LightningModule):
         active = self.active
         mask = None if bool(active.all()) else active
         losses = self._step(inputs, targets, mask)
-        size = targets.shape[1] if self._options["in_dims"] == 0 else targets.shape[0]
+        size = batch_rows(targets, 1 if self._options["in_dims"] == 0 else 0)
         self.log("train_loss", losses.mean(), prog_bar=True, batch_size=size)
         self.log_dict(self._per_member("train_loss", losses), batch_size=size)
+        self._step_schedulers(batch_idx)
         return losses.mean()
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def _step_schedulers(self, batch_idx: int) -> None:
         """Step the schedulers where automatic optimization would: ``"step"`` ones every
         ``frequency`` batches, ``"epoch"`` ones after the epoch's last batch (before its
-        validation, which checkpoints may be written in)."""
+        validation, which checkpoints may be written in), through ``lr_scheduler_step``.
+        Right after the step, as Lightning does: callbacks' ``on_train_batch_end``
+        (``ModelCheckpoint(every_n_train_steps=...)``) must see the stepped schedulers."""
         # Lightning's own rule for the epoch's last batch (limit_train_batches, iterables).
         last = self.trainer.fit_loop.epoch_loop._num_ready_batches_reached()
         for config in self.trainer.lr_scheduler_configs:
             count = batch_idx + 1 if config.interval == "step" else (self.current_epoch + 1) * last
             sched: Any = config.scheduler  # torch's plateau is refused in on_fit_start
             if not isinstance(sched, ReduceLROnPlateau) and count % config.frequency == 0 < count:
-                sched.step()
+                self.lr_scheduler_step(sched, None)
 
     def on_validation_epoch_start(self) -> None:
         """Reset the epoch's per-member sums and the metric objects."""
@@ -312,7 +310,7 @@ class EnsembleModule(ResumesRNG, L.LightningModule):
         """Each member's loss and metrics on ``batch = (inputs, targets)`` (shared by all)."""
         inputs, targets = batch
         out = self.ens(*(inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
-        rows = targets.shape[0]
+        rows = batch_rows(targets)
         values = {"loss": per_member(self.loss_fn)(out, targets)}
         mean = out.mean(0)
         for name, fn in self._metric_fns.items():
@@ -351,8 +349,9 @@ class EnsembleModule(ResumesRNG, L.LightningModule):
         if self.trainer.fit_loop.epoch_loop._num_ready_batches_reached():
             for config in self.trainer.lr_scheduler_configs:
                 due = (self.current_epoch + 1) % config.frequency == 0
+                sched: Any = config.scheduler  # not one of Lightning's scheduler types
                 if isinstance(config.scheduler, ReduceLROnPlateau) and due:
-                    config.scheduler.step(watched)
+                    self.lr_scheduler_step(sched, watched)
         if self.patience is not None:
             self._early_stop(watched)
 
@@ -405,8 +404,3 @@ class EnsembleModule(ResumesRNG, L.LightningModule):
         self.active.copy_(self.active & ~stop)
         if not bool(self.active.any()):
             self.trainer.should_stop = True
-
-
-def _is_metric_object(fn: Any) -> bool:
-    """An object that accumulates: ``reset``, ``update`` and ``compute`` (torchmetrics)."""
-    return all(callable(getattr(fn, a, None)) for a in ("reset", "update", "compute"))

@@ -1,0 +1,55 @@
+"""Argument checks of ``vmapens.lightning.EnsembleModule`` that need no ``lightning``."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from .optim import StackedOptimizer
+
+__all__ = ["batch_rows", "check_optimizer_arg", "is_metric_object"]
+
+
+def check_optimizer_arg(api: str, optimizer: Any) -> None:
+    """Refuse an ``optimizer`` that is neither a StackedOptimizer nor a callable building one.
+
+    torch's optimizer classes are callables too, but ``torch.optim.Adam(ens)`` fails deep in
+    torch (it iterates the members, which are modules), at ``trainer.fit``, naming no argument:
+    they are refused here, with the stacked class to use instead.
+    """
+    if optimizer is None or isinstance(optimizer, StackedOptimizer):
+        return
+    if not callable(optimizer):
+        raise TypeError(
+            f"{api}: `optimizer` must be a vmapens.StackedOptimizer or a callable (ens) -> "
+            f"StackedOptimizer, got {type(optimizer).__name__}"
+        )
+    built = optimizer
+    while isinstance(built, functools.partial):
+        built = built.func
+    if (
+        isinstance(built, type)
+        and issubclass(built, torch.optim.Optimizer)
+        and not issubclass(built, StackedOptimizer)
+    ):
+        name = built.__name__
+        raise TypeError(
+            f"{api}: `optimizer` must build a vmapens.StackedOptimizer, got torch's {name}, "
+            f"which cannot take an Ensemble; pass its stacked twin, called with the same "
+            f"arguments: functools.partial(vmapens.optim.stacked(torch.optim.{name}), lr=...)"
+        )
+
+
+def is_metric_object(fn: Any) -> bool:
+    """An object that accumulates: ``reset``, ``update`` and ``compute`` (torchmetrics)."""
+    return all(callable(getattr(fn, a, None)) for a in ("reset", "update", "compute"))
+
+
+def batch_rows(targets: Any, dim: int = 0) -> int:
+    """Rows of a batch's targets along ``dim``: those of its first tensor, for targets that
+    are a tuple, list or dict of tensors (a ``(y, weights)`` pair, as ``make_step`` takes)."""
+    tensors = [t for t in tree_leaves(targets) if isinstance(t, torch.Tensor)]
+    return int(tensors[0].shape[dim]) if tensors else 1
