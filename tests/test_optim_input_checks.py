@@ -93,3 +93,24 @@ def test_a_parameter_listed_twice_is_refused(when: str) -> None:
         with pytest.raises(ValueError, match=r"same tensor twice \(at 0 and 1\)"):
             opt.add_param_group({"params": [bias, bias]})
         assert len(opt.param_groups) == 1
+
+
+def test_adam_takes_amsgrad_by_position_as_torch() -> None:
+    # torch.optim.Adam(params, lr, betas, eps, weight_decay, amsgrad)
+    ens = vmapens.Ensemble(lambda: nn.Linear(3, 2, dtype=torch.float64), n=2, seed=0)
+    plain = [ens[i] for i in range(2)]
+    opt = vmapens.optim.stacked(torch.optim.Adam)(ens, 1e-2, (0.9, 0.99), 1e-8, 0.1, True)
+    alone = [torch.optim.Adam(m.parameters(), 1e-2, (0.9, 0.99), 1e-8, 0.1, True) for m in plain]
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for _ in range(3):
+        opt.zero_grad()
+        ens(x).pow(2).mean((1, 2)).sum().backward()
+        opt.step()
+        for m, o in zip(plain, alone, strict=True):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+    assert opt.param_groups[0]["amsgrad"] is True
+    for i, m in enumerate(plain):
+        for (k, a), b in zip(ens[i].state_dict().items(), m.state_dict().values(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=k)

@@ -308,9 +308,9 @@ class StackedAdam(StackedOptimizer):
         betas: tuple[PerMember, PerMember] = (0.9, 0.999),
         eps: PerMember = 1e-8,
         weight_decay: PerMember = 0.0,
+        amsgrad: bool = False,  # positional as in torch.optim.Adam
         *,
         decoupled_weight_decay: bool = False,
-        amsgrad: bool = False,
         maximize: bool = False,
         **implementation: Any,
     ) -> None:
