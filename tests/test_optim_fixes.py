@@ -332,7 +332,7 @@ BAD_STATE_DICTS = {
     "another optimizer's": (
         "replace",
         ValueError,
-        r"param group 0 has no `betas`, `eps`, `decoupled_weight_decay`, `amsgrad`: not a "
+        r"param group 0 has no `betas`, `eps`, `amsgrad`, `decoupled_weight_decay`: not a "
         r"state dict of StackedAdam \(it has \['dampening', 'momentum', 'nesterov'\]\)",
     ),
     "no param_groups": (_edit(("param_groups",), None), ValueError, "`state_dict` must be a dict"),
