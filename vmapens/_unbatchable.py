@@ -63,6 +63,9 @@ _VMAP_HINT = (
 _OLD_FUNCTION = "must override the setup_context staticmethod"
 #: What ``Tensor.register_hook`` says of a batched tensor (it reports requires_grad=False).
 _TENSOR_HOOK = "cannot register a hook on a tensor that doesn't require gradient"
+#: What a member's batched tensor says when read as memory (``.tolist()``, ``.numpy()``,
+#: ``.data_ptr()``; ``.untyped_storage()``): it has no storage of its own.
+_NO_STORAGE = ("Tensor that doesn't have storage", "Cannot access storage of BatchedTensorImpl")
 #: What torch.func.vmap says of a member output that is not a tensor.
 _NOT_TENSOR = "must only return Tensors"
 #: Where the loop backend stacks the members' outputs (a TypeError there: not a tensor).
@@ -162,6 +165,14 @@ def explain_failure(
             f"{api}: the forward of {name} returns something other than tensors (and None): "
             "the ensemble stacks every output along a new member dim, with either backend. "
             f"Return tensors (torch.tensor(3) for a number) or None. ({err})"
+        )
+    if backend == "vmap" and any(m in str(err) for m in _NO_STORAGE):
+        what = f"`loss_fn` or the forward of {name}" if loss else f"the forward of {name}"
+        return RuntimeError(
+            f"{api}: {what} reads a tensor's memory (.tolist(), .numpy(), .data_ptr(), "
+            ".untyped_storage()), which a member's batched tensor inside torch.func.vmap does "
+            "not have. Compute with tensor ops instead, or build the ensemble with "
+            f"backend='loop': members one after another, each as it runs alone. ({err})"
         )
     if backend == "vmap" and any(m in str(err) for m in _UNBATCHABLE):
         what = f"`loss_fn` or the forward of {name}" if loss else f"the forward of {name}"

@@ -23,6 +23,8 @@ _READS_VALUES = (
     "dynamic shape",
     "a differently shaped Tensor",
 )
+#: What a batched tensor says when read as memory (``.tolist()``, ``.numpy()``): no storage.
+_NO_STORAGE = "Tensor that doesn't have storage"
 
 
 def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -> Callable:
@@ -33,8 +35,8 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
     member trains as it would alone. A mean would scale each member's gradient by ``1/n``.
 
     The loss runs under ``torch.func.vmap``. A loss that reads tensor values, which vmap
-    cannot batch (``nn.GaussianNLLLoss`` checks its variances with an ``if``; ``.item()``; a
-    boolean mask as an index), runs on each member's slice in turn instead: the same values
+    cannot batch (``nn.GaussianNLLLoss`` checks its variances with an ``if``; ``.item()``,
+    ``.tolist()``; a boolean mask as an index), runs on each member's slice in turn instead: the same values
     and gradients, one call per member. Under ``torch.autocast`` each member's loss gets
     autocast's casts as it would alone (``cross_entropy`` in float32, for one), which autocast
     wrapped around vmap would miss (docs/semantics.md, "Mixed precision").
@@ -78,7 +80,9 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
             return batched(*args, **kwargs)
         except RuntimeError as err:
             dims = _flat_dims(in_dims, len(args))
-            if not (str(err).startswith("vmap: ") and any(m in str(err) for m in _READS_VALUES)):
+            said = str(err)
+            reads = said.startswith("vmap: ") and any(m in said for m in _READS_VALUES)
+            if not (reads or _NO_STORAGE in said):
                 raise
             if dims is None:  # nested in_dims: vmap's own error says what it could not do
                 raise
