@@ -84,6 +84,8 @@ def check_mask(api: str, mask: Any, n: int, name: str = "mask") -> None:
         raise ValueError(
             f"{api}: `{name}` must have shape [{n}] (one per member), got {list(mask.shape)}"
         )
+    if mask.is_meta:  # no values: torch's "Cannot copy out of meta tensor" names nothing
+        raise ValueError(f"{api}: `{name}` must hold values, got a tensor on the meta device")
 
 
 def check_writable_dir(api: str, name: str, path: str | os.PathLike) -> None:

@@ -28,10 +28,24 @@ def keep_masked_(tensors: list[Tensor], old: list[Tensor], mask: Tensor) -> None
     Args:
         tensors: Stacked tensors ``[n, ...]`` (or per-member ``[n]`` counters), updated in place.
         old: Their values before the update, in the same order.
-        mask: Bool ``[n]``: the members that keep their new values.
+        mask: Bool ``[n]``: the members that keep their new values, on any device (a CPU
+            mask for CUDA parameters, as ``torch.tensor([...])`` makes it).
+
+    The update has written by now, so this must not leave it half kept: every row is computed
+    before the first copy, and a failure (a mask that cannot reach the tensors' device, an
+    interrupt between two copies) puts every tensor back as it was before the update.
     """
-    for t, before in zip(tensors, old, strict=True):
-        t.copy_(torch.where(column(mask, t), t, before))
+    if not tensors:  # nothing stepped (no parameter had a gradient)
+        return
+    try:
+        kept = [
+            torch.where(column(mask.to(t.device), t), t, before)
+            for t, before in zip(tensors, old, strict=True)
+        ]
+        torch._foreach_copy_(tensors, kept)
+    except BaseException:
+        Snapshot.restore(tensors, old)
+        raise
 
 
 class Snapshot:
