@@ -128,7 +128,6 @@ def clip_norms_(
     return norms
 
 
-@torch._dynamo.assume_constant_result  # not traced: run as it is while compiling
 def _torch_order(keys: tuple[tuple[torch.device, torch.dtype], ...]) -> tuple[int, ...]:
     """The order torch.nn.utils stacks per-tensor norms in: its (device, dtype) grouping's.
 
@@ -144,6 +143,9 @@ def _torch_order(keys: tuple[tuple[torch.device, torch.dtype], ...]) -> tuple[in
 
 
 _ORDERS: dict[tuple[tuple[torch.device, torch.dtype], ...], tuple[int, ...]] = {}
+# Not traced, run as it is while compiling: what torch._dynamo.assume_constant_result sets,
+# set here, as importing torch._dynamo would slow every eager run's start (Time to result).
+_torch_order._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _mul_dtype(grad: Tensor, coef: Tensor) -> torch.dtype:
