@@ -318,3 +318,24 @@ def test_none_in_a_mapped_argument_is_shared_as_each_member_alone(options):
     expected = torch.stack([m(x[i], (h[i], None)) for i, m in enumerate(alone)])
     torch.testing.assert_close(ens(x, (h, None), in_dims=0), expected, **TOL)
     _same_buffers(ens, alone)
+
+
+def test_a_hook_whose_closure_cell_is_empty_builds_and_fails_as_alone() -> None:
+    # an empty closure cell holds no tensor: the build check must not trip on it
+    def member() -> nn.Module:
+        fc = nn.Linear(2, 2, dtype=torch.float64)
+        later = 2.0
+
+        def hook(module: nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:
+            return out * later  # noqa: F821  (deleted below: the cell is empty)
+
+        fc.register_forward_hook(hook)
+        del later  # the cell is empty now
+        return fc
+
+    alone = member()
+    with pytest.raises(NameError):
+        alone(torch.randn(3, 2, dtype=torch.float64))
+    ens = vmapens.Ensemble(member, n=2, seed=0, backend="loop")
+    with pytest.raises(NameError):
+        ens(torch.randn(3, 2, dtype=torch.float64))
