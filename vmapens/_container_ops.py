@@ -45,17 +45,8 @@ def member_module(
     if padding is not None:
         template = padding.templates[padding.kind_of[i]]
     memo: dict[int, Any] = {}
-    tensors = list(named_tensors(template))
-    added = [name for name, _ in tensors if name not in stacked]
-    if added:  # registered on ``ens.template`` after building: no member has a value for it
-        raise ValueError(
-            f"Ensemble: {added} were registered on `ens.template` after building (parameters "
-            "or buffers that no member holds: the ensemble stacks the tensors it was built "
-            "with); build a new ensemble from members that have them "
-            "(Ensemble.from_modules(...))"
-        )
     with torch.no_grad():
-        for name, meta in tensors:
+        for name, meta in named_tensors(template):
             row = stacked[name][i]
             value = (row if padding is None else padding.take(name, row, i)).clone()
             if isinstance(meta, nn.Parameter):
