@@ -43,8 +43,7 @@ def oob_mask(boot: Tensor, n_samples: int) -> Tensor:
 def is_tensor_data(data: Any) -> bool:
     if not isinstance(data, tuple) or len(data) != 2 or not isinstance(data[1], Tensor):
         return False
-    leaves = optree.tree_leaves(data[0])
-    return bool(leaves) and all(isinstance(t, Tensor) for t in leaves)
+    return _tensor_tree(data[0])
 
 
 def spread_inputs(data: tuple) -> tuple:
@@ -275,6 +274,7 @@ def _check_listed_batch(api: str, name: str, k: int, item: Any, data: Sequence) 
 
 
 def _tensor_tree(tree: Any) -> bool:
+    """Whether ``tree`` holds tensors and nothing else (at least one)."""
     leaves = optree.tree_leaves(tree)
     return bool(leaves) and all(isinstance(t, Tensor) for t in leaves)
 
