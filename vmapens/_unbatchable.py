@@ -23,6 +23,7 @@ from ._attention import batched_attention
 from ._fastcall import WRITTEN, Reassigned
 
 __all__ = [
+    "NO_STORAGE",
     "EditedInTurns",
     "Versions",
     "batch_kept",
@@ -65,7 +66,7 @@ _OLD_FUNCTION = "must override the setup_context staticmethod"
 _TENSOR_HOOK = "cannot register a hook on a tensor that doesn't require gradient"
 #: What a member's batched tensor says when read as memory (``.tolist()``, ``.numpy()``,
 #: ``.data_ptr()``; ``.untyped_storage()``): it has no storage of its own.
-_NO_STORAGE = ("Tensor that doesn't have storage", "Cannot access storage of BatchedTensorImpl")
+NO_STORAGE = ("Tensor that doesn't have storage", "Cannot access storage of BatchedTensorImpl")
 #: What torch.func.vmap says of a member output that is not a tensor.
 _NOT_TENSOR = "must only return Tensors"
 #: Where the loop backend stacks the members' outputs (a TypeError there: not a tensor).
@@ -166,7 +167,7 @@ def explain_failure(
             "the ensemble stacks every output along a new member dim, with either backend. "
             f"Return tensors (torch.tensor(3) for a number) or None. ({err})"
         )
-    if backend == "vmap" and any(m in str(err) for m in _NO_STORAGE):
+    if backend == "vmap" and any(m in str(err) for m in NO_STORAGE):
         what = f"`loss_fn` or the forward of {name}" if loss else f"the forward of {name}"
         return RuntimeError(
             f"{api}: {what} reads a tensor's memory (.tolist(), .numpy(), .data_ptr(), "

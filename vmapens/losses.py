@@ -10,6 +10,7 @@ import torch
 from torch.func import vmap
 
 from ._precision import autocast_members
+from ._unbatchable import NO_STORAGE
 
 __all__ = ["per_member"]
 
@@ -23,8 +24,6 @@ _READS_VALUES = (
     "dynamic shape",
     "a differently shaped Tensor",
 )
-#: What a batched tensor says when read as memory (``.tolist()``, ``.numpy()``): no storage.
-_NO_STORAGE = "Tensor that doesn't have storage"
 
 
 def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -> Callable:
@@ -82,7 +81,7 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
             dims = _flat_dims(in_dims, len(args))
             said = str(err)
             reads = said.startswith("vmap: ") and any(m in said for m in _READS_VALUES)
-            if not (reads or _NO_STORAGE in said):
+            if not (reads or any(m in said for m in NO_STORAGE)):  # .tolist(), .numpy()
                 raise
             if dims is None:  # nested in_dims: vmap's own error says what it could not do
                 raise
