@@ -78,13 +78,16 @@ def memory_run() -> dict:
 
 
 @LINUX_ONLY
-def test_chunked_step_holds_one_chunk_of_activations(memory_run: dict):
-    # With glibc's defaults. In chunks of a quarter of the members a step needs a quarter of
-    # the activations plus the same gradients; vmap's own chunking kept all four chunks (ratio
-    # >= 1). 0.75 leaves room for allocator noise.
+def test_chunked_run_peaks_lower_with_glibc_defaults(memory_run: dict):
+    # With glibc's defaults, the run's peak RSS over the build: chunks of a quarter of the
+    # members hold a quarter of the activations, so the peak falls (0.55-0.60 measured here,
+    # 8 members). One later step is not compared here: under the defaults its RSS growth is
+    # whatever the heap did not keep of the first step's buffers, which depends on the arena
+    # each thread drew (unchunked 42-106 MB in four runs here, 0.0 MB in one CI run). Its ratio
+    # is checked below with the mmap threshold fixed, where RSS follows the live tensors.
     m = memory_run
     assert m["same"], m
-    assert m["step_ratio"] <= 0.75, m
+    assert m["ratio"] <= 0.85, m
 
 
 def test_tensor_peak_counts_the_bytes_alive_at_once():
