@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 import random
 
@@ -265,3 +266,70 @@ def test_stacked_refuses_with_reason() -> None:
         stacked(torch.optim.LBFGS)
     with pytest.raises(ValueError, match="torch_class"):
         stacked(torch.nn.Linear)  # type: ignore[arg-type]
+
+
+#: Stacked optimizers whose step with per-member lrs is torch's with each member's tensor lr
+#: bit for bit, and those whose torch twin computes its step size in a tensor lr's dtype
+#: (float32 here), which per-member lrs compute in float64 (docs/semantics.md).
+EXACT_SPLIT = ["SGD", "RMSprop", "Adagrad", "RAdam", "Adadelta", "Rprop"]
+ROUNDED_SPLIT = ["Adam", "Adamax", "NAdam", "ASGD"]
+
+
+@pytest.mark.parametrize("name", EXACT_SPLIT + ROUNDED_SPLIT)
+def test_plateau_float32_tensor_lr_rounds_as_torch_once_members_differ(name: str) -> None:
+    # torch fills each member's float32 lr tensor, so every lowered lr is rounded to float32;
+    # once members' lrs differed they were kept as Python floats, 5e-10 apart from torch's,
+    # and SGD's steps after it 1e-9 apart. Float64 parameters: only the lr's rounding differs.
+    n, factor = 3, 0.3  # 0.1 * 0.3 is not a float32 number
+    gen = torch.Generator().manual_seed(0)
+    w0 = torch.randn(n, 4, dtype=torch.float64, generator=gen)
+    w = w0.clone().requires_grad_()
+    opt = stacked(getattr(torch.optim, name))([w], lr=torch.tensor(0.1))
+    sched = ReduceLROnPlateau(opt, factor=factor, patience=0)
+    mine = [w0[i].clone().requires_grad_() for i in range(n)]
+    tops = [getattr(torch.optim, name)([m], lr=torch.tensor(0.1)) for m in mine]
+    alone = [torch.optim.lr_scheduler.ReduceLROnPlateau(o, factor=factor, patience=0) for o in tops]
+    metrics = [[1.0, 1.0, 1.0], [2.0, 0.5, 2.0], [3.0, 0.1, 0.5], [4.0, 5.0, 0.1], [5.0, 6.0, 7.0]]
+    for step, row in enumerate(metrics):
+        if step == 3:  # resumed after the split, through a file: the lr's dtype goes with it
+            buffer = io.BytesIO()
+            torch.save(sched.state_dict(), buffer)
+            buffer.seek(0)
+            sched = ReduceLROnPlateau(opt, factor=factor, patience=0)
+            sched.load_state_dict(torch.load(buffer, weights_only=True))
+        grad = torch.randn(n, 4, dtype=torch.float64, generator=gen)
+        w.grad = grad.clone()
+        opt.step()
+        for i, (m, o) in enumerate(zip(mine, tops, strict=True)):
+            m.grad = grad[i].clone()
+            o.step()
+        sched.step(torch.tensor(row, dtype=torch.float64))
+        for t, v in zip(alone, row, strict=True):
+            t.step(v)
+        _check_plateau(sched, opt, alone, tops, 1)
+        want = torch.stack([m.detach() for m in mine])
+        if name in EXACT_SPLIT:
+            assert torch.equal(w.detach(), want)
+        else:  # a float32 step size: within its rounding (2^-24) of the lr-sized steps
+            torch.testing.assert_close(w.detach(), want, rtol=0, atol=1e-7)
+
+
+def test_plateau_split_tensor_lr_still_takes_torchs_other_schedulers() -> None:
+    # torch's schedulers fill_ a tensor lr with one value; the split lrs stay one float per
+    # member (not a 1-D tensor, which fill_ refuses), so a StepLR beside the plateau goes on
+    # lowering each member's own lr.
+    w = torch.zeros(3, 2, dtype=torch.float64, requires_grad=True)
+    opt = StackedSGD([w], lr=torch.tensor(0.1))
+    sched = ReduceLROnPlateau(opt, factor=0.5, patience=0)
+    other = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    sched.step(torch.tensor([1.0, 1.0, 1.0]))
+    sched.step(torch.tensor([2.0, 0.5, 2.0]))  # members 0 and 2 lowered
+    w.grad = torch.ones(3, 2, dtype=torch.float64)
+    opt.step()
+    other.step()
+    half = float(torch.tensor(0.1 * 0.5, dtype=torch.float32))
+    assert list(opt.param_groups[0]["lr"]) == [
+        half * 0.9,
+        float(torch.tensor(0.1)) * 0.9,
+        half * 0.9,
+    ]

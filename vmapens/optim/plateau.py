@@ -7,6 +7,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .._checks import check_choice, check_mask
@@ -97,6 +98,10 @@ class ReduceLROnPlateau:
         self.num_bad_epochs = [0] * n
         self.cooldown_counter = [0] * n
         self.last_epoch = 0
+        # The dtype of each param group's 0-d tensor lr (by index), once members' lrs differ
+        # and it became one float per member: torch keeps filling each member's own tensor,
+        # which rounds every new value to it.
+        self._lr_dtypes: dict[int, torch.dtype] = {}
         self._last_lr = _lrs(optimizer)
         _BUILT.setdefault(optimizer, weakref.WeakSet()).add(self)
 
@@ -189,11 +194,11 @@ class ReduceLROnPlateau:
         self.min_lrs, self.last_epoch = min_lrs, self.last_epoch + 1
         self.best, self.num_bad_epochs, self.cooldown_counter = best, bad, cooldown
         if any(reduce):
-            for group, min_lr in zip(groups, self.min_lrs, strict=True):
-                self._reduce(group, reduce, min_lr)
+            for k, (group, min_lr) in enumerate(zip(groups, self.min_lrs, strict=True)):
+                self._reduce(k, group, reduce, min_lr)
         self._last_lr = _lrs(self.optimizer)
 
-    def _reduce(self, group: dict[str, Any], reduce: list[bool], min_lr: float) -> None:
+    def _reduce(self, k: int, group: dict[str, Any], reduce: list[bool], min_lr: float) -> None:
         """Lower the learning rates of the members in ``reduce``, as torch's scheduler lowers
         a group's: ``max(float(lr) * factor, min_lr)`` unless that changes it by <= eps."""
         lr, n = group["lr"], len(reduce)
@@ -206,6 +211,12 @@ class ReduceLROnPlateau:
             if lower[0]:
                 lr.fill_(new[0])
             return
+        if isinstance(lr, Tensor):
+            self._lr_dtypes[k] = lr.dtype
+        if k in self._lr_dtypes:  # each member's tensor lr rounds its new value (float32: 5e-10)
+            new = torch.tensor(new, dtype=self._lr_dtypes[k]).tolist()
+        # One float per member, not a 1-D tensor: torch's other schedulers fill_ a tensor lr
+        # with one value (a 1-D one raises), and compute on anything else member by member.
         group["lr"] = MemberValues(w if c else v for v, w, c in zip(old, new, lower, strict=True))
 
     def get_last_lr(self) -> list[Any]:
@@ -227,8 +238,8 @@ class ReduceLROnPlateau:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()`` (checked first; the optimizer's state loaded before it,
         as for torch's schedulers)."""
-        # default_min_lr: not in state dicts written before it was kept.
-        missing = set(self.state_dict()) - set(state) - {"default_min_lr"}
+        # default_min_lr, _lr_dtypes: not in state dicts written before they were kept.
+        missing = set(self.state_dict()) - set(state) - {"default_min_lr", "_lr_dtypes"}
         if missing:
             raise ValueError(f"ReduceLROnPlateau.load_state_dict: missing {sorted(missing)}")
         n = self.optimizer.num_members
@@ -240,7 +251,7 @@ class ReduceLROnPlateau:
                     f"ReduceLROnPlateau.load_state_dict: `{key}` must hold one value per member "
                     f"(n={n}), got {value!r}; torch's ReduceLROnPlateau keeps one for all"
                 )
-        self.default_min_lr = None
+        self.default_min_lr, self._lr_dtypes = None, {}
         self.__dict__.update(
             {
                 k: (list(v) if isinstance(v, list) else v)
