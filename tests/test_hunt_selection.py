@@ -133,15 +133,18 @@ def test_best_k_follows_the_documented_rule(
             assert_same_module(ens[i], sub[j])
 
 
-def test_member_scores_best_finite_value_per_member() -> None:
+def test_member_scores_best_value_per_member() -> None:
+    # As EarlyStopping counts them: the best infinity is a value (-inf in "min", +inf in
+    # "max"); NaN and the worst infinity are not.
     h = vmapens.History.empty([0, 1, 2], validated=True)
     table = [[3.0, NAN, INF], [2.0, NAN, 4.0], [NAN, NAN, -INF]]
     h.val_loss = torch.tensor(table, dtype=torch.float64)
     for mode, pick in (("min", min), ("max", max)):
         truth = []
         for col in zip(*table, strict=True):
-            finite = [v for v in col if math.isfinite(v)]
-            truth.append(pick(finite) if finite else NAN)
+            worst = INF if mode == "min" else -INF
+            kept = [v for v in col if not math.isnan(v) and v != worst]
+            truth.append(pick(kept) if kept else NAN)
         torch.testing.assert_close(
             member_scores(h, mode=mode), torch.tensor(truth, dtype=torch.float64), equal_nan=True
         )

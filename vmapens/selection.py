@@ -52,9 +52,9 @@ def member_scores(history: History, metric: str = "val_loss", mode: str = "min")
 
     The best value is what ``fit(..., restore_best=True)`` leaves each member at when
     ``metric`` is the monitored one (``fit`` records no validation score in the epoch a
-    member diverged in). Members with no finite value get NaN, and an infinite value is
-    none here (``best_k`` with a History counts the best infinity, ``-inf`` for ``"min"``, as
-    ``EarlyStopping`` does). After
+    member diverged in). The best infinity (``-inf`` for ``"min"``, ``+inf`` for ``"max"``: a
+    PSNR of ``+inf``, a perfect member) is a value, as ``EarlyStopping`` counts it; NaN and the
+    worst infinity are not (no epoch beats them), and a member with no value gets NaN. After
     ``vmapens.pbt.PBT`` rounds a copied member's column still holds its own values from before
     the copy, while ``restore_best`` gives it its source's best state: rank such a run by the
     early stopper's ``best_val`` (lower is better in either mode): ``best_k(ens,
@@ -81,19 +81,17 @@ def member_scores(history: History, metric: str = "val_loss", mode: str = "min")
     return _scores(history, metric, mode, "member_scores", "history")
 
 
-def _scores(
-    history: History, metric: str, mode: str, api: str, arg: str, best_infinity: bool = False
-) -> Tensor:
-    """:func:`member_scores`, its errors in the words of ``api`` (``history`` is its ``arg``);
-    with ``best_infinity`` the best infinity (``-inf`` for ``"min"``) counts as a value."""
+def _scores(history: History, metric: str, mode: str, api: str, arg: str) -> Tensor:
+    """:func:`member_scores`, its errors in the words of ``api`` (``history`` is its ``arg``)."""
     check_choice(api, "mode", mode, ("min", "max"))
     table = metric_table(history, metric, api, "metric")
     if table.shape[0] == 0:
         raise ValueError(f"{api}: `{arg}` has no epochs recorded, so no member has a score")
     key = table.double() if mode == "min" else -table.double()  # lower is better
     # EarlyStopping keeps an epoch whose value beats +inf in these terms: a PSNR of +inf
-    # (a perfect member, mode "max") is its best epoch, the one restore_best leaves.
-    valid = key < torch.inf if best_infinity else torch.isfinite(key)
+    # (a perfect member, mode "max") is its best epoch, the one restore_best leaves. Sweep
+    # tells optuna these scores, so a perfect trial is complete there, not failed.
+    valid = key < torch.inf
     best = key.masked_fill(~valid, torch.inf).amin(0)
     best = best if mode == "min" else -best
     return best.masked_fill(~valid.any(0), torch.nan)
@@ -151,7 +149,7 @@ def best_k(
                 f"{api}: `history_or_scores` is a History of members {ids}, but `ens` holds "
                 f"members {own}; pass the History of this ensemble's training"
             )
-        scores = _scores(history_or_scores, metric, mode, api, "history_or_scores", True)
+        scores = _scores(history_or_scores, metric, mode, api, "history_or_scores")
     elif isinstance(history_or_scores, Tensor):
         scores = history_or_scores.detach().double().cpu()
     else:

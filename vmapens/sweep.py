@@ -46,9 +46,11 @@ class TrialResult:
     Attributes:
         number: the trial number (0, 1, ... in the order asked).
         params: the hyperparameters ``space`` chose.
-        value: the best monitored value over its epochs (NaN if none was finite).
-        state: ``"complete"``, ``"pruned"`` or ``"failed"`` (no finite value).
-        values: the monitored value after each epoch it trained.
+        value: the best monitored value over its epochs, as ``member_scores`` finds it: the
+            best infinity (``+inf`` with mode ``"max"``: a perfect member) is one, and NaN when
+            it has no value (only NaN, or the worst infinity).
+        state: ``"complete"``, ``"pruned"`` or ``"failed"`` (``value`` is NaN).
+        values: the monitored value after each epoch it trained (not NaN: none recorded).
         round: which ensemble (round) it was trained in; ``member``: its row there.
     """
 
@@ -93,7 +95,7 @@ class _Report(Callback):
         table = metric_table(ctx.history, self.monitor, "Sweep", "monitor")
         for epoch, row in enumerate(table.tolist()):
             for trial, value in zip(self.trials, row, strict=True):
-                if math.isfinite(value):
+                if not math.isnan(value):
                     trial.report(value, epoch)
 
     def on_epoch_end(self, ctx: Context) -> None:
@@ -102,7 +104,8 @@ class _Report(Callback):
         for j, trial in enumerate(self.trials):
             # Every epoch a member trained in, the one early stopping stopped it in too: the
             # pruner compares trials step by step, and the TrialResult lists that value.
-            if not bool(ctx.running[j]) or not math.isfinite(float(row[j])):
+            # An infinite value is one (optuna takes it; a +inf PSNR is a perfect score).
+            if not bool(ctx.running[j]) or math.isnan(float(row[j])):
                 continue
             trial.report(float(row[j]), ctx.epoch)
             if self.pruning and bool(active[j]) and trial.should_prune():
@@ -388,10 +391,10 @@ class Sweep:
         best = member_scores(history, self.monitor, self.mode)
         table = metric_table(history, self.monitor, "Sweep", "monitor")
         for j, trial in enumerate(trials):
-            values = [float(v) for v in table[:, j] if math.isfinite(float(v))]
+            values = [float(v) for v in table[:, j] if not math.isnan(float(v))]
             value = float(best[j])
             state = "pruned" if j in report.pruned else "complete"
-            state = state if math.isfinite(value) else "failed"
+            state = "failed" if math.isnan(value) else state
             if self.backend == "optuna":
                 self._tell(trial, state, value)
             result.trials.append(
