@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from ._data import rows_of
 from .optim import StackedOptimizer
 
 __all__ = ["batch_rows", "check_optimizer_arg", "is_metric_object"]
@@ -48,8 +49,14 @@ def is_metric_object(fn: Any) -> bool:
     return all(callable(getattr(fn, a, None)) for a in ("reset", "update", "compute"))
 
 
-def batch_rows(targets: Any, dim: int = 0) -> int:
-    """Rows of a batch's targets along ``dim``: those of its first tensor, for targets that
-    are a tuple, list or dict of tensors (a ``(y, weights)`` pair, as ``make_step`` takes)."""
+def batch_rows(targets: Any, member_dim: bool = False) -> int:
+    """Rows of a batch's targets (dim 0, or dim 1 after the member dim): those of its first
+    tensor, for targets that are a tuple, list or dict of tensors (a ``(y, weights)`` pair, as
+    ``make_step`` takes); 1 when they hold none.
+
+    ``rows_of`` on the tensors only: a collated batch may hold other leaves (a list of string
+    ids, an int), which ``rows_of``'s (X, Y) tensors never do. torch's pytree, not optree's,
+    finds the first: it keeps a dict's own key order, which optree sorts.
+    """
     tensors = [t for t in tree_leaves(targets) if isinstance(t, torch.Tensor)]
-    return int(tensors[0].shape[dim]) if tensors else 1
+    return int(rows_of(tensors, member_dim)) if tensors else 1

@@ -385,10 +385,13 @@ class Padding:
         ``.data``: autograd saved the buffer (BatchNorm's backward keeps it) and must not see
         a new version; its padded entries reach no member's output or gradient.
         """
-        for name, buf in buffers.items():
-            if name not in self.padded or buf.dtype == torch.bool or isinstance(buf, FakeTensor):
-                continue
-            mask = self.masks({name: buf})[name]
+        padded = {
+            name: buf
+            for name, buf in buffers.items()
+            if name in self.padded and buf.dtype != torch.bool and not isinstance(buf, FakeTensor)
+        }
+        for name, mask in self.masks(padded).items():
+            buf = padded[name]
             mask = mask if rows is None else mask[rows]
             if torch.compiler.is_compiling():  # functionalised: the graph keeps the old value
                 with torch.no_grad():

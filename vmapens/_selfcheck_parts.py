@@ -25,6 +25,7 @@ __all__ = [
     "differences",
     "fingerprints",
     "in_turns",
+    "own_attributes",
     "plain_attributes",
     "refuse_carried",
     "set_attributes",
@@ -34,14 +35,19 @@ __all__ = [
 Attributes = dict[tuple[str, str], Any]
 
 
+def own_attributes(module: nn.Module) -> dict[str, Any]:
+    """The attributes of ``module`` itself (not its submodules') that are not torch's own
+    bookkeeping, a parameter, a buffer or a submodule, by name: a new dict."""
+    # INTERNAL: nn.Module's own entries, RNNs' views of their weights.
+    return {key: value for key, value in vars(module).items() if key not in INTERNAL}
+
+
 def plain_attributes(module: nn.Module) -> Attributes:
-    """Every attribute of ``module`` and its submodules that is not torch's own bookkeeping,
-    a parameter, a buffer or a submodule."""
+    """``own_attributes`` of ``module`` and of each of its submodules, at every path."""
     return {
         (path, key): value
         for path, sub in module.named_modules(remove_duplicate=False)
-        for key, value in vars(sub).items()
-        if key not in INTERNAL  # nn.Module's own entries, RNNs' views of their weights
+        for key, value in own_attributes(sub).items()
     }
 
 

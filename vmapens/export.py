@@ -21,8 +21,8 @@ from torch.export import ExportedProgram
 from torch.func import functional_call
 
 from ._attention import batched_attention
-from ._attributes import INTERNAL
 from ._members import named_tensors
+from ._selfcheck_parts import own_attributes
 from ._unbatchable import refuse_edits_in_turns
 from .distributed import member_blocks, rank, world_size
 from .ensemble import Ensemble, check_ensemble
@@ -303,11 +303,12 @@ def _trace(api: str, ens: Ensemble, module: _Program, args: tuple[Tensor, ...]) 
 
 
 def _attributes(ens: Ensemble) -> list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]:
-    """The plain attributes of the modules the members run, and the items of their lists, dicts
-    and sets. A trace runs the forward there: what it sets (a Python counter, a list it appends
-    to) would change the next ``ens(x)`` and the ``ens[i]`` the probe holds the program to."""
+    """The ``own_attributes`` of the modules the members run, once per module object (the
+    self-check keys them by path, to carry values to another module), and copies of the items
+    of their lists, dicts and sets. A trace runs the forward there: what it sets (a counter, a
+    list it appends to) would change the next ``ens(x)`` and the ``ens[i]`` the probe runs."""
     modules = {id(m): m for root in (ens.template, ens.runner) for m in root.modules()}
-    own = [(m, {k: v for k, v in vars(m).items() if k not in INTERNAL}) for m in modules.values()]
+    own = [(m, own_attributes(m)) for m in modules.values()]
     return [(m, a, {k: copy.copy(v) for k, v in a.items() if type(v) in _ITEMS}) for m, a in own]
 
 
@@ -316,8 +317,8 @@ def _give_back(kept: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]) -> 
     a cache) the forward changed, which the program holds as constants, said."""
     changed = []
     for m, own, items in kept:
-        for key in [k for k in vars(m) if k not in INTERNAL]:
-            old, new = own.get(key), m.__dict__[key]
+        for key, new in own_attributes(m).items():
+            old = own.get(key)
             plain = old is not None and type(old) in _PLAIN and new is not old
             if plain and (type(new), new) != (type(old), old):
                 changed.append(f"`{key}` ({old!r} -> {new!r})")

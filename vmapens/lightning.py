@@ -279,7 +279,7 @@ class EnsembleModule(ResumesRNG, L.LightningModule):
         active = self.active
         mask = None if bool(active.all()) else active
         losses = self._step(inputs, targets, mask)
-        size = batch_rows(targets, 1 if self._options["in_dims"] == 0 else 0)
+        size = batch_rows(targets, member_dim=self._options["in_dims"] == 0)
         self.log("train_loss", losses.mean(), prog_bar=True, batch_size=size)
         self.log_dict(self._per_member("train_loss", losses), batch_size=size)
         self._step_schedulers(batch_idx)
