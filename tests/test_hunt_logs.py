@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
-import math
 import threading
 import time
 from pathlib import Path
@@ -77,7 +76,9 @@ def test_tensorboard_resume_in_the_same_second_is_read_after_the_interrupted_run
     _tensorboard_run(tmp_path / "straight", tmp_path / "straight.pt", None)
     counter = event_file_writer._global_uid
     counter._value = 10 ** len(str(counter._value)) - 1  # the interrupted run's file: ...9
-    time.sleep(math.ceil(time.time()) - time.time())  # both runs in one second (~0.1 s)
+    # Both runs in one second (~0.1 s), from the start of the next. One clock reading: with two
+    # (the ceiling of one minus the other) a second beginning between them made a negative sleep.
+    time.sleep(1 - time.time() % 1)
     _tensorboard_run(tmp_path / "resumed", tmp_path / "resumed.pt", 1)
     _tensorboard_run(tmp_path / "resumed", tmp_path / "resumed.pt", None)
     straight = tensorboard_scalars(tmp_path / "straight")

@@ -12,7 +12,6 @@ import functools
 import importlib
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -262,11 +261,14 @@ def test_two_processes_refused(tmp_path: Path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     root = Path(__file__).resolve().parent.parent
-    with socket.socket() as s:  # a free port for the gloo rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # The rendezvous store is served from here, as torchrun's agent serves it: bound to a port
+    # the OS picks and held. A port found free, closed, then bound by rank 0 seconds later (after
+    # its imports) can be taken in between by another process (the other xdist worker's torchrun
+    # tests bind ports too): rank 0 would fail with EADDRINUSE, or rank 1 meet a foreign server.
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(root),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0", WORLD_SIZE="2")  # fmt: skip
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), NODE_RANK="0", WORLD_SIZE="2",
+               TORCHELASTIC_USE_AGENT_STORE="True")  # fmt: skip
     procs = [
         subprocess.Popen(
             [sys.executable, str(script)],
