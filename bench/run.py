@@ -55,6 +55,11 @@ _CFG = {
 _QUICK_REAL_CFG = {"warmup": 1, "repeats": 1, "min_time_s": 0.0, "min_steps": 1}
 
 
+class OptionError(ValueError):
+    """An argument of :func:`run` refused before anything ran (``python -m bench`` reports it as
+    a usage error, not a traceback)."""
+
+
 def _measure_rounds(
     factories: dict[str, StepFactory], n: int, device: torch.device, cfg: dict
 ) -> dict[str, dict]:
@@ -166,13 +171,14 @@ def run(
         (with ``reason``) or "skipped" (the reference is too big at this N, or quick mode).
 
     Raises:
-        ValueError: If `workloads`, `sizes`, `optim_sizes` or `real_n` is invalid.
+        OptionError: A ``ValueError``: if `workloads`, `sizes`, `optim_sizes`, `real_n` or
+            `threads` is invalid, or `device` is CUDA and torch sees no CUDA device.
     """
     chosen = (
         tuple(workloads) if workloads is not None else (QUICK_WORKLOADS if quick else WORKLOADS)
     )
     if not chosen or not set(chosen) <= set(WORKLOADS):
-        raise ValueError(
+        raise OptionError(
             f"run: `workloads` must be a non-empty subset of {WORKLOADS}, got {chosen}"
         )
     sizes = sorted(QUICK_SIZES if quick else sizes)
@@ -180,8 +186,18 @@ def run(
     real_n = QUICK_REAL_N if quick else real_n
     for name, ns in (("sizes", sizes), ("optim_sizes", optim_sizes), ("real_n", [real_n])):
         if not ns or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in ns):
-            raise ValueError(f"run: `{name}` must be positive ints, got {ns}")
+            raise OptionError(f"run: `{name}` must be positive ints, got {ns}")
+    if threads is not None and (
+        not isinstance(threads, int) or isinstance(threads, bool) or threads < 1
+    ):
+        raise OptionError(f"run: `threads` must be a positive int or None, got {threads!r}")
     device, cfg, say = torch.device(device), _CFG[quick], log or (lambda _: None)
+    # Else every row fails to build: rows of n/a, or a KeyError once workload A has no naive row.
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise OptionError(
+            f"run: `device` is {str(device)!r} but torch sees no CUDA device "
+            f"(torch {torch.__version__}, torch.cuda.is_available() is False)"
+        )
     old_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)

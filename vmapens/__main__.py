@@ -214,23 +214,49 @@ def sweep_demo(n: int = 16, epochs: int = 24, k: int = 5) -> None:
     print(f"  test accuracy of their averaged ensemble: {accuracy(probs, test[1]):.3f}")
 
 
+def _steps(text: str) -> int:
+    """argparse type for ``--steps``: an int >= 2, as workload A times its first step (the
+    compile) apart from the rest and divides by their number."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2, got {text!r}") from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer >= 2 (the first step is timed apart), got {value}"
+        )
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vmapens", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="workload A (naive loop vs Ensemble) and a real-data case")
-    demo.add_argument("--steps", type=int, default=1000)
     demo.add_argument(
+        "--steps",
+        type=_steps,
+        default=None,
+        help="training steps of workload A (default 1000; not with --sharded or --sweep)",
+    )
+    # One demo per run: with both flags, one of them would be dropped without a word.
+    which = demo.add_mutually_exclusive_group()
+    which.add_argument(
         "--sharded",
         action="store_true",
         help="split the members over torchrun's processes (docs/distributed.md)",
     )
-    demo.add_argument(
+    which.add_argument(
         "--sweep",
         action="store_true",
         help="an lr sweep with population-based training on digits, then the top-k ensemble",
     )
     # The benchmark suite is not part of the installed package (0.3.0): say where it went.
-    sub.add_parser("bench", help="moved: run `python -m bench` in a checkout of the repository")
+    # No -h of its own: `bench --help` gets the message below, not an empty usage line.
+    sub.add_parser(
+        "bench",
+        help="moved: run `python -m bench` in a checkout of the repository",
+        add_help=False,
+    )
     args, _ = parser.parse_known_args(argv)
     if args.command == "bench":
         print(
@@ -240,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     args = parser.parse_args(argv)
+    if args.steps is not None and (args.sharded or args.sweep):
+        flag = "--sharded" if args.sharded else "--sweep"
+        demo.error(f"argument --steps: not allowed with {flag} (only workload A takes steps)")
 
     if args.command == "demo" and args.sharded:
         sharded_demo()
@@ -247,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo" and args.sweep:
         sweep_demo()
         return 0
-    workload_a(steps=args.steps)
+    workload_a(steps=1000 if args.steps is None else args.steps)
     digits()
     return 0
 
