@@ -30,7 +30,8 @@ from torch import nn
 from torch._C._functorch import is_functorch_wrapped_tensor
 
 from ._batchable import twin_class
-from ._members import held_tensor, named_tensors
+from ._hooks import held_tensor
+from ._members import named_tensors
 from ._stacking import recomputed
 from ._unbatchable import unchunked
 

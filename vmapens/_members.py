@@ -16,6 +16,7 @@ from torch.nn.utils import parametrize
 from ._buffer_turns import Slices, Turns
 from ._chunks import in_order, in_turns, uncache, uncached, vmap_in_turns
 from ._fastcall import forget_writes, no_random_ops, vmap_members
+from ._hooks import held_message, held_tensor, module_ids, refuse_state_dict_pre_hooks
 from ._precision import autocast_members
 from ._unbatchable import shared_versions
 from .distributed import member_block
@@ -92,6 +93,7 @@ def check_member(member: Any, i: int, api: str) -> nn.Module:
         what = "`modules` must hold nn.Modules" if api.endswith("from_modules") else None
         what = what or "`factory` must return an nn.Module"
         raise TypeError(f"{api}: {what}, but member {i} is {type(member).__name__}")
+    refuse_state_dict_pre_hooks(api, member, i)
     for name, t in named_tensors(member):
         if nn.parameter.is_lazy(t):
             raise ValueError(
@@ -109,37 +111,17 @@ def check_member(member: Any, i: int, api: str) -> nn.Module:
             )
     # Member 0's: the template runs them, and the others' settings must equal them.
     ids = {id(t): name for name, t in named_tensors(member)} if i == 0 else {}
+    # A hook closing over the member's own module reads member 0's original tensors (a plain
+    # function attribute may, to read a setting: `lambda x: x * self.fc.out_features`).
+    hook_ids = {**ids, **module_ids(member)} if ids else {}
     for path, sub in member.named_modules() if ids else ():  # a list, closure: its own tensor
         for key in sorted((vars(sub).keys() - _INTERNAL) | _HOOKS):
-            if (held := held_tensor(vars(sub)[key], ids)) is not None:
-                raise ValueError(
-                    f"{api}: member {i}'s attribute `{path}{'.' * bool(path)}{key}` holds its "
-                    f"tensor `{held}`; members' tensors are swapped into module slots only, so a "
-                    "forward would read another there: read it via its module (a hook's m.weight)"
-                )
+            if (
+                held := held_tensor(vars(sub)[key], hook_ids if key in _HOOKS else ids)
+            ) is not None:
+                where = f"member {i}'s attribute `{path}{'.' * bool(path)}{key}`"
+                raise ValueError(held_message(api, where, held))
     return member
-
-
-def held_tensor(v: Any, ids: dict[int, str], depth: int = 0) -> str | None:
-    """The name of the member's tensor (``ids``) a plain attribute value holds, if any."""
-    if isinstance(v, torch.Tensor):
-        return ids.get(id(v))
-    if depth >= _DEPTH or type(v) in _ATOMS or isinstance(v, (nn.Module, type)):
-        return None  # a submodule sees the member's tensors in its slots
-    if isinstance(v, types.FunctionType):
-        v = [_contents(c) for c in v.__closure__ or ()] + list(v.__defaults__ or ())
-    elif isinstance(v, functools.partial):
-        v = [v.func, *v.args, *v.keywords.values()]
-    elif not isinstance(v, (tuple, list, set, frozenset)):
-        v = list((v if isinstance(v, dict) else getattr(v, "__dict__", {})).values())
-    return next((h for x in v if (h := held_tensor(x, ids, depth + 1)) is not None), None)
-
-
-def _contents(cell: Any) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell (a name deleted or bound later): holds nothing
-        return None
 
 
 def named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from ._attention import batched_attention
 from ._fastcall import WRITTEN, Reassigned
+from ._hooks import refuse_global_backward_hooks
 
 __all__ = [
     "NO_STORAGE",
@@ -318,6 +319,7 @@ def refuse_template_hooks(template: nn.Module, runner: nn.Module) -> None:
             )
     if not torch.is_grad_enabled():
         return  # no backward follows
+    refuse_global_backward_hooks()
     for name, module in runner.named_modules():
         if module._backward_hooks or module._backward_pre_hooks:
             where = f"`{name}` ({type(module).__name__})" if name else "the member"
