@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
 import torch
 
-__all__ = ["check_targets", "clip_bound"]
+__all__ = ["check_targets", "clip_bound", "grad_on", "graph_into", "refuse_graph_into"]
 
 
 def clip_bound(api: str, name: str, bound: Any) -> float | None:
@@ -57,4 +59,78 @@ def check_targets(targets: Any) -> None:
             got = f"a {got} holding {type(bad[0]).__name__}" if bad else f"an empty {got}"
         raise TypeError(
             f"step: `targets` must be a tensor or a tuple, list or dict of tensors, got {got}"
+        )
+
+
+def grad_on(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``step`` run with autograd on, as ``torch.func.grad`` (the compiled step's gradients)
+    runs whatever the caller's ``torch.no_grad()``: a step computes its own gradients.
+
+    Without it the eager step under ``no_grad`` recorded no graph and failed with a hint about
+    in-place ops, and the compiled one failed in its eager probe: neither said why.
+
+    Raises:
+        RuntimeError: (from the step) called under ``torch.inference_mode()``, where autograd
+            records nothing even with grad enabled; nothing was changed.
+    """
+
+    @functools.wraps(step)
+    def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "step: called under torch.inference_mode(), where autograd records nothing and "
+                "no gradient can be computed; call the training step outside it (nothing was "
+                "changed)"
+            )
+        with torch.enable_grad():
+            return step(*args, **kwargs)
+
+    return run
+
+
+def graph_into(batch: tuple[tuple, Any], params: Sequence[torch.Tensor]) -> bool:
+    """Whether a tensor of ``batch`` (the positional inputs, the targets) is one of ``params``
+    or carries an autograd graph that reaches one: a target computed from the ensemble itself
+    and not detached (``step(x, 0.9 * ens(x2))``), through which ``loss.backward()`` alone
+    back-propagates into each member too.
+
+    Only tensors with a graph are walked: a batch of data costs one look at each tensor.
+    """
+    flat = [*batch[0], batch[1]]  # (positional inputs, targets): most often all tensors
+    if not all(isinstance(t, torch.Tensor) for t in flat):
+        flat = optree.tree_leaves(batch)  # type: ignore[arg-type]
+    leaves = [t for t in flat if getattr(t, "requires_grad", False)]
+    if not leaves:  # data: no graph
+        return False
+    wanted = {id(p) for p in params}
+    if any(id(t) in wanted for t in leaves):
+        return True
+    todo = [t.grad_fn for t in leaves if t.grad_fn is not None]
+    seen: set[Any] = set()  # a node's Python object is cached on it: identity is stable
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if id(getattr(node, "variable", None)) in wanted:  # AccumulateGrad of a parameter
+            return True
+        todo.extend(nxt for nxt, _ in node.next_functions)
+    return False
+
+
+def refuse_graph_into(batch: tuple[tuple, Any], params: Sequence[torch.Tensor]) -> None:
+    """The compiled step's gradients come from ``torch.func`` inside its graph, which cannot
+    follow a graph that ``batch`` brings in from outside into the parameters: those terms
+    would be dropped silently. Refused, before anything changes.
+
+    Raises:
+        ValueError: a tensor of ``batch`` carries an autograd graph into ``params``.
+    """
+    if graph_into(batch, params):
+        raise ValueError(
+            "step: `inputs` or `targets` carry an autograd graph into the ensemble's parameters "
+            "(computed from the ensemble and not detached, e.g. 0.9 * ens(x2)); the compiled "
+            "step cannot back-propagate through it, as loss.backward() alone would. Detach it "
+            "(.detach(), or compute it under torch.no_grad(), as a TD target usually is), or "
+            "use compile=False, which back-propagates through it (nothing was changed)"
         )

@@ -15,6 +15,7 @@ from ._compiling import check_shapes, compile_failures, compile_options, own_cod
 from ._fastcall import call_member
 from ._precision import LossScale
 from ._step_hooks import TemplateHooks, refuse_pre_hooks, run_post_hooks
+from ._step_more import grad_on, graph_into, refuse_graph_into
 from ._step_parts import (
     Update,
     attached_scheduler,
@@ -123,6 +124,8 @@ def make_step(
             without ``"fp16"`` or for another number of members.
         CompiledStepMismatch: (from the step, ``compile=True``) a compiled graph's first
             update differs from the eager one; that call changed nothing.
+        RuntimeError: (from the step) called under ``torch.inference_mode()``; under
+            ``torch.no_grad()`` a step runs with grad on, as ``torch.func.grad`` does.
 
     Example:
         >>> from vmapens import Ensemble, StackedAdam
@@ -151,7 +154,8 @@ def make_step(
                 "runs members one after another in Python, which torch.compile would unroll n "
                 "times. Use compile=False with backend='loop'."
             )
-        return probe.wrap(_compiled_step(ens, member_loss, optimizer, in_dims, update, check))
+        compiled = _compiled_step(ens, member_loss, optimizer, in_dims, update, check)
+        return grad_on(probe.wrap(compiled))
     batched = ens._member_map(member_loss, (in_dims, in_dims))
 
     # The stacked parameters keep their identity through .to() / .double(): list them once.
@@ -169,10 +173,11 @@ def make_step(
         try:
             with ens.guard("step", loss=True), frozen_buffers(ens, mask):
                 scale = None if update.scale is None else update.scale.scale
-                # chunk_size: forward and backward one chunk of members at a time (one chunk's
-                # activations alive), where vmap's chunking keeps all until the backward.
+                # chunk_size: forward and backward one chunk at a time (one chunk's activations
+                # alive; vmap's chunking keeps all), unless the batch has a graph into the
+                # parameters: one backward through it, as alone (the chunks' leaves cut it).
                 chunks = chunk_bounds(len(ens), ens.chunk_size) if ens.backend == "vmap" else None
-                if chunks is None or not params:
+                if chunks is None or not params or graph_into((args, targets), params):
                     # Forward and loss in one vmap: half the batching overhead of ens(...) + loss.
                     with update.autocast():
                         losses = batched(ens.stacked_state(), args, targets)
@@ -207,7 +212,7 @@ def make_step(
             raise
         return losses.detach()
 
-    return probe.wrap(step)
+    return grad_on(probe.wrap(step))
 
 
 def _member_loss(ens: Ensemble, loss_fn: Callable) -> Callable[..., torch.Tensor]:
@@ -336,6 +341,7 @@ def _compiled_step(
         nonlocal baked, tensors, seen
         ens._follow_template()  # as the eager step: the template's flags, read below
         args = check_call(ens, optimizer, inputs, targets, mask, in_dims)
+        refuse_graph_into((args, targets), every)
         hooks()
         refuse_pre_hooks(optimizer)  # the update runs inside the graph, not in opt.step()
         key = _shapes((args, targets, mask))
