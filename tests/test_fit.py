@@ -372,8 +372,6 @@ BAD_METRICS = [
      r"failed on `val_data` .*mean\(\): could not infer output dtype", RuntimeError),
     ("raises-type-error", lambda o, t: o.argmax(-1, "last"), TypeError,
      r"failed on `val_data`", TypeError),
-    ("python-float", lambda o, t: float((o - t).abs().mean()), ValueError,
-     r"failed on `val_data`", RuntimeError),
     ("vector-per-member", lambda o, t: (o - t).abs().mean(0), ValueError,
      r"must return a real scalar .*, got a torch.float64 tensor of shape \(3,\) for each member",
      None),

@@ -5,6 +5,7 @@ trained alone with ``torch.optim.SGD`` on the batches the docs say it sees, in f
 
 from __future__ import annotations
 
+import copy
 import hashlib
 
 import pytest
@@ -231,14 +232,15 @@ def _two_targets(out: torch.Tensor, y: dict) -> torch.Tensor:
     return nn.functional.mse_loss(out[:, :1], y["a"]) + nn.functional.mse_loss(out[:, 1:], y["b"])
 
 
-def test_targets_in_a_dict_are_refused_as_tensor_data_naming_the_batches_that_work():
-    """(X, {"a": Ya, "b": Yb}) was refused with "`data[0]` is Tensor", which says nothing of the
-    targets; the message now says `Y` must be one tensor and how to give a dict of targets.
-    That way, a list of (inputs, targets) batches, trains as a plain loop over it."""
+def test_targets_in_a_dict_train_as_tensor_data_and_as_batches():
+    """(X, {"a": Ya, "b": Yb}) was refused as tensor data (session 27: targets in a tree are
+    cut by the same rows); a list of (inputs, targets) batches trains as a plain loop over it,
+    and the tensor form equals it (batch_size 4, no shuffling: the same batches, 4, 4 and 2 rows)."""
     ya, yb = Y[:, :1], Y[:, 1:]
     ens = vmapens.Ensemble(TwoInputs, N, seed=0).double()
-    with pytest.raises(TypeError, match=r"`Y` must be one tensor.*as batches"):
-        vmapens.fit(ens, ((X1, X2), {"a": ya, "b": yb}), _two_targets, progress=False)
+    as_tensors = copy.deepcopy(ens)
+    vmapens.fit(as_tensors, ((X1, X2), {"a": ya, "b": yb}), _two_targets, batch_size=4,
+                epochs=2, shuffle=False, optimizer=sgd, progress=False)  # fmt: skip
     batches = [((X1[k : k + 4], X2[k : k + 4]), {"a": ya[k : k + 4], "b": yb[k : k + 4]})
                for k in range(0, ROWS, 4)]  # fmt: skip
     vmapens.fit(ens, batches, _two_targets, epochs=2, optimizer=sgd, progress=False)
@@ -246,3 +248,4 @@ def test_targets_in_a_dict_are_refused_as_tensor_data_naming_the_batches_that_wo
     for i, model in enumerate(plain):
         sgd_alone(model, LRS[i], batches * 2, _two_targets)
     assert_members_equal(ens, plain)
+    assert_members_equal(as_tensors, plain)

@@ -186,3 +186,25 @@ def test_targets_that_are_a_pair_train_and_validate_as_members_alone() -> None:
         got = trainer.callback_metrics[f"val_loss/member_{i}"]
         torch.testing.assert_close(got.double(), want, rtol=1e-9, atol=1e-10)
     assert_members_equal(ens, alone)
+
+
+def test_a_metric_calling_item_is_logged_per_member_as_alone():
+    # A metric that reads a value (`.item()`) failed in validation_step inside vmap; fit ran it
+    # member by member already. Truth: the metric on each member's own output, by plain torch,
+    # averaged over the validation batches by their rows (Lightning's batch_size weighting).
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 3, generator=g), torch.randn(12, 1, generator=g)
+    ens = vmapens.Ensemble(lambda: nn.Linear(3, 1), 3, seed=0)
+    module = EnsembleModule(
+        ens, nn.MSELoss(), metrics={"mae": lambda o, t: (o - t).abs().mean().item()}
+    )
+    trainer = L.Trainer(max_epochs=0, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.validate(module, DataLoader(TensorDataset(x, y), batch_size=8), verbose=False)
+    for i in range(3):
+        member = ens[i]
+        with torch.no_grad():
+            parts = [(member(x[k : k + 8]) - y[k : k + 8]).abs().mean().item() * len(y[k : k + 8])
+                     for k in (0, 8)]  # fmt: skip
+        got = float(trainer.callback_metrics[f"val_mae/member_{i}"])
+        assert got == pytest.approx(sum(parts) / 12, rel=1e-6)

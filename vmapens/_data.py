@@ -41,9 +41,11 @@ def oob_mask(boot: Tensor, n_samples: int) -> Tensor:
 
 
 def is_tensor_data(data: Any) -> bool:
-    if not isinstance(data, tuple) or len(data) != 2 or not isinstance(data[1], Tensor):
+    """Whether ``data`` is ``(X, Y)``, each a tensor or a tree of them: ``(X, (Y, W))``."""
+    x, y = data if isinstance(data, tuple) and len(data) == 2 else (None, None)
+    if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):  # or two batches: read so
         return False
-    return _tensor_tree(data[0])
+    return _tensor_tree(x) and _tensor_tree(y)
 
 
 def spread_inputs(data: tuple) -> tuple:
@@ -92,7 +94,8 @@ class TensorSource:
         self.x, self.y = data
         self.member_dim = member_dim
         axis = 1 if member_dim else 0
-        for leaf in [*optree.tree_leaves(self.x), self.y]:
+        leaves = [*optree.tree_leaves(self.x), *optree.tree_leaves(self.y)]
+        for leaf in leaves:
             if leaf.dim() <= axis:
                 raise ValueError(
                     f"{api}: every tensor in `data` needs its samples along dim {axis}, got a "
@@ -101,7 +104,7 @@ class TensorSource:
         self.size = rows_of(self.x, member_dim)
         if self.size == 0:
             raise ValueError(f"{api}: `data` has no samples")
-        for leaf in [*optree.tree_leaves(self.x), self.y]:
+        for leaf in leaves:
             if leaf.shape[axis] != self.size:
                 raise ValueError(
                     f"{api}: every tensor in `data` needs the same number of samples (dim "
@@ -114,7 +117,7 @@ class TensorSource:
         self.seed, self.boot = seed, boot
         self._order: tuple[int, Tensor | None] = (-1, None)
 
-    def get(self, pass_: int, pos: int) -> tuple[Any, Tensor] | None:
+    def get(self, pass_: int, pos: int) -> tuple[Any, Any] | None:
         if pos >= self.length:
             return None
         if self._order[0] != pass_:
@@ -133,9 +136,12 @@ class TensorSource:
         if self.member_dim:
             if isinstance(pick, Tensor) and pick.dim() == 2:  # per member and per row
                 members = torch.arange(pick.shape[0])[:, None]
-                return optree.tree_map(lambda t: t[members, pick], self.x), self.y[members, pick]
-            return optree.tree_map(lambda t: t[:, pick], self.x), self.y[:, pick]
-        return optree.tree_map(lambda t: t[pick], self.x), self.y[pick]
+                return self._cut(lambda t: t[members, pick])
+            return self._cut(lambda t: t[:, pick])
+        return self._cut(lambda t: t[pick])
+
+    def _cut(self, rows: Any) -> tuple[Any, Any]:
+        return optree.tree_map(rows, self.x), optree.tree_map(rows, self.y)
 
 
 def data_generators(data: Any) -> list[torch.Generator]:
@@ -203,7 +209,7 @@ class IterableSource:
         # them then, so a resumed pass needs them back.
         self.pass_rng: Any = None
 
-    def get(self, pass_: int, pos: int) -> tuple[Any, Tensor] | None:
+    def get(self, pass_: int, pos: int) -> tuple[Any, Any] | None:
         if self._at != (pass_, pos):
             # A fresh pass, or resuming mid-pass: start over and skip what was already used,
             # from the RNG states the pass began with; then they are where they were (resumed).
@@ -261,9 +267,9 @@ def _check_listed_batch(api: str, name: str, k: int, item: Any, data: Sequence) 
     elif is_tensor_data(tuple(data)):  # [X, Y]: read as two batches, X and Y
         hint = "; (X, Y) tensors go in a tuple: data=(X, Y)"
     elif isinstance(data, tuple) and len(data) == 2 and all(map(_tensor_tree, data)):
-        hint = (  # (X, {"a": Ya, "b": Yb}): targets in a tree are cut only by a DataLoader
-            "; as (X, Y) tensors, `Y` must be one tensor: give targets held in a dict or a "
-            "tuple as batches (a DataLoader, or a list of (inputs, targets) pairs)"
+        hint = (  # ((u, v), (Y, W)): inputs and targets in tuples read as two batches
+            "; a tuple of two tuples reads as two batches: give tuples of inputs and of targets "
+            "as batches (a DataLoader, or a list of (inputs, targets) pairs)"
         )
     elif not per_member and loader:
         hint = "; a list of one DataLoader per member needs in_dims=0"
@@ -317,7 +323,7 @@ class MemberIterables:
         for src, state in zip(self.sources, states, strict=True):
             src.pass_rng = state
 
-    def get(self, pass_: int, pos: int) -> tuple[Any, Tensor] | None:
+    def get(self, pass_: int, pos: int) -> tuple[Any, Any] | None:
         got = [src.get(pass_, pos) for src in self.sources]
         batches = [b for b in got if b is not None]
         if not batches:
@@ -327,8 +333,8 @@ class MemberIterables:
                 "fit: the per-member DataLoaders ran out of batches at different steps"
             )
         try:
-            inputs = optree.tree_map(lambda *ts: torch.stack(ts), *[b[0] for b in batches])
-            return inputs, torch.stack([b[1] for b in batches])
+            stacked = [optree.tree_map(lambda *ts: torch.stack(ts), *p) for p in zip(*batches)]
+            return stacked[0], stacked[1]  # inputs and targets, each a tensor or a tree
         except RuntimeError as err:
             raise ValueError(
                 f"fit: the per-member batches of step {pos} differ in shape; every member's "
@@ -349,7 +355,7 @@ class Stream:
         """The RNG state(s) the current pass of a DataLoader began with (None for tensors)."""
         return None if self.source is None else self.source.pass_rng
 
-    def in_pass(self) -> tuple[Any, Tensor] | None:
+    def in_pass(self) -> tuple[Any, Any] | None:
         if self.resumed_rng is not None:
             self.source.pass_rng, self.resumed_rng = self.resumed_rng, None
         batch = self.source.get(self.pass_, self.pos)
@@ -359,7 +365,7 @@ class Stream:
             self.pos += 1
         return batch
 
-    def cycling(self) -> tuple[Any, Tensor]:
+    def cycling(self) -> tuple[Any, Any]:
         batch = self.in_pass()
         if batch is None:
             batch = self.in_pass()

@@ -127,6 +127,11 @@ def check_arguments(api: str, args: dict[str, Any]) -> Checked:
     if args["patience"] is not None and val_data is None:
         raise ValueError(f"{api}: `patience` needs `val_data` to measure improvement")
     tensor_data = is_tensor_data(data)
+    if oob and tensor_data and not isinstance(data[1], torch.Tensor):  # cut row by row per member
+        raise ValueError(
+            f"{api}: `val_data='oob'` needs the targets of `data` as one tensor, got "
+            f"{type(data[1]).__name__}; pass `val_data` as (X, Y) tensors instead"
+        )
     if bootstrap and not tensor_data:
         raise ValueError(f"{api}: `bootstrap=True` needs `data` as an (X, Y) tuple of tensors")
     if args["batch_size"] is not None and not tensor_data:  # it would be ignored, silently
@@ -135,6 +140,8 @@ def check_arguments(api: str, args: dict[str, Any]) -> Checked:
             f"({type(data).__name__}) yields its own batches: set their size there "
             "(DataLoader(..., batch_size=...)) and leave `batch_size` None"
         )
+    if tensor_data and ens.backend != "loop":  # one member after another takes uint8 as alone
+        _check_class_targets(api, loss_fn, data[1])
     if data_dims == 0 and tensor_data:
         check_member_dim(api, "data", data, len(ens))
     elif data_dims == 0 and not isinstance(data, (list, tuple)):
@@ -171,6 +178,26 @@ def check_metric_names(api: str, metrics: Mapping[str, Any]) -> None:
                     f"{api}: `metrics` names {name!r} and {other!r}, but {name!r} is also how "
                     f"{reader} read metric {other!r}; rename one"
                 )
+
+
+#: Losses that read class indices with ``gather``, which vmap's batching rule runs on int32 or
+#: int64 indices only: torch alone takes uint8 ("Byte") too, but fails inside the ensemble.
+_CLASS_LOSSES = (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)
+_CLASS_FUNCTIONS = (torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss)
+_NARROW_INDICES = (torch.uint8, torch.int8, torch.int16)
+
+
+def _check_class_targets(api: str, loss_fn: Any, y: Any) -> None:
+    """Refuse training targets of class indices the step's batched ``gather`` cannot index
+    with (validation runs such a loss member by member, as alone)."""
+    if not (isinstance(loss_fn, _CLASS_LOSSES) or any(loss_fn is f for f in _CLASS_FUNCTIONS)):
+        return
+    if isinstance(y, torch.Tensor) and y.dtype in _NARROW_INDICES:
+        raise ValueError(
+            f"{api}: the targets of `data` are {y.dtype} class indices, which "
+            f"{getattr(loss_fn, '__name__', type(loss_fn).__name__)} cannot index with inside "
+            "the ensemble's step (vmap's gather takes int64 or int32); pass them as Y.long()"
+        )
 
 
 def _in_dims(api: str, in_dims: Any) -> tuple[int | None, int | None]:

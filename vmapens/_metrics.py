@@ -19,7 +19,8 @@ Metric = tuple[Callable[[Any, Tensor], Tensor], Callable[[Any, Tensor], Tensor]]
 def metric_pair(fn: Any) -> Metric:
     """A metric as (members' outputs ``[n, ...]`` -> ``[n]``, one output -> scalar).
 
-    A callable ``(output, target) -> scalar`` is vmapped over the members like the loss; an
+    A callable ``(output, target) -> scalar`` is vmapped over the members like the loss (one
+    that reads values, ``.item()`` included, runs on each member's output in turn); an
     object with ``reset``/``update``/``compute`` (a torchmetrics ``Metric``) runs member by
     member, since its accumulated state cannot be batched.
     """
@@ -37,7 +38,15 @@ def metric_pair(fn: Any) -> Metric:
             return torch.stack([single(member_of(out, i), y) for i in range(n)])
 
         return members, single
-    return per_member(fn), fn
+
+    # ``.item()`` gives a Python number, which ``per_member``'s member-by-member run (for what
+    # vmap cannot batch) cannot stack: a metric needs no gradient, so it becomes a tensor.
+    # Anything else goes on as it is, for the check to name.
+    def scalar(out: Any, y: Any) -> Any:
+        value = fn(out, y)
+        return _as_scalar(value) if isinstance(value, (bool, int, float)) else value
+
+    return per_member(scalar), scalar
 
 
 def _as_scalar(value: Any) -> Tensor:
@@ -60,7 +69,7 @@ def score(
     kept = ~diverged.to(optree.tree_leaves(out)[0].device)
     mean = average(out, kept if bool(kept.any()) else None)
     per = {k: m(out, y).double().cpu() for k, (m, _) in metrics.items()}
-    whole = {k: torch.as_tensor(one(mean, y)).double().cpu() for k, (_, one) in metrics.items()}
+    whole = {k: _as_scalar(one(mean, y)).double().cpu() for k, (_, one) in metrics.items()}
     return per, whole
 
 

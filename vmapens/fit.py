@@ -86,7 +86,8 @@ def fit(
 
     Args:
         ens: the ensemble to train, in the mode it should train in (``ens.train()``).
-        data: ``(X, Y)`` tensors (``X`` may be a tuple of inputs), cut into batches of
+        data: ``(X, Y)`` tensors (``X`` may be a tuple of inputs, ``Y`` a tuple or dict of
+            targets such as ``(Y, W)`` with per-sample weights, cut alike), cut into batches of
             ``batch_size`` and reshuffled every pass; or any re-iterable of
             ``(inputs, targets)`` batches, such as a ``DataLoader`` (``inputs`` a tensor, or a
             tuple or list of them: a ``DataLoader`` collates a dataset's ``((u, v), y)``
@@ -112,7 +113,8 @@ def fit(
             member's best epoch in ``history.best_epoch``, its parameters and buffers given
             back at the end) unless ``callbacks`` holds an ``EarlyStopping``.
         metrics: name -> ``(output, target) -> scalar`` for one member (vmapped over the
-            members like the loss; a torchmetrics ``Metric`` runs member by member), computed
+            members like the loss; one that reads values, such as ``.item()``, and a
+            torchmetrics ``Metric`` run member by member), computed
             on ``val_data`` after each epoch in the same eval-mode forward as the validation
             loss: ``history.metrics[name]`` per member and ``history.ensemble_metrics[name]``
             for the output averaged over the members. Needs shared ``(X, Y)`` ``val_data``.

@@ -28,6 +28,7 @@ from ._checks import check_choice, check_int
 from ._fit_checks import check_metric_names
 from ._lightning_parts import batch_rows, check_optimizer_arg, is_metric_object
 from ._lightning_rng import ResumesRNG
+from ._metrics import metric_pair
 from .ensemble import Ensemble, check_ensemble
 from .losses import per_member
 from .optim import ReduceLROnPlateau, StackedAdam, StackedOptimizer
@@ -314,8 +315,9 @@ class EnsembleModule(ResumesRNG, L.LightningModule):
         values = {"loss": per_member(self.loss_fn)(out, targets)}
         mean = out.mean(0)
         for name, fn in self._metric_fns.items():
-            values[name] = per_member(fn)(out, targets)
-            values[f"{name}/ensemble"] = torch.as_tensor(fn(mean, targets))
+            members, one = metric_pair(fn)  # as fit's: `.item()` metrics member by member
+            values[name] = members(out, targets)
+            values[f"{name}/ensemble"] = torch.as_tensor(one(mean, targets))
         for key, v in values.items():
             weighted = v.detach().double() * rows
             self._sums[key] = self._sums[key] + weighted if key in self._sums else weighted

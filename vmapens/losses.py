@@ -25,6 +25,9 @@ _READS_VALUES = (
     "a differently shaped Tensor",
 )
 
+# vmap's batching rule of ``cross_entropy``/``nll_loss`` gathers with the targets as indices.
+_BATCHED_GATHER = "gather(): Expected dtype int32/int64 for index"
+
 
 def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -> Callable:
     """Wrap a loss so it returns one value per member, shape ``[n]``.
@@ -79,9 +82,7 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
             return batched(*args, **kwargs)
         except RuntimeError as err:
             dims = _flat_dims(in_dims, len(args))
-            said = str(err)
-            reads = said.startswith("vmap: ") and any(m in said for m in _READS_VALUES)
-            if not (reads or any(m in said for m in NO_STORAGE)):  # .tolist(), .numpy()
+            if not _unbatchable(err):
                 raise
             if dims is None:  # nested in_dims: vmap's own error says what it could not do
                 raise
@@ -92,6 +93,15 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
         return values
 
     return loss
+
+
+def _unbatchable(err: RuntimeError) -> bool:
+    """Whether ``err`` is vmap refusing a function that reads tensor values (``.item()``, an
+    ``if`` on a tensor, ``.tolist()``, ``.numpy()``), or vmap's ``gather`` refusing the uint8
+    class indices that ``cross_entropy`` alone takes: it runs member by member instead."""
+    said = str(err)
+    reads = said.startswith("vmap: ") and any(m in said for m in _READS_VALUES)
+    return reads or any(m in said for m in (*NO_STORAGE, _BATCHED_GATHER))
 
 
 def _flat_dims(in_dims: Any, count: int) -> list[int | None] | None:

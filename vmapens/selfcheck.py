@@ -336,9 +336,11 @@ def _compare(
         explained = explain_failure(api, name, sub.backend, err, loss=True)
         if explained is not None:
             raise explained from err
+        narrow = "Expected dtype int32/int64 for index" in str(err)  # uint8 class targets
+        how = _WAY_OUT["narrow" if narrow else sub.backend]
         raise RuntimeError(
             f"{api}: member {member} of {name} runs alone on this batch but fails inside the "
-            f"ensemble ({type(err).__name__}: {err}). {_WAY_OUT[sub.backend]}"
+            f"ensemble ({type(err).__name__}: {err}). {how}"
         ) from err
     found = list(differences(alone, together, autocast))
     if found:
@@ -406,6 +408,7 @@ _WAY_OUT = {
     # the loop backend runs the member as a plain module: what differs is vmapens's to fix
     "loop": "With backend='loop' the member runs as ens.runner through torch.func."
     "functional_call: compare ens[0] with it, or pass check=False to train anyway",
+    "narrow": "uint8 class targets cannot index in vmap's gather (int64, int32): pass .long()",
 }
 _PADDED = (
     "Members of different sizes run padded to the largest one, exact only when no operation "
