@@ -107,8 +107,9 @@ SCHEDULERS: dict[str, Any] = {
     "multistep": lambda o: torch.optim.lr_scheduler.MultiStepLR(o, milestones=[1, 3], gamma=0.3),
     "exponential": lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.8),
     "cosine": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=50),
-    # Past T_max it adds (base_lr - eta_min) terms: a copy keeps its own base lr, as a plain
-    # copy (module and optimizer state dicts loaded) keeps its own scheduler.
+    # Past T_max it adds (base_lr - eta_min) terms: a copy takes its source's base lr, as a
+    # plain copy with the source's scheduler state dict loaded does (session 27; it kept its
+    # own before, while its param groups' initial_lr was the source's).
     "cosine_short": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=2, eta_min=1e-4),
 }
 PLATEAU = dict(mode="min", factor=0.5, patience=0)
@@ -288,14 +289,16 @@ def truth(s: dict[str, Any], rounds: list[tuple[int, list[int], list[int]]],
         assert len(src) == q and set(src) <= set(top), (epoch, src, top)
         saved = [(copy.deepcopy(models[a].state_dict()), copy.deepcopy(opts[a].state_dict()),
                   snapshot[a], best_val[a], bad[a], best_epoch[a],
-                  scheds[a].state_dict() if s["sched"] == "plateau" else None)
+                  scheds[a].state_dict() if s["sched"] is not None else None)
                  for a in src]  # fmt: skip
         for b, (module, state, snap, bv, bd, be, plateau) in zip(dst, saved, strict=True):
             load_copy(models[b], opts[b], module, state)
             snapshot[b], best_val[b], bad[b], best_epoch[b] = copy.deepcopy(snap), bv, bd, be
-            if plateau is not None:
+            if plateau is not None and s["sched"] == "plateau":
                 for k in ("best", "num_bad_epochs", "cooldown_counter"):
                     setattr(scheds[b], k, plateau[k])
+            elif plateau is not None:  # a torch scheduler: the source's base lr
+                scheds[b].base_lrs = list(plateau["base_lrs"])
         for name in pbt["names"]:  # one factor per member and name, in every group
             for b in dst:
                 groups = opts[b].param_groups

@@ -20,6 +20,7 @@ __all__ = [
     "grid_values",
     "hyper_table",
     "per_member",
+    "tell",
     "warn_recomputing_schedulers",
 ]
 
@@ -157,6 +158,26 @@ def check_direction(api: str, study: Any, mode: str) -> None:
             f"rank and prune the trials the other way; create it with direction={want!r} or "
             f"pass mode={'max' if mode == 'min' else 'min'!r}"
         )
+
+
+def tell(study: Any, trial: Any, state: str, value: float) -> None:
+    """Tell optuna's ``study`` that ``trial`` ended in ``state`` (``"complete"`` with ``value``,
+    ``"pruned"`` or ``"failed"``)."""
+    import optuna  # optional: only the optuna backend tells
+
+    kind = optuna.trial.TrialState
+    try:
+        if state == "complete":
+            study.tell(trial, value)
+        else:
+            study.tell(trial, state=kind.PRUNED if state == "pruned" else kind.FAIL)
+    except RuntimeError as err:
+        # GridSampler calls `study.stop()` in `tell` once its grid is used up, which raises
+        # outside `study.optimize`; `tell` stores the trial first (in a `finally`), so it is
+        # told, and the round's other trials and its results go on.
+        told = study.get_trials(deepcopy=False)[trial.number]
+        if "Study.stop" not in str(err) or told.state == kind.RUNNING:
+            raise
 
 
 #: torch schedulers that set each lr from the group's base lr (``base_lrs``), not from its

@@ -247,12 +247,13 @@ class PBT(Callback):
     """Population-based training as a ``fit`` callback: exploit and explore every few epochs.
 
     Every ``interval`` epochs the members still training are ranked by ``monitor`` (this
-    epoch's value); each of the bottom ``fraction`` copies a member drawn uniformly from the
-    top ``fraction`` (:func:`exploit_`, and it takes over ``fit``'s best-so-far bookkeeping,
-    so ``restore_best`` stays coherent), then has its hyperparameters perturbed
-    (:func:`explore`). All draws come from one generator seeded with ``seed``: a run is
-    deterministic, and its state is in ``fit``'s checkpoint, so a resumed run is
-    bit-identical to an uninterrupted one.
+    epoch's value; the best infinity, a ``+inf`` PSNR with mode ``"max"``, ranks first, and a
+    member at NaN or the worst infinity is neither ranked nor replaced); each of the bottom
+    ``fraction`` copies a member drawn uniformly from the top ``fraction`` (:func:`exploit_`,
+    its schedulers' base lrs, and ``fit``'s best-so-far bookkeeping, so ``restore_best`` stays
+    coherent), then has its hyperparameters perturbed (:func:`explore`). All draws come from
+    one generator seeded with ``seed``: a run is deterministic, and its state is in ``fit``'s
+    checkpoint, so a resumed run is bit-identical to an uninterrupted one.
 
     Args:
         interval: epochs between two exploit/explore rounds.
@@ -339,7 +340,8 @@ class PBT(Callback):
             return
         values = metric_table(ctx.history, self.monitor, "PBT", "monitor")[-1].double()
         key = values if self.mode == "min" else -values
-        eligible = (ctx.active.cpu() & torch.isfinite(key)).nonzero().flatten()
+        # The best infinity (a +inf PSNR) ranks first, as in EarlyStopping and member_scores.
+        eligible = (ctx.active.cpu() & ~torch.isnan(key) & (key != math.inf)).nonzero().flatten()
         m = len(eligible)
         q = min(max(1, int(m * self.fraction)), m // 2)
         if q == 0:
@@ -365,6 +367,7 @@ class PBT(Callback):
             ) from err
         warn_recomputing_schedulers(ctx.callbacks)
         exploit_(ctx.ensemble, opt, src, bottom, ctx.loss_scale)
+        _inherit_base_lrs(ctx.callbacks, len(ctx.ensemble), src, bottom)
         ctx.inherit(src, bottom)
         for k, name, new in perturbed:
             opt.param_groups[k][name] = new
@@ -391,6 +394,16 @@ class PBT(Callback):
         log = [(e, list(s), list(d)) for e, s, d in state["log"]]  # read before any write
         self.generator.set_state(state["generator"])
         self.log = log
+
+
+def _inherit_base_lrs(callbacks: Sequence[Any], n: int, s: Tensor, d: Tensor) -> None:
+    """Copies take their sources' base lrs (CosineAnnealingLR restarts from them)."""
+    for cb in callbacks:
+        top = getattr(cb, "scheduler", None)
+        for sched in [top, *getattr(top, "_schedulers", [])]:
+            base = getattr(sched, "base_lrs", None)
+            if isinstance(base, list):
+                sched.base_lrs = [_copy_rows(v, s, d) if _per_member(v, n) else v for v in base]
 
 
 def _factors(api: str, factors: Sequence[Any]) -> tuple[float, ...]:

@@ -25,6 +25,7 @@ from ._sweep_parts import (
     grid_values,
     hyper_table,
     per_member,
+    tell,
 )
 from .callbacks import Callback, Checkpoint, Context, EarlyStopping
 from .ensemble import Ensemble
@@ -404,10 +405,4 @@ class Sweep:
         result.histories.append(history)
 
     def _tell(self, trial: Any, state: str, value: float) -> None:
-        import optuna
-
-        if state == "complete":
-            self.study.tell(trial, value)
-        else:
-            kind = optuna.trial.TrialState
-            self.study.tell(trial, state=kind.PRUNED if state == "pruned" else kind.FAIL)
+        tell(self.study, trial, state, value)
