@@ -275,7 +275,7 @@ BUILD_ERRORS = [
         "differ-shape",
         lambda: vmapens.Ensemble.from_modules([models.MLP(), models.MLP(hidden=9)]),
         ValueError,
-        r"member 1 differs from member 0 at `fc1.weight`: shape",
+        r"member 1 differs from member 0 at `fc1.weight`: shape .*Ensemble\.from_factories\(",
     ),
     (
         "differ-class",
@@ -437,3 +437,18 @@ def test_memory_format_torch_refuses_for_a_member_is_refused_and_changes_nothing
         ens.to(torch.float64, memory_format=torch.channels_last_3d)
     assert {k: v.stride() for k, v in ens.stacked_state().items()} == strides
     assert all(v.dtype != torch.float64 for v in ens.stacked_state().values())
+
+
+def test_the_hint_for_members_of_different_sizes_builds_them_padded():
+    # The error for from_modules with members of two widths names a call; it must work and
+    # hold the very members given, each computing as alone.
+    modules = [models.MLP(), models.MLP(hidden=9)]
+    with pytest.raises(ValueError, match=r"from_factories\(\[lambda m=m: m for m in modules\]\)"):
+        vmapens.Ensemble.from_modules(modules)
+    ens = vmapens.Ensemble.from_factories([lambda m=m: m for m in modules])
+    x = torch.randn(5, 4)
+    out = ens(x)
+    for i, m in enumerate(modules):
+        for key, value in m.state_dict().items():
+            torch.testing.assert_close(ens[i].state_dict()[key], value, rtol=0, atol=0)
+        torch.testing.assert_close(out[i], m(x))

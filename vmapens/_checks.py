@@ -148,6 +148,13 @@ def index_rows(api: str, index: Any, n: int) -> torch.Tensor:
         index = [one]
     if isinstance(index, slice):  # range's slicing: negative steps too, as nn.Sequential's
         return torch.tensor(range(n)[index], dtype=torch.int64)
+    if isinstance(index, torch.Tensor) and index.dtype == torch.uint8:
+        # torch indexes with a uint8 tensor as a (deprecated) mask, numpy with a uint8 array
+        # as rows: read either way, members would be picked silently where the user did not.
+        raise TypeError(
+            f"{api}: `index` is a uint8 tensor, which torch reads as a mask and numpy as rows; "
+            "pass a bool mask (index.bool()) or int64 rows (index.long())"
+        )
     if type(index).__module__ == "numpy" and getattr(index, "ndim", None) == 1:
         index = torch.as_tensor(index)  # np.argsort(scores)[:k], a numpy bool mask
     if isinstance(index, torch.Tensor) and index.dtype == torch.bool:

@@ -166,8 +166,17 @@ def check_same(
             raise ValueError(f"{api}: member {i} {which} tensor `{key}` (compared to member 0)")
         for what, a, b in zip(("shape", "dtype", "device", "requires_grad"), ref[key], got[key]):
             if a != b and (shapes or what != "shape"):
+                sizes = (
+                    ""
+                    if what != "shape"
+                    # the padded ensemble takes them
+                    else (
+                        "; members of different sizes train padded with Ensemble.from_factories("
+                        "[lambda m=m: m for m in modules]) (docs/semantics.md)"
+                    )
+                )
                 raise ValueError(
-                    f"{api}: member {i} differs from member 0 at `{key}`: {what} {b} vs {a}"
+                    f"{api}: member {i} differs from member 0 at `{key}`: {what} {b} vs {a}{sizes}"
                 )
     for name, mode in ref_modes.items():
         if got_modes.get(name, mode) != mode:

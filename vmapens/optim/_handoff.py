@@ -106,6 +106,8 @@ def select_parts(
         ValueError: ``params`` does not match the optimizer's parameters.
     """
     rows = index_rows(f"{opt._api}.select", index, opt.num_members)
+    if not len(rows):  # an empty slice or an all-False mask, as Ensemble.select says
+        raise IndexError(f"{opt._api}.select: selecting no members; an Ensemble needs at least one")
     new_params = _matched(opt, rows, params)
     picked = rows.tolist()
     groups, start = _Groups(), 0
