@@ -7,8 +7,10 @@ Free functions over a :class:`~vmapens.optim.StackedOptimizer` (which calls them
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -18,7 +20,7 @@ from .._checks import index_rows
 from .._storage import CUT_FROM
 from ._hyper import FREE_ON_LOAD, IMPLEMENTATION, group_args, params_of, pick_group, unnamed
 
-__all__ = ["check_state_dict", "copy_rows", "member_state_dict", "select_parts"]
+__all__ = ["check_state_dict", "copy_rows", "load_hooks", "member_state_dict", "select_parts"]
 
 
 def member_state_dict(opt: Any, i: int, module: nn.Module | None = None) -> dict[str, Any]:
@@ -234,6 +236,33 @@ def copy_rows(opt: Any, new: Any, rows: Tensor) -> None:
             new.state[p_new] = {
                 k: v[rows.to(v.device)].clone() for k, v in opt.state[p_old].items()
             }
+
+
+@contextlib.contextmanager
+def load_hooks(opt: Any, state_dict: Any) -> Iterator[Any]:
+    """``opt.load_state_dict``'s body between ``opt``'s load-state-dict hooks, as torch runs them.
+
+    torch's ``load_state_dict`` runs the pre-hooks inside itself, after anything checked
+    before it: a hook that adapts an old or wrapped checkpoint (fills in a hyperparameter,
+    unwraps ``{"optimizer": sd}``) would be refused unseen. So the pre-hooks run first, on a
+    shallow copy as torch's, the body (check, torch's load, normalisation) gets what they
+    return, and the post-hooks run after it, on the optimizer as stepping reads it.
+    """
+    if isinstance(state_dict, dict):
+        state_dict = state_dict.copy()  # torch's: a hook may edit the dict it is given
+    for hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        out = hook(opt, state_dict)
+        state_dict = state_dict if out is None else out
+    pre, post = opt._optimizer_load_state_dict_pre_hooks, opt._optimizer_load_state_dict_post_hooks
+    opt._optimizer_load_state_dict_pre_hooks = OrderedDict()  # torch's load must not rerun them
+    opt._optimizer_load_state_dict_post_hooks = OrderedDict()
+    try:
+        yield state_dict
+    finally:
+        opt._optimizer_load_state_dict_pre_hooks = pre
+        opt._optimizer_load_state_dict_post_hooks = post
+    for hook in post.values():
+        hook(opt)
 
 
 def check_state_dict(opt: Any, state_dict: Any) -> None:

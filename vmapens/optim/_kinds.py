@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["check_complex", "check_dense", "initial", "real_views"]
+__all__ = ["check_complex", "check_dense", "check_ordered", "initial", "real_views"]
 
 
 def real_views(
@@ -60,6 +60,18 @@ def check_complex(api: str, params: Sequence[Tensor], elementwise: bool) -> bool
             "optimizer (StackedAdam, StackedSGD...), which steps them as torch does"
         )
     return found
+
+
+def check_ordered(api: str, params: Any) -> None:
+    """Refuse a set as a param group's ``params``, as torch's ``add_param_group`` does: its
+    order (by tensor id) changes between runs, and state dicts match parameters by position,
+    so a resumed run could give one parameter another's state (same shapes pass the checks)."""
+    if isinstance(params, (set, frozenset)):
+        raise TypeError(
+            f"{api}: a param group's `params` must be an ordered collection (a list), not a "
+            "set: the order of a set changes between runs, and state dicts match parameters "
+            "by position (torch refuses it too)"
+        )
 
 
 def check_dense(api: str, grads: Sequence[Tensor | None]) -> None:

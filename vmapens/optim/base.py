@@ -23,7 +23,7 @@ from .._checks import check_mask
 from ._buckets import buckets, counter_dtype, layout, share_counts
 from ._eager import EagerOptimizer, hooked_step
 from ._fused import in_one_kernel, make_held, writes_held
-from ._handoff import check_state_dict, copy_rows, member_state_dict, select_parts
+from ._handoff import check_state_dict, copy_rows, load_hooks, member_state_dict, select_parts
 from ._hyper import (
     FREE_ON_LOAD,
     IMPLEMENTATION,
@@ -39,7 +39,7 @@ from ._hyper import (
     unnamed,
 )
 from ._keep import Snapshot, keep_masked_, tensors_of
-from ._kinds import check_complex, check_dense, initial, real_views
+from ._kinds import check_complex, check_dense, check_ordered, initial, real_views
 
 __all__ = ["StackedOptimizer"]
 
@@ -189,6 +189,7 @@ class StackedOptimizer(EagerOptimizer):
         Args:
             param_group: A dict with ``params`` and optional hyperparameter overrides.
         """
+        check_ordered(f"{self._api}.add_param_group", param_group.get("params"))
         group = dict(param_group)
         group["params"] = params_of(group["params"])
         leading_n(self._api, group["params"], self.num_members)
@@ -212,8 +213,12 @@ class StackedOptimizer(EagerOptimizer):
         for index, group in enumerate(self.param_groups):
             # Not skipped while tracing: dynamo then guards on the state it reads.
             names = self.state_names(group)  # a flag changed mid-run (momentum) adds state
-            if not compiling and self._ready[index] == (layout(group["params"]), names):
+            impl = {} if compiling else {k: group[k] for k in IMPLEMENTATION if k in group}
+            ready = not compiling and self._ready[index] == (layout(group["params"]), names, impl)
+            if ready and all(map(self.state.get, group["params"])):  # `del opt.state[p]`: anew
                 continue
+            if not compiling:  # `differentiable=True` set mid-run is refused, not ignored
+                check_implementation(self._who["api"], implementation_flags(self.torch_class), impl)
             complex_ = check_complex(self._api, group["params"], type(self).elementwise)
             # New state shares one step count per group: the rule then runs once for all.
             device, starts = group["params"][0].device, self.scalar_state(group)
@@ -240,7 +245,7 @@ class StackedOptimizer(EagerOptimizer):
                         state[key] = t.to(dtype=p.dtype, device=p.device)
             if not compiling:
                 share_counts([self.state[p] for p in group["params"]], tuple(starts))
-                self._ready[index] = (layout(group["params"]), names)
+                self._ready[index] = (layout(group["params"]), names, impl)
                 (self._complex.add if complex_ else self._complex.discard)(index)
                 self._layouts += 1  # tells the snapshot that tensors may have changed in place
 
@@ -253,13 +258,14 @@ class StackedOptimizer(EagerOptimizer):
                 invalid hyperparameters, unknown parameters, tensors of other shapes).
             TypeError: a hyperparameter of the wrong type.
         """
-        check_state_dict(self, state_dict)
-        super().load_state_dict(state_dict)
-        for group in self.param_groups:  # as checked: e.g. a list of n values -> MemberValues
-            self._normalise(group, FREE_ON_LOAD)
-        self._ready = [None] * len(self.param_groups)
-        if self.state:
-            self.prepare()
+        with load_hooks(self, state_dict) as state_dict:  # what the pre-hooks return
+            check_state_dict(self, state_dict)
+            super().load_state_dict(state_dict)
+            for group in self.param_groups:  # as checked: a list of n values -> MemberValues
+                self._normalise(group, FREE_ON_LOAD)
+            self._ready = [None] * len(self.param_groups)
+            if self.state:
+                self.prepare()
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's keeps defaults, state and param_groups only: deepcopy and pickle lost n, block
