@@ -6,8 +6,8 @@ Found by the hunt (each silent before):
 * a forward hook registered in the member's ``__init__`` as a lambda that closes over the
   member itself or one of its submodules (``lambda m, args, out: out * self.gain``) read
   member 0's original, never-trained tensors for every member: the ensemble runs a copy of
-  member 0, and ``copy.deepcopy`` does not copy functions. Refused at build, naming the hook;
-  a bound method (which the copy rebinds) trains as alone;
+  member 0, and ``copy.deepcopy`` does not copy functions. The copies now rebind it to their
+  own modules (``vmapens._copies``): it trains as alone, as a bound method does;
 * a global module backward hook (``register_module_full_backward_hook``) never fired under
   vmap: ``ens(x)`` then ``backward()`` trained without it. Refused as a member's own is;
 * a state_dict pre-hook that refreshes a buffer ran on no member in ``ens.state_dict()``
@@ -21,7 +21,7 @@ import copy
 import pytest
 import torch
 from torch import nn
-from truth import float64_batches
+from truth import float64_batches, seeded_members
 
 import vmapens
 
@@ -104,15 +104,22 @@ class BoundMethod(nn.Module):
         return self.fc(x)
 
 
-@pytest.mark.parametrize(
-    ("cls", "named"), [(GainClosure, "GainClosure itself"), (SubmoduleClosure, "`fc2`")]
-)
-def test_a_hook_closing_over_the_members_module_is_refused(cls, named):
-    torch.manual_seed(0)
-    with pytest.raises(ValueError, match=f"fc._forward_hooks.*closes over.*{named}.*bound method"):
-        vmapens.Ensemble.from_modules([cls() for _ in range(N)])
-    with pytest.raises(ValueError, match="closes over"):
-        vmapens.Ensemble(cls, n=N, seed=0)
+@pytest.mark.parametrize("cls", [GainClosure, SubmoduleClosure])
+def test_a_hook_closing_over_the_members_module_trains_as_alone(cls):
+    # The truth is built anew, not deep-copied: a copy's lambda would read the original's.
+    mods, alone = seeded_members(cls, N), seeded_members(cls, N)
+    ens = vmapens.Ensemble.from_modules(mods)
+    batches = float64_batches(3, 5, 3, 2)
+    step = vmapens.make_step(ens, nn.functional.mse_loss, vmapens.StackedSGD(ens, lr=0.1))
+    for x, y in batches:
+        step(x, y)
+    for m in alone:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for x, y in batches:
+            opt.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+    _assert_as_alone(ens, alone)
 
 
 def test_a_bound_method_hook_trains_as_alone():

@@ -33,7 +33,6 @@ a GRU's batched recurrence), and the runner's class is its own, untouched by a
 from __future__ import annotations
 
 import contextlib
-import copy
 import weakref
 from collections.abc import Iterator
 from typing import Any, SupportsIndex
@@ -46,6 +45,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
+from ._copies import copy_member
 from ._mha import BatchableMultiheadAttention
 from ._recurrent import (
     BatchableGRU,
@@ -398,7 +398,7 @@ def batchable(module: nn.Module) -> nn.Module:
         raise TypeError(
             f"batchable: `module` must be a torch.nn.Module, got {type(module).__name__}"
         )
-    clone = copy.deepcopy(module)
+    clone = copy_member(module)
     for sub in clone.modules():
         if twin_class(sub) is not type(sub):
             sub.__class__ = twin_class(sub)

@@ -4,7 +4,6 @@ what indexing and calls are given."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +14,7 @@ from torch.nn.utils.rnn import PackedSequence
 from ._attributes import forward_set
 from ._batchable import own_parametrized_classes_
 from ._checks import to_index
+from ._copies import copy_member
 from ._members import named_tensors
 from ._padding import Padding
 from ._stacking import recompute_
@@ -54,7 +54,7 @@ def member_module(
             memo[id(meta)] = value
     # A class of its own per parametrized submodule: torch's remove_parametrizations on this
     # member deletes the property from its class, which a deep copy shares with the template.
-    member = own_parametrized_classes_(copy.deepcopy(template, memo))
+    member = own_parametrized_classes_(copy_member(template, memo))
     modules = dict(member.named_modules())
     for path, values in set_by_forward.items():
         if path in modules:

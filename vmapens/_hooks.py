@@ -1,11 +1,10 @@
 """Member hooks the ensemble cannot follow, refused before they would go unseen.
 
-* What a member's attributes and module hooks hold: its own tensors, or its own modules. The
-  ensemble runs a copy of member 0 (``copy.deepcopy``), which copies modules, containers and
-  bound methods along, but not functions: a lambda or closure keeps the very objects it
-  closed over. A hook that holds the member itself or one of its submodules (registered in
-  ``__init__`` as ``lambda m, args, out: out * self.gain``) read member 0's original tensors
-  for every member, never the trained ones, and wrote into member 0's original module.
+* What a member's attributes and module hooks hold: its own tensors. The ensemble swaps each
+  member's tensors into the module slots of a copy of member 0 (``_copies.copy_member``,
+  which rebinds functions closing over the member's modules to the copy's), so a tensor held
+  elsewhere (a list, a closure: ``w = self.fc.weight; lambda o: o * w``) would stay member
+  0's original for every member, never the trained one.
 * torch's global module backward hooks, which never fire under vmap.
 * State-dict pre-hooks, which the stacked ``state_dict`` does not run per member.
 """
@@ -25,46 +24,24 @@ _ATOMS = {bool, int, float, str, bytes, complex, type(None), torch.dtype, torch.
 _DEPTH = 3  # how deep values are followed into plain objects, closures, containers
 
 
-def held_tensor(
-    v: Any, ids: dict[int, str], depth: int = 0, in_function: bool = False
-) -> str | None:
-    """The name in ``ids`` of the member's tensor a plain attribute value holds, or of the
-    member's module a function in it closes over (``ids`` maps the ``id`` of each)."""
-    if isinstance(v, torch.Tensor) or (in_function and isinstance(v, nn.Module)):
+def held_tensor(v: Any, ids: dict[int, str], depth: int = 0) -> str | None:
+    """The name in ``ids`` (``id`` to name) of the member's tensor a plain attribute value
+    holds, in containers, plain objects, partials and closures."""
+    if isinstance(v, torch.Tensor):
         return ids.get(id(v))
     if depth >= _DEPTH or type(v) in _ATOMS or isinstance(v, (nn.Module, type)):
-        return None  # a submodule sees the member's tensors in its slots; deepcopy copies it
-    if isinstance(v, types.FunctionType):  # not copied: what it holds stays member 0's own
-        v, in_function = (
-            [_contents(c) for c in v.__closure__ or ()] + list(v.__defaults__ or ()),
-            True,
-        )
+        return None  # a module sees the member's tensors in its slots; the copy rebinds it
+    if isinstance(v, types.FunctionType):  # what it holds besides modules stays member 0's
+        v = [_contents(c) for c in v.__closure__ or ()] + list(v.__defaults__ or ())
     elif isinstance(v, functools.partial):
         v = [v.func, *v.args, *v.keywords.values()]
     elif not isinstance(v, (tuple, list, set, frozenset)):
         v = list((v if isinstance(v, dict) else getattr(v, "__dict__", {})).values())
-    deeper = depth + 1
-    return next((h for x in v if (h := held_tensor(x, ids, deeper, in_function)) is not None), None)
-
-
-def module_ids(member: nn.Module) -> dict[int, str]:
-    """``held_tensor``'s ``ids`` for the member's modules: a name that says which one."""
-    return {
-        id(m): f"module `{path}` ({type(m).__name__})" if path else f"{type(m).__name__} itself"
-        for path, m in member.named_modules()
-    }
+    return next((h for x in v if (h := held_tensor(x, ids, depth + 1)) is not None), None)
 
 
 def held_message(api: str, where: str, held: str) -> str:
     """The error for ``where`` (``member 0's attribute `fc._forward_hooks```) holding ``held``."""
-    if held.startswith("module ") or held.endswith(" itself"):
-        return (
-            f"{api}: {where} is a function that closes over the member's {held}; the ensemble "
-            "runs a copy of the member, and a function is not copied, so it would read member "
-            "0's original tensors for every member. Read the layer through the hook's module "
-            "argument (`m`), or register a bound method (`self.fc.register_forward_hook("
-            "self._hook)`), which the copy rebinds"
-        )
     return (
         f"{api}: {where} holds its tensor `{held}`; members' tensors are swapped into module "
         "slots only, so a forward would read another there: read it via its module (a hook's "

@@ -13,7 +13,6 @@ makes alone, and only this second run can name that layer.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +22,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ._checks import tolerance
+from ._copies import copy_member
 
 __all__ = ["first_padded_difference"]
 
@@ -74,7 +74,7 @@ def _first(
 ) -> str | None:
     """The name of the first layer that differs in eval mode, or in the modules' own modes
     (``train``), each run from the caller's RNG state (which it leaves as is)."""
-    alone, runner = copy.deepcopy(alone), copy.deepcopy(runner)
+    alone, runner = copy_member(alone), copy_member(runner)
     if not train:
         alone.eval()
         runner.eval()

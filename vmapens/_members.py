@@ -16,7 +16,7 @@ from torch.nn.utils import parametrize
 from ._buffer_turns import Slices, Turns
 from ._chunks import in_order, in_turns, uncache, uncached, vmap_in_turns
 from ._fastcall import forget_writes, no_random_ops, vmap_members
-from ._hooks import held_message, held_tensor, module_ids, refuse_state_dict_pre_hooks
+from ._hooks import held_message, held_tensor, refuse_state_dict_pre_hooks
 from ._precision import autocast_members
 from ._unbatchable import shared_versions
 from .distributed import member_block
@@ -111,14 +111,12 @@ def check_member(member: Any, i: int, api: str) -> nn.Module:
             )
     # Member 0's: the template runs them, and the others' settings must equal them.
     ids = {id(t): name for name, t in named_tensors(member)} if i == 0 else {}
-    # A hook closing over the member's own module reads member 0's original tensors (a plain
-    # function attribute may, to read a setting: `lambda x: x * self.fc.out_features`).
-    hook_ids = {**ids, **module_ids(member)} if ids else {}
+    # A function (attribute or hook) closing over the member's own modules is rebound to the
+    # copy's (``_copies.copy_member``); one holding its tensors is not: those are swapped into
+    # module slots only.
     for path, sub in member.named_modules() if ids else ():  # a list, closure: its own tensor
         for key in sorted((vars(sub).keys() - _INTERNAL) | _HOOKS):
-            if (
-                held := held_tensor(vars(sub)[key], hook_ids if key in _HOOKS else ids)
-            ) is not None:
+            if (held := held_tensor(vars(sub)[key], ids)) is not None:
                 where = f"member {i}'s attribute `{path}{'.' * bool(path)}{key}`"
                 raise ValueError(held_message(api, where, held))
     return member

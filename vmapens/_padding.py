@@ -22,7 +22,6 @@ This file imports only torch, ``_checks``, ``_members`` and ``_padding_parts``.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -31,6 +30,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ._checks import is_int
+from ._copies import copy_member
 from ._members import Names, class_name, class_of, named_tensors, own_settings
 from ._padding_parts import largest
 
@@ -402,7 +402,7 @@ class Padding:
     def select(self, rows: Sequence[int]) -> Padding:
         """The padding of the sub-ensemble of ``rows`` (same kinds, same full shapes; its own
         copies of the meta templates, whose train/eval mode is the sub-ensemble's)."""
-        templates = [copy.deepcopy(t) for t in self.templates]
+        templates = [copy_member(t) for t in self.templates]
         return Padding(templates, [self.kind_of[r] for r in rows], self.full, self.gates)
 
     def describe(self) -> dict[str, Any]:

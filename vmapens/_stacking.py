@@ -8,7 +8,6 @@ built first (the largest one sets the padded shapes), then copied into their cor
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from ._batchable import own_parametrized_classes_
+from ._copies import copy_member
 from ._ensemble_parts import refuse_compiled
 from ._members import check_same, class_name, named_tensors, signature
 from ._padding import Padding, check_pair, gates_of, largest, setting_advice
@@ -195,7 +195,7 @@ def meta_copy(module: nn.Module) -> nn.Module:
         memo[id(m.__dict__[name])] = torch.empty_like(m.__dict__[name], device="meta")
     # The user's parametrized modules keep their classes (remove_parametrizations on one of
     # them deletes a property from its class): the template gets classes of its own.
-    return own_parametrized_classes_(copy.deepcopy(module, memo))
+    return own_parametrized_classes_(copy_member(module, memo))
 
 
 def migrated_keys(module: nn.Module, prefix: str, metadata: Any) -> set[str]:

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._checks import as_ids, index_rows
+from ._copies import copy_holding, copy_member
 from ._members import check_same, named_tensors, non_persistent_buffers, signature
 from ._padding import Padding
 from ._stacking import check_applied, follow_flags, hooks_of, migrated_keys, scrub_
@@ -113,8 +114,6 @@ class StackedModule(nn.Module):
     def __len__(self) -> int:
         return len(self.member_ids)
 
-    # -- stacked state --------------------------------------------------------------------------
-
     @property
     def runner(self) -> nn.Module:
         """The module ``functional_call`` runs: the template, its layers vmap batches badly
@@ -199,8 +198,8 @@ class StackedModule(nn.Module):
         sub = copy.copy(self)
         nn.Module.__init__(sub)  # fresh registries; the options are shared
         # Copies of the meta modules: sub.train()/eval() must not switch this ensemble's mode.
-        sub.__dict__["_template"] = copy.deepcopy(self._template)
-        sub.__dict__["_runner"] = copy.deepcopy(self._runner)
+        sub.__dict__["_template"] = copy_member(self._template)
+        sub.__dict__["_runner"] = copy_member(self._runner)
         if self._padding is not None:
             sub.__dict__["_padding"] = self._padding.select(rows.tolist())
         with torch.no_grad():
@@ -273,8 +272,6 @@ class StackedModule(nn.Module):
         self._follow_template()
         return self
 
-    # -- nn.Module plumbing ----------------------------------------------------------------
-
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -303,15 +300,18 @@ class StackedModule(nn.Module):
             return self.stacked_buffers()[name]
         return super().get_buffer(target)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:  # the meta modules' lambdas rebound
+        metas = [] if self._padding is None else self._padding.templates
+        return copy_holding(self, memo, [self._template, self._runner, *metas])
+
     def __getstate__(self) -> dict[str, Any]:  # copy.deepcopy, pickle, torch.save
         scrub_(self._template)
         scrub_(self._runner)
         return super().__getstate__()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # Parameter.__deepcopy__ and TemplateParameter.__reduce_ex__ drop attributes: the stacked
-        # parameters' padding marks (each member's size, for the optimizers) and the template's
-        # links to them (linked now, not at the first call).
+        # Parameter.__deepcopy__ and TemplateParameter.__reduce_ex__ drop the stacked parameters'
+        # padding marks (sizes, for the optimizers) and the template's links to them (now).
         super().__setstate__(state)
         for name, p in self._parameters.items() if self._padding is not None else ():
             p._member_padding = (self._padding, name)  # type: ignore[union-attr]
