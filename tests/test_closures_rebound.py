@@ -96,7 +96,23 @@ class HookClosure(nn.Module):
         return self.fc2(self.fc(x))
 
 
-CLASSES = [LambdaAttr, Submodule, Partial, HookClosure]
+class InList(nn.Module):
+    """Lambdas over the member kept in a list: refused as members "differing" (the settings'
+    comparison reached their cells past its depth and compared them by identity)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.gain = nn.Parameter(torch.rand(2) + 0.5)
+        self.steps = [lambda o: torch.tanh(self.fc(o)), lambda o: o * self.gain]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for step in self.steps:
+            x = step(x)
+        return x
+
+
+CLASSES = [LambdaAttr, Submodule, Partial, HookClosure, InList]
 BATCHES = float64_batches(3, 5, 3, 2)
 
 

@@ -297,8 +297,10 @@ def _value(v: Any, names: Names, depth: int = 0) -> Any:
         return frozenset(v)
     if isinstance(v, types.FunctionType):  # a lambda made in __init__ is one per member
         cells = [c.cell_contents for c in v.__closure__ or () if c.cell_contents is not v]
-        parts = (v.__defaults__, v.__kwdefaults__, cells)
-        return _Same(v, (v.__code__, _value(parts, names, deeper)))
+        # One level for all it holds: a lambda in a list (`[lambda o: self.fc(o)]`) reached
+        # its cells past _DEPTH, compared by identity there, and differed per member.
+        held = [*(v.__defaults__ or ()), *(v.__kwdefaults__ or {}).items(), *cells]
+        return _Same(v, (v.__code__, [_value(x, names, deeper) for x in held]))
     if isinstance(v, types.MethodType):
         return _Same(v, (_value(v.__func__, names, deeper), _value(v.__self__, names, deeper)))
     if isinstance(v, functools.partial):
