@@ -252,9 +252,11 @@ def build_scheduler(
         hasattr(scheduler, "step") and hasattr(scheduler, "state_dict")
     ):
         if not callable(scheduler):
+            # fit(scheduler=LRScheduler(s, interval="step")) reads as the per-step shortcut
+            hint = "; give an LRScheduler in `callbacks=[...]`" * isinstance(scheduler, Callback)
             raise TypeError(
                 f"{api}: `scheduler` must be an LR scheduler or a callable building one from the "
-                f"optimizer, got {type(scheduler).__name__}"
+                f"optimizer, got {type(scheduler).__name__}{hint}"
             )
         scheduler = scheduler(optimizer)
         return build_scheduler(api, scheduler, optimizer, interval, validated)
