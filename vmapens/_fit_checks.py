@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import optree
 import torch
 
 from ._checks import check_choice, check_int, check_writable_dir
@@ -263,3 +265,20 @@ def build_optimizer(
         raise
     check_optimizer(api, ens, built)
     return built
+
+
+def warn_stacked_val(api: str, data: Any, val_data: Any, n: int) -> None:
+    """Warn when ``val_data`` looks per-member ([n, samples, ...], as ``data`` with
+    ``in_dims=0``) but is read as shared: every member would be scored on all the slices."""
+    if not (is_tensor_data(data) and is_tensor_data(val_data)):
+        return
+    dims = [t.dim() for t in optree.tree_leaves(data[0])]
+    vals = [t for t in optree.tree_leaves(val_data[0]) if isinstance(t, torch.Tensor)]
+    if vals and all(t.shape[0] == n and t.dim() == d for t, d in zip(vals, dims, strict=False)):
+        warnings.warn(
+            f"{api}: `val_data` inputs have shape {[tuple(t.shape) for t in vals]}: one slice "
+            f"per member, as `data`'s with in_dims=0? As given, `val_data` is shared and every "
+            "member is scored on all of it; pass in_dims=(0, 0) for per-member validation data",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -26,7 +26,7 @@ from ._data import (
     warn_stacked_data,
 )
 from ._evaluate import Evaluator, to_device
-from ._fit_checks import Checked, build_optimizer, check_arguments
+from ._fit_checks import Checked, build_optimizer, check_arguments, warn_stacked_val
 from ._precision import LossScale
 from .callbacks import (
     Callback,
@@ -179,6 +179,8 @@ def fit(
     api, args = "fit", dict(locals())
     c = check_arguments(api, args)
     warn_stacked_data(api, data, len(ens), c.data_dims)  # [n, samples, ...] without in_dims
+    if c.data_dims == 0 and c.val_dims is None:  # per-member data, val_data read as shared
+        warn_stacked_val(api, data, val_data, len(ens))
     opt = build_optimizer(api, ens, optimizer, c.hyperparameters)
     device, n = next(ens.parameters()).device, len(ens)
     history = History.empty(list(ens.member_ids), val_data is not None, list(c.metrics))
