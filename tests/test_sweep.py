@@ -284,3 +284,14 @@ def test_sweep_demo_runs_small(capsys, monkeypatch):
     calls = []
     monkeypatch.setattr(cli, "sweep_demo", lambda: calls.append("sweep"))
     assert cli.main(["demo", "--sweep"]) == 0 and calls == ["sweep"]
+
+
+def test_best_k_says_a_zoo_of_other_members_briefly():
+    # A zoo's hundreds of ids buried the point: the count and the ends are given instead.
+    scores_of = vmapens.History.empty(list(range(300)), validated=True)
+    scores_of.val_loss = torch.zeros(1, 300, dtype=torch.float64)
+    ens = vmapens.Ensemble(double_mlp, n=300, seed=0)[torch.arange(100)]
+    with pytest.raises(ValueError, match=r"members 300 \[0, 1, 2, \.\.\., 298, 299\], but `ens` "
+                                         r"holds members 100 \[0, 1, 2, \.\.\., 98, 99\]") as got:  # fmt: skip
+        best_k(ens, scores_of, 3)
+    assert len(str(got.value)) < 300

@@ -146,8 +146,8 @@ def best_k(
         ids, own = list(history_or_scores.member_ids), list(ens.member_ids)
         if ids != own:
             raise ValueError(
-                f"{api}: `history_or_scores` is a History of members {ids}, but `ens` holds "
-                f"members {own}; pass the History of this ensemble's training"
+                f"{api}: `history_or_scores` is a History of members {_ids(ids)}, but `ens` "
+                f"holds members {_ids(own)}; pass the History of this ensemble's training"
             )
         scores = _scores(history_or_scores, metric, mode, api, "history_or_scores")
     elif isinstance(history_or_scores, Tensor):
@@ -179,3 +179,10 @@ def best_k(
         raise ValueError(f"{api}: `optimizer` holds tensors that are not parameters of `ens`")
     stacked = sub.stacked_params()
     return sub, optimizer.select(rows, [stacked[names[id(p)]] for p in held])
+
+
+def _ids(ids: list[int]) -> str:
+    """Member ids for a message: all of a few; the count and the ends of a zoo's hundreds."""
+    if len(ids) <= 8:
+        return str(ids)
+    return f"{len(ids)} [{', '.join(map(str, ids[:3]))}, ..., {', '.join(map(str, ids[-2:]))}]"
