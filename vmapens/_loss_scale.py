@@ -51,10 +51,20 @@ class LossScale:
         if not is_int(n) or n < 1:
             raise ValueError(f"{api}: `n` must be an int >= 1 (the number of members), got {n!r}")
         _check_options(api, init_scale, growth_factor, backoff_factor, growth_interval)
+        self.init_scale = float(init_scale)
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval = int(growth_interval)
         self.scale = torch.full((n,), float(init_scale), dtype=torch.float32, device=device)
         self.growth_tracker = torch.zeros(n, dtype=torch.int32, device=device)
+
+    def __repr__(self) -> str:
+        # The options, not the running scales: fit's resume check compares its arguments by
+        # repr, and a run's LossScale has moved on from the one a rerun script builds.
+        return (
+            f"LossScale({self.scale.shape[0]}, init_scale={self.init_scale!r}, "
+            f"growth_factor={self.growth_factor!r}, backoff_factor={self.backoff_factor!r}, "
+            f"growth_interval={self.growth_interval!r})"
+        )
 
     def unscale_(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Divide each member's gradients by its scale in place; True where any is non-finite."""
