@@ -4,6 +4,7 @@ grid and study checks; and PBT's warning about schedulers that undo its learning
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import random
 import warnings
@@ -17,6 +18,7 @@ __all__ = [
     "PlainTrial",
     "check_direction",
     "fixed_names",
+    "flag_names",
     "grid_values",
     "hyper_table",
     "per_member",
@@ -122,6 +124,17 @@ def fixed_names(optimizer: Any) -> set[str]:
         names |= set(optimizer.keywords)
         optimizer = optimizer.func
     return names
+
+
+def flag_names(optimizer: Any) -> set[str]:
+    """The keyword arguments the optimizer class takes besides its per-member hyperparameters
+    (``nesterov``, ``amsgrad``, ...); none for a callable that does not say (a lambda)."""
+    hypers = hyper_table(optimizer)
+    if hypers is None:
+        return set()
+    params = inspect.signature(_unwrapped(optimizer)).parameters.values()
+    named = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    return named - set(hypers) - {"params", "ens", "ensemble"}
 
 
 def per_member(values: list[Any], table: dict[str, Any] | None, name: str) -> Any:

@@ -22,6 +22,7 @@ from ._sweep_parts import (
     PlainTrial,
     check_direction,
     fixed_names,
+    flag_names,
     grid_values,
     hyper_table,
     per_member,
@@ -347,6 +348,16 @@ class Sweep:
                 "fixes; sweep it or fix it, not both"
             )
         unknown = [k for k in names if hypers is not None and k not in hypers]
+        flags = [k for k in unknown if k in flag_names(self.optimizer)]
+        if flags:
+            # A flag (SGD's `nesterov`) is taken, but once for all members: not per trial.
+            raise ValueError(
+                f"{api}: `space` returned {flags}, which "
+                f"{getattr(self.optimizer, '__name__', 'the optimizer')} takes as a flag shared "
+                "by every member, not per member; fix it with functools.partial(optimizer, "
+                f"{flags[0]}=...) or sweep it in separate Sweeps; per-member hyperparameters: "
+                f"{sorted(hypers or ())}"
+            )
         if unknown:
             raise ValueError(
                 f"{api}: `space` returned {unknown}, which "
