@@ -28,6 +28,7 @@ from ._checkpoint_files import (
 )
 from ._checks import as_ids, repeated
 from ._padding import corner, gates_of
+from ._padding_parts import check_zero_padding
 from ._step_parts import check_optimizer
 from .ensemble import Ensemble, check_ensemble
 from .history import History
@@ -237,6 +238,7 @@ def save(
             f"save: `ens` holds a member more than once (member ids {ids!r:.60}), which a "
             "checkpoint cannot name; save ens.select(...) of distinct members"
         )
+    check_zero_padding("save", ens.stacked_state(), ens._padding)
     if history is not None and list(history.member_ids) != list(ens.member_ids):
         raise ValueError(
             f"save: `history` must be the History of `ens`'s members (member ids "

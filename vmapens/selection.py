@@ -147,7 +147,9 @@ def best_k(
         if ids != own:
             raise ValueError(
                 f"{api}: `history_or_scores` is a History of members {_ids(ids)}, but `ens` "
-                f"holds members {_ids(own)}; pass the History of this ensemble's training"
+                f"holds members {_ids(own)}; pass the History of this ensemble's training, or "
+                "for members selected from a trained ensemble their scores from its History "
+                "(`member_scores(history)[rows]`)"
             )
         scores = _scores(history_or_scores, metric, mode, api, "history_or_scores")
     elif isinstance(history_or_scores, Tensor):
