@@ -112,6 +112,8 @@ def check(
     """
     api = "check"
     check_step_arguments(api, ens, loss_fn, in_dims)
+    if autocast not in (None, torch.bfloat16, torch.float16):  # torch.autocast only warns
+        raise ValueError(f"{api}: `autocast` must be None, bfloat16 or float16, got {autocast!r}")
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     for member in probed(ens):
         try:
