@@ -16,7 +16,7 @@ from typing import Any
 
 import optree
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 __all__ = [
     "as_ids",
@@ -202,3 +202,22 @@ def tolerance(dtype: torch.dtype) -> float:
         True
     """
     return math.sqrt(torch.finfo(dtype).eps)
+
+
+def module_params(api: str, module: nn.Module, arg: str) -> list[Tensor]:
+    """``module.parameters()``, refused for a model that holds an ensemble beside layers of
+    its own (a shared encoder): their rows are not members, yet a leading size equal to n
+    read them as members (each row its own lr, its own clipping norm), silently."""
+    inner = [(k, m) for k, m in module.named_modules() if hasattr(m, "stacked_params")]
+    if inner and not hasattr(module, "stacked_params"):
+        stacked = {id(p) for _, m in inner for p in m.parameters()}
+        other = [k for k, p in module.named_parameters() if id(p) not in stacked]
+        if other:
+            raise ValueError(
+                f"{api}: `{arg}` is a {type(module).__name__} that holds the ensemble "
+                f"`{inner[0][0]}` and parameters of its own ({', '.join(other[:3])}"
+                f"{', ...' if len(other) > 3 else ''}), whose rows are not members: pass the "
+                f"ensemble (`model.{inner[0][0]}`) and give the others to a torch.optim "
+                "optimizer or torch.nn.utils.clip_grad_norm_"
+            )
+    return list(module.parameters())

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._checks import module_params
 from ._values import MemberValues
 
 __all__ = [
@@ -351,11 +352,11 @@ def per_member(value: Any, n: int) -> list[float] | None:
     return None
 
 
-def params_of(params: Any) -> list[Any]:
+def params_of(params: Any, api: str = "StackedOptimizer") -> list[Any]:
     """What an optimizer's ``params`` argument holds: an Ensemble's parameters, a tensor, or
     an iterable of tensors or param-group dicts."""
     if isinstance(params, nn.Module):
-        return list(params.parameters())
+        return module_params(api, params, "params")
     if isinstance(params, Tensor):
         return [params]
     return list(params)

@@ -100,7 +100,7 @@ class StackedOptimizer(EagerOptimizer):
             defaults.setdefault(flag, IMPLEMENTATION[flag][0][0])
         check_implementation(self._api, flags, options.get("implementation", {}))
         defaults.update(options.get("implementation", {}))
-        items = params_of(params)
+        items = params_of(params, self._api)
         tensors = unnamed(
             [t for it in items for t in (params_of(it["params"]) if isinstance(it, dict) else [it])]
         )
@@ -191,7 +191,7 @@ class StackedOptimizer(EagerOptimizer):
         """
         check_ordered(f"{self._api}.add_param_group", param_group.get("params"))
         group = dict(param_group)
-        group["params"] = params_of(group["params"])
+        group["params"] = params_of(group["params"], f"{self._api}.add_param_group")
         leading_n(self._api, group["params"], self.num_members)
         for key, default in self.defaults.items():
             group.setdefault(key, default)

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from .._checks import column
+from .._checks import column, module_params
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "clip_norms_", "clip_values_", "member_norms"]
 
@@ -18,7 +18,7 @@ def _grads(
 ) -> tuple[list, int, torch.device]:
     params: list[Tensor]
     if isinstance(ens_or_params, nn.Module):
-        params = list(ens_or_params.parameters())
+        params = module_params(api, ens_or_params, "ens_or_params")
     elif isinstance(ens_or_params, Tensor):
         params = [ens_or_params]
     else:
