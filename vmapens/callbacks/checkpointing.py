@@ -88,7 +88,9 @@ class Checkpoint(Callback):
             raise ValueError(
                 "fit: a torch LR scheduler is attached to `optimizer` (built on it) but not given "
                 "as `scheduler`: with `checkpoint` its state would not be saved and a resumed run "
-                "would restart its schedule; pass it as fit(scheduler=...)"
+                "would restart its schedule; pass it as fit(scheduler=...), or (one that starts "
+                "mid-run, as SWALR at swa_start) build it in a Callback that saves its "
+                "state_dict"
             )
         stepped = [cb.scheduler for cb in schedulers]
         if any(all(p is not s for s in stepped) for p in plateaus_on(ctx.optimizer)):
