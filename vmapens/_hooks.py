@@ -7,6 +7,9 @@
   0's original for every member, never the trained one.
 * torch's global module backward hooks, which never fire under vmap.
 * State-dict pre-hooks, which the stacked ``state_dict`` does not run per member.
+
+And the walks over a member's modules and tensors that look for them (``modules_of``,
+``named_tensors``): the checks walk every member, each a few times.
 """
 
 from __future__ import annotations
@@ -22,6 +25,34 @@ from torch.nn.modules.module import _global_backward_hooks, _global_backward_pre
 #: Values that hold nothing.
 _ATOMS = {bool, int, float, str, bytes, complex, type(None), torch.dtype, torch.device}
 _DEPTH = 3  # how deep values are followed into plain objects, closures, containers
+
+
+def modules_of(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``list(module.named_modules())``: walked once, shared by the checks of one member."""
+    return list(module.named_modules())
+
+
+def named_tensors(
+    module: nn.Module, modules: list[tuple[str, nn.Module]] | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """Unique parameters then buffers, by their first name (tied tensors appear once), as
+    ``named_parameters`` then ``named_buffers``; ``modules``: ``modules_of(module)`` if known."""
+    cls = type(module)  # FSDP's, say, name them otherwise
+    if (cls._named_members, cls.named_parameters, cls.named_buffers) != _PLAIN:
+        return [*module.named_parameters(), *module.named_buffers()]
+    modules = modules_of(module) if modules is None else modules
+    found: list[tuple[str, torch.Tensor]] = []
+    for kind in ("_parameters", "_buffers"):
+        seen: set[int] = set()  # by id, as torch's set of tensors (their hash is their id)
+        for path, m in modules:
+            for k, t in m.__dict__[kind].items():
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    found.append((f"{path}.{k}" if path else k, t))
+    return found
+
+
+_PLAIN = (nn.Module._named_members, nn.Module.named_parameters, nn.Module.named_buffers)
 
 
 def held_tensor(v: Any, ids: dict[int, str], depth: int = 0) -> str | None:
@@ -79,7 +110,7 @@ def refuse_state_dict_pre_hooks(api: str, member: nn.Module, i: int) -> None:
     Raises:
         ValueError: naming the layer and the way out.
     """
-    for path, m in member.named_modules():
+    for path, m in modules_of(member):
         if m._state_dict_pre_hooks:
             where = f"`{path}` ({type(m).__name__})" if path else type(m).__name__
             raise ValueError(

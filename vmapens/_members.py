@@ -16,7 +16,13 @@ from torch.nn.utils import parametrize
 from ._buffer_turns import Slices, Turns
 from ._chunks import in_order, in_turns, uncache, uncached, vmap_in_turns
 from ._fastcall import forget_writes, no_random_ops, vmap_members
-from ._hooks import held_message, held_tensor, refuse_state_dict_pre_hooks
+from ._hooks import (
+    held_message,
+    held_tensor,
+    modules_of,
+    named_tensors,
+    refuse_state_dict_pre_hooks,
+)
 from ._precision import autocast_members
 from ._unbatchable import shared_versions
 from .distributed import member_block
@@ -32,6 +38,7 @@ __all__ = [
     "class_of",
     "looped",
     "member_ids_for",
+    "modules_of",
     "named_tensors",
     "non_persistent_buffers",
     "own_settings",
@@ -93,8 +100,11 @@ def check_member(member: Any, i: int, api: str) -> nn.Module:
         what = "`modules` must hold nn.Modules" if api.endswith("from_modules") else None
         what = what or "`factory` must return an nn.Module"
         raise TypeError(f"{api}: {what}, but member {i} is {type(member).__name__}")
-    refuse_state_dict_pre_hooks(api, member, i)
-    for name, t in named_tensors(member):
+    modules = modules_of(member)
+    if any(m._state_dict_pre_hooks for _, m in modules):  # the error's walk: seldom
+        refuse_state_dict_pre_hooks(api, member, i)
+    tensors = named_tensors(member, modules)
+    for name, t in tensors:
         if nn.parameter.is_lazy(t):
             raise ValueError(
                 f"{api}: member {i} has an uninitialised lazy tensor `{name}`; run one forward "
@@ -110,22 +120,16 @@ def check_member(member: Any, i: int, api: str) -> nn.Module:
                 "in your loss"
             )
     # Member 0's: the template runs them, and the others' settings must equal them.
-    ids = {id(t): name for name, t in named_tensors(member)} if i == 0 else {}
+    ids = {id(t): name for name, t in tensors} if i == 0 else {}
     # A function (attribute or hook) closing over the member's own modules is rebound to the
     # copy's (``_copies.copy_member``); one holding its tensors is not: those are swapped into
     # module slots only.
-    for path, sub in member.named_modules() if ids else ():  # a list, closure: its own tensor
+    for path, sub in modules if ids else ():  # a list, closure: its own tensor
         for key in sorted((vars(sub).keys() - _INTERNAL) | _HOOKS):
             if (held := held_tensor(vars(sub)[key], ids)) is not None:
                 where = f"member {i}'s attribute `{path}{'.' * bool(path)}{key}`"
                 raise ValueError(held_message(api, where, held))
     return member
-
-
-def named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Unique parameters then buffers, by their first name (tied tensors appear once)."""
-    yield from module.named_parameters()
-    yield from module.named_buffers()
 
 
 #: class, tensors (shape, dtype, device, requires_grad), modes and settings, by name.
@@ -136,11 +140,11 @@ def signature(module: nn.Module) -> Signature:
     """What members must share: class, each tensor's name, shape, dtype, device, grad flag,
     each submodule's train/eval mode (a BatchNorm frozen in eval mode stays frozen), and
     every submodule's name, class and settings (``own_settings``; cheap: mostly ints)."""
+    modules, names = modules_of(module), Names(module)
     tensors = {
         name: (tuple(t.shape), t.dtype, t.device, t.requires_grad)
-        for name, t in named_tensors(module)
+        for name, t in named_tensors(module, modules)
     }
-    modules, names = list(module.named_modules()), Names(module)
     settings = tuple((n, class_of(m), own_settings(m, names)) for n, m in modules)
     return class_of(module), tensors, {n: m.training for n, m in modules}, settings
 
@@ -158,7 +162,7 @@ def check_same(
             f"{api}: member {i} is a {class_name(got_type)}, member 0 is a "
             f"{class_name(ref_type)}; all members must be of one class"
         )
-    for key in [*ref, *(k for k in got if k not in ref)]:
+    for key in [*ref, *(k for k in got if k not in ref)] if got != ref else ():
         if key not in got or key not in ref:
             which = "lacks" if key not in got else "has an extra"
             raise ValueError(f"{api}: member {i} {which} tensor `{key}` (compared to member 0)")
@@ -176,7 +180,7 @@ def check_same(
                 raise ValueError(
                     f"{api}: member {i} differs from member 0 at `{key}`: {what} {b} vs {a}{sizes}"
                 )
-    for name, mode in ref_modes.items():
+    for name, mode in ref_modes.items() if got_modes != ref_modes else ():
         if got_modes.get(name, mode) != mode:
             where = f"submodule `{name}`" if name else "the module itself"
             raise ValueError(

@@ -62,6 +62,7 @@ class Stacked:
 def stack_one_size(members: Iterable[nn.Module], member_ids: Sequence[int], api: str) -> Stacked:
     """Copy members one at a time into stacked storage; each must equal the first in shape."""
     stacked: dict[str, torch.Tensor] = {}
+    rows: dict[str, tuple[torch.Tensor, ...]] = {}  # each member's views, made at once
     reference, template, training = None, None, True
     # A plain counter: enumerate()/zip() recycle their result tuple, which would keep the
     # previous member alive while the next one is built.
@@ -76,15 +77,17 @@ def stack_one_size(members: Iterable[nn.Module], member_ids: Sequence[int], api:
                 name: torch.empty((len(member_ids), *t.shape), dtype=t.dtype, device=t.device)
                 for name, t in named_tensors(member)
             }
+            rows = {name: s.unbind() for name, s in stacked.items()}
         else:
             theirs = check_same(reference, member, member_ids[slot], api)
             check_settings(reference[3], theirs[3], member_ids[slot], api, member_ids[0])
         with torch.no_grad():
             for name, t in named_tensors(member):
-                stacked[name][slot].copy_(t)
+                rows[name][slot].copy_(t)
         del member  # drop our reference before the next member is built
         slot += 1  # noqa: SIM113
     assert template is not None, "no members"  # callers check n >= 1
+    del rows  # views of the storage: the stacked tensors alone are their base
     return Stacked(stacked, template, training)
 
 
