@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import types
 from typing import Any
 
-import torch
 from torch import nn
+
+from ._hooks import held
 
 _DEPTH = 4  # how deep attributes are searched for functions (containers, partials, closures)
 
@@ -72,7 +72,7 @@ def prepare_functions(
     while changed:  # a function closing over one that is rebound is rebound too
         changed = False
         for key, fn in found.items():
-            if key not in rebound and any(id(c) in owned or id(c) in rebound for c in _held(fn)):
+            if key not in rebound and any(id(c) in owned or id(c) in rebound for c in held(fn)):
                 rebound[key], changed = fn, True
     pending = []
     for key, fn in rebound.items():
@@ -113,36 +113,14 @@ def rebind_functions(
             new.__kwdefaults__ = {k: moved(d) for k, d in old.__kwdefaults__.items()}
 
 
-def _held(fn: types.FunctionType) -> list[Any]:
-    """What ``fn`` holds: its cells' contents and its defaults."""
-    cells = []
-    for cell in fn.__closure__ or ():
-        with contextlib.suppress(ValueError):  # an empty cell holds nothing
-            cells.append(cell.cell_contents)
-    return [*cells, *(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
-
-
 def _find(v: Any, found: dict[int, types.FunctionType], depth: int) -> None:
     """Collect the functions in ``v`` (``found``, by id): in containers, partials, closures
-    and plain objects' attributes."""
-    if depth >= _DEPTH or isinstance(v, (nn.Module, type)):
-        return  # a submodule's attributes are searched as its own
+    and plain objects' attributes (``_hooks.held``; a submodule's are searched as its own)."""
+    if depth >= _DEPTH:
+        return
     if isinstance(v, types.FunctionType):
         if id(v) in found:
             return
         found[id(v)] = v
-        values: Any = _held(v)
-    elif isinstance(v, functools.partial):
-        values = [v.func, *v.args, *v.keywords.values()]
-    elif isinstance(v, dict):
-        values = list(v.values())
-    elif isinstance(v, (list, tuple, set, frozenset)):
-        values = list(v)
-    elif isinstance(getattr(v, "__dict__", None), dict) and not isinstance(
-        v, (torch.Tensor, types.ModuleType, types.MethodType)
-    ):  # a plain object: torch's _WrappedHook (a load_state_dict pre-hook), a config
-        values = list(vars(v).values())
-    else:
-        return
-    for x in values:
+    for x in held(v):
         _find(x, found, depth + 1)

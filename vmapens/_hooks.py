@@ -23,8 +23,8 @@ from torch import nn
 from torch.nn.modules.module import _global_backward_hooks, _global_backward_pre_hooks
 
 #: Values that hold nothing.
-_ATOMS = {bool, int, float, str, bytes, complex, type(None), torch.dtype, torch.device}
-_DEPTH = 3  # how deep values are followed into plain objects, closures, containers
+ATOMS = {bool, int, float, str, bytes, complex, type(None), torch.dtype, torch.device}
+DEPTH = 3  # how deep values are followed into plain objects, closures, containers
 
 
 def modules_of(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -55,20 +55,35 @@ def named_tensors(
 _PLAIN = (nn.Module._named_members, nn.Module.named_parameters, nn.Module.named_buffers)
 
 
+def held(v: Any) -> list[Any]:
+    """What a plain value holds, one level down: a function's closure contents and defaults, a
+    partial's function and arguments, a container's items, a plain object's attributes (torch's
+    ``_WrappedHook``, a config). Nothing for an atom, a tensor, a module (its tensors sit in its
+    slots; the copy rebinds it), a class, a bound method or a Python module."""
+    leaves = (torch.Tensor, nn.Module, type, types.ModuleType, types.MethodType)
+    if type(v) in ATOMS or isinstance(v, leaves):
+        return []
+    if isinstance(v, types.FunctionType):
+        cells = [_contents(c) for c in v.__closure__ or ()]
+        return [*cells, *(v.__defaults__ or ()), *(v.__kwdefaults__ or {}).values()]
+    if isinstance(v, functools.partial):
+        return [v.func, *v.args, *v.keywords.values()]
+    if isinstance(v, dict):
+        return list(v.values())
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return list(v)
+    own = getattr(v, "__dict__", None)
+    return list(own.values()) if isinstance(own, dict) else []
+
+
 def held_tensor(v: Any, ids: dict[int, str], depth: int = 0) -> str | None:
     """The name in ``ids`` (``id`` to name) of the member's tensor a plain attribute value
-    holds, in containers, plain objects, partials and closures."""
+    holds, in containers, plain objects, partials and closures (``held``)."""
     if isinstance(v, torch.Tensor):
         return ids.get(id(v))
-    if depth >= _DEPTH or type(v) in _ATOMS or isinstance(v, (nn.Module, type)):
-        return None  # a module sees the member's tensors in its slots; the copy rebinds it
-    if isinstance(v, types.FunctionType):  # what it holds besides modules stays member 0's
-        v = [_contents(c) for c in v.__closure__ or ()] + list(v.__defaults__ or ())
-    elif isinstance(v, functools.partial):
-        v = [v.func, *v.args, *v.keywords.values()]
-    elif not isinstance(v, (tuple, list, set, frozenset)):
-        v = list((v if isinstance(v, dict) else getattr(v, "__dict__", {})).values())
-    return next((h for x in v if (h := held_tensor(x, ids, depth + 1)) is not None), None)
+    if depth >= DEPTH:
+        return None
+    return next((h for x in held(v) if (h := held_tensor(x, ids, depth + 1)) is not None), None)
 
 
 def held_message(api: str, where: str, held: str) -> str:

@@ -17,6 +17,8 @@ from ._buffer_turns import Slices, Turns
 from ._chunks import in_order, in_turns, uncache, uncached, vmap_in_turns
 from ._fastcall import forget_writes, no_random_ops, vmap_members
 from ._hooks import (
+    ATOMS,
+    DEPTH,
     held_message,
     held_tensor,
     modules_of,
@@ -197,8 +199,6 @@ _INTERNAL = frozenset(vars(nn.Module())) | {"_flat_weights", "_flat_weight_refs"
 #: Module hooks, which the forward runs: a tensor they hold is read as a setting is.
 _HOOKS = {"_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"}
 #: Values compared as they are.
-_ATOMS = {bool, int, float, str, bytes, complex, type(None), torch.dtype, torch.device}
-_DEPTH = 3  # how deep settings are followed into plain objects, closures, containers
 
 
 def class_of(module: nn.Module) -> Any:
@@ -282,17 +282,17 @@ class _Tensor(_Same):
 def _value(v: Any, names: Names, depth: int = 0) -> Any:
     """``v`` as members compare it (plain values as they are, copies of containers)."""
     kind = type(v)
-    if kind in _ATOMS:
+    if kind in ATOMS:
         return "nan" if kind is float and v != v else v
     if isinstance(v, (torch.Tensor, nn.Module)) and names(v) is not None:
         return _Same(v, names(v))  # the member's own tensor or submodule, by name
-    if depth >= _DEPTH:
+    if depth >= DEPTH:
         return _Same(v, v)
     deeper = depth + 1
     if isinstance(v, torch.Tensor):
         return _Tensor(v)
     if isinstance(v, (tuple, list)):
-        if all(type(x) in _ATOMS for x in v):
+        if all(type(x) in ATOMS for x in v):
             return v if isinstance(v, tuple) else list(v)
         return _Same(v, (kind, [_value(x, names, deeper) for x in v]))
     if isinstance(v, dict):
@@ -302,7 +302,7 @@ def _value(v: Any, names: Names, depth: int = 0) -> Any:
     if isinstance(v, types.FunctionType):  # a lambda made in __init__ is one per member
         cells = [c.cell_contents for c in v.__closure__ or () if c.cell_contents is not v]
         # One level for all it holds: a lambda in a list (`[lambda o: self.fc(o)]`) reached
-        # its cells past _DEPTH, compared by identity there, and differed per member.
+        # its cells past DEPTH, compared by identity there, and differed per member.
         held = [*(v.__defaults__ or ()), *(v.__kwdefaults__ or {}).items(), *cells]
         return _Same(v, (v.__code__, [_value(x, names, deeper) for x in held]))
     if isinstance(v, types.MethodType):
@@ -324,7 +324,7 @@ def own_settings(module: nn.Module, names: Names) -> dict[str, Any]:
         return {}
     found = {k: own[k] for k in sorted(own.keys() - _INTERNAL)}
     for key, v in found.items():
-        if type(v) in _ATOMS and v == v:  # most settings: ints, floats, strings (no NaN)
+        if type(v) in ATOMS and v == v:  # most settings: ints, floats, strings (no NaN)
             continue
         if isinstance(v, torch.Tensor) and names(v) is None:
             hooks = module._forward_pre_hooks.values()
