@@ -116,13 +116,13 @@ def export(
     with ens._evaluating():
         _refuse_edits_in_turns(api, ens, args)
         _refuse_output_sizes(api, ens, args)
-        _check_reducible(api, ens, args, reduce)
-        reduced = reduce != "none" or softmax
-        if check or not reduced:  # the probe compares each member: the members' program
+        if reduce != "none":
+            _check_reducible(api, ens, args, reduce)
+        if check or (reduce == "none" and not softmax):  # the probe needs the members' program
             program = _trace(api, ens, _Program(ens, "none", False), args)
         if check:
             _probe(api, ens, program, args)
-        if reduced:
+        if reduce != "none" or softmax:
             program = _trace(api, ens, _Program(ens, reduce, softmax), args)
     return program
 
@@ -267,8 +267,8 @@ def _refuse_output_sizes(api: str, ens: Ensemble, args: tuple[Tensor, ...]) -> N
 def _check_reducible(api: str, ens: Ensemble, args: tuple[Tensor, ...], reduce: str) -> None:
     """A reduction needs one output tensor: said from member 0 alone, before the traces."""
     with torch.no_grad():
-        out = ens[0](*_copies(args)) if reduce != "none" else None
-    if reduce != "none" and not isinstance(out, Tensor):
+        out = ens[0](*_copies(args))
+    if not isinstance(out, Tensor):
         raise TypeError(
             f"{api}: `reduce={reduce!r}` needs the members to return one tensor, got "
             f"{type(out).__name__}; export with reduce=None and reduce the outputs the program "
