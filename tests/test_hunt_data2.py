@@ -6,12 +6,12 @@ trained alone with ``torch.optim.SGD`` on the batches the docs say it sees, in f
 from __future__ import annotations
 
 import copy
-import hashlib
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from truth import derived_seed, resample
 
 import vmapens
 from vmapens.callbacks import EarlyStopping
@@ -33,30 +33,18 @@ class TwoInputs(nn.Module):
         return self.a(x) + torch.tanh(self.b(z))
 
 
-def documented_seed(seed: int, purpose: str, index: int) -> int:
-    """docs/fit.md: the first 8 bytes of sha256("vmapens:{seed}:{purpose}:{index}"),
-    little-endian, shifted right by one."""
-    digest = hashlib.sha256(f"vmapens:{seed}:{purpose}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
 def documented_order(rows: int, batch: int, seed: int, p: int) -> torch.Tensor:
     if batch >= rows:  # one batch of everything is never permuted
         return torch.arange(rows)
-    g = torch.Generator().manual_seed(documented_seed(seed, "shuffle", p))
+    g = torch.Generator().manual_seed(derived_seed(seed, "shuffle", p))
     return torch.randperm(rows, generator=g)
-
-
-def documented_resample(rows: int, seed: int, member: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(documented_seed(seed, "bootstrap", member))
-    return torch.randint(rows, (rows,), generator=g)
 
 
 def plain_members(factory=TwoInputs, seed: int = 0) -> list[nn.Module]:
     """docs/semantics.md: member i is `torch.manual_seed(member_seed(seed, i)); factory()`."""
     out = []
     for i in range(N):
-        torch.manual_seed(documented_seed(seed, "member", i))
+        torch.manual_seed(derived_seed(seed, "member", i))
         out.append(factory().double())
     return out
 
@@ -102,7 +90,7 @@ def test_a_list_of_inputs_is_validated_as_it_is_trained(validation):
                     **extra)  # fmt: skip
     plain = plain_members()
     for i, model in enumerate(plain):
-        own = documented_resample(ROWS, seed, i) if validation == "oob" else torch.arange(ROWS)
+        own = resample(ROWS, seed, i) if validation == "oob" else torch.arange(ROWS)
         left = torch.ones(ROWS, dtype=torch.bool)
         left[own] = False
         for epoch in range(epochs):

@@ -5,12 +5,12 @@ tuple or dict next to the inputs, class targets of narrow integer dtypes, metric
 from __future__ import annotations
 
 import copy
-import hashlib
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from truth import derived_seed
 
 import vmapens
 
@@ -41,8 +41,7 @@ def order(seed: int, p: int, shuffle: bool) -> torch.Tensor:
     """docs/fit.md, "Data, epochs and steps": pass ``p``'s order, written again here."""
     if not shuffle:
         return torch.arange(S)
-    digest = hashlib.sha256(f"vmapens:{seed}:shuffle:{p}".encode()).digest()
-    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    g = torch.Generator().manual_seed(derived_seed(seed, "shuffle", p))
     return torch.randperm(S, generator=g)
 
 
@@ -220,8 +219,7 @@ class TwoInputs(nn.Module):
 
 def resample(seed: int, member: int) -> torch.Tensor:
     """docs/fit.md, "Bagging": member ``member``'s rows, written again here."""
-    digest = hashlib.sha256(f"vmapens:{seed}:bootstrap:{member}".encode()).digest()
-    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    g = torch.Generator().manual_seed(derived_seed(seed, "bootstrap", member))
     return torch.randint(S, (S,), generator=g)
 
 

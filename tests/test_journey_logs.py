@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import csv
-import hashlib
 import importlib.util
 import io
 import math
@@ -28,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
+from truth import derived_seed
 
 import vmapens
 from vmapens.callbacks import Callback, Context, CSVLogger, TensorBoardLogger
@@ -58,13 +58,6 @@ def data() -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     return (x, y), (xv, yv)
 
 
-def derived(purpose: str, index: int) -> int:
-    """docs/fit.md: the first 8 bytes of sha256(f"vmapens:{seed}:{purpose}:{index}"),
-    little-endian, shifted right by one."""
-    digest = hashlib.sha256(f"vmapens:{SEED}:{purpose}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
 # -- the naive loop -------------------------------------------------------------------------------
 
 
@@ -73,7 +66,9 @@ def naive() -> dict[str, Any]:
     (x, y), (xv, yv) = data()
     rows = len(x)
     orders = [
-        torch.randperm(rows, generator=torch.Generator().manual_seed(derived("shuffle", p)))
+        torch.randperm(
+            rows, generator=torch.Generator().manual_seed(derived_seed(SEED, "shuffle", p))
+        )
         for p in range(EPOCHS)
     ]
     nan = math.nan
@@ -83,7 +78,7 @@ def naive() -> dict[str, Any]:
     out |= {"lr": torch.full((EPOCHS, N), nan), "stopped": [-1] * N, "best": [-1] * N}
     out |= {"models": [], "outputs": torch.zeros(EPOCHS, N, len(xv), 1)}
     for i in range(N):
-        torch.manual_seed(derived("member", i))
+        torch.manual_seed(derived_seed(SEED, "member", i))
         model = member()
         opt = torch.optim.SGD(model.parameters(), lr=LRS[i], momentum=MOMENTUM)
         sched = torch.optim.lr_scheduler.StepLR(opt, STEP_SIZE, GAMMA)

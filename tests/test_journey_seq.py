@@ -14,7 +14,6 @@ rules. float64, tiny sizes.
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
 import warnings
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from truth import derived_seed
 
 import vmapens
 from vmapens.callbacks import LRScheduler
@@ -87,8 +87,7 @@ def sequences(count: int, seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor],
 
 def shuffle_order(samples: int, seed: int, p: int) -> torch.Tensor:
     """docs/fit.md: pass p's order, from sha256(f"vmapens:{seed}:shuffle:{p}")."""
-    digest = hashlib.sha256(f"vmapens:{seed}:shuffle:{p}".encode()).digest()
-    s_p = int.from_bytes(digest[:8], "little") >> 1
+    s_p = derived_seed(seed, "shuffle", p)
     return torch.randperm(samples, generator=torch.Generator().manual_seed(s_p))
 
 
@@ -260,8 +259,7 @@ def test_bagged_sweep_matches_naive_loop() -> None:
 
 def bootstrap_rows(samples: int, seed: int, member: int) -> torch.Tensor:
     """docs/fit.md "Bagging": a resample with replacement keyed by (seed, member id)."""
-    digest = hashlib.sha256(f"vmapens:{seed}:bootstrap:{member}".encode()).digest()
-    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    g = torch.Generator().manual_seed(derived_seed(seed, "bootstrap", member))
     return torch.randint(samples, (samples,), generator=g)
 
 

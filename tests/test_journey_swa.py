@@ -17,7 +17,6 @@ of docs/fit.md's documented shuffle formula, float64.
 from __future__ import annotations
 
 import copy
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from torch import Tensor, nn
 from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn
 from torch.optim.swa_utils import update_bn as torch_update_bn
 from torch.utils.data import DataLoader, TensorDataset
+from truth import derived_seed
 
 import vmapens
 from vmapens.callbacks import Callback
@@ -55,8 +55,7 @@ def member() -> nn.Module:
 
 def batches(seed: int, p: int) -> list[tuple[Tensor, Tensor]]:
     """Pass `p`'s batches, from docs/fit.md's formula (sha256 of the seed and pass number)."""
-    digest = hashlib.sha256(f"vmapens:{seed}:shuffle:{p}".encode()).digest()
-    s_p = int.from_bytes(digest[:8], "little") >> 1
+    s_p = derived_seed(seed, "shuffle", p)
     order = torch.randperm(len(X), generator=torch.Generator().manual_seed(s_p))
     return [(X[order[k : k + BATCH]], Y[order[k : k + BATCH]]) for k in range(0, len(X), BATCH)]
 

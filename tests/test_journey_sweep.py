@@ -17,7 +17,6 @@ docs/fit.md "Bagging", all written again here from the docs. float64, tiny sizes
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from truth import derived_seed
 
 import vmapens
 from vmapens.sweep import Sweep
@@ -70,21 +70,14 @@ def adam_space(trial: Any) -> dict[str, Any]:
 # -- the truth, written again from the docs ---------------------------------------------------
 
 
-def derived(seed: int, purpose: str, index: int) -> int:
-    """docs/fit.md: the first 8 bytes of sha256(f"vmapens:{seed}:{purpose}:{index}"),
-    little-endian, shifted right by one."""
-    digest = hashlib.sha256(f"vmapens:{seed}:{purpose}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
 def order(samples: int, seed: int, p: int) -> torch.Tensor:
     return torch.randperm(
-        samples, generator=torch.Generator().manual_seed(derived(seed, "shuffle", p))
+        samples, generator=torch.Generator().manual_seed(derived_seed(seed, "shuffle", p))
     )
 
 
 def resample(samples: int, seed: int, member_id: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(derived(seed, "bootstrap", member_id))
+    g = torch.Generator().manual_seed(derived_seed(seed, "bootstrap", member_id))
     return torch.randint(samples, (samples,), generator=g)
 
 
@@ -147,7 +140,7 @@ def scores(out: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
 def trial_alone(
     factory: Callable[[], nn.Module], opt_cls: Any, t: Any, **kw: Any
 ) -> dict[str, Any]:
-    torch.manual_seed(derived(SEED, "member", t.number))
+    torch.manual_seed(derived_seed(SEED, "member", t.number))
     model = factory()
     return naive(model, opt_cls(model.parameters(), **t.params), seed=SEED, **kw)
 

@@ -19,7 +19,6 @@ the mean over passes.
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
 from typing import Any
 
@@ -27,6 +26,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
+from truth import derived_seed
 
 import vmapens
 from vmapens.predict import REDUCTIONS
@@ -52,8 +52,7 @@ def member() -> nn.Module:
 
 def batches(seed: int, p: int) -> list[tuple[Tensor, Tensor]]:
     """Pass `p`'s batches, from docs/fit.md's formula (sha256 of the seed and pass number)."""
-    digest = hashlib.sha256(f"vmapens:{seed}:shuffle:{p}".encode()).digest()
-    s_p = int.from_bytes(digest[:8], "little") >> 1
+    s_p = derived_seed(seed, "shuffle", p)
     order = torch.randperm(len(X), generator=torch.Generator().manual_seed(s_p))
     return [(X[order[k : k + BATCH]], Y[order[k : k + BATCH]]) for k in range(0, len(X), BATCH)]
 

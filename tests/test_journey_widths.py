@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
+from truth import derived_seed
 
 import vmapens
 from vmapens.callbacks import EarlyStopping
@@ -64,18 +64,6 @@ class Normed(nn.Module):
         return self.fc2(torch.relu(self.bn(self.fc1(x))))
 
 
-def shuffle_seed(seed: int, p: int) -> int:
-    # docs/fit.md "Data, epochs and steps": pass p's order.
-    digest = hashlib.sha256(f"vmapens:{seed}:shuffle:{p}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-def member_seed(seed: int, i: int) -> int:
-    # docs/semantics.md "Seeds": member_seed(s, i) hashes (s, i) by SHA-256.
-    digest = hashlib.sha256(f"vmapens:{seed}:member:{i}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
 def data() -> tuple[Tensor, Tensor, Tensor, Tensor]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(S_TRAIN + S_VAL, 3, generator=g)
@@ -101,7 +89,8 @@ class Alone:
         best, best_epoch, bad, best_state, stopped = torch.inf, -1, 0, None, -1
         for e in range(epochs):
             order = torch.randperm(
-                len(x), generator=torch.Generator().manual_seed(shuffle_seed(fit_seed, e))
+                len(x),
+                generator=torch.Generator().manual_seed(derived_seed(fit_seed, "shuffle", e)),
             )
             losses = []
             for k in range(0, len(x), BATCH):
@@ -152,7 +141,7 @@ def test_width_sweep_journey(cls: type[nn.Module], tmp_path: Path) -> None:
     ens = vmapens.Ensemble.from_factories(factories, seed=SEED)
     alone_models = []
     for i, f in enumerate(factories):
-        torch.manual_seed(member_seed(SEED, i))
+        torch.manual_seed(derived_seed(SEED, "member", i))
         alone_models.append(f())
         assert_member(ens[i].state_dict(), alone_models[i], f"member {i} at build")
 

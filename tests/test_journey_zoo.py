@@ -18,13 +18,13 @@ documented rule (best validation loss over the epochs, ascending, ties by row, N
 from __future__ import annotations
 
 import copy
-import hashlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
+from truth import derived_seed
 
 import vmapens
 from vmapens.callbacks import Callback, Context
@@ -43,20 +43,8 @@ def member() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
 
 
-def seed_of(seed: int, i: int) -> int:
-    # docs/semantics.md "Seeds": member_seed(s, i) hashes (s, i) by SHA-256.
-    digest = hashlib.sha256(f"vmapens:{seed}:member:{i}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-def shuffle_seed(seed: int, p: int) -> int:
-    # docs/fit.md "Data, epochs and steps": pass p's order.
-    digest = hashlib.sha256(f"vmapens:{seed}:shuffle:{p}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
 def built_alone(seed: int, i: int) -> nn.Module:
-    torch.manual_seed(seed_of(seed, i))
+    torch.manual_seed(derived_seed(seed, "member", i))
     return member()
 
 
@@ -95,7 +83,7 @@ class Alone:
         best, best_epoch, bad, best_state = torch.inf, -1, 0, None
         stopped, diverged = -1, False
         for e in range(epochs):
-            g = torch.Generator().manual_seed(shuffle_seed(fit_seed, e))
+            g = torch.Generator().manual_seed(derived_seed(fit_seed, "shuffle", e))
             order = torch.randperm(x.shape[0], generator=g)
             losses = []
             for k in range(0, x.shape[0], BATCH):
@@ -163,7 +151,7 @@ def test_model_zoo_journey(tmp_path: Path) -> None:
     rows = {0, 1, CHUNK - 1, CHUNK, 2 * CHUNK - 1, 2 * CHUNK, N - CHUNK, N - 2, N - 1}
     rows |= set(torch.randint(N, (3,), generator=g).tolist())
     for i in sorted(rows):
-        assert vmapens.seeds.member_seed(SEED, i) == seed_of(SEED, i)
+        assert vmapens.seeds.member_seed(SEED, i) == derived_seed(SEED, "member", i)
         assert_member(
             zoo.state_dicts()[i] if i == 0 else zoo[i].state_dict(),
             built_alone(SEED, i),
