@@ -33,7 +33,11 @@ N = 3
 def _train_both(factory, **ens_kw):
     torch.manual_seed(0)
     mods = [factory() for _ in range(N)]
-    alone = [copy.deepcopy(m) for m in mods]
+    return _train(mods, [copy.deepcopy(m) for m in mods], **ens_kw)
+
+
+def _train(mods, alone, **ens_kw):
+    """An ensemble of ``mods`` and the modules ``alone`` trained alike, 3 SGD steps each."""
     ens = vmapens.Ensemble.from_modules(mods, **ens_kw)
     batches = float64_batches(3, 5, 3, 2)
     step = vmapens.make_step(ens, nn.functional.mse_loss, vmapens.StackedSGD(ens, lr=0.1))
@@ -107,18 +111,7 @@ class BoundMethod(nn.Module):
 @pytest.mark.parametrize("cls", [GainClosure, SubmoduleClosure])
 def test_a_hook_closing_over_the_members_module_trains_as_alone(cls):
     # The truth is built anew, not deep-copied: a copy's lambda would read the original's.
-    mods, alone = seeded_members(cls, N), seeded_members(cls, N)
-    ens = vmapens.Ensemble.from_modules(mods)
-    batches = float64_batches(3, 5, 3, 2)
-    step = vmapens.make_step(ens, nn.functional.mse_loss, vmapens.StackedSGD(ens, lr=0.1))
-    for x, y in batches:
-        step(x, y)
-    for m in alone:
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        for x, y in batches:
-            opt.zero_grad()
-            nn.functional.mse_loss(m(x), y).backward()
-            opt.step()
+    ens, alone = _train(seeded_members(cls, N), seeded_members(cls, N))
     _assert_as_alone(ens, alone)
 
 
