@@ -150,3 +150,14 @@ class TanhDropout(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.drop(torch.tanh(self.fc1(x))))
+
+
+class TwoInputs(nn.Module):
+    """Two positional inputs, ``(x [.., 3], z [.., 2]) -> [.., 2]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 2), nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + torch.tanh(self.b(z))

@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from models import TwoInputs
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -27,15 +28,6 @@ X1, X2, Y = (torch.randn(ROWS, d, generator=G, **F64) for d in (3, 2, 2))
 XS1, XS2, YS = (torch.randn(N, ROWS, d, generator=G, **F64) for d in (3, 2, 2))
 LRS = [1e-2, 2e-2, 3e-2]
 TOL = dict(rtol=1e-9, atol=1e-10)
-
-
-class TwoInputs(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(3, 2), nn.Linear(2, 2)
-
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return self.a(x) + torch.tanh(self.b(z))
 
 
 def documented_seed(seed: int, purpose: str, index: int) -> int:

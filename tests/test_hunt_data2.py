@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from models import TwoInputs
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from truth import derived_seed, resample
@@ -22,15 +23,6 @@ G = torch.Generator().manual_seed(0)
 X1, X2, Y = (torch.randn(ROWS, d, generator=G, **F64) for d in (3, 2, 2))
 LRS = [0.05, 0.1, 0.2]
 TOL = dict(rtol=1e-9, atol=1e-10)
-
-
-class TwoInputs(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(3, 2), nn.Linear(2, 2)
-
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return self.a(x) + torch.tanh(self.b(z))
 
 
 def documented_order(rows: int, batch: int, seed: int, p: int) -> torch.Tensor:
