@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from truth import assert_members_equal, train_alone
+from truth import assert_members_equal, factory_members, train_alone
 
 import vmapens
 
@@ -20,15 +20,6 @@ EXACT = dict(rtol=0.0, atol=1e-12)
 
 
 pytestmark = pytest.mark.usefixtures("float64_default")
-
-
-def _alone(factories, seed: int = 0) -> list[nn.Module]:
-    """Each member as ``from_factories(factories, seed=seed)`` documents it (member_seed)."""
-    built = []
-    for i, f in enumerate(factories):
-        torch.manual_seed(vmapens.seeds.member_seed(seed, i))
-        built.append(f())
-    return built
 
 
 #: Adam, lr 0.02: the stacked optimizer of an ensemble, and torch's of a member alone.
@@ -45,7 +36,7 @@ def _three_steps_as_alone(factories, x, y, stacked, plain, **options) -> vmapens
     step = vmapens.make_step(ens, nn.MSELoss(), stacked(ens))
     for _ in range(3):
         step(x, y)
-    alone = _alone(factories)
+    alone = factory_members(factories)
     for m in alone:
         train_alone(m, [(x, y)] * 3, make_opt=plain(m))
     assert_members_equal(ens, alone, **EXACT)
@@ -107,7 +98,7 @@ def test_an_embedding_with_max_norm_is_refused_at_different_widths_and_trains_at
     ens = vmapens.Ensemble.from_factories(factories, seed=0)
     step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedSGD(ens, lr=0.1))
     step(x, y)
-    alone = _alone(factories)
+    alone = factory_members(factories)
     for m in alone:
         train_alone(m, [(x, y)], make_opt=torch.optim.SGD(m.parameters(), lr=0.1))
     assert_members_equal(ens, alone, **EXACT)
@@ -150,7 +141,7 @@ def test_optimizer_before_double_batch_sizes_eval_and_a_trained_selection():
     ens = vmapens.Ensemble.from_factories(factories, seed=1)
     opt = vmapens.StackedSGD(ens, lr=0.1, momentum=0.9)
     ens.double()
-    alone = [m.double() for m in _alone(factories, seed=1)]
+    alone = [m.double() for m in factory_members(factories, seed=1)]
     g = torch.Generator().manual_seed(2)
     x = torch.randn(6, 1, 4, 4, generator=g, dtype=torch.float64)
     y = torch.randn(6, 2, generator=g, dtype=torch.float64)
@@ -206,7 +197,7 @@ def test_other_elementwise_rules_train_each_size_as_alone(name, kwargs):
     step = vmapens.make_step(ens, nn.MSELoss(), opt)
     for _ in range(4):
         step(x, y)
-    alone = _alone(factories)
+    alone = factory_members(factories)
     for i, m in enumerate(alone):
         plain = getattr(torch.optim, name)(m.parameters(), **kwargs)
         train_alone(m, [(x, y)] * 4, make_opt=plain)

@@ -11,22 +11,13 @@ import functools
 import pytest
 import torch
 from torch import nn
-from truth import assert_members_equal, train_alone
+from truth import assert_members_equal, factory_members, train_alone
 
 import vmapens
 
 EXACT = dict(rtol=0.0, atol=1e-12)
 
 pytestmark = pytest.mark.usefixtures("float64_default")
-
-
-def _alone(factories, seed: int = 0) -> list[nn.Module]:
-    """Each member as ``from_factories(factories, seed=seed)`` documents it (member_seed)."""
-    built = []
-    for i, f in enumerate(factories):
-        torch.manual_seed(vmapens.seeds.member_seed(seed, i))
-        built.append(f())
-    return built
 
 
 class SigmoidNorm(nn.Module):
@@ -61,7 +52,7 @@ def test_batchnorm_after_a_padded_unit_keeps_its_state_dict_and_file_loadable(
     step = vmapens.make_step(ens, nn.MSELoss(), opt, clip_grad_norm=0.5, compile=compiled)
     for _ in range(3):
         step(x, y)
-    alone = _alone(factories)
+    alone = factory_members(factories)
     for m in alone:
         clip = functools.partial(nn.utils.clip_grad_norm_, max_norm=0.5)
         train_alone(

@@ -160,6 +160,17 @@ def train_each(
     return opts
 
 
+def factory_members(factories: Sequence[Callable[[], nn.Module]], seed: int = 0) -> list[nn.Module]:
+    """The members of ``Ensemble.from_factories(factories, seed=seed)`` as plain modules:
+    member ``i`` built by ``factories[i]`` after ``torch.manual_seed`` of its documented seed
+    (``derived_seed(seed, "member", i)``)."""
+    built = []
+    for i, factory in enumerate(factories):
+        torch.manual_seed(derived_seed(seed, "member", i))
+        built.append(factory())
+    return built
+
+
 def seeded_members(factory: Callable[[], nn.Module], n: int) -> list[nn.Module]:
     """The members of ``Ensemble(factory, n, seeds=range(n))`` as plain modules: member ``k``
     built after ``torch.manual_seed(k)``."""
