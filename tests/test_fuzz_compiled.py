@@ -23,7 +23,7 @@ from torch import nn
 from truth import TOL64, assert_members_equal, float64_batches
 
 import vmapens
-from vmapens import _autocompile
+from vmapens import _autocompile, _compiled_step
 
 N, CLIP = 3, 0.1
 
@@ -145,7 +145,7 @@ def test_fit_auto_goes_on_eagerly_when_the_compiled_step_cannot_go_on(cause, mon
     # of varying batch sizes meets), where compile=False trains the same model to the end.
     monkeypatch.setattr(_autocompile, "COMPILE_PAYS_AFTER_S", 0.0)
     if cause == "shapes":  # refused at its first call, before compiling: no compile cost
-        monkeypatch.setattr(vmapens.step, "MAX_SHAPES", 0)
+        monkeypatch.setattr(_compiled_step, "MAX_SHAPES", 0)
     module = Timed if cause == "untraceable" else (lambda: nn.Linear(3, 2))
     batches = float64_batches(_autocompile.TIMED_STEPS + 3, 5, 3, 2)
     data = (torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))

@@ -21,7 +21,7 @@ from torch import nn
 from truth import assert_members_equal, float64_batches, train_alone
 
 import vmapens
-from vmapens import _autocompile
+from vmapens import _autocompile, _compiled_step
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 
@@ -162,9 +162,9 @@ def test_the_update_check_runs_again_after_the_parameters_change_dtype(monkeypat
     # dtypes are as before, but dynamo compiles a new graph, whose first call must be checked
     # as the first graph's was (the parts were keyed on the inputs alone).
     calls = []
-    checked_call = vmapens.step.checked_call
+    checked_call = _compiled_step.checked_call
     monkeypatch.setattr(
-        vmapens.step, "checked_call", lambda *a, **k: calls.append(1) or checked_call(*a, **k)
+        _compiled_step, "checked_call", lambda *a, **k: calls.append(1) or checked_call(*a, **k)
     )
 
     def tagger() -> nn.Module:

@@ -14,7 +14,7 @@ from torch._inductor.utils import run_and_get_code
 from truth import assert_members_equal, float64_batches, train_alone, twins
 
 import vmapens
-from vmapens import _matmuls
+from vmapens import _compiled_step, _matmuls
 
 # The compiled graph may fuse and reorder float64 arithmetic: equal up to round-off.
 TOL = dict(rtol=1e-9, atol=1e-11)
@@ -263,10 +263,10 @@ def test_compiled_step_with_loop_backend_is_refused_up_front():
 
 
 def test_compiled_step_refuses_endless_batch_sizes_clearly(monkeypatch):
-    monkeypatch.setattr(vmapens.step, "MAX_SHAPES", 2)  # dynamo's limit is 8: fewer compiles
+    monkeypatch.setattr(_compiled_step, "MAX_SHAPES", 2)  # dynamo's limit is 8: fewer compiles
     ens = vmapens.Ensemble(models.MLP, N, seed=0)
     step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedSGD(ens, lr=0.1), compile=True)
-    for size in range(1, vmapens.step.MAX_SHAPES + 1):
+    for size in range(1, _compiled_step.MAX_SHAPES + 1):
         step(torch.randn(size, 4), torch.randn(size, 3))  # one compile per size, allowed
     before = copy.deepcopy(ens.state_dict())
     with pytest.raises(ValueError, match=r"compiled for 2 input shapes .*drop_last=True"):

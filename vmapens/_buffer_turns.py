@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch._C._functorch import is_functorch_wrapped_tensor
 
-from ._unbatchable import shared_versions
+from ._batch_edits import shared_versions
 
 __all__ = ["Slices", "Turns"]
 

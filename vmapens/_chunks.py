@@ -11,9 +11,9 @@ import optree
 import torch
 from torch.nn.utils import parametrize
 
+from ._batch_edits import Versions, refuse_edited, shared_versions
 from ._buffer_turns import Slices, Turns
 from ._fastcall import vmap_members
-from ._unbatchable import Versions, refuse_edited, shared_versions
 
 __all__ = [
     "chunk_bounds",

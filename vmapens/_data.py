@@ -11,6 +11,7 @@ import optree
 import torch
 from torch import Tensor
 
+from ._data_checks import check_batch, check_listed_batch, is_tensor_data
 from .seeds import derive_seed
 
 __all__ = [
@@ -21,7 +22,6 @@ __all__ = [
     "TensorSource",
     "check_member_dim",
     "data_generators",
-    "is_tensor_data",
     "oob_mask",
     "rng_state",
     "rows_of",
@@ -38,14 +38,6 @@ def oob_mask(boot: Tensor, n_samples: int) -> Tensor:
 
 
 # -- data --------------------------------------------------------------------------------------
-
-
-def is_tensor_data(data: Any) -> bool:
-    """Whether ``data`` is ``(X, Y)``, each a tensor or a tree of them: ``(X, (Y, W))``."""
-    x, y = data if isinstance(data, tuple) and len(data) == 2 else (None, None)
-    if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):  # or two batches: read so
-        return False
-    return _tensor_tree(x) and _tensor_tree(y)
 
 
 def spread_inputs(data: tuple) -> tuple:
@@ -198,7 +190,7 @@ class IterableSource:
             )
         if isinstance(data, (list, tuple)):  # its batches are known now: check them before a step
             for k, item in enumerate(data):
-                _check_listed_batch(api, name, k, item, data)
+                check_listed_batch(api, name, k, item, data)
         self.data = data
         self.length = _length(data)
         self.generators = data_generators(data)
@@ -227,62 +219,7 @@ class IterableSource:
         batch = next(self._it, None)
         if batch is None:
             return None
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise TypeError(f"fit: each batch of `data` must be an {_PAIR}, got {_kind(batch)}")
-        for part, tree in zip(("inputs", "targets"), batch):
-            odd = [type(t).__name__ for t in optree.tree_leaves(tree) if not isinstance(t, Tensor)]
-            if odd:
-                raise TypeError(
-                    f"fit: each batch of `data` must hold tensors (nested in tuples, lists or "
-                    f"dicts), got {odd[0]} in its {part}; turn it into a tensor in the Dataset "
-                    "or a DataLoader `collate_fn`"
-                )
-        return tuple(batch)
-
-
-_PAIR = "(inputs, targets) pair (several inputs: ((x1, x2), y))"
-
-
-def _kind(batch: Any, loader: bool = True) -> str:
-    """What a batch that is no pair is, and the likely fix (``loader``: a DataLoader's)."""
-    if isinstance(batch, (tuple, list)):  # TensorDataset(x1, x2, y) yields [x1, x2, y]
-        fix = "; give the Dataset or the DataLoader's `collate_fn` ((x1, x2), y) pairs"
-        return f"a {type(batch).__name__} of {len(batch)} items" + (fix if loader else "")
-    if type(batch).__module__ == "numpy":
-        return f"{type(batch).__name__} (arrays: pass (torch.as_tensor(X), torch.as_tensor(Y)))"
-    return type(batch).__name__
-
-
-def _check_listed_batch(api: str, name: str, k: int, item: Any, data: Sequence) -> None:
-    """Item ``k`` of ``data`` given as a list or tuple of batches must be a batch: a pair."""
-    if isinstance(item, (tuple, list)) and len(item) == 2:
-        return
-    per_member = name != "data"  # one item of in_dims=0's list
-    # An iterable that is no batch: a DataLoader, not a tensor or an array (_kind says that).
-    loader = isinstance(item, Iterable) and not isinstance(item, (Tensor, str, bytes))
-    loader = loader and type(item).__module__ != "numpy"
-    hint = ""
-    if per_member and is_tensor_data(tuple(data)):  # [(X0, Y0), (X1, Y1), ...]
-        hint = "; per-member tensors go stacked: data=(torch.stack(Xs), torch.stack(Ys))"
-    elif is_tensor_data(tuple(data)):  # [X, Y]: read as two batches, X and Y
-        hint = "; (X, Y) tensors go in a tuple: data=(X, Y)"
-    elif isinstance(data, tuple) and len(data) == 2 and all(map(_tensor_tree, data)):
-        hint = (  # ((u, v), (Y, W)): inputs and targets in tuples read as two batches
-            "; a tuple of two tuples reads as two batches: give tuples of inputs and of targets "
-            "as batches (a DataLoader, or a list of (inputs, targets) pairs)"
-        )
-    elif not per_member and loader:
-        hint = "; a list of one DataLoader per member needs in_dims=0"
-    raise TypeError(
-        f"{api}: `{name}` as a {type(data).__name__} holds batches, each an {_PAIR}; "
-        f"`{name}[{k}]` is {_kind(item, loader=False)}{hint}"
-    )
-
-
-def _tensor_tree(tree: Any) -> bool:
-    """Whether ``tree`` holds tensors and nothing else (at least one)."""
-    leaves = optree.tree_leaves(tree)
-    return bool(leaves) and all(isinstance(t, Tensor) for t in leaves)
+        return check_batch(batch)
 
 
 def _length(data: Iterable) -> int | None:

@@ -11,8 +11,8 @@ import optree
 import torch
 from torch import Tensor
 
+from ._batch_edits import EditedInTurns
 from ._metrics import Metric, average, metric_pair, score
-from ._unbatchable import EditedInTurns
 from .ensemble import Ensemble
 from .history import History
 from .losses import per_member

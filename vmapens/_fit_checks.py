@@ -12,7 +12,8 @@ import optree
 import torch
 
 from ._checks import check_choice, check_int, check_writable_dir
-from ._data import check_member_dim, is_tensor_data, spread_inputs
+from ._data import check_member_dim, spread_inputs
+from ._data_checks import is_tensor_data
 from ._metrics import check_metrics
 from ._step_parts import check_optimizer
 from .ensemble import Ensemble, check_ensemble

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from ._batch_edits import shared_versions
 from ._buffer_turns import Slices, Turns
 from ._chunks import in_order, in_turns, uncache, uncached, vmap_in_turns
 from ._fastcall import forget_writes, no_random_ops, vmap_members
@@ -26,7 +27,6 @@ from ._hooks import (
     refuse_state_dict_pre_hooks,
 )
 from ._precision import autocast_members
-from ._unbatchable import shared_versions
 from .distributed import member_block
 from .seeds import lazy_seeds_kept, member_seed
 

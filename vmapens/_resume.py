@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ._checkpoint_files import check_member_ids, localise, read
 from ._files import signature
-from .checkpoint import check_ensemble_state, check_members, relaid, same_class
+from ._member_shapes import relaid
+from .checkpoint import check_ensemble_state, check_members, same_class
 from .ensemble import Ensemble
 from .optim import MemberValues
 

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
+from ._batch_edits import batch_kept, refuse_edits_in_turns
 from ._checks import check_choice, check_mask, expand_in_dims
 from ._chunks import rows
 from ._precision import LossScale
 from ._step_more import check_targets, clip_bound
-from ._unbatchable import batch_kept, refuse_edits_in_turns
 from .ensemble import Ensemble
 from .optim import StackedOptimizer
 from .optim._hyper import group_args

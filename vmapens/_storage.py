@@ -11,30 +11,25 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ._checks import as_ids, index_rows
 from ._copies import copy_holding, copy_member
-from ._members import check_same, named_tensors, non_persistent_buffers, signature
+from ._cut_from import follow_cuts, record_cuts
+from ._member_apply import apply_members
+from ._member_state_dicts import member_state_dicts
+from ._members import named_tensors, non_persistent_buffers
 from ._padding import Padding
-from ._stacking import check_applied, follow_flags, hooks_of, migrated_keys, scrub_
+from ._stacking import follow_flags, migrated_keys, scrub_
 from ._state_loading import loadable, warn_member_hooks
 from ._storage_parts import in_mode, member_format, metadata_of_member, paired
 from ._unbatchable import SparseLayer, sparse_layers
 
-__all__ = ["CUT_FROM", "StackedModule"]
-
-#: A ``select``-ed parameter -> (a weak reference to the parent's tensor it was cut from, the
-#: rows), so that ``StackedOptimizer.select`` matches an optimizer's parameters by name, not by
-#: order. Keyed by identity (a tensor's ``==`` is elementwise); keeps neither tensor alive.
-CUT_FROM: WeakIdKeyDictionary = WeakIdKeyDictionary()
+__all__ = ["StackedModule"]
 
 _M = TypeVar("_M", bound="StackedModule")
 
@@ -153,19 +148,8 @@ class StackedModule(nn.Module):
             >>> nn.Linear(3, 2).load_state_dict(sds[0])
             <All keys matched successfully>
         """
-        persistent, padding = self._persistent(), self._padding
-        sds: list[dict[str, torch.Tensor]] = []
-        for i in range(len(self)):
-            # `module.state_dict()`'s type, with its `_metadata` (each submodule's `_version`):
-            # without it BatchNorm's loader reads a state dict as version 1.
-            sd: OrderedDict[str, torch.Tensor] = OrderedDict()
-            for key, name in self._state_keys.items():
-                row = persistent[name][i]
-                sd[key] = (row if padding is None else padding.take(name, row, i)).detach().clone()
-            if self._member_metadata is not None:
-                sd._metadata = copy.deepcopy(self._member_metadata)  # type: ignore[attr-defined]
-            sds.append(sd)
-        return sds
+        persistent, keys, metadata = self._persistent(), self._state_keys, self._member_metadata
+        return member_state_dicts(persistent, keys, len(self), self._padding, metadata)
 
     def select(self: _M, index: Any) -> _M:
         """A new Ensemble of the chosen members (copies; this one is unchanged).
@@ -206,9 +190,7 @@ class StackedModule(nn.Module):
             stacked = {k: v[rows].clone() for k, v in self.stacked_state().items()}
         ids = [self.member_ids[r] for r in rows.tolist()]
         sub._adopt(stacked, as_ids(ids), self.n_total, self.training)
-        parent, cut = self.stacked_params(), tuple(rows.tolist())
-        for name, p in sub.stacked_params().items():
-            CUT_FROM[p] = (weakref.ref(parent[name]), cut)
+        record_cuts(self.stacked_params(), sub.stacked_params(), tuple(rows.tolist()))
         return sub
 
     def __getitem__(self, index: Any) -> Any:  # Ensemble's: member ``i`` as a module
@@ -239,37 +221,7 @@ class StackedModule(nn.Module):
         api = "Ensemble.apply"
         if not callable(fn):
             raise TypeError(f"{api}: `fn` must be callable, got {type(fn).__name__}")
-        stacked = self.stacked_state()
-        saved = {name: t.detach().clone() for name, t in stacked.items()}
-        reference: tuple = ()
-        try:
-            with torch.no_grad():
-                for i in range(len(self)):
-                    member = self[i]
-                    before, hooks = signature(member), hooks_of(member)
-                    member.apply(fn)
-                    after = signature(member)
-                    check_applied(api, before, after, hooks, hooks_of(member))
-                    reference = reference or after
-                    check_same(reference, member, i, api, shapes=self._padding is None)
-                    state = dict(named_tensors(member))
-                    for name, t in stacked.items():
-                        if self._padding is None:
-                            t[i].copy_(state[name])
-                        else:
-                            self._padding.put_(name, t[i], state[name], i)
-        except BaseException:  # all members or none: the ones done before get their state back
-            with torch.no_grad():
-                for name, t in stacked.items():
-                    t.copy_(saved[name])
-            raise
-        _, grads, modes, _ = reference
-        self.training = modes[""]
-        for name, m in self._template.named_modules():
-            m.training = modes[name]
-        for name, p in self.stacked_params().items():
-            p.requires_grad_(grads[name][3])
-        self._follow_template()
+        apply_members(api, self, fn)
         return self
 
     def __getattr__(self, name: str) -> Any:
@@ -337,9 +289,7 @@ class StackedModule(nn.Module):
             # (and to mark for optimizers, ``_member_padding``); the template's edits first.
             self._follow_template()
             self._adopt(self.stacked_state(), self.member_ids, self.n_total, self.training)
-            for p, q in zip(before, self._parameters.values(), strict=True):
-                if p in CUT_FROM:  # select's record follows the new Parameters
-                    CUT_FROM[q] = CUT_FROM[p]
+            follow_cuts(before, self._parameters.values())  # select's record, too
         elif self._padding is not None:  # .to() / .double(): the masks follow the parameters
             self._padding.prepare(self.stacked_params())
         return out

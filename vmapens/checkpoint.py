@@ -27,7 +27,7 @@ from ._checkpoint_files import (
     write,
 )
 from ._checks import as_ids, repeated
-from ._padding import corner, gates_of
+from ._member_shapes import held_shapes, own_shapes, relaid
 from ._padding_parts import check_zero_padding
 from ._step_parts import check_optimizer
 from .ensemble import Ensemble, check_ensemble
@@ -41,7 +41,6 @@ __all__ = [
     "load",
     "members_of",
     "read",
-    "relaid",
     "restore",
     "same_class",
     "save",
@@ -114,73 +113,11 @@ def check_members(payload: Mapping[str, Any], ens: Ensemble, api: str, where: st
             f"{members_way_out(api, held, ours)}"
         )
     sized = "sizes" in held or "sizes" in ours
-    if sized and _held_shapes(held, payload.get("ensemble"), ens) != _own_shapes(ens):
+    if sized and held_shapes(held, payload.get("ensemble"), ens) != own_shapes(ens):
         raise ValueError(
             f"{api}: {where} holds members of other sizes than this ensemble's (member by "
             "member): build it from the same factories, in the same order"
         )
-
-
-def _own_shapes(ens: Ensemble) -> list[dict[str, tuple[int, ...]]]:
-    """Every member's own shape of every stored tensor, by stacked name."""
-    padding, state, names = ens._padding, ens.stacked_state(), set(ens._state_keys.values())
-    if padding is None:
-        return [{name: tuple(state[name].shape[1:]) for name in names}] * len(ens)
-    return [{name: padding.shape(name, row) for name in names} for row in range(len(ens))]
-
-
-def _held_shapes(held: Any, state: Any, ens: Ensemble) -> list[dict[str, tuple]] | None:
-    """:func:`_own_shapes` of a file's members (None: it does not say). A file of one size
-    records no ``sizes``: its tensors have its members' shapes."""
-    try:
-        sizes, names = held.get("sizes"), ens._state_keys
-        if sizes is None:
-            return [{name: tuple(state[k].shape[1:]) for k, name in names.items()}] * len(ens)
-        kinds = [{name: tuple(kind[name]) for name in names.values()} for kind in sizes["shapes"]]
-        return [kinds[kind] for kind in sizes["kind_of"]]
-    except (AttributeError, KeyError, IndexError, TypeError):
-        return None
-
-
-def relaid(payload: dict[str, Any], ens: Ensemble, optimizer: Any = None) -> dict[str, Any]:
-    """``payload`` with its ensemble (and optimizer) tensors padded as ``ens`` pads them.
-
-    A sub-ensemble (``select``, ``selection.best_k``) keeps the storage of the ensemble it
-    came from, padded to that one's largest member, where ``from_factories`` of the same
-    members pads to the largest of them: each member's own corner moves over, the rest is
-    zero, and so does optimizer state shaped like its parameter (a padded ensemble's optimizer
-    is elementwise). Unchanged unless the members' shapes match (:func:`check_members`).
-    """
-    state, rows = payload.get("ensemble"), _own_shapes(ens)
-    if not isinstance(state, dict) or _held_shapes(payload.get("members"), state, ens) != rows:
-        return payload
-    names, ours, gates = ens._state_keys, ens.stacked_state(), gates_of(ens.template)
-    full = {names[k]: v.shape for k, v in state.items() if k in names and hasattr(v, "shape")}
-
-    def move(held: Any, name: str) -> Any:  # if shaped like the file's tensor `name`
-        if getattr(held, "shape", 0) != full.get(name) or held.shape == ours[name].shape:
-            return held
-        shape = ours[name].shape
-        big = any(a > b for own in rows for a, b in zip(own[name], held.shape[1:], strict=True))
-        if held.dim() != len(shape) or held.shape[0] != shape[0] or big:
-            return held  # not what vmapens writes: check_ensemble_state names it
-        out, count = held.new_zeros(shape), gates.get(name, 1)
-        for row, own in enumerate(rows):
-            corner(out[row], own[name], count).copy_(corner(held[row], own[name], count))
-        return out
-
-    out = {**payload, "ensemble": {k: move(v, names.get(k, "")) for k, v in state.items()}}
-    saved = payload.get("optimizer")
-    if optimizer is not None and isinstance(saved, dict) and isinstance(saved.get("state"), dict):
-        of = {id(p): name for name, p in ens.stacked_params().items()}
-        at = dict(enumerate(of.get(id(p), "") for g in optimizer.param_groups for p in g["params"]))
-        entries = saved["state"].items()
-        moved = {
-            k: {s: move(v, at.get(k, "")) for s, v in e.items()} if isinstance(e, dict) else e
-            for k, e in entries
-        }
-        out["optimizer"] = {**saved, "state": moved}
-    return out
 
 
 def check_ensemble_state(state: Any, ens: Ensemble, api: str, where: str) -> None:

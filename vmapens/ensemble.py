@@ -3,41 +3,31 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from ._batchable import batchable
-from ._checks import check_choice, check_int, expand_in_dims
-from ._container_ops import (
-    check_call,
-    member_index,
-    member_module,
-    put_back,
-    refused_assignment,
-    set_flags_,
+from ._checks import expand_in_dims
+from ._construction import (
+    check_factory,
+    check_options,
+    check_seeding,
+    factories_members,
+    factory_members,
+    rng_kept,
+    runner_for,
 )
-from ._ensemble_parts import check_factories, check_modules, refuse_synced
+from ._container_ops import check_call, member_index, member_module, refused_assignment, set_flags_
+from ._ensemble_parts import check_factories, check_modules
 from ._fastcall import call_member, tracked
-from ._members import Factory, build_members, looped, member_ids_for, vmapped
-from ._stacking import (
-    Stacked,
-    recomputed,
-    scrub_,
-    stack_one_size,
-    stack_sizes,
-)
+from ._members import Factory, looped, member_ids_for, vmapped
+from ._stacking import Stacked, scrub_, stack_one_size
 from ._storage import StackedModule
-from ._unbatchable import follow_sparse, guarded, refuse_template_hooks, unchunked
-from .seeds import check_seeds
+from ._unbatchable import follow_sparse, guarded, refuse_template_hooks
 
 __all__ = ["Ensemble", "check_ensemble"]
-
-RANDOMNESS = ("different", "same", "error")
-BACKENDS = ("vmap", "loop")
 
 
 class Ensemble(StackedModule):
@@ -107,33 +97,11 @@ class Ensemble(StackedModule):
     ) -> None:
         super().__init__()
         api = "Ensemble"
-        if isinstance(factory, nn.Module):
-            raise TypeError(
-                f"{api}: `factory` must build a new member on each call, got an instance of "
-                f"{type(factory).__name__}; pass the class (or a lambda), or use "
-                "Ensemble.from_modules([...]) to stack existing modules"
-            )
-        if not callable(factory):
-            raise TypeError(
-                f"{api}: `factory` must be a zero-argument callable returning an nn.Module, "
-                f"got {type(factory).__name__}"
-            )
-        check_int(api, "n", n, minimum=1)
-        if seed is not None:
-            check_int(api, "seed", seed)
-        if seeds is not None:
-            seeds = check_seeds(api, seeds, n, seed)
+        seeds = check_factory(api, factory, n, seed, seeds)
         self._configure(randomness, chunk_size, backend, api)
         member_ids = member_ids_for(n, shard, seed is not None or seeds is not None, api)
-        rng = torch.get_rng_state()
-        try:
-            members = build_members(factory, seed, seeds, member_ids)
-            stacked = stack_one_size(members, member_ids, api)
-            refuse_synced(api, shard, [stacked.template])
-            self._take(stacked, member_ids, n)
-        except BaseException:
-            torch.set_rng_state(rng)  # a failed build leaves the caller's RNG as it was
-            raise
+        with rng_kept():  # a failed build leaves the caller's RNG as it was
+            self._take(factory_members(api, factory, seed, seeds, member_ids, shard), member_ids, n)
 
     @classmethod
     def from_modules(
@@ -219,35 +187,22 @@ class Ensemble(StackedModule):
         api = "Ensemble.from_factories"
         check_factories(api, factories)
         n = len(factories)
-        if seed is not None:
-            check_int(api, "seed", seed)
-        if seeds is not None:
-            seeds = check_seeds(api, seeds, n, seed)
+        seeds = check_seeding(api, n, seed, seeds)
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._configure(randomness, chunk_size, backend, api)
-        rng = torch.get_rng_state()
-        try:
-            stacked = stack_sizes(list(build_members(factories, seed, seeds, range(n))), api)
-            self._take(stacked, range(n), n)
-        except BaseException:
-            torch.set_rng_state(rng)
-            raise
+        with rng_kept():
+            self._take(factories_members(api, factories, seed, seeds), range(n), n)
         return self
 
     def _configure(self, randomness: str, chunk_size: int | None, backend: str, api: str) -> None:
-        check_choice(api, "randomness", randomness, RANDOMNESS)
-        check_choice(api, "backend", backend, BACKENDS)
-        if chunk_size is not None:
-            check_int(api, "chunk_size", chunk_size, minimum=1)
+        check_options(api, randomness, chunk_size, backend)
         self.randomness, self.chunk_size, self.backend = randomness, chunk_size, backend
 
     def _take(self, stacked: Stacked, member_ids: Sequence[int], n_total: int) -> None:
         self.__dict__["_padding"] = stacked.padding
         self.__dict__["_template"] = stacked.template
-        self.__dict__["_runner"] = unchunked(batchable(stacked.template))
-        for m, name, _ in recomputed(self._runner):  # leaked, a compiled step's graph fails
-            m.register_forward_hook(functools.partial(put_back, name, m.__dict__[name]))
+        self.__dict__["_runner"] = runner_for(stacked.template)
         self._adopt(stacked.tensors, member_ids, n_total, stacked.training)
 
     # -- running ----------------------------------------------------------------------------

@@ -18,13 +18,13 @@ from ._data import (
     MemberIterables,
     TensorSource,
     data_generators,
-    is_tensor_data,
     oob_mask,
     rng_state,
     set_rng_state,
     spread_inputs,
     warn_stacked_data,
 )
+from ._data_checks import is_tensor_data
 from ._evaluate import Evaluator, to_device
 from ._fit_checks import Checked, build_optimizer, check_arguments, warn_stacked_val
 from ._precision import LossScale

@@ -15,12 +15,12 @@ import torch
 from torch import Tensor
 
 from ._checks import check_choice, check_int, index_rows
+from ._hyper_rows import copied_hypers, inherit_base_lrs, perturbed_hypers
 from ._precision import LossScale
 from ._sweep_parts import warn_recomputing_schedulers
 from .callbacks.base import Callback, Context
 from .ensemble import Ensemble
-from .optim import MemberValues, StackedOptimizer
-from .optim._hyper import as_member_values
+from .optim import StackedOptimizer
 from .selection import metric_table
 
 __all__ = ["PBT", "exploit_", "explore"]
@@ -106,50 +106,12 @@ def exploit_(
                     # Shared tensors (one step count per group) are copied once.
                     if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == n:
                         tensors[id(v)] = v
-        copies = _copied(optimizer.param_groups, n, s, d)
+        copies = copied_hypers(optimizer.param_groups, n, s, d)
         for group, copied in zip(optimizer.param_groups, copies, strict=True):
             group.update(copied)
     with torch.no_grad():
         for t in tensors.values():
             t[d.to(t.device)] = t[s.to(t.device)]
-
-
-def _copied(groups: list[dict[str, Any]], n: int, s: Tensor, d: Tensor) -> list[dict[str, Any]]:
-    """Each param group's per-member hyperparameters with rows ``d`` taken from rows ``s``,
-    as new values (the groups are left as they are)."""
-    out = []
-    for group in groups:
-        copied: dict[str, Any] = {}
-        for key, value in group.items():
-            if key == "params":  # the stacked parameters: a member's scalar one is [n]
-                continue
-            if _per_member(value, n):
-                copied[key] = _copy_rows(value, s, d)
-            elif isinstance(value, (tuple, list)) and any(_per_member(v, n) for v in value):
-                copied[key] = type(value)(
-                    _copy_rows(v, s, d) if _per_member(v, n) else v for v in value
-                )
-        out.append(copied)
-    return out
-
-
-def _per_member(value: Any, n: int) -> bool:
-    """Whether a param-group value holds one hyperparameter per member: ``MemberValues``, or
-    a 1-D tensor of ``n`` values (which the step reads as ``MemberValues``)."""
-    if isinstance(value, MemberValues):
-        return True
-    return isinstance(value, Tensor) and value.dim() == 1 and len(value) == n
-
-
-def _copy_rows(values: Any, s: Tensor, d: Tensor) -> Any:
-    if isinstance(values, Tensor):  # a new tensor: the group's old one may be held elsewhere
-        out = values.detach().clone()
-        out[d.to(out.device)] = values.detach()[s.to(out.device)]
-        return out
-    rows = list(values)
-    for i, j in zip(s.tolist(), d.tolist(), strict=True):
-        rows[j] = values[i]
-    return MemberValues(rows)
 
 
 def explore(
@@ -210,37 +172,11 @@ def explore(
         if name not in hypers or hypers[name].pair:
             single = sorted(k for k, h in hypers.items() if not h.pair)
             raise ValueError(f"{api}: `names` must be among {single}, got {name!r}")
-    perturbed = _perturbed(api, optimizer, optimizer.param_groups, rows, factors, generator, names)
+    perturbed = perturbed_hypers(
+        api, optimizer, optimizer.param_groups, rows, factors, generator, names
+    )
     for k, name, new in perturbed:  # all checked: nothing changes on error
         optimizer.param_groups[k][name] = new
-
-
-def _perturbed(
-    api: str,
-    optimizer: StackedOptimizer,
-    groups: list[dict[str, Any]],
-    rows: list[int],
-    factors: list[float],
-    generator: torch.Generator | None,
-    names: Sequence[str],
-) -> list[tuple[int, str, MemberValues]]:
-    """``explore``'s draws and checked new values ``(group index, name, values)``; no writes."""
-    n, hypers, out = optimizer.num_members, optimizer.hyperparameters, []
-    for name in names:
-        draws = torch.randint(len(factors), (len(rows),), generator=generator).tolist()
-        for k, group in enumerate(groups):
-            value = as_member_values(group[name])  # a 1-D tensor: n values, as the step reads
-            values = list(value) if isinstance(value, MemberValues) else [float(value)] * n
-            for row, f in zip(rows, draws, strict=True):
-                values[row] *= factors[f]
-            hyper = hypers[name]
-            for row, v in enumerate(values):
-                if not hyper.ok(v):
-                    raise ValueError(
-                        f"{api}: member {row}'s `{name}` would become {v}, must be {hyper.rule}"
-                    )
-            out.append((k, name, MemberValues(values)))
-    return out
 
 
 class PBT(Callback):
@@ -353,11 +289,11 @@ class PBT(Callback):
         before = self.generator.get_state()
         src = top[torch.randint(q, (q,), generator=self.generator)]
         # Perturbed on the side first: a value refused (a rho past 1) leaves the members be.
-        copies = _copied(opt.param_groups, len(ctx.ensemble), src, bottom)
+        copies = copied_hypers(opt.param_groups, len(ctx.ensemble), src, bottom)
         groups = [{**g, **c} for g, c in zip(opt.param_groups, copies, strict=True)]
         try:
-            perturbed = _perturbed("PBT", opt, groups, bottom.tolist(), list(self.factors),
-                                   self.generator, self.names)  # fmt: skip
+            perturbed = perturbed_hypers("PBT", opt, groups, bottom.tolist(), list(self.factors),
+                                         self.generator, self.names)  # fmt: skip
         except ValueError as err:
             self.generator.set_state(before)
             raise ValueError(
@@ -367,7 +303,7 @@ class PBT(Callback):
             ) from err
         warn_recomputing_schedulers(ctx.callbacks)
         exploit_(ctx.ensemble, opt, src, bottom, ctx.loss_scale)
-        _inherit_base_lrs(ctx.callbacks, len(ctx.ensemble), src, bottom)
+        inherit_base_lrs(ctx.callbacks, len(ctx.ensemble), src, bottom)
         ctx.inherit(src, bottom)
         for k, name, new in perturbed:
             opt.param_groups[k][name] = new
@@ -394,16 +330,6 @@ class PBT(Callback):
         log = [(e, list(s), list(d)) for e, s, d in state["log"]]  # read before any write
         self.generator.set_state(state["generator"])
         self.log = log
-
-
-def _inherit_base_lrs(callbacks: Sequence[Any], n: int, s: Tensor, d: Tensor) -> None:
-    """Copies take their sources' base lrs (CosineAnnealingLR restarts from them)."""
-    for cb in callbacks:
-        top = getattr(cb, "scheduler", None)
-        for sched in [top, *getattr(top, "_schedulers", [])]:
-            base = getattr(sched, "base_lrs", None)
-            if isinstance(base, list):
-                sched.base_lrs = [_copy_rows(v, s, d) if _per_member(v, n) else v for v in base]
 
 
 def _factors(api: str, factors: Sequence[Any]) -> tuple[float, ...]:

@@ -12,32 +12,19 @@ itself").
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
-import optree
 import torch
 from torch import Tensor
 
-from ._attention import batched_attention
-from ._batchable import BatchableDropout, in_logical_order
+from ._batch_edits import refuse_edits_in_turns
 from ._checks import tolerance
-from ._fastcall import call_member
 from ._locate import first_padded_difference
-from ._members import named_tensors
 from ._padding import masked
-from ._selfcheck_parts import (
-    Attributes,
-    carried,
-    differences,
-    fingerprints,
-    in_turns,
-    plain_attributes,
-    refuse_carried,
-    set_attributes,
-)
-from ._unbatchable import batch_kept, explain_failure, follow_sparse, refuse_edits_in_turns
+from ._selfcheck_parts import differences, in_turns, refuse_carried
+from ._selfcheck_runs import member_slice, run_alone, run_together
+from ._unbatchable import explain_failure, follow_sparse
 from .ensemble import Ensemble, check_ensemble
 
 __all__ = [
@@ -117,7 +104,7 @@ def check(
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     for member in probed(ens):
         try:
-            alone = _alone(ens, member, loss_fn, args, targets, in_dims, autocast)
+            alone = run_alone(ens, member, loss_fn, args, targets, in_dims, autocast)
         except Exception as err:
             raise ValueError(
                 f"{api}: member {member} of {type(ens.template).__name__} fails when run alone "
@@ -181,7 +168,7 @@ class Probe:
             return
         batch = (self.loss_fn, args, targets, self.in_dims, self.autocast)
         try:
-            runs = [(member, _alone(self.ens, member, *batch)) for member in probed(self.ens)]
+            runs = [(member, run_alone(self.ens, member, *batch)) for member in probed(self.ens)]
         except Exception:
             self.tries += 1  # the step reports it, as without the probe
             self.pending = self.tries < TRIES
@@ -189,123 +176,6 @@ class Probe:
         for member, alone in runs:
             _compare("step", self.ens, member, alone, *batch)
         self.pending = False
-
-
-# -- the two runs ---------------------------------------------------------------------------
-
-
-def _forked_rng(ens: Ensemble) -> contextlib.AbstractContextManager:
-    """Both runs start from the caller's RNG state (same dropout draws), and leave it as is."""
-    device = next(iter(ens.stacked_state().values()), torch.empty(0)).device
-    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
-
-
-def _autocast(ens: Ensemble, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    if dtype is None:
-        return contextlib.nullcontext()
-    device = next(iter(ens.stacked_state().values()), torch.empty(0)).device
-    return torch.autocast(device.type, dtype)
-
-
-def _logical(ens: Ensemble) -> contextlib.AbstractContextManager:
-    return in_logical_order() if ens.backend == "vmap" else contextlib.nullcontext()
-
-
-def _copied(tree: Any) -> Any:
-    return optree.tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, tree)
-
-
-def _member_slice(tree: Any, member: int, in_dims: int | None, keep_dim: bool) -> Any:
-    if in_dims is None:
-        return tree
-    index = slice(member, member + 1) if keep_dim else member
-    return optree.tree_map(lambda t: t[index] if isinstance(t, Tensor) else t, tree)
-
-
-def _alone(
-    ens: Ensemble,
-    member: int,
-    loss_fn: Callable,
-    args: tuple,
-    targets: Tensor,
-    in_dims: int | None,
-    autocast: torch.dtype | None,
-    attributes: Attributes | None = None,
-) -> dict[str, Any]:
-    """Member ``member`` as a plain module: outputs, loss, state after, ``.grad``s, and the
-    plain attributes its forward set (``attributes``: set these first)."""
-    module = ens[member]
-    set_attributes(module, attributes or {})
-    before = fingerprints(plain_attributes(module))
-    for sub in module.modules() if ens.backend == "vmap" else ():  # see in_logical_order
-        sub.__class__ = BatchableDropout if type(sub) is torch.nn.Dropout else type(sub)
-    with batch_kept(args, targets) as edited, _forked_rng(ens), _logical(ens):
-        with _autocast(ens, autocast):
-            out = module(*_member_slice(args, member, in_dims, False))
-            loss = loss_fn(out, _member_slice(targets, member, in_dims, False))
-        # Into the parameters only, as the step differentiates: a target or input that
-        # requires grad (a teacher's output) keeps its `.grad` (None).
-        trained = [p for p in module.parameters() if p.requires_grad]
-        if loss.requires_grad and trained:  # all parameters frozen: nothing to differentiate
-            loss.backward(inputs=trained)
-        out = _copied(out)  # an output that is the input edited in place is put back next
-    grads = {name: p.grad for name, p in module.named_parameters() if p.requires_grad}
-    state = {name: t.detach() for name, t in named_tensors(module)}
-    kept = carried(before, plain_attributes(module))
-    return {
-        "out": out,
-        "loss": loss.detach(),
-        "state": state,
-        "grads": grads,
-        "edits": edited,
-        "carried": kept,
-    }
-
-
-def _together(
-    sub: Ensemble,
-    member: int,
-    loss_fn: Callable,
-    args: tuple,
-    targets: Tensor,
-    in_dims: int | None,
-    autocast: torch.dtype | None,
-) -> dict[str, Any]:
-    """The same member through the ensemble's member map (``sub``: that member alone, at
-    its own size: a padded member's tensors are cut to it)."""
-    state = sub.stacked_state()
-    trained = [name for name, p in sub.stacked_params().items() if p.requires_grad]
-
-    structure: list = []
-
-    def run(st: dict, inputs: tuple, target: Tensor) -> tuple[Any, Tensor]:
-        out = call_member(sub.runner, st, inputs)
-        leaves, spec = optree.tree_flatten(out)
-        structure[:] = [spec, leaves]  # a number in the output is no vmap output: kept here
-        return [t for t in leaves if isinstance(t, Tensor)], loss_fn(out, target)
-
-    mine = _member_slice(args, member, in_dims, True)
-    target = _member_slice(targets, member, in_dims, True)
-    with batch_kept(args, targets), _forked_rng(sub), batched_attention(), _logical(sub):
-        with _autocast(sub, autocast):
-            tensors, loss = sub._member_map(run, (in_dims, in_dims))(state, mine, target)
-        spec, leaves = structure
-        outs = iter(tensors)
-        out = spec.unflatten([next(outs) if isinstance(t, Tensor) else t for t in leaves])
-        params = [state[name] for name in trained]
-        found: Any = [None] * len(params)
-        if params and loss.requires_grad:
-            found = torch.autograd.grad(loss.sum(), params, allow_unused=True)
-        out = _copied(out)
-    padding = sub._padding
-
-    def own(name: str, t: Tensor) -> Tensor:
-        return t[0] if padding is None else padding.take(name, t[0], 0)
-
-    grads = {k: None if g is None else own(k, g) for k, g in zip(trained, found, strict=True)}
-    after = {name: own(name, t.detach()) for name, t in sub.stacked_state().items()}
-    first = optree.tree_map(lambda t: t[0] if isinstance(t, Tensor) else t, out)
-    return {"out": first, "loss": loss.detach()[0], "state": after, "grads": grads}
 
 
 # -- the comparison -------------------------------------------------------------------------
@@ -333,7 +203,7 @@ def _compare(
         )
     sub = ens.select([member])  # a copy: the probe's forward changes nothing of ens
     try:
-        together = _together(sub, member, loss_fn, args, targets, in_dims, autocast)
+        together = run_together(sub, member, loss_fn, args, targets, in_dims, autocast)
     except Exception as err:
         explained = explain_failure(api, name, sub.backend, err, loss=True)
         if explained is not None:
@@ -361,7 +231,7 @@ def _refuse_reads_of_carried(
 ) -> None:
     """Raise if the member's forward reads the plain attributes it set (``alone["carried"]``):
     run it and the next member again on the same batch with them set, as the next member in
-    turn would (``batch``: ``_alone``'s loss, inputs, targets, ``in_dims`` and autocast)."""
+    turn would (``batch``: ``run_alone``'s loss, inputs, targets, ``in_dims`` and autocast)."""
     loss_fn, args, targets, in_dims, autocast = batch
     # The next member in turn too: state keyed on what every member shares (a parameter's
     # `_version`, 0 for each) reads back the same for member 0 and another member's for it.
@@ -369,8 +239,10 @@ def _refuse_reads_of_carried(
     other, why = member, ""
     try:
         for other in [member, *others]:
-            plain = alone if other == member else _alone(ens, other, *batch)
-            again = _alone(ens, other, loss_fn, args, targets, in_dims, autocast, alone["carried"])
+            plain = alone if other == member else run_alone(ens, other, *batch)
+            again = run_alone(
+                ens, other, loss_fn, args, targets, in_dims, autocast, alone["carried"]
+            )
             if any(differences(plain, again, autocast)):
                 why = f"member {other} {_after(member, other)} computes something else"
                 break
@@ -391,7 +263,7 @@ def _padded_layer(sub: Ensemble, member: int, args: tuple, in_dims: int | None) 
     state = sub.stacked_state()
     masks = sub._padding.masks(sub.stacked_params()) if sub._padding is not None else {}
     row = {k: v[0].detach() for k, v in masked(state, masks).items()}
-    inputs = _member_slice(args, member, in_dims, False)
+    inputs = member_slice(args, member, in_dims, False)
     try:
         return first_padded_difference(sub[0], sub.runner, row, inputs)
     except Exception:  # a diagnosis only: the probe's own message stands without it

@@ -20,9 +20,9 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_mask
-from ._buckets import buckets, counter_dtype, layout, share_counts
+from ._buckets import layout, share_counts
+from ._calls import rule_calls, run_calls
 from ._eager import EagerOptimizer, hooked_step
-from ._fused import in_one_kernel, make_held, writes_held
 from ._handoff import check_state_dict, copy_rows, load_hooks, member_state_dict, select_parts
 from ._hyper import (
     FREE_ON_LOAD,
@@ -38,8 +38,9 @@ from ._hyper import (
     params_of,
     unnamed,
 )
-from ._keep import Snapshot, keep_masked_, tensors_of
-from ._kinds import check_complex, check_dense, check_ordered, initial, real_views
+from ._keep import Snapshot
+from ._kinds import check_complex, check_dense, check_ordered
+from ._state import fill_state
 
 __all__ = ["StackedOptimizer"]
 
@@ -220,29 +221,11 @@ class StackedOptimizer(EagerOptimizer):
             if not compiling:  # `differentiable=True` set mid-run is refused, not ignored
                 check_implementation(self._who["api"], implementation_flags(self.torch_class), impl)
             complex_ = check_complex(self._api, group["params"], type(self).elementwise)
-            # New state shares one step count per group: the rule then runs once for all.
-            device, starts = group["params"][0].device, self.scalar_state(group)
-            fresh: dict[tuple[str, torch.dtype], Tensor] = {}
-            for p in group["params"]:
-                state = self.state[p]
-                # Counters keep the dtype their `step` was created in (torch's load_state_dict
-                # keeps `step` as it is and casts the others to the param's dtype).
-                dtype = counter_dtype(state.get("step"))
-                for key, start in starts.items():
-                    t = state.get(key)
-                    if t is None:
-                        full = torch.full((self.num_members,), start, dtype=dtype)
-                        new = fresh.setdefault((key, dtype), full.to(device))
-                        state[key] = new if new.device == p.device else new.to(p.device)
-                    elif t.device != p.device or t.dtype != dtype:
-                        state[key] = t.to(dtype=dtype, device=p.device)
-                for key in names:
-                    t = state.get(key)
-                    if t is None:
-                        args = group_args(group, self.hyperparameters, p.device, **self._who)
-                        state[key] = initial(self.initial_state, key, p, args)
-                    elif t.dtype != p.dtype or t.device != p.device:
-                        state[key] = t.to(dtype=p.dtype, device=p.device)
+            starts, params = self.scalar_state(group), group["params"]
+            args = functools.partial(group_args, group, self.hyperparameters, **self._who)
+            fill_state(
+                params, self.state, starts, names, self.num_members, self.initial_state, args
+            )
             if not compiling:
                 share_counts([self.state[p] for p in group["params"]], tuple(starts))
                 self._ready[index] = (layout(group["params"]), names, impl)
@@ -286,39 +269,11 @@ class StackedOptimizer(EagerOptimizer):
 
     def _update(self, grads: Sequence[Tensor | None], mask: Tensor | None) -> None:
         self.prepare()
-        calls, start, compiling = [], 0, torch.compiler.is_compiling()
-        for index, group in enumerate(self.param_groups):
-            params, counters = group["params"], tuple(self.scalar_state(group))
-            states, end = [self.state[p] for p in params], start + len(params)
-            parts = buckets(params, grads[start:end], states, self.state_names(group), counters)
-            start = end
-            if index in self._complex or (compiling and any(p.is_complex() for p in params)):
-                parts = [real_views(part) for part in parts]  # as torch steps complex tensors
-            if parts:
-                args = group_args(group, self.hyperparameters, params[0].device, **self._who)
-                args.update(mask=mask, fused=group.get("fused") is not False)
-                calls += [(*part, dict(args)) for part in parts]  # in_one_kernel writes in args
+        calls = rule_calls(self, grads, mask)
+        own = type(self).rule if type(self).update_ is StackedOptimizer.update_ else None
         try:
-            with torch.no_grad():
-                # Copied first (a failed step changes nothing, masked members keep theirs),
-                # unless each call of the class's own rule writes all in one go (_fused.py).
-                own = type(self).update_ is StackedOptimizer.update_ and mask is None
-                whole = own and all(in_one_kernel(type(self).rule, *call) for call in calls)
-                if whole:  # every call's allocations first, then all the writes
-                    with writes_held() as held:
-                        for params, g, state, args in calls:
-                            self.update_(params, g, state, args)
-                    return make_held(held)
-                written = [t for p, _, s, _ in calls for t in tensors_of(p, s)]
-                saved = self._snapshot.take(written, mask, self._layouts)
-                try:
-                    for params, g, state, args in calls:
-                        self.update_(params, g, state, args)
-                except BaseException:
-                    self._snapshot.restore(written, saved)
-                    raise
-                if mask is not None:
-                    keep_masked_(written, saved, mask)
+            with torch.no_grad():  # a failed step changes nothing, masked members keep theirs
+                run_calls(self.update_, own, calls, mask, self._snapshot, self._layouts)
         except RuntimeError:  # NotImplementedError too
             check_dense(self._who["api"], grads)  # a sparse gradient: say so
             raise

@@ -1,0 +1,146 @@
+"""The self-check's two runs of one member on one batch: alone, as a plain module of the
+user's class (``ens[member]``, forward, loss, ``backward()``), and through the ensemble's member
+map, as a training step runs it. Both start from the caller's RNG state and leave it, and the
+batch, as they were; each returns what a training step uses (outputs, loss, the state after
+the forward, the gradients), which ``selfcheck`` compares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+
+from ._attention import batched_attention
+from ._batch_edits import batch_kept
+from ._batchable import BatchableDropout, in_logical_order
+from ._fastcall import call_member
+from ._members import named_tensors
+from ._selfcheck_parts import (
+    Attributes,
+    carried,
+    fingerprints,
+    plain_attributes,
+    set_attributes,
+)
+from .ensemble import Ensemble
+
+__all__ = ["member_slice", "run_alone", "run_together"]
+
+
+def _forked_rng(ens: Ensemble) -> contextlib.AbstractContextManager:
+    """Both runs start from the caller's RNG state (same dropout draws), and leave it as is."""
+    device = next(iter(ens.stacked_state().values()), torch.empty(0)).device
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
+def _autocast(ens: Ensemble, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    if dtype is None:
+        return contextlib.nullcontext()
+    device = next(iter(ens.stacked_state().values()), torch.empty(0)).device
+    return torch.autocast(device.type, dtype)
+
+
+def _logical(ens: Ensemble) -> contextlib.AbstractContextManager:
+    return in_logical_order() if ens.backend == "vmap" else contextlib.nullcontext()
+
+
+def _copied(tree: Any) -> Any:
+    return optree.tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, tree)
+
+
+def member_slice(tree: Any, member: int, in_dims: int | None, keep_dim: bool) -> Any:
+    if in_dims is None:
+        return tree
+    index = slice(member, member + 1) if keep_dim else member
+    return optree.tree_map(lambda t: t[index] if isinstance(t, Tensor) else t, tree)
+
+
+def run_alone(
+    ens: Ensemble,
+    member: int,
+    loss_fn: Callable,
+    args: tuple,
+    targets: Tensor,
+    in_dims: int | None,
+    autocast: torch.dtype | None,
+    attributes: Attributes | None = None,
+) -> dict[str, Any]:
+    """Member ``member`` as a plain module: outputs, loss, state after, ``.grad``s, and the
+    plain attributes its forward set (``attributes``: set these first)."""
+    module = ens[member]
+    set_attributes(module, attributes or {})
+    before = fingerprints(plain_attributes(module))
+    for sub in module.modules() if ens.backend == "vmap" else ():  # see in_logical_order
+        sub.__class__ = BatchableDropout if type(sub) is torch.nn.Dropout else type(sub)
+    with batch_kept(args, targets) as edited, _forked_rng(ens), _logical(ens):
+        with _autocast(ens, autocast):
+            out = module(*member_slice(args, member, in_dims, False))
+            loss = loss_fn(out, member_slice(targets, member, in_dims, False))
+        # Into the parameters only, as the step differentiates: a target or input that
+        # requires grad (a teacher's output) keeps its `.grad` (None).
+        trained = [p for p in module.parameters() if p.requires_grad]
+        if loss.requires_grad and trained:  # all parameters frozen: nothing to differentiate
+            loss.backward(inputs=trained)
+        out = _copied(out)  # an output that is the input edited in place is put back next
+    grads = {name: p.grad for name, p in module.named_parameters() if p.requires_grad}
+    state = {name: t.detach() for name, t in named_tensors(module)}
+    kept = carried(before, plain_attributes(module))
+    return {
+        "out": out,
+        "loss": loss.detach(),
+        "state": state,
+        "grads": grads,
+        "edits": edited,
+        "carried": kept,
+    }
+
+
+def run_together(
+    sub: Ensemble,
+    member: int,
+    loss_fn: Callable,
+    args: tuple,
+    targets: Tensor,
+    in_dims: int | None,
+    autocast: torch.dtype | None,
+) -> dict[str, Any]:
+    """The same member through the ensemble's member map (``sub``: that member alone, at
+    its own size: a padded member's tensors are cut to it)."""
+    state = sub.stacked_state()
+    trained = [name for name, p in sub.stacked_params().items() if p.requires_grad]
+
+    structure: list = []
+
+    def run(st: dict, inputs: tuple, target: Tensor) -> tuple[Any, Tensor]:
+        out = call_member(sub.runner, st, inputs)
+        leaves, spec = optree.tree_flatten(out)
+        structure[:] = [spec, leaves]  # a number in the output is no vmap output: kept here
+        return [t for t in leaves if isinstance(t, Tensor)], loss_fn(out, target)
+
+    mine = member_slice(args, member, in_dims, True)
+    target = member_slice(targets, member, in_dims, True)
+    with batch_kept(args, targets), _forked_rng(sub), batched_attention(), _logical(sub):
+        with _autocast(sub, autocast):
+            tensors, loss = sub._member_map(run, (in_dims, in_dims))(state, mine, target)
+        spec, leaves = structure
+        outs = iter(tensors)
+        out = spec.unflatten([next(outs) if isinstance(t, Tensor) else t for t in leaves])
+        params = [state[name] for name in trained]
+        found: Any = [None] * len(params)
+        if params and loss.requires_grad:
+            found = torch.autograd.grad(loss.sum(), params, allow_unused=True)
+        out = _copied(out)
+    padding = sub._padding
+
+    def own(name: str, t: Tensor) -> Tensor:
+        return t[0] if padding is None else padding.take(name, t[0], 0)
+
+    grads = {k: None if g is None else own(k, g) for k, g in zip(trained, found, strict=True)}
+    after = {name: own(name, t.detach()) for name, t in sub.stacked_state().items()}
+    first = optree.tree_map(lambda t: t[0] if isinstance(t, Tensor) else t, out)
+    return {"out": first, "loss": loss.detach()[0], "state": after, "grads": grads}
