@@ -28,7 +28,7 @@ from ._step_parts import (
     check_optimizer,
     counter_sharing,
     distinct_grads,
-    frozen_buffers,
+    frozen_members,
     graph_hyperparameters,
     no_gradient,
     own_counters,
@@ -194,7 +194,7 @@ def compiled_step(
         if cuda:
             static_addresses(ens, optimizer)
         # Gradients come from torch.func inside the graph: no autograd graph around it.
-        with torch.no_grad(), ens.guard("step", loss=True), frozen_buffers(ens, mask):
+        with torch.no_grad(), ens.guard("step", loss=True), frozen_members(ens, mask):
             scale = None if update.scale is None else update.scale.scale
             hyper = graph_hyperparameters(optimizer, made) if tensors else contextlib.nullcontext()
             with hyper, compile_failures():  # torch.compile's errors, named

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ._batch_edits import EditedInTurns
 from ._metrics import Metric, average, metric_pair, score
+from ._selfcheck_runs import forked_rng
 from .ensemble import Ensemble
 from .history import History
 from .losses import per_member
@@ -61,19 +62,29 @@ class Evaluator:
         """
         if self.val is None or self.oob is not None:
             return
-        try:
-            out, _ = self._forward(lambda out, y: (out, self.val_loss(out, y)))
-        except (RuntimeError, ValueError, TypeError, IndexError) as err:
-            if isinstance(err.__cause__, EditedInTurns):  # the forward, not the data
-                name = type(self.ens.template).__name__
-                raise RuntimeError(err.__cause__.message(api, name)) from err
-            raise ValueError(
-                f"{api}: `val_data` does not fit the ensemble (one forward and `loss_fn` in eval "
-                f"mode failed): {err}"
-            ) from err
-        with torch.no_grad():
-            for name, metric in self.metrics.items():
-                _check_metric(api, name, metric, out, self.val[1])
+        # A forward may edit the members' tensors in place (nn.Embedding(max_norm=...)
+        # renormalises its weight): they get theirs back, as members alone that never ran this.
+        state = list(self.ens.stacked_state().values())
+        saved = [t.clone() for t in state]
+        # Forked: a forward that draws in eval mode (a VAE's noise) would otherwise shift every
+        # draw of the run after it, the shuffle's too, from a plain loop's from the same seed.
+        with forked_rng(self.ens):
+            try:
+                out, _ = self._forward(lambda out, y: (out, self.val_loss(out, y)))
+            except (RuntimeError, ValueError, TypeError, IndexError) as err:
+                if isinstance(err.__cause__, EditedInTurns):  # the forward, not the data
+                    name = type(self.ens.template).__name__
+                    raise RuntimeError(err.__cause__.message(api, name)) from err
+                raise ValueError(
+                    f"{api}: `val_data` does not fit the ensemble (one forward and `loss_fn` in "
+                    f"eval mode failed): {err}"
+                ) from err
+            finally:
+                with torch.no_grad():
+                    torch._foreach_copy_(state, saved)
+            with torch.no_grad():
+                for name, metric in self.metrics.items():
+                    _check_metric(api, name, metric, out, self.val[1])
 
     def record(self, h: History, mean_loss: Tensor, running: Tensor, diverged: Tensor) -> None:
         """Append this epoch's row to ``h``: NaN for members that did not train (``running``

@@ -29,11 +29,12 @@ from ._selfcheck_parts import (
 )
 from .ensemble import Ensemble
 
-__all__ = ["member_slice", "run_alone", "run_together"]
+__all__ = ["forked_rng", "member_slice", "run_alone", "run_together"]
 
 
-def _forked_rng(ens: Ensemble) -> contextlib.AbstractContextManager:
-    """Both runs start from the caller's RNG state (same dropout draws), and leave it as is."""
+def forked_rng(ens: Ensemble) -> contextlib.AbstractContextManager:
+    """A run that starts from the caller's RNG state (both runs: the same dropout draws) and
+    leaves it as it was."""
     device = next(iter(ens.stacked_state().values()), torch.empty(0)).device
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
@@ -77,7 +78,7 @@ def run_alone(
     before = fingerprints(plain_attributes(module))
     for sub in module.modules() if ens.backend == "vmap" else ():  # see in_logical_order
         sub.__class__ = BatchableDropout if type(sub) is torch.nn.Dropout else type(sub)
-    with batch_kept(args, targets) as edited, _forked_rng(ens), _logical(ens):
+    with batch_kept(args, targets) as edited, forked_rng(ens), _logical(ens):
         with _autocast(ens, autocast):
             out = module(*member_slice(args, member, in_dims, False))
             loss = loss_fn(out, member_slice(targets, member, in_dims, False))
@@ -124,7 +125,7 @@ def run_together(
 
     mine = member_slice(args, member, in_dims, True)
     target = member_slice(targets, member, in_dims, True)
-    with batch_kept(args, targets), _forked_rng(sub), batched_attention(), _logical(sub):
+    with batch_kept(args, targets), forked_rng(sub), batched_attention(), _logical(sub):
         with _autocast(sub, autocast):
             tensors, loss = sub._member_map(run, (in_dims, in_dims))(state, mine, target)
         spec, leaves = structure

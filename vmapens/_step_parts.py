@@ -35,7 +35,7 @@ __all__ = [
     "check_groups",
     "check_optimizer",
     "distinct_grads",
-    "frozen_buffers",
+    "frozen_members",
     "graph_hyperparameters",
     "no_gradient",
     "optimizer_errors",
@@ -255,18 +255,19 @@ def optimizer_errors(optimizer: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def frozen_buffers(ens: Ensemble, mask: torch.Tensor | None) -> Iterator[None]:
-    """Give the members where ``mask`` is False their buffers back after the step.
+def frozen_members(ens: Ensemble, mask: torch.Tensor | None) -> Iterator[None]:
+    """Give the members where ``mask`` is False their buffers and parameters back after the step.
 
-    The forward updates every member's buffers (BatchNorm statistics); the optimizer's mask
-    only covers parameters and optimizer state.
+    The forward updates every member's buffers (BatchNorm statistics) and may edit parameters
+    in place (``nn.Embedding(max_norm=...)`` renormalises its weight); the optimizer's mask
+    only covers its own update. A member that does not step does not run alone.
     """
-    buffers = [] if mask is None else list(ens.stacked_buffers().values())
-    saved = [b.clone() for b in buffers]
+    state = [] if mask is None else list(ens.stacked_state().values())
+    saved = [t.clone() for t in state]
     yield
     if mask is not None:
         with torch.no_grad():
-            keep_masked_(buffers, saved, mask)
+            keep_masked_(state, saved, mask)
 
 
 def attached_scheduler(optimizer: torch.optim.Optimizer) -> bool:

@@ -18,7 +18,7 @@ from ._step_parts import (
     check_call,
     check_optimizer,
     distinct_grads,
-    frozen_buffers,
+    frozen_members,
     optimizer_errors,
     trainable,
     undo_point,
@@ -157,7 +157,7 @@ def make_step(
         old_grads = [p.grad for p in every]
         undo = undo_point(ens, optimizer)
         try:
-            with ens.guard("step", loss=True), frozen_buffers(ens, mask):
+            with ens.guard("step", loss=True), frozen_members(ens, mask):
                 scale = None if update.scale is None else update.scale.scale
                 # chunk_size: forward and backward one chunk at a time (one chunk's activations
                 # alive; vmap's chunking keeps all), unless the batch has a graph into the
