@@ -221,6 +221,13 @@ def build_optimizer(
     """``optimizer`` as ``fit`` takes it: None (StackedAdam), an instance, or a class or
     factory called as ``optimizer(ens, **hyperparameters)``."""
     if isinstance(optimizer, torch.optim.Optimizer):
+        foreign = [k for k in hyperparameters if k not in optimizer.defaults]
+        if foreign:  # an option of nothing here (a trainer's accumulate_grad_batches, say)
+            raise TypeError(
+                f"{api}: {', '.join(f'`{k}`' for k in foreign)} is not an option of {api}, of "
+                f"the step (make_step's options: {', '.join(STEP_OPTIONS)}) or of "
+                f"{type(optimizer).__name__}; drop it"
+            )
         if hyperparameters:
             names = ", ".join(f"`{k}`" for k in hyperparameters)
             verb = "configures" if len(hyperparameters) == 1 else "configure"
