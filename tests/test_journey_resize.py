@@ -113,7 +113,7 @@ def reset_member_(ens: vmapens.Ensemble, opt: vmapens.StackedAdam, i: int, modul
             sd[k][i].copy_(v)
         for p in ens.parameters():
             for value in opt.state[p].values():
-                value[i].zero_()  # exp_avg, exp_avg_sq, and the shared `step` counter row
+                value[i].zero_()  # exp_avg, exp_avg_sq and the member's `step` count
 
 
 # ---------------------------------------------------------------------------------------------
