@@ -11,6 +11,7 @@ import optree
 import torch
 from torch import Tensor
 
+from ._attributes import INTERNAL
 from ._batch_edits import EditedInTurns
 from ._metrics import Metric, average, metric_pair, score
 from ._selfcheck_runs import forked_rng
@@ -66,6 +67,9 @@ class Evaluator:
         # renormalises its weight): they get theirs back, as members alone that never ran this.
         state = list(self.ens.stacked_state().values())
         saved = [t.clone() for t in state]
+        # And the plain values it sets on the modules the members run (a first-call flag, as
+        # Glow's ActNorm's `initialized`; a Python counter): members alone never ran this.
+        plain = [(vars(m), dict(vars(m))) for m in self.ens.runner.modules()]
         # Forked: a forward that draws in eval mode (a VAE's noise) would otherwise shift every
         # draw of the run after it, the shuffle's too, from a plain loop's from the same seed.
         with forked_rng(self.ens):
@@ -82,6 +86,10 @@ class Evaluator:
             finally:
                 with torch.no_grad():
                     torch._foreach_copy_(state, saved)
+                for now, before in plain:
+                    for key in [k for k in now if k not in INTERNAL and k not in before]:
+                        del now[key]
+                    now.update((k, v) for k, v in before.items() if k not in INTERNAL)
             with torch.no_grad():
                 for name, metric in self.metrics.items():
                     _check_metric(api, name, metric, out, self.val[1])

@@ -240,8 +240,10 @@ class Ensemble(StackedModule):
         """Run ``fn(member_state, *member_args)`` for every member, stacking the outputs.
 
         ``member_state`` is one member's parameters and buffers by name, ready for
-        ``torch.func.functional_call(ens.template, member_state, ...)``. This is what
-        ``forward`` runs; buffers are restored if ``fn`` raises (see ``guard``).
+        ``torch.func.functional_call(ens.runner, member_state, ...)``: the module the
+        ensemble runs, with the layers vmap cannot batch (GRU, LSTM, ...) swapped for twins
+        (``ens.template`` keeps torch's). This is what ``forward`` runs; buffers are
+        restored if ``fn`` raises (see ``guard``).
 
         Args:
             fn: ``(member_state, *member_args) -> pytree of tensors``.
