@@ -124,7 +124,17 @@ def check_arguments(api: str, args: dict[str, Any]) -> Checked:
             f"got {val_data!r}" + ("" if bootstrap else " without bootstrap")
         )
     if val_data is not None and not oob and not is_tensor_data(val_data):
-        raise ValueError(f"{api}: `val_data` must be an (X, Y) tuple of tensors")
+        pair = isinstance(val_data, tuple) and len(val_data) == 2
+        both = pair and all(isinstance(part, (tuple, list)) for part in val_data)
+        raise ValueError(
+            f"{api}: `val_data` must be an (X, Y) tuple of tensors"
+            + (
+                "; a tuple X with a tuple Y reads as two batches (as in `data`): give the "
+                "targets as one tensor or a dict ({'y': y, 'mask': m})"
+                if both
+                else ""
+            )
+        )
     if val_dims == 0 and not oob and val_data is not None:
         check_member_dim(api, "val_data", val_data, len(ens))
     if args["patience"] is not None and val_data is None:

@@ -58,7 +58,13 @@ def member_slice(tree: Any, member: int, in_dims: int | None, keep_dim: bool) ->
     if in_dims is None:
         return tree
     index = slice(member, member + 1) if keep_dim else member
-    return optree.tree_map(lambda t: t[index] if isinstance(t, Tensor) else t, tree)
+
+    def cut(t: Tensor) -> Tensor:
+        if keep_dim and t.layout != torch.strided:  # a sparse tensor takes no slice
+            return t.index_select(0, torch.tensor([member], device=t.device))
+        return t[index]
+
+    return optree.tree_map(lambda t: cut(t) if isinstance(t, Tensor) else t, tree)
 
 
 def run_alone(
