@@ -17,7 +17,10 @@ batches and ``torch.compile(fullgraph=True)`` traces:
   class, pickled as one); one with its own ``forward`` gets a twin whose error under
   ``vmap`` names it and says what to do.
 * ``nn.Dropout`` on CPU: alone it draws a non-contiguous input's mask in memory order,
-  under ``vmap`` in logical order; the twin draws in memory order under both.
+  under ``vmap`` in logical order; the twin draws in memory order under both
+  (``_layout_twins.py``).
+* ``nn.GroupNorm`` on a channels-last input (``_layout_twins.py``): torch's ``group_norm``
+  asks the input's layout in a way ``vmap`` refuses; the twin lays it out itself.
 * ``torch.nn.utils.parametrizations.spectral_norm``'s parametrization and the old-style
   ``torch.nn.utils.spectral_norm``'s forward pre-hook (``_spectral.py``): their power
   iteration writes ``u``/``v`` with ``out=``, which ``vmap`` cannot batch; the twins compute
@@ -32,9 +35,7 @@ a GRU's batched recurrence), and the runner's class is its own, untouched by a
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Iterator
 from typing import Any, SupportsIndex
 
 import torch
@@ -46,6 +47,7 @@ from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
 from ._copies import copy_member
+from ._layout_twins import BatchableDropout, BatchableGroupNorm, in_logical_order
 from ._mha import BatchableMultiheadAttention
 from ._recurrent import (
     BatchableGRU,
@@ -187,63 +189,6 @@ def _rebuilt(cls: type) -> nn.Module:
     return twin.__new__(twin)
 
 
-def _memory_order(t: Tensor) -> list[int] | None:
-    """The dims of ``t`` from the slowest to the fastest in memory, or None where ``t`` is
-    contiguous already or not dense (``empty_like`` then lays out no copy of ``t``)."""
-    if t.is_contiguous():
-        return None
-    order = [d for *_, d in sorted((-t.stride(d), -t.size(d), d) for d in range(t.dim()))]
-    return order if t.permute(order).is_contiguous() else None
-
-
-#: Set while the self-check runs one member alone and in the ensemble (``in_logical_order``).
-_LOGICAL = [False]
-
-
-@contextlib.contextmanager
-def in_logical_order() -> Iterator[None]:
-    """Every ``BatchableDropout`` draws its mask in the input's logical order meanwhile.
-
-    A batched tensor's strides are the layout vmap's batching rules chose, which can differ
-    from the member's own (``h[:, self.index]`` with an index buffer, stacked per member, is
-    laid out time-first under vmap and batch-first alone), so the memory order is not always
-    the member's. The self-check compares one member alone and in the ensemble from one RNG
-    state: with this order in both runs (the alone module's ``nn.Dropout`` re-classed) their
-    masks agree whatever the layouts, and what it compares is the rest of the forward.
-    """
-    _LOGICAL[0] = True
-    try:
-        yield
-    finally:
-        _LOGICAL[0] = False
-
-
-class BatchableDropout(nn.Dropout):
-    """``nn.Dropout`` that draws its mask in the input's memory order under ``vmap`` too.
-
-    Alone, torch's CPU dropout draws into ``empty_like(input)``, which keeps the input's
-    strides: a transposed input (``nn.GRU(batch_first=True)``'s output, ``nn.MultiheadAttention
-    (batch_first=True)``'s) gets its random numbers in memory order. Under ``vmap`` dropout
-    runs ``native_dropout``, which draws into a contiguous mask, in logical order: another
-    mask than the member's own. Permuting the input to its memory order first makes the two
-    orders one; on a contiguous input this is torch's forward. Under ``in_logical_order`` a
-    non-contiguous input is made contiguous first instead (an in-place dropout gets the
-    result copied back).
-    """
-
-    def forward(self, input: Tensor) -> Tensor:
-        # CUDA's dropout alone draws into a contiguous mask too (its fused native_dropout).
-        drawn = self.training and self.p > 0 and input.device.type == "cpu"
-        order = _memory_order(input) if drawn else None
-        if order is not None and _LOGICAL[0]:
-            dropped = F.dropout(input.contiguous(), self.p, True, False)
-            return input.copy_(dropped) if self.inplace else dropped
-        if order is None:
-            return super().forward(input)
-        dropped = F.dropout(input.permute(order), self.p, True, self.inplace)
-        return dropped.permute([order.index(d) for d in range(len(order))])
-
-
 class BatchableEmbedding(nn.Embedding):
     """``nn.Embedding`` whose ``padding_idx`` row gets no gradient under ``vmap`` either.
 
@@ -278,6 +223,7 @@ _BATCHABLE: dict[type, type] = {
     nn.LSTMCell: BatchableLSTMCell,
     nn.MultiheadAttention: BatchableMultiheadAttention,
     nn.Dropout: BatchableDropout,
+    nn.GroupNorm: BatchableGroupNorm,
     _SpectralNorm: BatchableSpectralNorm,
 }
 

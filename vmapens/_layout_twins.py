@@ -1,0 +1,111 @@
+"""Twins of layers whose result depends on the input's memory layout, which ``vmap`` changes.
+
+A member's tensor under ``vmap`` is a view into the batched tensor, its strides the layout the
+batching rules chose; torch's CPU kernels that follow the input's layout alone then draw or
+refuse differently (``_batchable`` re-classes these layers in the ensemble's runner):
+
+* ``nn.Dropout``: draws its mask in memory order alone, in logical order under ``vmap``.
+* ``nn.GroupNorm``: torch's ``group_norm`` lays a channels-last input out with
+  ``input.contiguous(memory_format=torch.channels_last)``, which ``vmap`` refuses ("NYI:
+  querying is_contiguous inside of vmap"); a conv fed a channels-last input, or with
+  channels-last weights (``ens.to(memory_format=torch.channels_last)``), gives one.
+
+This file imports only torch: it sits at the bottom of the package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch._prims_common import suggest_memory_format
+
+__all__ = ["BatchableDropout", "BatchableGroupNorm", "in_logical_order"]
+
+
+def _memory_order(t: Tensor) -> list[int] | None:
+    """The dims of ``t`` from the slowest to the fastest in memory, or None where ``t`` is
+    contiguous already or not dense (``empty_like`` then lays out no copy of ``t``)."""
+    if t.is_contiguous():
+        return None
+    order = [d for *_, d in sorted((-t.stride(d), -t.size(d), d) for d in range(t.dim()))]
+    return order if t.permute(order).is_contiguous() else None
+
+
+#: Set while the self-check runs one member alone and in the ensemble (``in_logical_order``).
+_LOGICAL = [False]
+
+
+@contextlib.contextmanager
+def in_logical_order() -> Iterator[None]:
+    """Every ``BatchableDropout`` draws its mask in the input's logical order meanwhile.
+
+    A batched tensor's strides are the layout vmap's batching rules chose, which can differ
+    from the member's own (``h[:, self.index]`` with an index buffer, stacked per member, is
+    laid out time-first under vmap and batch-first alone), so the memory order is not always
+    the member's. The self-check compares one member alone and in the ensemble from one RNG
+    state: with this order in both runs (the alone module's ``nn.Dropout`` re-classed) their
+    masks agree whatever the layouts, and what it compares is the rest of the forward.
+    """
+    _LOGICAL[0] = True
+    try:
+        yield
+    finally:
+        _LOGICAL[0] = False
+
+
+class BatchableDropout(nn.Dropout):
+    """``nn.Dropout`` that draws its mask in the input's memory order under ``vmap`` too.
+
+    Alone, torch's CPU dropout draws into ``empty_like(input)``, which keeps the input's
+    strides: a transposed input (``nn.GRU(batch_first=True)``'s output, ``nn.MultiheadAttention
+    (batch_first=True)``'s) gets its random numbers in memory order. Under ``vmap`` dropout
+    runs ``native_dropout``, which draws into a contiguous mask, in logical order: another
+    mask than the member's own. Permuting the input to its memory order first makes the two
+    orders one; on a contiguous input this is torch's forward. Under ``in_logical_order`` a
+    non-contiguous input is made contiguous first instead (an in-place dropout gets the
+    result copied back).
+    """
+
+    def forward(self, input: Tensor) -> Tensor:
+        # CUDA's dropout alone draws into a contiguous mask too (its fused native_dropout).
+        drawn = self.training and self.p > 0 and input.device.type == "cpu"
+        order = _memory_order(input) if drawn else None
+        if order is not None and _LOGICAL[0]:
+            dropped = F.dropout(input.contiguous(), self.p, True, False)
+            return input.copy_(dropped) if self.inplace else dropped
+        if order is None:
+            return super().forward(input)
+        dropped = F.dropout(input.permute(order), self.p, True, self.inplace)
+        return dropped.permute([order.index(d) for d in range(len(order))])
+
+
+class BatchableGroupNorm(nn.GroupNorm):
+    """``nn.GroupNorm`` that lays a channels-last CPU input out as torch does, in ops ``vmap``
+    batches.
+
+    torch's CPU ``group_norm`` runs ``native_group_norm`` on ``input.contiguous(memory_format=
+    input.suggest_memory_format())``: a channels-last input runs the channels-last kernel and
+    gives a channels-last output. The twin makes the same layout by permuting to channels
+    last, ``contiguous()``, and back (what ``contiguous(channels_last)`` gives), and calls
+    ``native_group_norm`` as torch does: the same kernel, output layout and dropout masks
+    after it as alone. Other inputs (and other devices, where torch uses ``contiguous()``)
+    take torch's ``forward``.
+    """
+
+    def forward(self, input: Tensor) -> Tensor:
+        cpu = input.device.type == "cpu" and not input.is_contiguous()  # fast path first
+        if not cpu or suggest_memory_format(input) == torch.contiguous_format:
+            return super().forward(input)
+        last = (0, *range(2, input.dim()), 1)  # channels-last dims, then back
+        x = input.permute(last).contiguous().permute(0, -1, *range(1, input.dim() - 1))
+        n, c = x.shape[:2]
+        hxw = math.prod(x.shape[2:])
+        out = torch.native_group_norm(
+            x, self.weight, self.bias, n, c, hxw, self.num_groups, self.eps
+        )
+        return out[0]
