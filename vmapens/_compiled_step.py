@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch.func import grad_and_value
 
-from ._compiling import check_shapes, compile_failures, compile_options, own_code
+from ._batch_edits import batch_kept
+from ._compiling import check_shapes, compile_arguments, compile_failures, own_code
 from ._step_hooks import TemplateHooks, refuse_pre_hooks, run_post_hooks
 from ._step_more import refuse_graph_into
 from ._step_parts import (
@@ -107,7 +108,7 @@ def compiled_step(
             own_code(body),
             fullgraph=True,
             dynamic=False,
-            options=compile_options(device),
+            **compile_arguments(device),  # CPU: a graph inductor miscompiles, unvectorized
         )
 
     # Which parameters train, and which the optimizer holds, are read every call, as
@@ -151,6 +152,7 @@ def compiled_step(
     seen = ens._followers[4].version
     tensors = False  # whether they go in as tensors
     hooks = TemplateHooks(ens)  # the graphs' member maps are lifted once each
+    eager = ens._member_map(member_loss, (in_dims, in_dims))  # the update check's forward
 
     def step(inputs: Any, targets: Any, mask: torch.Tensor | None = None) -> torch.Tensor:
         nonlocal baked, tensors, seen
@@ -201,10 +203,15 @@ def compiled_step(
                 run = functools.partial(
                     graphs[graph], ens.stacked_state(), args, targets, mask, scale
                 )
+
+                def forward() -> None:  # its edits of the parameters: the update starts there
+                    with batch_kept(args, targets), update.autocast():
+                        eager(ens.stacked_state(), args, targets)
+
                 try:
                     if check and part not in checked:
                         losses, grads = checked_call(
-                            run, ens, optimizer, update.scale, trained, now[1], mask
+                            run, forward, ens, optimizer, update.scale, trained, now[1], mask
                         )
                         checked.add(part)
                     else:

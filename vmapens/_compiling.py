@@ -21,6 +21,7 @@ __all__ = [
     "TooManyShapes",
     "cache_keyed_options",
     "check_shapes",
+    "compile_arguments",
     "compile_failures",
     "compile_options",
     "own_code",
@@ -118,6 +119,64 @@ def compile_options(device: torch.device) -> dict[str, Any]:
 
         options.update(list_mode_options("reduce-overhead"))
     return options
+
+
+#: aten ops that inductor lowers to atomic adds at computed indices (the backward of an indexing:
+#: a bilinear or nearest ``F.interpolate``, ``x[idx]``, an embedding, ``gather``).
+_INDEXED_ADDS = frozenset(
+    ("scatter_add", "scatter_reduce", "index_add", "embedding_dense_backward")
+    + ("_unsafe_masked_index_put_accumulate",)
+)
+_INDEX_PUTS = frozenset(("index_put", "index_put_", "_unsafe_index_put"))
+
+
+def adds_at_indices(gm: torch.fx.GraphModule) -> bool:
+    """Whether the aten graph ``gm`` adds into a tensor at computed indices (``_INDEXED_ADDS``,
+    ``index_put`` with ``accumulate=True``)."""
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "_opname", "") if node.op == "call_function" else ""
+        if name in _INDEXED_ADDS:
+            return True
+        if name in _INDEX_PUTS and (node.args[3:4] or [node.kwargs.get("accumulate", False)])[0]:
+            return True
+    return False
+
+
+def _inner_compile(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+    """Inductor's ``compile_fx_inner``, unvectorized (``cpp.simdlen=1``) where ``gm`` adds at
+    computed indices.
+
+    torch 2.13's C++ codegen (CPU) miscomputes the index of such an add in a kernel it tiles in
+    two dims (one input with the member dim innermost, as vmap leaves it, another not): member
+    ``m`` of a [N, 64]-element gradient wrote at ``128 * m``. ``vmap(grad(f))`` of a bilinear
+    ``F.interpolate`` (tests/test_journey_vision.py) crashed the process (heap corruption) or,
+    at N=3, gave every member a wrong gradient without an error. Unvectorized it is exact.
+    """
+    # Imported here: torch._inductor imports torch._dynamo (seconds), which eager never needs.
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    patch = {"cpp.simdlen": 1} if adds_at_indices(gm) else {}
+    with config.patch(patch):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def compile_arguments(device: torch.device) -> dict[str, Any]:
+    """``torch.compile``'s ``options`` for the compiled step on ``device`` and, on a CPU, its
+    ``backend``: inductor, compiling a graph that adds at computed indices unvectorized
+    (``_inner_compile``: torch 2.13 miscompiles it vectorized)."""
+    options = compile_options(device)
+    return (
+        {"options": options, "backend": _inductor} if device.type == "cpu" else {"options": options}
+    )
+
+
+def _inductor(gm: torch.fx.GraphModule, example_inputs: Any, options: dict[str, Any]) -> Any:
+    """torch.compile's inductor backend with ``options``, through ``_inner_compile``."""
+    # Imported here: torch._inductor imports torch._dynamo (seconds), which eager never needs.
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, inner_compile=_inner_compile, config_patches=options)
 
 
 def cache_keyed_options() -> dict[str, Any]:

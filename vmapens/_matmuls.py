@@ -24,6 +24,7 @@ keep their ``bmm``.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -58,8 +59,11 @@ def shared_operand_pass() -> Any:
             rewrite_shared_operands(graph)
 
         def uuid(self) -> Any:
-            # Part of inductor's cache key: a change to this file compiles anew.
-            return get_hash_for_files((__file__,))
+            # Part of the compile caches' keys (AOTAutograd's and inductor's): a change to this
+            # file, or to _compiling.py, which compiles some graphs unvectorized (a choice the
+            # keys do not see otherwise), compiles anew.
+            here = os.path.dirname(__file__)
+            return get_hash_for_files((__file__, os.path.join(here, "_compiling.py")))
 
     return SharedOperand()
 

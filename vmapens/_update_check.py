@@ -6,9 +6,13 @@ a gradient that reads another parameter into the kernel that writes the paramete
 that parameter first: members stepped from wrong gradients, without an error
 (docs/semantics.md). So the first call of each compiled graph is run twice from the same
 state: the compiled step, then the optimizer's own eager update on the gradients the graph
-returned. Parameters, optimizer state and the loss scale must agree to ``tolerance`` of each
-member's update, plus a few eps of each value; if they do, the compiled results are kept, bit
-for bit; if not, everything is put back as it was and ``CompiledStepMismatch`` is raised.
+returned. A forward may edit parameters in place (``nn.Embedding(max_norm=...)`` renormalises
+the rows it looks up) and the optimizer steps the edited values: the eager forward runs first
+(the batch, the RNG and the rest of the state put back after it), and the eager update starts
+from the parameters it left. Parameters, optimizer state and the loss scale must agree to ``tolerance``
+of each member's update, plus a few eps of each value; if they do, the compiled results are
+kept, bit for bit; if not, everything is put back as it was and ``CompiledStepMismatch`` is
+raised.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class CompiledStepMismatch(RuntimeError):
 
 def checked_call(
     call: Callable[[], tuple[Tensor, list[Tensor]]],
+    forward: Callable[[], object],
     ens: Ensemble,
     optimizer: StackedOptimizer,
     scale: Any,
@@ -44,10 +49,14 @@ def checked_call(
     mask: Tensor | None,
 ) -> tuple[Tensor, list[Tensor]]:
     """``call()`` (the compiled step: losses and the gradients it stepped with), checked
-    against ``optimizer.apply_gradients`` run eagerly on those gradients from the same state.
+    against ``forward()`` then ``optimizer.apply_gradients`` run eagerly on those gradients,
+    from the same state.
 
     Args:
         call: runs the compiled graph once; its gradients are those of ``trained``, in order.
+        forward: runs the step's forward eagerly on the ensemble's state, leaving the batch as
+            it was; only what it does to the parameters is kept (the RNG and the rest of the
+            state are put back here).
         ens: the ensemble it trains.
         optimizer: the optimizer inside the graph.
         scale: the step's LossScale, or None.
@@ -64,9 +73,15 @@ def checked_call(
     saved = _Saved(ens, optimizer, scale)
     device = next(iter(ens.parameters())).device
     rng = _rng_state(device)
+    try:
+        forward()  # the optimizer steps what the forward left (Embedding's max_norm)
+        start, edited = _edited(ens, saved.before)
+    finally:
+        saved.restore(saved.before)
+        _set_rng_state(device, rng)
     losses, grads = call()
     compiled = saved.current()
-    saved.restore(saved.before)
+    saved.restore(start)
     returned = dict(zip(trained, grads, strict=True))
     ordered = [returned.get(name) for name in order]
     stepping, overflowed = mask, None
@@ -80,19 +95,26 @@ def checked_call(
         stepping = ~overflowed if mask is None else mask & ~overflowed
     try:
         optimizer.apply_gradients(ordered, mask=stepping)
-        found = list(_differences(optimizer, order, saved.before, compiled, len(ens), stepping))
-        # The parameters the optimizer does not hold (a frozen layer): eager leaves them be.
+        n = len(ens)
+        found = list(_differences(optimizer, order, start, compiled, n, stepping, edited))
+        # The parameters the optimizer does not hold (a frozen layer): eager leaves them be,
+        # but for the forward's edits.
         held = set(order)
         for name, _ in ens.named_parameters():
             key = ("ens", name)
-            if name not in held and not bool(_same(compiled[key], saved.before[key]).all()):
+            if name in held:
+                continue
+            if name in edited:
+                found += _close(f"`{name}` (not in the optimizer)", start[key], compiled[key],
+                                start[key], n)  # fmt: skip
+            elif not bool(_same(compiled[key], start[key]).all()):
                 found.append(f"`{name}` (not in the optimizer, changed)")
         if overflowed is not None:  # the scale's update too: ints and exact float products
             scale.update_(overflowed, mask)
             for name in ("scale", "growth_tracker"):
                 eager = getattr(scale, name)
                 found += _close(f"the loss scale's `{name}`", saved.before[("scale", name)],
-                                compiled[("scale", name)], eager, len(ens))  # fmt: skip
+                                compiled[("scale", name)], eager, n)  # fmt: skip
     except BaseException:
         saved.restore(saved.before)
         _set_rng_state(device, rng)
@@ -100,15 +122,43 @@ def checked_call(
     if found:
         saved.restore(saved.before)
         _set_rng_state(device, rng)  # the compiled forward's dropout draws: not taken either
-        raise CompiledStepMismatch(
-            f"step: the compiled step updates {'; '.join(found[:3])} differently from the same "
-            "update run eagerly (the optimizer's apply_gradients) on the gradients the compiled "
-            "step computed; the step changed nothing. One of the two is wrong: most likely "
-            "torch.compile's code for this step, not your model. Train with compile=False "
-            "(make_step or fit), and please report it with your torch version"
-        )
+        raise CompiledStepMismatch(_message(found, edited))
     saved.restore(compiled)
     return losses, grads
+
+
+def _edited(ens: Ensemble, before: dict[Any, Tensor]) -> tuple[dict[Any, Tensor], set[str]]:
+    """``before`` with the parameters as the forward left them, and the names it edited."""
+    start, edited = dict(before), set()
+    for name, p in ens.named_parameters():
+        key = ("ens", name)
+        if not bool(_same(p.detach(), before[key]).all()):
+            start[key] = p.detach().clone()
+            edited.add(name)
+    return start, edited
+
+
+def _message(found: list[str], edited: set[str]) -> str:
+    said = (
+        f"step: the compiled step updates {'; '.join(found[:3])} differently from the same "
+        "update run eagerly (the optimizer's apply_gradients) on the gradients the compiled "
+        "step computed"
+    )
+    if not edited:
+        return said + (
+            "; the step changed nothing. One of the two is wrong: most likely torch.compile's "
+            "code for this step, not your model. Train with compile=False (make_step or fit), "
+            "and please report it with your torch version"
+        )
+    names = ", ".join(f"`{name}`" for name in sorted(edited)[:3])
+    return said + (
+        f", from the parameters as the eager forward left them (it edits {names} in place); "
+        "the step changed nothing. One of the two is wrong: the compiled forward's in-place "
+        "edit of the parameters may differ from the eager one (a forward that edits its "
+        "parameters depending on the RNG, or on anything but its inputs and the parameters, "
+        "does), or torch.compile's code for this step. Train with compile=False (make_step or "
+        "fit), and please report it with your torch version"
+    )
 
 
 def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
@@ -177,12 +227,16 @@ def _differences(
     compiled: dict[Any, Tensor],
     n: int,
     stepping: Tensor | None,
+    edited: set[str],
 ) -> Iterator[str]:
-    """What the eager update (now in place) left that the compiled one did not."""
+    """What the eager update (now in place) left that the compiled one did not. ``edited``:
+    the parameters the forward edits; a member that does not step keeps the compiled forward's
+    edit (``frozen_members`` puts it back after the step), to round-off of the eager one's."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for name, p in zip(order, params, strict=True):
         key = ("ens", name)
-        yield from _close(f"`{name}`", before[key], compiled[key], p.detach(), n, stepping)
+        skip = None if name in edited else stepping
+        yield from _close(f"`{name}`", before[key], compiled[key], p.detach(), n, skip)
         for state_key, t in optimizer.state.get(p, {}).items():
             if isinstance(t, Tensor):
                 k = (id(p), state_key)
