@@ -432,14 +432,6 @@ class BuildsSparse(nn.Module):
 
 @pytest.mark.filterwarnings(FALLBACK)
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning")
-@pytest.mark.xfail(
-    strict=True,
-    reason="a forward vmap cannot run on a per-member integer input (sparse_coo_tensor from a "
-    "per-member edge index) raises torch's bare NotImplementedError ('Could not run "
-    "aten::view with arguments from the SparseCPU backend', 40 lines of dispatch keys) from "
-    "ens(...): no API name, no backend='loop' (make_step's self-check words the same failure "
-    "well); _unbatchable.guarded rewords RuntimeError only, not its subclass",
-)
 def test_forward_unbatchable_sparse_build_names_the_way_out() -> None:
     xs, eis, _, _ = member_graphs()
     ens = vmapens.Ensemble(BuildsSparse, n=N, seed=0)

@@ -303,8 +303,13 @@ def guarded(
         explained = explain_failure(api, name, backend, err, loss=loss)
         if explained is not None:
             raise explained from err
-        if type(err) is RuntimeError and ":" not in str(err).split(" ", 1)[0]:
-            # torch's own message (a shape mismatch...) does not say where it came from
+        if (
+            type(err) in (RuntimeError, NotImplementedError)
+            and ":" not in str(err).split(" ", 1)[0]
+        ):
+            # torch's own message (a shape mismatch, an op a layout lacks: "Could not run
+            # 'aten::view' with arguments from the 'SparseCPU' backend") does not say where
+            # it came from
             raise RuntimeError(
                 f"{api}: a member's forward or loss failed ({err}); check the inputs "
                 f"against one member run alone, e.g. ens[0](inputs){_VMAP_HINT * (backend == 'vmap')}"
