@@ -145,8 +145,9 @@ def check_optimizer(api: str, ens: Ensemble, optimizer: Any) -> None:
         )
     # Rules that are not elementwise read a whole stacked tensor as one: across its members.
     mixing = {"Adafactor": "vmapens.optim.StackedAdafactor", "Muon": "vmapens.optim.StackedMuon"}
-    name = type(optimizer).__name__
-    if type(optimizer).__module__.startswith("torch.optim") and name in (*mixing, "LBFGS"):
+    kinds = [c for c in type(optimizer).__mro__ if c.__module__.startswith("torch.optim")]
+    name = next((c.__name__ for c in kinds if c.__name__ in (*mixing, "LBFGS")), "")
+    if name:
         instead = f"use {mixing[name]}" if name in mixing else "no stacked twin exists"
         raise TypeError(
             f"{api}: `optimizer` torch.optim.{name} is not elementwise: over the stacked [n, ...] "

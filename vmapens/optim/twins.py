@@ -123,4 +123,9 @@ def stacked(torch_class: type[torch.optim.Optimizer]) -> Callable[..., StackedOp
             f"stacked: `torch_class` {name} has no stacked twin: {REFUSED[torch_class]}"
         )
     known = ", ".join(sorted(c.__name__ for c in TWINS))
-    raise ValueError(f"stacked: `torch_class` must be one of {known}, got {name}")
+    raise ValueError(
+        f"stacked: `torch_class` must be one of {known}, got {name}; for an optimizer of your "
+        "own, subclass vmapens.StackedOptimizer with its `rule` (docs/optim.md; Lion ships as "
+        "vmapens.StackedLion), or use an elementwise one directly over `ens.parameters()` with "
+        "shared hyperparameters"
+    )
