@@ -104,13 +104,13 @@ def test_members_of_different_sizes_keep_what_forward_set() -> None:
 
 
 def test_loop_members_keep_what_the_template_ran_with() -> None:
-    # backend="loop" runs every member on the template in turns (each member after the first
-    # reads what the one before left: docs/semantics.md), and ens[i] is built from it
+    # backend="loop" runs every member on the template in turns, each from the plain values
+    # the template held before the call (docs/semantics.md), and ens[i] is built from it
     ens = vmapens.Ensemble(Warmed, n=3, seed=0, backend="loop").double()
     ens(torch.randn(4, 3, dtype=torch.float64))
     for member in (ens[2], ens.unstack()[0]):
         assert member.initialized and member.mode == "warm"
-        assert member.head.calls == ens.template.head.calls == 3
+        assert member.head.calls == ens.template.head.calls == 1  # one call, as alone
 
 
 def test_a_value_set_on_the_template_afterwards_wins() -> None:

@@ -397,13 +397,6 @@ def test_fit_val_data_check_leaves_a_first_call_flag_and_a_counter_alone() -> No
     assert_members(ens, alone)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="members run in turns (backend='loop', chunk_size) share one Python counter: it "
-    "advances n times per call (16 vs 4) and a warm-up threshold on it trains every member "
-    "0.01-0.08 off, silently; the probe refuses only a counter that changes the first step's "
-    "numbers (open: docs/semantics.md, State a forward carries)",
-)
 @pytest.mark.parametrize("how", [{"backend": "loop"}, {"chunk_size": 1}])
 def test_a_python_counter_with_members_in_turns_is_refused_or_exact(how: dict) -> None:
     x, y, _, _ = _warmup_data()

@@ -32,19 +32,11 @@ from torch._C._functorch import is_functorch_wrapped_tensor
 from ._batchable import twin_class
 from ._hooks import held_tensor
 from ._members import named_tensors
+from ._plain_turns import INTERNAL, plain_value
 from ._stacking import recomputed
 from ._unbatchable import unchunked
 
-__all__ = ["Watched", "forward_set"]
-
-#: ``nn.Module``'s own entries in a module's ``__dict__``, and ``nn.RNNBase``'s views of its
-#: weights (kept per module object; functional_call writes them in place).
-INTERNAL = frozenset(nn.Module().__dict__) | {
-    "_flat_weights",
-    "_flat_weights_names",
-    "_all_weights",
-    "_flat_weight_refs",
-}
+__all__ = ["INTERNAL", "Watched", "forward_set"]
 
 #: Each ``Watched``'s ``version``: unique in the process, new at every followed change.
 _VERSIONS = itertools.count()
@@ -80,14 +72,6 @@ def _same(a: object, b: object) -> bool:
     return a == b
 
 
-def _plain_value(value: object) -> bool:
-    """A value a member can take as its own: no tensor, module or callable, which the
-    members share or which hold other members' rows."""
-    if type(value) is tuple:
-        return all(map(_plain_value, value))
-    return type(value) in (bool, int, float, str, type(None))
-
-
 def forward_set(template: nn.Module, runner: nn.Module) -> dict[str, dict[str, object]]:
     """The plain values a forward set on ``runner``'s modules (``self.initialized = True``, a
     counter), by module path: those that differ from the template's (``Watched.follow`` set
@@ -102,7 +86,7 @@ def forward_set(template: nn.Module, runner: nn.Module) -> dict[str, dict[str, o
         kept = vars(own[path]) if path in own else {}
         values = {
             k: v for k, v in vars(m).items()
-            if k not in INTERNAL and _plain_value(v) and (k not in kept or not _same(v, kept[k]))
+            if k not in INTERNAL and plain_value(v) and (k not in kept or not _same(v, kept[k]))
             and not (k == "options" and type(m) is loss)
         }  # fmt: skip
         if values:

@@ -9,11 +9,13 @@ from typing import Any
 
 import optree
 import torch
+from torch import nn
 from torch.nn.utils import parametrize
 
 from ._batch_edits import Versions, refuse_edited, shared_versions
 from ._buffer_turns import Slices, Turns
 from ._fastcall import vmap_members
+from ._plain_turns import plain_turns
 
 __all__ = [
     "chunk_bounds",
@@ -36,36 +38,50 @@ def chunk_bounds(n: int, chunk_size: int | None) -> list[tuple[int, int]] | None
 
 
 def in_order(
-    bounds: Iterable[tuple[int, int]], shared: Versions, how: str, same_randomness: bool
+    bounds: Iterable[tuple[int, int]],
+    shared: Versions,
+    how: str,
+    same_randomness: bool,
+    runner: nn.Module | None,
 ) -> Iterator[tuple[int, int]]:
     """The turns ``bounds`` (members ``a`` to ``b - 1`` each), one after another, as vmap runs
     its chunks: before every turn after the first, one that follows a turn that edited a
     tensor of ``shared`` (the batch all members share) is refused (``refuse_edited``, ``how``:
-    the setting that runs turns), and for ``randomness="same"`` (``same_randomness``) the RNG
-    state is put back, so that every turn draws what the first drew."""
+    the setting that runs turns), for ``randomness="same"`` (``same_randomness``) the RNG
+    state is put back, so that every turn draws what the first drew, and the plain values on
+    ``runner``'s modules (the module the members run) are put back (``PlainTurns``)."""
     rng = torch.get_rng_state() if same_randomness else None
+    plain = plain_turns(runner)
     last: tuple[int, int] | None = None
     for a, b in bounds:
         if last is not None:
             refuse_edited(shared, how, *last)
         if rng is not None:
             torch.set_rng_state(rng)
+        if plain is not None:
+            plain.next_turn()
         yield a, b
         last = (a, b - 1)
 
 
-def in_turns(fn: Callable[..., Any], versions: Versions, size: int) -> Callable[..., Any]:
+def in_turns(
+    fn: Callable[..., Any], versions: Versions, size: int, runner: nn.Module | None
+) -> Callable[..., Any]:
     """``fn`` as ``torch.func.vmap(chunk_size=size)`` calls it, once per chunk of members in
-    turn: a chunk after one that edited a tensor of ``versions`` is refused (``refuse_edited``).
-    """
-    if not versions:
+    turn: a chunk after one that edited a tensor of ``versions`` is refused (``refuse_edited``),
+    and every chunk starts from the plain values ``runner``'s modules held before the call
+    (``PlainTurns``)."""
+    plain = plain_turns(runner)
+    if not versions and plain is None:
         return fn
     turns = itertools.count()
 
     def turn(*args: Any) -> Any:
         k = next(turns)
-        if k:
+        if k and versions:
             refuse_edited(versions, f"chunk_size={size}", (k - 1) * size, k * size - 1)
+        if plain is not None:
+            plain.next_turn()
         return fn(*args)
 
     return turn
@@ -78,6 +94,7 @@ def vmap_in_turns(
     args: tuple,
     in_dims: tuple,
     size: int,
+    runner: nn.Module | None,
 ) -> Any:
     """``vmap(fn, in_dims=(0, *in_dims), randomness=randomness, chunk_size=size)(state, *args)``
     with ``turns.state`` as ``state``, run chunk by chunk here, where torch.func would hand
@@ -85,7 +102,8 @@ def vmap_in_turns(
     ``turns`` and its slices of the per-member inputs from ``Slices`` (copies once a chunk
     before edited its own, see ``_buffer_turns``). The random draws are torch.func's: chunk
     after chunk, the RNG state restored before each one for ``randomness="same"``; a chunk
-    after one that edited a shared input is refused (``in_turns``).
+    after one that edited a shared input is refused, and each starts from the plain values
+    ``runner``'s modules held before the call (``in_order``).
     """
     state = turns.state
     n = next(iter(state.values())).shape[0]
@@ -93,7 +111,7 @@ def vmap_in_turns(
     slices = Slices(args, in_dims)
     outputs = []
     bounds = chunk_bounds(n, size) or [(0, n)]
-    for a, b in in_order(bounds, shared, f"chunk_size={size}", randomness == "same"):
+    for a, b in in_order(bounds, shared, f"chunk_size={size}", randomness == "same", runner):
         part = slices.take(slice(a, b))
         outputs.append(vmap_members(fn, b - a, randomness, turns.take(slice(a, b)), part, in_dims))
         turns.give_back(slice(a, b))
@@ -117,6 +135,7 @@ def chunked_losses_and_grads(
     chunks: list[tuple[int, int]],
     same_randomness: bool,
     autocast: Callable[[], contextlib.AbstractContextManager],
+    runner: nn.Module | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """Per-member losses ``[n]`` and the gradients of their sum, one chunk of members at a time.
 
@@ -143,6 +162,8 @@ def chunked_losses_and_grads(
         chunks: the member ranges, from :func:`chunk_bounds`.
         same_randomness: restore the RNG state before every chunk (``randomness="same"``).
         autocast: the forward's autocast context (the backward runs outside it).
+        runner: the module the members run: each chunk starts from the plain values its
+            modules held before the step (``in_order``); ``None``: no module to keep.
 
     Returns:
         The detached losses ``[n]`` (unscaled) and one gradient per ``params`` entry (``None``
@@ -154,7 +175,8 @@ def chunked_losses_and_grads(
     losses = []
     # A forward that edits a shared batch tensor would show chunk k the edits of chunks < k.
     shared = shared_versions((args, targets), (in_dims, in_dims))
-    for a, b in in_order(chunks, shared, f"chunk_size={chunks[0][1]}", same_randomness):
+    how = f"chunk_size={chunks[0][1]}"
+    for a, b in in_order(chunks, shared, how, same_randomness, runner):
         member_args = (args, targets) if in_dims is None else rows((args, targets), a, b)
         losses.append(
             _run_chunk(batched, state, trained, grads, member_args, scale, a, b, autocast)

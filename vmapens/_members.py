@@ -8,15 +8,10 @@ import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
-import optree
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ._batch_edits import shared_versions
-from ._buffer_turns import Slices, Turns
-from ._chunks import in_order, in_turns, uncache, uncached, vmap_in_turns
-from ._fastcall import forget_writes, no_random_ops, vmap_members
 from ._hooks import (
     ATOMS,
     DEPTH,
@@ -26,7 +21,6 @@ from ._hooks import (
     named_tensors,
     refuse_state_dict_pre_hooks,
 )
-from ._precision import autocast_members
 from .distributed import member_block
 from .seeds import lazy_seeds_kept, member_seed
 
@@ -38,7 +32,6 @@ __all__ = [
     "check_same",
     "class_name",
     "class_of",
-    "looped",
     "member_ids_for",
     "modules_of",
     "named_tensors",
@@ -46,7 +39,6 @@ __all__ = [
     "own_settings",
     "Signature",
     "signature",
-    "vmapped",
 ]
 
 Factory = Callable[[], nn.Module]
@@ -341,66 +333,6 @@ def non_persistent_buffers(module: nn.Module) -> set[str]:
         for prefix, sub in module.named_modules()
         for name in sub._non_persistent_buffers_set
     }
-
-
-def looped(n: int, randomness: str, fn: Callable[..., Any], in_dims: tuple) -> Callable:
-    """The loop backend: ``fn`` once per member on its slices, outputs stacked; a random op
-    raises with ``randomness="error"``, as under vmap. Members run in turns on the inputs
-    they share: a member that edits one in place is refused before the next one runs. Once
-    a member edited a buffer in place, the next ones get copies of theirs (``Turns``)."""
-
-    def looped(state: dict[str, torch.Tensor], *args: Any) -> Any:
-        forget_writes()
-        shared = shared_versions(args, in_dims) if n > 1 else []
-        turns, slices = Turns(state, n > 1), Slices(args, in_dims, n > 1)
-        outputs = []
-        members = ((i, i + 1) for i in range(n))
-        for i, _ in in_order(members, shared, "backend='loop'", randomness == "same"):
-            member_args = slices.take(i)
-            uncache()  # member i - 1's parametrized tensors: cached by module, not by member
-            with no_random_ops(randomness == "error"):
-                outputs.append(fn(turns.take(i), *member_args))
-            turns.give_back(i)
-            slices.give_back()
-        uncache()
-        return optree.tree_map(lambda *xs: torch.stack(xs), *outputs)
-
-    return looped
-
-
-def vmapped(
-    n: int, randomness: str, chunk_size: int | None, fn: Callable, in_dims: tuple
-) -> Callable:
-    """The vmap backend: ``fn`` batched over the members' stacked state, outputs stacked."""
-
-    def batched(state: dict[str, torch.Tensor], *args: Any) -> Any:
-        # torch.autocast would cast vmap's decompositions, not the member's own ops.
-        device = next(iter(state.values()), torch.empty(0)).device.type
-        member = autocast_members(fn, device)
-        forget_writes()
-
-        mapped = member if state else lambda _, *a: member({}, *a)
-        mapped = uncached(mapped) if chunk_size is not None else mapped  # a chunk's own
-        if not state:  # a member without tensors (nn.Dropout): give vmap a dim to map
-            state = {"": torch.empty(n, 0)}
-        # The chunked step (_chunks.py) hands over one chunk's rows at a time: no re-chunking.
-        rows = next(iter(state.values())).shape[0]
-        size = None if chunk_size is not None and rows <= chunk_size else chunk_size
-        # Chunks in turns: run here where a chunk may edit a buffer or its own input slices
-        # that a backward needs (later chunks get copies), else by torch.func.
-        turns = Turns(state) if size is not None else None
-        mine = any(d is not None for d in in_dims)
-        if size is not None and not (turns and (turns.active or turns.backward and mine)):
-            mapped, turns = in_turns(mapped, shared_versions(args, in_dims), size), None
-        uncache()  # another module's, cached under the id a member's module has now
-        try:
-            if turns is not None and size is not None:
-                return vmap_in_turns(mapped, randomness, turns, args, in_dims, size)
-            return vmap_members(mapped, rows, randomness, state, args, in_dims, size)
-        finally:
-            uncache()  # batched tensors, dead outside vmap
-
-    return batched
 
 
 def member_ids_for(n: int, shard: bool, seeded: bool, api: str) -> range:

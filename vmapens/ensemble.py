@@ -22,7 +22,8 @@ from ._construction import (
 from ._container_ops import check_call, member_index, member_module, refused_assignment, set_flags_
 from ._ensemble_parts import check_factories, check_modules
 from ._fastcall import call_member, tracked
-from ._members import Factory, looped, member_ids_for, vmapped
+from ._member_maps import looped, vmapped
+from ._members import Factory, member_ids_for
 from ._stacking import Stacked, scrub_, stack_one_size
 from ._storage import StackedModule
 from ._unbatchable import follow_sparse, guarded, refuse_template_hooks
@@ -294,9 +295,9 @@ class Ensemble(StackedModule):
 
     def _lifted(self, fn: Callable[..., Any], in_dims: tuple) -> Callable[..., Any]:
         if self.backend == "loop":
-            return looped(len(self), self.randomness, fn, in_dims)
+            return looped(len(self), self.randomness, fn, in_dims, self.runner)
         refuse_template_hooks(self._template, self._runner)
-        return vmapped(len(self), self.randomness, self.chunk_size, fn, in_dims)
+        return vmapped(len(self), self.randomness, self.chunk_size, fn, in_dims, self.runner)
 
     @contextlib.contextmanager
     def guard(self, api: str = "Ensemble", *, loss: bool = False) -> Iterator[None]:

@@ -174,7 +174,7 @@ def make_step(
                 else:
                     losses, grads = chunked_losses_and_grads(batched, ens.stacked_state(),
                         params, args, targets, in_dims, scale, chunks,
-                        ens.randomness == "same", update.autocast)  # fmt: skip
+                        ens.randomness == "same", update.autocast, ens.runner)  # fmt: skip
                 for p in every:  # a layer frozen since the last step: no gradient, no step
                     p.grad = None  # (zero_grad's set_to_none)
                 for p, new in zip(params, grads, strict=True):
