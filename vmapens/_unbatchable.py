@@ -65,7 +65,7 @@ NO_STORAGE = ("Tensor that doesn't have storage", "Cannot access storage of Batc
 #: What torch.func.vmap says of a member output that is not a tensor.
 _NOT_TENSOR = "must only return Tensors"
 #: Where the loop backend stacks the members' outputs (a TypeError there: not a tensor).
-_MEMBERS = os.path.normcase(os.path.join("vmapens", "_members.py"))
+_MEMBERS = os.path.normcase(os.path.join("vmapens", "_member_maps.py"))
 _CHECKPOINT = os.path.normcase(os.path.join("torch", "utils", "checkpoint.py"))
 _AUTOGRAD = os.path.normcase(os.path.join("torch", "autograd", "__init__.py"))
 
