@@ -18,6 +18,7 @@ from ._batch_edits import batch_kept, refuse_edits_in_turns
 from ._checks import check_choice, check_mask, expand_in_dims
 from ._chunks import rows
 from ._precision import LossScale
+from ._selfcheck_runs import forked_rng
 from ._step_more import check_targets, clip_bound
 from .ensemble import Ensemble
 from .optim import StackedOptimizer
@@ -364,8 +365,7 @@ def no_gradient(
     sub = ens.select([0])
     state = sub.stacked_state()
     batch: Any = (args, targets) if in_dims is None else rows((args, targets), 0, 1)
-    device = next(iter(state.values())).device
-    forked = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+    forked = forked_rng(sub)
     # batch_kept: a forward that edits its input (x.mul_(2)) edits it once in the step, as
     # alone; without it the graph saw the probe's edit too (4 * x).
     with batch_kept(*batch) as edited:
