@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_optim_family import ReferenceLion
 from torch import nn
 
 import vmapens
@@ -23,26 +24,9 @@ N, STEPS = 3, 4
 TOL = dict(rtol=1e-9, atol=1e-10)  # float64: same ops per element, only summation order differs
 
 
-class Lion(torch.optim.Optimizer):
-    """The researcher's own Lion: `u = sign(b1*m + (1-b1)*g)`, decoupled decay, `m` EMA."""
-
-    def __init__(self, params: Any, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p)
-                m = state["exp_avg"]
-                update = (m * beta1 + p.grad * (1 - beta1)).sign()
-                p.sub_((update + p * group["weight_decay"]) * group["lr"])
-                m.mul_(beta2).add_(p.grad * (1 - beta2))
+class Lion(ReferenceLion):
+    """The researcher's own Lion: a `torch.optim.Optimizer` subclass vmapens has no twin for
+    (the paper's, as tests/test_optim_family.py writes it)."""
 
 
 def _column(value: Any, like: torch.Tensor) -> Any:
