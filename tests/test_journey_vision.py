@@ -9,7 +9,8 @@ a reconstruction (MSE against the clean image) and per-pixel segmentation logits
 (`BCEWithLogitsLoss` with a per-pixel `pos_weight`). Every member sees its own random flips
 (per-member batches, `in_dims=0`), each member's input slice in `channels_last` strides
 (one channel here; a conv fed more channels in channels_last, or `ens.to(memory_format=...)`,
-gives the GroupNorm after it a channels-last input: its twin runs that as alone, below).
+gives the GroupNorm after it a channels-last input: its twin runs that as alone,
+tests/test_layout_twins.py).
 
 The truth is the naive loop: each member a plain module trained alone with `torch.optim.Adam`
 on its own slice of the same batches. Dropout2d stays on: built with `randomness="same"`, the
@@ -314,36 +315,6 @@ def test_activation_checkpointing_in_a_manual_loop_is_refused_clearly_with_the_l
     x = torch.randn(2, 1, SIDE, SIDE)
     with pytest.raises(RuntimeError, match="torch.utils.checkpoint"):
         ens(x).square().sum().backward()
-
-
-@pytest.mark.parametrize("where", ["input", "weights"])
-def test_groupnorm_after_a_channels_last_conv_runs_as_alone(where: str) -> None:
-    """A conv fed channels_last (input or weights, the documented `ens.to(memory_format=
-    torch.channels_last)`) gives GroupNorm a channels-last input, whose torch forward vmap
-    refused; its twin gives each member's values, layout (the Dropout after it draws in memory
-    order: the same mask as alone) and gradients."""
-    ens = vmapens.Ensemble(
-        lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.Dropout()),
-        n=3,
-        seed=0,
-        randomness="same",
-    )
-    x = torch.randn(2, 2, 8, 8)
-    if where == "input":
-        x = x.contiguous(memory_format=CL)
-    else:
-        ens.to(memory_format=CL)
-    models, rng = ens.unstack(), torch.get_rng_state()
-    out = ens(x)
-    out.square().sum().backward()
-    for i, m in enumerate(models):
-        torch.set_rng_state(rng)
-        alone = m(x)
-        alone.square().sum().backward()
-        torch.testing.assert_close(out[i], alone, **TOL)
-        assert out[i].stride() == alone.stride() == (256, 1, 32, 4), i
-        for (name, p), q in zip(ens.named_parameters(), m.parameters(), strict=True):
-            torch.testing.assert_close(p.grad[i], q.grad, **TOL, msg=f"{i} {name}")
 
 
 class Tiny(nn.Module):
