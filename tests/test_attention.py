@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, stack_module_state, vmap
 
 from vmapens._attention import batched_attention
-from vmapens._compiling import cache_keyed_options
+from vmapens._compiling import compile_arguments
 
 # pyproject ignores this warning suite-wide (the loop is correct, only slow); here it is
 # exactly what must not happen, so it is an error again.
@@ -253,9 +253,11 @@ def _grad_and_value(case: Case, compile: bool) -> None:
         grad_and_value(_member_loss(template, keep), has_aux=True), in_dims=(0, 0, None, None)
     )
     if compile:
-        # As the compiled step does: a run under ATEN_CPU_CAPABILITY=avx2 after one on
-        # AVX-512 read 16-wide kernels from torch's compile cache otherwise.
-        fn = torch.compile(fn, fullgraph=True, dynamic=False, options=cache_keyed_options())
+        # With the compiled step's backend and options: its vector ISA in the cache key (a run
+        # under ATEN_CPU_CAPABILITY=avx2 after one on AVX-512 read 16-wide kernels from torch's
+        # compile cache otherwise), and its C++ wrapper (one C++ compile per graph, not one per
+        # kernel).
+        fn = torch.compile(fn, fullgraph=True, dynamic=False, **compile_arguments(x.device))
     # Entered outside the compiled function: the rule is read while tracing.
     with torch.no_grad(), batched_attention():
         got, (loss, _) = fn(params, buffers, x, kwargs)
