@@ -28,6 +28,7 @@ __all__ = [
     "expand_in_dims",
     "index_rows",
     "is_int",
+    "positional",
     "repeated",
     "to_index",
     "tolerance",
@@ -51,6 +52,13 @@ def check_int(api: str, name: str, value: Any, minimum: int | None = None) -> in
     if minimum is not None and value < minimum:
         raise ValueError(f"{api}: `{name}` must be >= {minimum}, got {value}")
     return value
+
+
+def positional(inputs: Any) -> tuple:
+    """The forward's positional inputs: a tuple is several (``step((x1, x2), y)`` calls
+    ``forward(x1, x2)``), anything else one, a NamedTuple too (a batch the forward takes whole,
+    as ``ens(batch)`` gives it)."""
+    return inputs if isinstance(inputs, tuple) and not hasattr(inputs, "_fields") else (inputs,)
 
 
 def check_choice(api: str, name: str, value: Any, choices: tuple) -> Any:

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ._attributes import INTERNAL
 from ._batch_edits import EditedInTurns
+from ._checks import positional
 from ._metrics import Metric, average, metric_pair, score
 from ._selfcheck_runs import forked_rng
 from .ensemble import Ensemble
@@ -121,7 +122,7 @@ class Evaluator:
         assert self.val is not None  # called only with validation data
         x, y = self.val
         with torch.no_grad(), self.ens._evaluating():
-            return then(self.ens(*(x if isinstance(x, tuple) else (x,)), in_dims=self.dims), y)
+            return then(self.ens(*positional(x), in_dims=self.dims), y)
 
     def _score(self, out: Any, y: Tensor, diverged: Tensor) -> tuple[Tensor, Any]:
         scores = score(self.metrics, out, y, diverged)

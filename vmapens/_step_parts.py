@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ._batch_edits import batch_kept, refuse_edits_in_turns
-from ._checks import check_choice, check_mask, expand_in_dims
+from ._checks import check_choice, check_mask, expand_in_dims, positional
 from ._chunks import rows
 from ._precision import LossScale
 from ._selfcheck_runs import forked_rng
@@ -174,7 +174,7 @@ def check_call(
         )
     check_mask("step", mask, len(ens))
     check_targets(targets)
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    args = positional(inputs)
     expand_in_dims("step", (in_dims, in_dims), (args, targets), len(ens))
     return args
 

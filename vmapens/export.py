@@ -21,6 +21,7 @@ from torch.export import ExportedProgram
 from torch.func import functional_call
 
 from ._batch_edits import refuse_edits_in_turns
+from ._checks import positional
 from ._export_probe import input_copies, probe
 from ._members import named_tensors
 from ._selfcheck_parts import own_attributes
@@ -187,7 +188,7 @@ def _check_args(
             "export vmapens.gather(ens) to serve all of them, or ens.select(...) of a "
             "gathered ensemble for a subset"
         )
-    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    args = positional(example_inputs)
     if not args or not all(isinstance(a, Tensor) for a in args):
         got = [type(a).__name__ for a in args] if isinstance(example_inputs, tuple) else None
         raise TypeError(

@@ -24,7 +24,7 @@ except ImportError as err:  # pragma: no cover - exercised by a test that hides 
         'extra: pip install "vmapens[lightning]"'
     ) from err
 
-from ._checks import check_choice, check_int
+from ._checks import check_choice, check_int, positional
 from ._fit_checks import check_metric_names
 from ._lightning_parts import batch_rows, check_optimizer_arg, is_metric_object
 from ._lightning_rng import ResumesRNG
@@ -310,7 +310,7 @@ class EnsembleModule(ResumesRNG, L.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         """Each member's loss and metrics on ``batch = (inputs, targets)`` (shared by all)."""
         inputs, targets = batch
-        out = self.ens(*(inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
+        out = self.ens(*(tuple(inputs) if isinstance(inputs, list) else positional(inputs)))
         rows = batch_rows(targets)
         values = {"loss": per_member(self.loss_fn)(out, targets)}
         mean = out.mean(0)
@@ -363,8 +363,8 @@ class EnsembleModule(ResumesRNG, L.LightningModule):
 
     def predict_step(self, batch: Any, batch_idx: int) -> Any:
         """Every member's output on ``(inputs, targets)``, ``(inputs,)`` or ``inputs``."""
-        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
-        return self.ens(*inputs) if isinstance(inputs, (tuple, list)) else self.ens(inputs)
+        inputs = batch[0] if isinstance(batch, list) or positional(batch) is batch else batch
+        return self.ens(*(tuple(inputs) if isinstance(inputs, list) else positional(inputs)))
 
     # Lightning's loops set back the `training` flag of each module they see after eval; the
     # members' (the meta template) are not among them, so the module restores every mode.

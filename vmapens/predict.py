@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, IterableDataset
 
-from ._checks import check_choice, check_int
+from ._checks import check_choice, check_int, positional
 from .ensemble import Ensemble, check_ensemble
 
 __all__ = ["REDUCTIONS", "predict", "reduce_members"]
@@ -279,7 +279,7 @@ def _batches(data: Any, batch_size: int | None, in_dims: Any, api: str) -> Itera
     if batch_size is not None:
         raise ValueError(f"{api}: `batch_size` cuts tensor `data`; an iterable is already batched")
     for batch in data:
-        yield tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        yield tuple(batch) if isinstance(batch, list) else positional(batch)
 
 
 def _sample_axis(t: Tensor, dim: Any) -> int:

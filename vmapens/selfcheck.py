@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ._batch_edits import refuse_edits_in_turns
-from ._checks import tolerance
+from ._checks import positional, tolerance
 from ._locate import first_padded_difference
 from ._padding import masked
 from ._selfcheck_parts import differences, in_turns, refuse_carried
@@ -101,7 +101,7 @@ def check(
     check_step_arguments(api, ens, loss_fn, in_dims)
     if autocast not in (None, torch.bfloat16, torch.float16):  # torch.autocast only warns
         raise ValueError(f"{api}: `autocast` must be None, bfloat16 or float16, got {autocast!r}")
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    args = positional(inputs)
     for member in probed(ens):
         try:
             alone = run_alone(ens, member, loss_fn, args, targets, in_dims, autocast)
@@ -157,7 +157,7 @@ class Probe:
             return step
 
         def checked(inputs: Any, targets: Tensor, mask: Tensor | None = None) -> Tensor:
-            self(inputs if isinstance(inputs, tuple) else (inputs,), targets)
+            self(positional(inputs), targets)
             return step(inputs, targets, mask)
 
         return checked

@@ -95,7 +95,9 @@ def make_step(
 
     Returns:
         ``step(inputs, targets, mask=None)`` returning the detached per-member losses
-        ``[n]`` computed before the update. ``targets`` is one tensor or a tuple, list or
+        ``[n]`` computed before the update. ``inputs`` is the forward's input, or a tuple of
+        its positional inputs (a NamedTuple is one input, given whole as ``ens(batch)``
+        gives it). ``targets`` is one tensor or a tuple, list or
         dict of tensors, given to ``loss_fn`` as it is (each member's rows with
         ``in_dims=0``). ``mask`` (bool ``[n]``) freezes the members where it is False: their
         parameters, optimizer state and buffers stay exactly as they were.
