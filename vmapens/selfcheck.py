@@ -12,6 +12,7 @@ itself").
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from ._batch_edits import refuse_edits_in_turns
 from ._checks import positional, tolerance
 from ._locate import first_padded_difference
 from ._padding import masked
+from ._plain_turns import plain_value
 from ._selfcheck_parts import differences, in_turns, refuse_carried
 from ._selfcheck_runs import member_slice, run_alone, run_together
 from ._unbatchable import explain_failure, follow_sparse
@@ -135,6 +137,9 @@ class Probe:
         in_dims: the step's ``in_dims``.
         autocast: the step's autocast dtype (``precision``), or None.
         enabled: ``make_step(check=...)``; a disabled probe does nothing.
+        compiled: ``make_step(compile=...)``: the compiled step's chunks run inside its graph,
+            where members in turns read the plain values the one before left (no
+            ``_plain_turns``).
     """
 
     def __init__(
@@ -144,10 +149,12 @@ class Probe:
         in_dims: int | None,
         autocast: torch.dtype | None,
         enabled: bool = True,
+        compiled: bool = False,
     ) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"make_step: `check` must be a bool, got {type(enabled).__name__}")
         self.ens, self.loss_fn, self.in_dims = ens, loss_fn, in_dims
+        self.compiled = compiled
         self.autocast = autocast
         self.pending, self.tries = enabled, 0
 
@@ -174,7 +181,7 @@ class Probe:
             self.pending = self.tries < TRIES
             return
         for member, alone in runs:
-            _compare("step", self.ens, member, alone, *batch)
+            _compare("step", self.ens, member, alone, *batch, compiled=self.compiled)
         self.pending = False
 
 
@@ -191,16 +198,17 @@ def _compare(
     targets: Tensor,
     in_dims: int | None,
     autocast: torch.dtype | None,
+    compiled: bool = False,
 ) -> None:
-    """Run the member inside the ensemble and raise if it differs from ``alone``."""
+    """Run the member inside the ensemble and raise if it differs from ``alone`` (``compiled``:
+    for the compiled step)."""
     name = type(ens.template).__name__
     if alone["edits"] and in_dims is None:  # shared by all members
         refuse_edits_in_turns(api, name, ens.backend, ens.chunk_size, len(ens))
     how = in_turns(ens.backend, ens.chunk_size, len(ens))
     if alone["carried"] and how is not None:
-        _refuse_reads_of_carried(
-            api, ens, member, alone, how, loss_fn, args, targets, in_dims, autocast
-        )
+        batch = (loss_fn, args, targets, in_dims, autocast)
+        _refuse_reads_of_carried(api, ens, member, alone, how, compiled, *batch)
     sub = ens.select([member])  # a copy: the probe's forward changes nothing of ens
     try:
         together = run_together(sub, member, loss_fn, args, targets, in_dims, autocast)
@@ -227,30 +235,56 @@ def _compare(
 
 
 def _refuse_reads_of_carried(
-    api: str, ens: Ensemble, member: int, alone: dict[str, Any], how: str, *batch: Any
-) -> None:
-    """Raise if the member's forward reads the plain attributes it set (``alone["carried"]``):
-    run it and the next member again on the same batch with them set, as the next member in
-    turn would (``batch``: ``run_alone``'s loss, inputs, targets, ``in_dims`` and autocast)."""
-    loss_fn, args, targets, in_dims, autocast = batch
-    # The next member in turn too: state keyed on what every member shares (a parameter's
+    api: str, ens: Ensemble, member: int, alone: dict[str, Any], how: str, compiled: bool,
+    *batch: Any,
+) -> None:  # fmt: skip
+    """Raise if the next member in turn reads the attributes ``member``'s forward set
+    (``alone["carried"]``) where alone it reads its own (``batch``: ``run_alone``'s loss,
+    inputs, targets, ``in_dims`` and autocast)."""
+    why = _read_back(ens, member, alone, compiled, batch)
+    if why is not None:
+        refuse_carried(api, type(ens.template).__name__, how, alone["carried"], why)
+
+
+def _read_back(
+    ens: Ensemble, member: int, alone: dict[str, Any], compiled: bool, batch: tuple
+) -> str | None:
+    """How a member run in turn after ``member`` computes something else than alone, or None.
+
+    Eager turns each start from the plain values (``bool``, ``int``...) held before the call
+    (``_plain_turns``), and the next call's first turn from those the last turn left. So a
+    member must compute as alone with the other state (a kept tensor, a list) ``member`` left,
+    and with all of it as with its own (a counter or a first-call flag, the same for every
+    member, passes; a cache keyed on a parameter's ``_version``, 0 for every member's slice,
+    does not). Compiled, the chunks run in one graph and a member reads all ``member`` left.
+    """
+    mine = alone["carried"]
+    # The member itself too: state keyed on what every member shares (a parameter's
     # `_version`, 0 for each) reads back the same for member 0 and another member's for it.
     others = [member + 1] if member + 1 < len(ens) else []
-    other, why = member, ""
+    other = member
     try:
         for other in [member, *others]:
-            plain = alone if other == member else run_alone(ens, other, *batch)
-            again = run_alone(
-                ens, other, loss_fn, args, targets, in_dims, autocast, alone["carried"]
-            )
-            if any(differences(plain, again, autocast)):
-                why = f"member {other} {_after(member, other)} computes something else"
-                break
-        else:
-            return
+            fresh = alone if other == member else run_alone(ens, other, *batch)
+            runs = [(fresh, mine)]
+            if not compiled:
+                kept = {k: v for k, v in mine.items() if not plain_value(v)}
+                own = run_alone(ens, other, *batch, _copied(fresh["carried"]))
+                runs = [(fresh, kept), (own, mine)] if kept else [(own, mine)]
+            for want, attributes in runs:
+                again = run_alone(ens, other, *batch, _copied(attributes))
+                if any(differences(want, again, batch[-1])):
+                    return f"member {other} {_after(member, other)} computes something else"
     except Exception as err:
-        why = f"member {other} {_after(member, other)} fails: {type(err).__name__}"
-    refuse_carried(api, type(ens.template).__name__, how, alone["carried"], why)
+        return f"member {other} {_after(member, other)} fails: {type(err).__name__}"
+    return None
+
+
+def _copied(attributes: dict) -> dict:
+    """``attributes`` with their lists, dicts and sets copied: a run appends to its own."""
+    return {
+        k: copy.copy(v) if isinstance(v, list | dict | set) else v for k, v in attributes.items()
+    }
 
 
 def _after(member: int, other: int) -> str:

@@ -129,7 +129,7 @@ def make_step(
         api, ens, optimizer, clip_grad_norm, clip_grad_value, precision, loss_scale
     )
     member_loss = _member_loss(ens, loss_fn)
-    probe = Probe(ens, loss_fn, in_dims, update.dtype, enabled=check)
+    probe = Probe(ens, loss_fn, in_dims, update.dtype, enabled=check, compiled=compile)
     if compile:
         if not isinstance(optimizer, StackedOptimizer):
             raise TypeError(
