@@ -269,10 +269,10 @@ def _read_back(
             runs = [(fresh, mine)]
             if not compiled:
                 kept = {k: v for k, v in mine.items() if not plain_value(v)}
-                own = run_alone(ens, other, *batch, _copied(fresh["carried"]))
+                own = run_alone(ens, other, *batch, attributes=_copied(fresh["carried"]))
                 runs = [(fresh, kept), (own, mine)] if kept else [(own, mine)]
             for want, attributes in runs:
-                again = run_alone(ens, other, *batch, _copied(attributes))
+                again = run_alone(ens, other, *batch, attributes=_copied(attributes))
                 if any(differences(want, again, batch[-1])):
                     return f"member {other} {_after(member, other)} computes something else"
     except Exception as err:
