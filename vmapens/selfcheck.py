@@ -247,7 +247,11 @@ def _refuse_reads_of_carried(
 
 
 def _read_back(
-    ens: Ensemble, member: int, alone: dict[str, Any], compiled: bool, batch: tuple
+    ens: Ensemble,
+    member: int,
+    alone: dict[str, Any],
+    compiled: bool,
+    batch: tuple[Callable, tuple, Any, int | None, torch.dtype | None],
 ) -> str | None:
     """How a member run in turn after ``member`` computes something else than alone, or None.
 
@@ -269,10 +273,10 @@ def _read_back(
             runs = [(fresh, mine)]
             if not compiled:
                 kept = {k: v for k, v in mine.items() if not plain_value(v)}
-                own = run_alone(ens, other, *batch, attributes=_copied(fresh["carried"]))
+                own = run_alone(ens, other, *batch, _copied(fresh["carried"]))
                 runs = [(fresh, kept), (own, mine)] if kept else [(own, mine)]
             for want, attributes in runs:
-                again = run_alone(ens, other, *batch, attributes=_copied(attributes))
+                again = run_alone(ens, other, *batch, _copied(attributes))
                 if any(differences(want, again, batch[-1])):
                     return f"member {other} {_after(member, other)} computes something else"
     except Exception as err:
