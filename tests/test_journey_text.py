@@ -300,8 +300,21 @@ def test_sparse_embedding_and_sparse_adam_are_refused_and_run_under_no_grad() ->
         ValueError, match=r"`0` \(Embedding\) is built with sparse=True.*sparse=False"
     ):
         ens(x)
-    with pytest.raises(ValueError, match="SparseAdam has no stacked twin"):
+    with pytest.raises(ValueError, match="SparseAdam has no stacked twin") as refused:
         vmapens.optim.stacked(torch.optim.SparseAdam)
+    # It named StackedAdam "its dense twin": in plain torch, Adam moves an embedding row the
+    # second batch does not index (its first moment goes on), SparseAdam leaves it.
+    assert "StackedAdam is no replacement" in str(refused.value)
+    lazy, dense = nn.Embedding(V, 4, sparse=True), nn.Embedding(V, 4)
+    dense.load_state_dict(lazy.state_dict())
+    opts = [torch.optim.SparseAdam(lazy.parameters()), torch.optim.Adam(dense.parameters())]
+    for rows in (torch.tensor([0, 1]), torch.tensor([1])):
+        for emb, opt in zip((lazy, dense), opts, strict=True):
+            opt.zero_grad()
+            emb(rows).sum().backward()
+            opt.step()
+    torch.testing.assert_close(lazy.weight[1:], dense.weight[1:], rtol=0, atol=1e-6)
+    assert not torch.allclose(lazy.weight[0], dense.weight[0])
     with pytest.raises(ValueError, match="sparse=True"):
         vmapens.make_step(ens, nn.CrossEntropyLoss(), vmapens.StackedAdam(ens))
     with torch.no_grad():

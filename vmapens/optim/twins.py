@@ -90,8 +90,10 @@ REFUSED: dict[type[torch.optim.Optimizer], str] = {
         "share one sequence of evaluations; train one LBFGS per member instead"
     ),
     torch.optim.SparseAdam: (
-        "it takes sparse gradients only, and stacked parameters get dense gradients; use "
-        "StackedAdam (its dense twin)"
+        "it takes sparse gradients only, and stacked parameters get dense gradients. "
+        "StackedAdam is no replacement: it updates every row, so rows the batch did not index "
+        "keep moving and their moments decay, where SparseAdam leaves them as they were. For "
+        "SparseAdam's results, train one SparseAdam per member (ens.unstack())"
     ),
 }
 
