@@ -169,29 +169,34 @@ def _train(ens: vmapens.Ensemble, check: bool = True) -> list[nn.Module]:
     return alone
 
 
-@pytest.mark.parametrize("how", list(IN_TURNS), ids=list(IN_TURNS))
 @pytest.mark.parametrize("cls", [Counted, ActNorm], ids=lambda c: c.__name__)
-def test_plain_values_carried_in_turns_train_as_alone_with_the_checked_step(
-    cls: type[nn.Module], how: str
+def test_plain_values_carried_in_chunks_train_as_alone_with_the_checked_step(
+    cls: type[nn.Module],
 ) -> None:
-    # Every turn starts from the plain values of the call (_plain_turns): the probe lets them
-    # through (it refused them, although they trained as alone).
-    ens = vmapens.Ensemble(_factory(cls), n=N, seed=0, **IN_TURNS[how])
+    # Every turn starts from the plain values of the call (_plain_turns), the same for every
+    # member under vmap: the probe lets them through (it refused them; they trained as alone).
+    ens = vmapens.Ensemble(_factory(cls), n=N, seed=0, **IN_TURNS["chunk"])
     alone = _train(ens)
     assert_members_equal(ens, alone, **TOL64)
     x, y = _batches()[0]
     vmapens.check(ens, x, y.double(), nn.MSELoss())  # passes
 
 
-@pytest.mark.parametrize("how", list(IN_TURNS), ids=list(IN_TURNS))
-@pytest.mark.parametrize("cls", [Carried, Appended, EditedTensor], ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls, how",
+    [(c, h) for c in CARRYING for h in IN_TURNS if c not in (Counted, ActNorm) or h == "loop"],
+    ids=lambda v: v if isinstance(v, str) else v.__name__,
+)
 def test_state_carried_in_plain_attributes_is_refused_in_turns(
     cls: type[nn.Module], how: str
 ) -> None:
     unchecked = vmapens.Ensemble(_factory(cls), n=N, seed=0, **IN_TURNS[how])
     alone = _train(unchecked, check=False)
-    with pytest.raises(AssertionError):  # what the probe refuses: members trained elsewhere
-        assert_members_equal(unchecked, alone, **TOL64)
+    if cls in (Counted, ActNorm):  # the same for every member, but the loop cannot tell it
+        assert_members_equal(unchecked, alone, **TOL64)  # from one a member holds its own of
+    else:  # what the probe refuses: members trained elsewhere
+        with pytest.raises(AssertionError):
+            assert_members_equal(unchecked, alone, **TOL64)
     ens = vmapens.Ensemble(_factory(cls), n=N, seed=0, **IN_TURNS[how])
     before = {k: v.clone() for k, v in ens.state_dict().items()}
     step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedSGD(ens, lr=0.1))
@@ -214,7 +219,7 @@ def test_a_plain_value_each_member_holds_its_own_of_is_refused_in_turns() -> Non
     before = {k: v.clone() for k, v in ens.state_dict().items()}
     step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedSGD(ens, lr=0.1))
     x, y = _batches()[0]
-    with pytest.raises(RuntimeError, match=r"`scale` \([0-9.]+\).*member 1 run after member 0"):
+    with pytest.raises(RuntimeError, match=r"`scale` \([0-9.]+\).*backend='loop'"):
         step(x, y.double())
     for key, value in ens.state_dict().items():
         assert torch.equal(value, before[key]), key

@@ -256,11 +256,15 @@ def _read_back(
     """How a member run in turn after ``member`` computes something else than alone, or None.
 
     Eager turns each start from the plain values (``bool``, ``int``...) held before the call
-    (``_plain_turns``), and the next call's first turn from those the last turn left. So a
-    member must compute as alone with the other state (a kept tensor, a list) ``member`` left,
-    and with all of it as with its own (a counter or a first-call flag, the same for every
-    member, passes; a cache keyed on a parameter's ``_version``, 0 for every member's slice,
-    does not). Compiled, the chunks run in one graph and a member reads all ``member`` left.
+    (``_plain_turns``), and the next call's first turn from those the last turn left. Under
+    vmap (chunks) a plain value is the same for every member: one that differs needs a
+    member's number in Python (``.item()``), which vmap refuses. So there a member must
+    compute as alone with the other state (a kept tensor, a list) ``member`` left, and with
+    all of it as with its own (a counter or a first-call flag passes; a cache keyed on a
+    parameter's ``_version``, 0 for every member's slice, does not). With the loop, a plain
+    value may be the member's own (a float read with ``.item()``), which the next call's turns
+    would all read from the last member, and the compiled step's chunks run in one graph: any
+    state ``member`` left that a member reads back is refused.
     """
     mine = alone["carried"]
     # The member itself too: state keyed on what every member shares (a parameter's
@@ -271,7 +275,7 @@ def _read_back(
         for other in [member, *others]:
             fresh = alone if other == member else run_alone(ens, other, *batch)
             runs = [(fresh, mine)]
-            if not compiled:
+            if not compiled and ens.backend == "vmap":
                 kept = {k: v for k, v in mine.items() if not plain_value(v)}
                 own = run_alone(ens, other, *batch, _copied(fresh["carried"]))
                 runs = [(fresh, kept), (own, mine)] if kept else [(own, mine)]
