@@ -133,7 +133,7 @@ CAUGHT = [
      lambda: (_x(ROWS, 4), _x(ROWS, 1)), nn.MSELoss(), r"`count` after the forward differs"),
     ("edits-data", lambda: vmapens.Ensemble(EditsData, N, seed=0).double(),
      lambda: (_x(ROWS, 4), _x(ROWS, 1)), nn.MSELoss(),
-     r"EditsData cannot be batched.*`data` under vmap.*backend='loop'"),
+     r"EditsData reads `\.data`.*torch\.no_grad\(\).*backend='loop'"),
 ]  # fmt: skip
 
 
@@ -160,6 +160,28 @@ def test_first_step_catches_a_forward_that_differs_under_vmap(build, batch, loss
     assert torch.equal(torch.get_rng_state(), rng)
     with pytest.raises(RuntimeError, match=match):  # and on demand
         vmapens.check(ens, inputs, targets, loss_fn)
+
+
+class ClipsUnderNoGrad(EditsData):
+    """EditsData written the way its refusal names: the edit under torch.no_grad()."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.fc.weight.clamp_(-0.2, 0.2)
+        return self.fc(x)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # clamp_'s rule
+def test_the_way_out_of_a_data_edit_trains_as_alone():
+    ens = vmapens.Ensemble(ClipsUnderNoGrad, N, seed=0).double()
+    alone = ens.unstack()
+    batches = [(_x(ROWS, 4), _x(ROWS, 1)) for _ in range(3)]
+    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedSGD(ens, lr=0.5))
+    for x, y in batches:
+        step(x, y)
+    for m in alone:
+        train_alone(m, batches, make_opt=lambda m: torch.optim.SGD(m.parameters(), lr=0.5))
+    assert_members_equal(ens, alone, **TOL64)
 
 
 def test_without_the_check_the_same_step_is_silently_wrong():

@@ -57,8 +57,14 @@ def check_targets(targets: Any) -> None:
         got = type(targets).__name__
         if structured:
             got = f"a {got} holding {type(bad[0]).__name__}" if bad else f"an empty {got}"
+        hint = ""
+        if targets is None or not leaves:  # a loss without targets: density, autoencoders
+            hint = (
+                "; a loss that takes no targets (a flow's likelihood, an autoencoder) gets "
+                "the inputs as targets and ignores them: `step(x, x)`"
+            )
         raise TypeError(
-            f"step: `targets` must be a tensor or a tuple, list or dict of tensors, got {got}"
+            f"step: `targets` must be a tensor or a tuple, list or dict of tensors, got {got}{hint}"
         )
 
 

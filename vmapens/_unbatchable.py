@@ -41,6 +41,8 @@ _UNBATCHABLE = (
     "We could not generate a fallback",
     "under vmap transform",  # `.data` of a batched tensor
 )
+#: What torch.func.vmap says of ``.data`` of a batched tensor.
+_DATA = "accessing `data` under vmap transform"
 #: What torch.func.vmap (and ``_fastcall.no_random_ops``) says of a random op under
 #: ``randomness="error"``.
 _RANDOM = "randomness error mode"
@@ -169,6 +171,14 @@ def explain_failure(
             ".untyped_storage()), which a member's batched tensor inside torch.func.vmap does "
             "not have. Compute with tensor ops instead, or build the ensemble with "
             f"backend='loop': members one after another, each as it runs alone. ({err})"
+        )
+    if backend == "vmap" and _DATA in str(err):
+        what = f"`loss_fn` or the forward of {name}" if loss else f"the forward of {name}"
+        return RuntimeError(
+            f"{api}: {what} reads `.data` of a member's tensor, which torch.func.vmap refuses. "
+            "Edit the tensor under torch.no_grad() instead (with torch.no_grad(): "
+            "self.loc.copy_(...), as torch.nn.init does), which runs batched, each member its "
+            f"own; or build the ensemble with backend='loop'. ({err})"
         )
     if backend == "vmap" and any(m in str(err) for m in _UNBATCHABLE):
         what = f"`loss_fn` or the forward of {name}" if loss else f"the forward of {name}"
