@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import warnings
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -229,3 +231,34 @@ def module_params(api: str, module: nn.Module, arg: str) -> list[Tensor]:
                 "optimizer or torch.nn.utils.clip_grad_norm_"
             )
     return list(module.parameters())
+
+
+#: The loss modules ``check_loss_fn`` has warned about.
+_WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def check_loss_fn(api: str, loss_fn: Any) -> None:
+    """A callable ``loss_fn``; warn if it holds parameters that require grad.
+
+    The step differentiates and steps the ensemble's parameters only, so a loss module's own
+    (a learned temperature) stays as built, where alone a user who puts it in the optimizer
+    trains it. Alone, a loss module's parameters outside the optimizer (a GAN's discriminator,
+    a distillation teacher) do not train either: hence a warning, not an error.
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"{api}: `loss_fn` must be callable, got {type(loss_fn).__name__}")
+    if isinstance(loss_fn, nn.Module) and not hasattr(loss_fn, "stacked_params"):
+        names = [k for k, p in loss_fn.named_parameters() if p.requires_grad]
+        if names and loss_fn not in _WARNED:  # fit, then the make_step it calls: once
+            _WARNED.add(loss_fn)
+            warnings.warn(
+                f"{api}: `loss_fn` ({type(loss_fn).__name__}) holds parameters that require "
+                f"grad ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}), which the "
+                "step neither differentiates nor steps (it trains the ensemble's parameters "
+                "only; one loss module cannot be every member's own). To train them, move them "
+                "into the member module (each member then learns its own, as alone); if they "
+                "are not to train (a teacher, a discriminator trained apart), freeze them with "
+                "`loss_fn.requires_grad_(False)`, which also silences this warning",
+                UserWarning,
+                stacklevel=3,
+            )

@@ -7,7 +7,9 @@ options (``cache_keyed_options``) and the same per-function cache (``own_code``)
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
+import traceback
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -60,39 +62,92 @@ def check_shapes(shapes: set[tuple], key: tuple, limit: int) -> None:
 @contextlib.contextmanager
 def compile_failures() -> Iterator[None]:
     """Turn ``torch.compile``'s own errors about the step into a ``CompileFailed`` that says
-    what it means and the way out (``compile=False``).
+    what it means and the way out (``compile=False``), and leave torch's dispatch state as it
+    was before the call, whatever the error.
 
     dynamo traces the whole step and inductor compiles it before any of it runs, so nothing
     has changed when they fail: dynamo's ``Unsupported`` (a forward that calls a Python
-    builtin dynamo cannot trace, such as ``time.perf_counter``, with ``fullgraph=True``) and
-    ``BackendCompilerFailed`` (inductor's C++ build) reached the user as torch's internals, and
-    so did dynamo's "Hard failure due to fullgraph=True" once a graph met more variants than
-    its recompile limit (the step's own limit counts input shapes only).
+    builtin dynamo cannot trace, such as ``time.perf_counter``, with ``fullgraph=True``),
+    ``BackendCompilerFailed`` (inductor's C++ build) and ``TorchRuntimeError`` (an op that fails
+    on fake tensors while tracing: ``torch.func.hessian`` in a physics-informed forward, which
+    eager runs) reached the user as torch's internals, and so did dynamo's "Hard failure due to
+    fullgraph=True" once a graph met more variants than its recompile limit (the step's own
+    limit counts input shapes only).
     """
     # Imported here: torch._dynamo takes seconds to import, which eager never needs.
-    from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit, Unsupported
+    from torch._dynamo.exc import (
+        BackendCompilerFailed,
+        FailOnRecompileLimitHit,
+        TorchRuntimeError,
+        Unsupported,
+    )
 
+    before = _dispatch_state()
     try:
         yield
-    except FailOnRecompileLimitHit as err:
-        limit = torch._dynamo.config.recompile_limit
-        raise CompileFailed(
-            f"step: the compiled step would compile one of its graphs more than {limit} times "
-            "(dynamo's recompile_limit), once for each set of input shapes, mask or no mask, "
-            "train/eval modes, parameter dtypes, optimizer flags and values of the attributes "
-            "set on ens.template (a float read by the forward: a dropout rate, a temperature) "
-            "it has met; keep them fixed, pass a changing value as an input, or train with "
-            "compile=False. Nothing was changed"
-        ) from err
-    except (Unsupported, BackendCompilerFailed) as err:
-        lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
-        why = " ".join(lines[:2]) if lines else type(err).__name__
-        raise CompileFailed(
-            f"step: torch.compile cannot compile this training step into one graph "
-            f"({type(err).__name__}: {why[:400]}); most likely the forward or the loss calls "
-            "something dynamo cannot trace. Train with compile=False (make_step or fit), which "
-            "runs the same step eagerly. Nothing was changed"
-        ) from err
+    except BaseException as err:
+        _settle(err, before)
+        if isinstance(err, FailOnRecompileLimitHit):
+            limit = torch._dynamo.config.recompile_limit
+            raise CompileFailed(
+                f"step: the compiled step would compile one of its graphs more than {limit} "
+                "times (dynamo's recompile_limit), once for each set of input shapes, mask or "
+                "no mask, train/eval modes, parameter dtypes, optimizer flags and values of the "
+                "attributes set on ens.template (a float read by the forward: a dropout rate, a "
+                "temperature) it has met; keep them fixed, pass a changing value as an input, "
+                "or train with compile=False. Nothing was changed"
+            ) from err
+        if isinstance(err, Unsupported | BackendCompilerFailed | TorchRuntimeError):
+            lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+            why = " ".join(lines[:2]) if lines else type(err).__name__
+            raise CompileFailed(
+                f"step: torch.compile cannot compile this training step into one graph "
+                f"({type(err).__name__}: {why[:400]}); most likely the forward or the loss "
+                "calls something dynamo cannot trace. Train with compile=False (make_step or "
+                "fit), which runs the same step eagerly. Nothing was changed"
+            ) from err
+        raise
+
+
+def _dispatch_state() -> tuple[Any, Any, int]:
+    """The thread's dispatch keys included and excluded, and torch.func's transform depth."""
+    return (
+        torch._C._dispatch_tls_local_include_set(),
+        torch._C._dispatch_tls_local_exclude_set(),
+        torch._C._functorch.get_dynamic_layer_stack_depth(),
+    )
+
+
+def _settle(err: BaseException, before: tuple[Any, Any, int]) -> None:
+    """Free the frames ``err`` holds, then put the dispatch state back as it was ``before``.
+
+    A failed trace (dynamo on a ``torch.func`` transform: a hessian in the forward) leaves
+    dispatch-key guards it entered in the frames of its traceback. Freed, each puts back the
+    keys it saw when entered, in whatever order the collector frees them: functorch's and
+    autograd's keys then read excluded, and every later forward of the process failed
+    ("Cannot access storage of BatchedTensorImpl"), when the error happened to be collected
+    (a test report, ``fit``'s fallback holding it). Freed here, at once, then set back.
+    """
+    seen: set[int] = set()
+    chained: BaseException | None = err
+    while chained is not None and id(chained) not in seen:
+        seen.add(id(chained))
+        traceback.clear_frames(chained.__traceback__)
+        chained = chained.__cause__ or chained.__context__
+    gc.collect()  # what the frames held in reference cycles: freed now, not at a later collect
+    include, exclude, depth = before
+    if torch._C._functorch.get_dynamic_layer_stack_depth() > depth:
+        torch._C._functorch.pop_dynamic_layer_stack_and_undo_to_depth(depth)
+    if _dispatch_state()[:2] != (include, exclude):
+        # torch has no setter for the whole sets, only a guard that puts them back when it
+        # exits: entered, and kept, it holds them as they were for the rest of the thread.
+        guard = torch._C._ForceDispatchKeyGuard(include, exclude)
+        guard.__enter__()
+        _KEPT.append(guard)
+
+
+#: The guards ``_settle`` entered for good (one per failed trace that changed the keys).
+_KEPT: list[Any] = []
 
 
 def compile_options(device: torch.device) -> dict[str, Any]:

@@ -11,13 +11,14 @@ from typing import Any
 import optree
 import torch
 
-from ._checks import check_choice, check_int, check_writable_dir
+from ._checks import check_choice, check_int, check_loss_fn, check_writable_dir
 from ._data import check_member_dim, spread_inputs
 from ._data_checks import is_tensor_data
 from ._metrics import check_metrics
 from ._step_parts import check_optimizer
 from .ensemble import Ensemble, check_ensemble
 from .optim import StackedAdam, StackedOptimizer
+from .optim.twins import REFUSED
 from .step import make_step
 
 __all__ = [
@@ -92,8 +93,7 @@ def check_arguments(api: str, args: dict[str, Any]) -> Checked:
     for name in ("steps", "batch_size", "patience"):
         if args[name] is not None:
             check_int(api, name, args[name], minimum=1)
-    if not callable(loss_fn):
-        raise TypeError(f"{api}: `loss_fn` must be callable, got {type(loss_fn).__name__}")
+    check_loss_fn(api, loss_fn)
     seed = args["seed"]
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise TypeError(f"{api}: `seed` must be an int or None, got {type(seed).__name__}")
@@ -250,10 +250,14 @@ def build_optimizer(
         return optimizer
     build = StackedAdam if optimizer is None else optimizer
     if isinstance(build, type) and not issubclass(build, StackedOptimizer):
+        way_out = (  # an instance of LBFGS or SparseAdam is refused too: say why, and what works
+            f"it has no stacked twin: {REFUSED[build]}"
+            if build in REFUSED
+            else "pass an instance over ens.parameters() or a factory `lambda ens: ...` instead"
+        )
         raise TypeError(
             f"{api}: an `optimizer` class must be a vmapens.StackedOptimizer, got "
-            f"{build.__name__}; pass an instance over ens.parameters() or a factory "
-            "`lambda ens: ...` instead"
+            f"{build.__name__}; {way_out}"
         )
     if not callable(build):
         raise TypeError(

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ._batch_edits import refuse_edits_in_turns
-from ._checks import positional, tolerance
+from ._checks import check_loss_fn, positional, tolerance
 from ._locate import first_padded_difference
 from ._padding import masked
 from ._plain_turns import plain_value
@@ -52,8 +52,7 @@ def check_step_arguments(api: str, ens: Any, loss_fn: Any, in_dims: Any) -> None
     check_ensemble(api, ens)
     if in_dims not in (None, 0):
         raise ValueError(f"{api}: `in_dims` must be None or 0, got {in_dims!r}")
-    if not callable(loss_fn):
-        raise TypeError(f"{api}: `loss_fn` must be callable, got {type(loss_fn).__name__}")
+    check_loss_fn(api, loss_fn)
     ens._follow_template()  # the grad flags follow_sparse reads
     follow_sparse(api, ens._sparse, True)
 
