@@ -171,19 +171,6 @@ class ClipsUnderNoGrad(EditsData):
         return self.fc(x)
 
 
-@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # clamp_'s rule
-def test_the_way_out_of_a_data_edit_trains_as_alone():
-    ens = vmapens.Ensemble(ClipsUnderNoGrad, N, seed=0).double()
-    alone = ens.unstack()
-    batches = [(_x(ROWS, 4), _x(ROWS, 1)) for _ in range(3)]
-    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedSGD(ens, lr=0.5))
-    for x, y in batches:
-        step(x, y)
-    for m in alone:
-        train_alone(m, batches, make_opt=lambda m: torch.optim.SGD(m.parameters(), lr=0.5))
-    assert_members_equal(ens, alone, **TOL64)
-
-
 def test_without_the_check_the_same_step_is_silently_wrong():
     # What the probe guards against: the step runs, and the members end elsewhere than alone.
     ens = vmapens.Ensemble(RequiresGradBranch, N, seed=0).double()
@@ -461,8 +448,15 @@ def test_autograd_grad_in_the_forward_trains_as_alone_with_the_loop_backend():
     assert_members_equal(ens, alone)
 
 
-def test_edits_of_data_train_as_alone_with_the_loop_backend():
-    ens = vmapens.Ensemble(EditsData, N, seed=0, backend="loop").double()
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # clamp_'s rule
+@pytest.mark.parametrize(
+    "module, backend",
+    [(EditsData, "loop"), (ClipsUnderNoGrad, "vmap")],
+    ids=["data-edit-loop", "no-grad-edit-vmap"],
+)
+def test_the_ways_out_of_a_data_edit_train_as_alone(module: type, backend: str):
+    # The two the refusal names: the loop backend, or the edit under torch.no_grad().
+    ens = vmapens.Ensemble(module, N, seed=0, backend=backend).double()
     alone = ens.unstack()
     batches = [(_x(ROWS, 4), _x(ROWS, 1)) for _ in range(3)]
     step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedAdam(ens, lr=0.1))
