@@ -78,6 +78,7 @@ def compile_failures() -> Iterator[None]:
     from torch._dynamo.exc import (
         BackendCompilerFailed,
         FailOnRecompileLimitHit,
+        TorchDynamoException,
         TorchRuntimeError,
         Unsupported,
     )
@@ -86,7 +87,9 @@ def compile_failures() -> Iterator[None]:
     try:
         yield
     except BaseException as err:
-        _settle(err, before)
+        # dynamo's own errors carry its frames; others keep theirs (and their locals, for a
+        # debugger): only the dispatch state is put back if it changed.
+        _settle(err, before, free=isinstance(err, TorchDynamoException | FailOnRecompileLimitHit))
         if isinstance(err, FailOnRecompileLimitHit):
             limit = torch._dynamo.config.recompile_limit
             raise CompileFailed(
@@ -118,8 +121,9 @@ def _dispatch_state() -> tuple[Any, Any, int]:
     )
 
 
-def _settle(err: BaseException, before: tuple[Any, Any, int]) -> None:
-    """Free the frames ``err`` holds, then put the dispatch state back as it was ``before``.
+def _settle(err: BaseException, before: tuple[Any, Any, int], free: bool) -> None:
+    """Free the frames ``err`` holds (``free``), then put the dispatch state back as it was
+    ``before``.
 
     A failed trace (dynamo on a ``torch.func`` transform: a hessian in the forward) leaves
     dispatch-key guards it entered in the frames of its traceback. Freed, each puts back the
@@ -129,12 +133,13 @@ def _settle(err: BaseException, before: tuple[Any, Any, int]) -> None:
     (a test report, ``fit``'s fallback holding it). Freed here, at once, then set back.
     """
     seen: set[int] = set()
-    chained: BaseException | None = err
+    chained: BaseException | None = err if free else None
     while chained is not None and id(chained) not in seen:
         seen.add(id(chained))
         traceback.clear_frames(chained.__traceback__)
         chained = chained.__cause__ or chained.__context__
-    gc.collect()  # what the frames held in reference cycles: freed now, not at a later collect
+    if free:
+        gc.collect()  # what the frames held in reference cycles: freed now, not later
     include, exclude, depth = before
     if torch._C._functorch.get_dynamic_layer_stack_depth() > depth:
         torch._C._functorch.pop_dynamic_layer_stack_and_undo_to_depth(depth)
