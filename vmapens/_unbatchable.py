@@ -164,8 +164,8 @@ def explain_failure(
             "the ensemble stacks every output along a new member dim, with either backend. "
             f"Return tensors (torch.tensor(3) for a number) or None. ({err})"
         )
+    what = f"`loss_fn` or the forward of {name}" if loss else f"the forward of {name}"
     if backend == "vmap" and any(m in str(err) for m in NO_STORAGE):
-        what = f"`loss_fn` or the forward of {name}" if loss else f"the forward of {name}"
         return RuntimeError(
             f"{api}: {what} reads a tensor's memory (.tolist(), .numpy(), .data_ptr(), "
             ".untyped_storage()), which a member's batched tensor inside torch.func.vmap does "
@@ -173,7 +173,6 @@ def explain_failure(
             f"backend='loop': members one after another, each as it runs alone. ({err})"
         )
     if backend == "vmap" and _DATA in str(err):
-        what = f"`loss_fn` or the forward of {name}" if loss else f"the forward of {name}"
         return RuntimeError(
             f"{api}: {what} reads `.data` of a member's tensor, which torch.func.vmap refuses. "
             "Edit the tensor under torch.no_grad() instead (with torch.no_grad(): "
@@ -181,7 +180,6 @@ def explain_failure(
             f"own; or build the ensemble with backend='loop'. ({err})"
         )
     if backend == "vmap" and any(m in str(err) for m in _UNBATCHABLE):
-        what = f"`loss_fn` or the forward of {name}" if loss else f"the forward of {name}"
         also = " (a loss that branches on values, such as nn.GaussianNLLLoss, needs it too)"
         return RuntimeError(
             f"{api}: {what} cannot be batched with torch.func.vmap ({err}). Build the ensemble "

@@ -24,7 +24,7 @@ except ImportError as err:  # pragma: no cover - exercised by a test that hides 
         'extra: pip install "vmapens[lightning]"'
     ) from err
 
-from ._checks import check_choice, check_int, positional
+from ._checks import check_choice, check_int, check_loss_fn, positional
 from ._fit_checks import check_metric_names
 from ._lightning_parts import batch_rows, check_optimizer_arg, is_metric_object
 from ._lightning_rng import ResumesRNG
@@ -137,8 +137,7 @@ class EnsembleModule(ResumesRNG, L.LightningModule):
         super().__init__()
         api = "EnsembleModule"
         check_ensemble(api, ens)
-        if not callable(loss_fn):
-            raise TypeError(f"{api}: `loss_fn` must be callable, got {type(loss_fn).__name__}")
+        check_loss_fn(api, loss_fn)
         check_optimizer_arg(api, optimizer)
         if in_dims not in (None, 0):
             raise ValueError(f"{api}: `in_dims` must be None or 0, got {in_dims!r}")
@@ -310,7 +309,7 @@ class EnsembleModule(ResumesRNG, L.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         """Each member's loss and metrics on ``batch = (inputs, targets)`` (shared by all)."""
         inputs, targets = batch
-        out = self.ens(*(tuple(inputs) if isinstance(inputs, list) else positional(inputs)))
+        out = self.ens(*_positional(inputs))
         rows = batch_rows(targets)
         values = {"loss": per_member(self.loss_fn)(out, targets)}
         mean = out.mean(0)
@@ -364,7 +363,7 @@ class EnsembleModule(ResumesRNG, L.LightningModule):
     def predict_step(self, batch: Any, batch_idx: int) -> Any:
         """Every member's output on ``(inputs, targets)``, ``(inputs,)`` or ``inputs``."""
         inputs = batch[0] if isinstance(batch, list) or positional(batch) is batch else batch
-        return self.ens(*(tuple(inputs) if isinstance(inputs, list) else positional(inputs)))
+        return self.ens(*_positional(inputs))
 
     # Lightning's loops set back the `training` flag of each module they see after eval; the
     # members' (the meta template) are not among them, so the module restores every mode.
@@ -406,3 +405,9 @@ class EnsembleModule(ResumesRNG, L.LightningModule):
         self.active.copy_(self.active & ~stop)
         if not bool(self.active.any()):
             self.trainer.should_stop = True
+
+
+def _positional(inputs: Any) -> tuple:
+    """A batch's inputs as the forward's positional inputs: a list (as a DataLoader collates a
+    dataset's tuple of inputs) as a tuple, then ``positional``."""
+    return positional(tuple(inputs) if isinstance(inputs, list) else inputs)
