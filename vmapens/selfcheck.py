@@ -276,8 +276,10 @@ def _read_back(
             runs = [(fresh, mine)]
             if not compiled and ens.backend == "vmap":
                 kept = {k: v for k, v in mine.items() if not plain_value(v)}
-                own = run_alone(ens, other, *batch, _copied(fresh["carried"]))
-                runs = [(fresh, kept), (own, mine)] if kept else [(own, mine)]
+                runs = [(fresh, kept)] if kept else []
+                if other != member:  # the member with its own state: the same run twice
+                    own = run_alone(ens, other, *batch, _copied(fresh["carried"]))
+                    runs.append((own, mine))
             for want, attributes in runs:
                 again = run_alone(ens, other, *batch, _copied(attributes))
                 if any(differences(want, again, batch[-1])):
