@@ -203,28 +203,51 @@ def adds_at_indices(gm: torch.fx.GraphModule) -> bool:
 
 
 def _inner_compile(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
-    """Inductor's ``compile_fx_inner``, unvectorized (``cpp.simdlen=1``) where ``gm`` adds at
-    computed indices.
+    """Inductor's ``compile_fx_inner``, with the kernels that add at computed indices left
+    unvectorized where ``gm`` has such adds.
 
-    torch 2.13's C++ codegen (CPU) miscomputes the index of such an add in a kernel it tiles in
-    two dims (one input with the member dim innermost, as vmap leaves it, another not): member
-    ``m`` of a [N, 64]-element gradient wrote at ``128 * m``. ``vmap(grad(f))`` of a bilinear
-    ``F.interpolate`` (tests/test_journey_vision.py) crashed the process (heap corruption) or,
-    at N=3, gave every member a wrong gradient without an error. Unvectorized it is exact.
+    torch 2.13's C++ codegen (CPU) miscomputes the index of such an add (an ``atomic_add``
+    store) in a kernel it tiles in two dims (one input with the member dim innermost, as vmap
+    leaves it, another not): member ``m`` of a [N, 64]-element gradient wrote at ``128 * m``.
+    ``vmap(grad(f))`` of a bilinear ``F.interpolate`` (tests/test_journey_vision.py) crashed the
+    process (heap corruption) or, at N=3, gave every member a wrong gradient without an error.
+    Unvectorized it is exact. Only those kernels: a CNN's max-pool backward is a ``scatter_add``
+    under vmap, and the whole graph unvectorized took its step 3x as long (docs/performance.md).
     """
     # Imported here: torch._inductor imports torch._dynamo (seconds), which eager never needs.
-    from torch._inductor import config
+    from torch._inductor.codegen import cpp
     from torch._inductor.compile_fx import compile_fx_inner
 
-    patch = {"cpp.simdlen": 1} if adds_at_indices(gm) else {}
-    with config.patch(patch):
+    if not adds_at_indices(gm):
         return compile_fx_inner(gm, example_inputs, **kwargs)
+    select = cpp.TilingSelect.select_tiling
+
+    def scalar_atomic_adds(self: Any, fn_list: Any, var_sizes_list: Any) -> Any:
+        if _atomic_adds(cpp._get_loop_body(fn_list)):
+            return [], [], cpp.KernelOpStats()  # no tiling: the kernel runs unvectorized
+        return select(self, fn_list, var_sizes_list)
+
+    cpp.TilingSelect.select_tiling = scalar_atomic_adds  # type: ignore[method-assign]
+    try:
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+    finally:
+        cpp.TilingSelect.select_tiling = select  # type: ignore[method-assign]
+
+
+def _atomic_adds(loop_bodies: Any) -> bool:
+    """Whether a kernel's loop bodies store with ``atomic_add`` (an add at computed indices)."""
+    return any(
+        node.target == "store" and "atomic_add" in node.args[4:]
+        for body in loop_bodies
+        for block in (body.root_block, *body.subblocks.values())
+        for node in block.graph.nodes
+    )
 
 
 def compile_arguments(device: torch.device) -> dict[str, Any]:
     """``torch.compile``'s ``options`` for the compiled step on ``device`` and, on a CPU, its
-    ``backend``: inductor, compiling a graph that adds at computed indices unvectorized
-    (``_inner_compile``: torch 2.13 miscompiles it vectorized)."""
+    ``backend``: inductor, compiling the kernels that add at computed indices unvectorized
+    (``_inner_compile``: torch 2.13 miscompiles them vectorized)."""
     options = compile_options(device)
     return (
         {"options": options, "backend": _inductor} if device.type == "cpu" else {"options": options}
