@@ -137,9 +137,10 @@ def explain_failure(
         return RuntimeError(
             f"{api}: the forward of {name} calls torch.autograd.grad (or backward, or "
             "requires_grad_): inside torch.func.vmap a member's tensors carry no autograd "
-            "history of their own, so it cannot differentiate there. Build the ensemble with "
-            "backend='loop': members run one after another, each as it would alone, exactly. "
-            f"({err})"
+            "history of their own, so it cannot differentiate there. Take the derivative "
+            "with torch.func instead (torch.func.grad, jacrev, jvp or hessian of a function "
+            "of the input: these run under vmap), or build the ensemble with backend='loop': "
+            f"members run one after another, each as it would alone, exactly. ({err})"
         )
     if backend == "vmap" and _OLD_FUNCTION in str(err):
         return RuntimeError(
