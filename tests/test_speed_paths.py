@@ -183,6 +183,40 @@ def test_auto_step_compiles_only_when_the_eager_rest_exceeds_the_budget(
     assert calls[decided:] == ["compiled" if compiles else "eager"] * 3
 
 
+@pytest.mark.parametrize(
+    ("compiled_s", "slow_steps", "stays"),
+    [
+        (0.5e-3, (), True),  # 2x faster: compiled for the rest of the run
+        (2e-3, (), False),  # inductor's code 2x slower than eager: back to eager
+        (0.5e-3, (1, 3), True),  # two slow steps of five (a recompile): the median holds
+        (2e-3, (0,), False),
+    ],
+)
+def test_auto_step_goes_back_to_eager_where_the_compiled_step_is_slower(
+    monkeypatch, compiled_s, slow_steps, stays
+):
+    # docs/fit.md: after its compile and one warm-up call, TIMED_STEPS compiled steps are
+    # timed; where their median is slower than the eager steps' median, fit goes on eagerly
+    # (a CNN's compiled step took 3x eager's in sessions 28-29, docs/performance.md).
+    step, calls = _auto(monkeypatch, 100_000, 1e-3)  # 1 ms eager steps
+    clock = autocompile.time.perf_counter
+
+    def compiled() -> torch.Tensor:  # its compile (100 s), a warm-up call, the timed calls
+        k = calls.count("compiled") - 2
+        clock.now += 100.0 if k == -2 else compiled_s * (50 if k in slow_steps else 1)
+        calls.append("compiled")
+        return torch.zeros(1)
+
+    step.build_compiled = lambda: compiled
+    decided = autocompile.TIMED_STEPS + 1
+    checked = decided + 2 + autocompile.TIMED_STEPS
+    for _ in range(checked + 4):
+        step()
+    assert calls[:decided] == ["eager"] * decided
+    assert calls[decided:checked] == ["compiled"] * (checked - decided)
+    assert calls[checked:] == ["compiled" if stays else "eager"] * 4
+
+
 def test_an_eager_run_never_imports_dynamo(tmp_path):
     # torch.optim.Optimizer's add_param_group, state_dict, load_state_dict and zero_grad are
     # wrapped in torch._disable_dynamo, which imports torch._dynamo (1.5-3 s) on its first

@@ -30,8 +30,10 @@ class AutoStep:
     the steps still to come; above ``COMPILE_PAYS_AFTER_S`` it builds the compiled step and
     uses it from then on (if ``make_step`` refuses to compile, a torch.optim optimizer or
     ``backend="loop"``, it warns and stays eager). With an unknown number of steps it stays
-    eager. The compiled step
-    equals the eager one up to round-off (tests: 1e-9 in float64).
+    eager. The compiled step equals the eager one up to round-off (tests: 1e-9 in float64).
+    After its first call (the compile) and one warm-up call, ``TIMED_STEPS`` compiled steps are
+    timed too: where their median is slower than the eager steps' median (inductor's code for
+    the model is slower than eager), it goes back to the eager step for the rest of the run.
 
     Args:
         eager: the eager step it starts with.
@@ -50,10 +52,12 @@ class AutoStep:
         self.eager = self.step = eager
         self.compiled = False
         self.done = 0
-        self.timed_s = 0.0
+        self.eager_s: list[float] = []
+        self.compiled_s: list[float] = []
+        self.compiled_calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        deciding = not self.compiled and self.total_steps is not None and self.done <= TIMED_STEPS
+        timed = self._timed()
         start = time.perf_counter()
         try:
             losses = self.step(*args, **kwargs)
@@ -63,14 +67,20 @@ class AutoStep:
                 raise
             warnings.warn(f"fit: {err}. fit(compile='auto') goes on eagerly.", stacklevel=3)
             self.step = self.eager
+            timed = None
             losses = self.step(*args, **kwargs)
-        if deciding and self.done > 0:  # the first step warms caches up: not timed
-            self.timed_s += time.perf_counter() - start
+        if timed is not None:
+            timed.append(time.perf_counter() - start)
         self.done += 1
-        if deciding and self.done == TIMED_STEPS + 1 and self.total_steps is not None:
-            left = self.total_steps - self.done
-            if left * self.timed_s / TIMED_STEPS > COMPILE_PAYS_AFTER_S:
-                self.compiled = True  # decided: not built again after a refusal
+        if self.step is not self.eager:
+            self.compiled_calls += 1
+            checked = timed is not None and len(self.compiled_s) == TIMED_STEPS
+            if checked and _median(self.compiled_s) > _median(self.eager_s):
+                self.step = self.eager  # inductor's code is slower here: eager it is
+        elif not self.compiled and len(self.eager_s) == TIMED_STEPS:
+            self.compiled = True  # decided: not built again after a refusal
+            left = self.total_steps - self.done if self.total_steps is not None else 0
+            if left * _median(self.eager_s) > COMPILE_PAYS_AFTER_S:
                 try:
                     self.step = self.build_compiled()
                 except (TypeError, ValueError) as err:
@@ -78,3 +88,19 @@ class AutoStep:
                     # optimizer, backend="loop"): that stopped the run after its timed steps.
                     warnings.warn(f"fit: {err}. fit(compile='auto') goes on eagerly.", stacklevel=3)
         return losses
+
+    def _timed(self) -> list[float] | None:
+        """Where this call's time goes: the eager steps after the warm-up, until
+        ``TIMED_STEPS`` are timed; the compiled steps after its compile and one warm-up call,
+        until as many are; else None."""
+        if self.step is self.eager:
+            deciding = not self.compiled and self.total_steps is not None and self.done > 0
+            return self.eager_s if deciding and len(self.eager_s) < TIMED_STEPS else None
+        if self.compiled_calls >= 2 and len(self.compiled_s) < TIMED_STEPS:  # then decided
+            return self.compiled_s
+        return None
+
+
+def _median(times: list[float]) -> float:
+    """The median of ``times`` (the upper one of an even count)."""
+    return sorted(times)[len(times) // 2]
