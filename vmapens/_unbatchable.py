@@ -46,6 +46,11 @@ _DATA = "accessing `data` under vmap transform"
 #: What torch.func.vmap (and ``_fastcall.no_random_ops``) says of a random op under
 #: ``randomness="error"``.
 _RANDOM = "randomness error mode"
+#: What torch.func.vmap says of a draw from per-member parameters (``torch.multinomial`` of a
+#: member's probabilities) under ``randomness="same"``, and of an in-place draw into a tensor
+#: the forward made (``torch.empty(...).normal_()``) under ``randomness="different"``.
+_SAME_BATCHED = "same randomness with a batched tensor input"
+_DIFFERENT_UNBATCHED = "different inplace randomness on an unbatched tensor"
 #: What autograd says of a tensor changed in place after it was saved for backward.
 _SAVED = "modified by an inplace operation"
 #: The hooks ``nn.Module`` runs around a forward or backward, by attribute name.
@@ -70,6 +75,10 @@ _NOT_TENSOR = "must only return Tensors"
 _MEMBERS = os.path.normcase(os.path.join("vmapens", "_member_maps.py"))
 _CHECKPOINT = os.path.normcase(os.path.join("torch", "utils", "checkpoint.py"))
 _AUTOGRAD = os.path.normcase(os.path.join("torch", "autograd", "__init__.py"))
+#: Where torch.distributions checks its arguments (``validate_args``).
+_DISTRIBUTIONS = os.path.normcase(os.path.join("torch", "distributions", ""))
+#: What that check says of a parameter or a value outside its constraint.
+_INVALID = "but found invalid values"
 
 
 def explain_failure(
@@ -114,6 +123,27 @@ def explain_failure(
             "Build it with randomness='different' (each member its own draws, as separate "
             "models) or 'same' (one draw for all members), or put the random layers in eval "
             f"mode. ({err})"
+        )
+    what = f"`loss_fn` or the forward of {name}" if loss else f"the forward of {name}"
+    if backend == "vmap" and _SAME_BATCHED in str(err):
+        return RuntimeError(
+            f"{api}: {what} draws random numbers with the member's own parameters "
+            "(torch.multinomial, torch.normal or torch.bernoulli of per-member probabilities "
+            "or means, as Categorical.sample() and Normal.sample() do), which torch.func.vmap "
+            "cannot draw with randomness='same'. Build the ensemble with backend='loop' (with "
+            "randomness='same' each member then draws what it draws alone from the same RNG "
+            "state) or with randomness='different' (each member its own draws, equal to "
+            f"alone's in distribution). ({err})"
+        )
+    if backend == "vmap" and _DIFFERENT_UNBATCHED in str(err):
+        return RuntimeError(
+            f"{api}: {what} draws random numbers in place into a tensor it made itself "
+            "(torch.empty(...).normal_(), as Normal.rsample() and other reparametrised draws "
+            "do), where torch.func.vmap cannot give each member draws of its own "
+            "(randomness='different'). Build the ensemble with randomness='same' (each member "
+            "draws what it draws alone from the same RNG state: the same noise for all), or "
+            "with backend='loop' (members one after another, each its own draws). "
+            f"({err})"
         )
     frames = [
         (os.path.normcase(f.filename), f.name) for f in traceback.extract_tb(err.__traceback__)
@@ -165,7 +195,22 @@ def explain_failure(
             "the ensemble stacks every output along a new member dim, with either backend. "
             f"Return tensors (torch.tensor(3) for a number) or None. ({err})"
         )
-    what = f"`loss_fn` or the forward of {name}" if loss else f"the forward of {name}"
+    if (
+        isinstance(err, ValueError)
+        and _INVALID in str(err)
+        and any(_DISTRIBUTIONS in path for path, _ in frames)
+    ):
+        return ValueError(
+            f"{api}: {what} builds a torch.distributions distribution whose argument check "
+            "(validate_args, on by default) found invalid values (a NaN, say) in some "
+            "member's tensors. The check raises for the whole call, so one member's invalid "
+            "values (the NaN parameters of a diverged member) stop every member, where alone "
+            "only that member would stop; find it with ens[i](inputs). To train the others "
+            "on (fit freezes a member whose loss is not finite, history.diverged; a loop of "
+            "your own masks it, opt.step(mask=losses.isfinite())), pass validate_args=False "
+            "to the distribution or call "
+            f"torch.distributions.Distribution.set_default_validate_args(False). ({err})"
+        )
     if backend == "vmap" and any(m in str(err) for m in NO_STORAGE):
         return RuntimeError(
             f"{api}: {what} reads a tensor's memory (.tolist(), .numpy(), .data_ptr(), "
