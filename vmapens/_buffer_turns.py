@@ -35,10 +35,12 @@ Rows = int | slice
 class Turns:
     """The stacked state as members or chunks run in turns on it, one ``take`` per turn.
 
-    Only tensors that do not require grad (buffers, frozen parameters) are watched: an edit of
-    a trained parameter fails in the forward, as alone. Nothing is watched (and ``take``
-    gives views only) where no backward can follow (grad off) or no version can be read (a
-    traced call; tensors of an enclosing ``torch.func`` transform).
+    Trained parameters are watched too: alone, a forward may edit its own weight in place
+    under ``torch.no_grad()`` (a max-norm or non-negativity constraint applied in the
+    forward); a turn after such an edit gets a copy of its rows that keeps the graph to the
+    stacked parameter (``clone``). Nothing is watched (and ``take`` gives views only) where no
+    backward can follow (grad off) or no version can be read (a traced call; tensors of an
+    enclosing ``torch.func`` transform).
     """
 
     def __init__(self, state: dict[str, Tensor], watch: bool = True) -> None:
@@ -52,13 +54,12 @@ class Turns:
             else [
                 (k, t._version)
                 for k, t in state.items()
-                if not t.requires_grad
-                and not t.is_inference()
-                and not is_functorch_wrapped_tensor(t)
+                if not t.is_inference() and not is_functorch_wrapped_tensor(t)
             ]
         )
         self.copied: list[str] = []
         self.given: list[tuple[str, Tensor]] = []
+        self.views: list[tuple[str, Tensor, int]] = []  # each view a turn got, its data_ptr
 
     def take(self, rows: Rows) -> dict[str, Tensor]:
         """The state of the members at ``rows``; copies of the rows of the watched tensors
@@ -72,16 +73,22 @@ class Turns:
         if self.copied:
             self.given = [(k, part[k].clone()) for k in self.copied]
             part.update(self.given)
+        self.views = [(k, t, t.data_ptr()) for k, t in part.items() if k not in self.copied]
         return part
 
     def give_back(self, rows: Rows) -> None:
         """After the turn at ``rows``: its copies go into the stacked storage, the counter
         unbumped. Each of them: a kernel's own edit (BatchNorm's running statistics) bumps
         no version, and a reassigned buffer was written into its copy
-        (``_fastcall.write_back_``)."""
+        (``_fastcall.write_back_``). A view the turn's forward gave new data
+        (``self.weight.data = torch.renorm(self.weight.data, ...)``: alone, the parameter
+        keeps it) is written into the stacked storage the same way."""
         for k, copy in self.given:
-            self.state[k].data[rows] = copy
-        self.given = []
+            self.state[k].data[rows] = copy.detach()
+        for k, view, ptr in self.views:
+            if view.data_ptr() != ptr:
+                self.state[k].data[rows] = view.detach()
+        self.given, self.views = [], []
 
     @property
     def active(self) -> bool:
