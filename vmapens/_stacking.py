@@ -8,7 +8,8 @@ built first (the largest one sets the padded shapes), then copied into their cor
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,7 @@ __all__ = [
     "recompute_",
     "recomputed",
     "scrub_",
+    "scrubbed",
     "stack_one_size",
     "stack_sizes",
     "staged",
@@ -268,15 +270,33 @@ def recompute_(module: nn.Module) -> None:
             setattr(m, name, hook.compute_weight(m, **power))
 
 
-def scrub_(module: nn.Module) -> None:
+def scrub_(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """Drop the tensors a forward left in a meta module's plain attributes (``self.last = h``)
     before it is copied: under vmap a batched tensor, dead outside it; with the loop backend
     the last member's, with its graph. ``copy.deepcopy`` refuses both, and neither is any
-    one member's: a copy starts with None there, as a module that has not run."""
+    one member's: a copy starts with None there, as a module that has not run. Returns what
+    it dropped, by module and name (``scrubbed`` puts it back)."""
+    dropped = []
     for m in module.modules():
         for key, v in list(vars(m).items()):
             if isinstance(v, torch.Tensor) and (is_functorch_wrapped_tensor(v) or v.grad_fn):
                 m.__dict__[key] = None
+                dropped.append((m, key, v))
+    return dropped
+
+
+@contextlib.contextmanager
+def scrubbed(*modules: nn.Module) -> Iterator[None]:
+    """``scrub_`` for the time of a copy (``copy.deepcopy(ens)``, ``select``): the copy starts
+    with None there, and the modules copied get their tensors back after it, so the ensemble
+    goes on from the state its forward keeps (a key/value cache in ``self.k``), as a plain
+    module goes on after ``copy.deepcopy`` of it (it went on from None, silently)."""
+    dropped = [d for module in modules for d in scrub_(module)]
+    try:
+        yield
+    finally:
+        for m, key, v in dropped:
+            m.__dict__[key] = v
 
 
 def first_difference(ours: tuple, theirs: tuple) -> tuple[str, Any, str | None, Any, Any] | None:

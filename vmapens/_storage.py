@@ -24,7 +24,7 @@ from ._member_apply import apply_members
 from ._member_state_dicts import member_state_dicts
 from ._members import named_tensors, non_persistent_buffers
 from ._padding import Padding
-from ._stacking import follow_flags, migrated_keys, scrub_
+from ._stacking import follow_flags, migrated_keys, scrub_, scrubbed
 from ._state_loading import loadable, warn_member_hooks
 from ._storage_parts import in_mode, member_format, metadata_of_member, paired
 from ._unbatchable import SparseLayer, sparse_layers
@@ -177,13 +177,12 @@ class StackedModule(nn.Module):
         if not len(rows):  # an empty slice or an all-False mask (a list is refused above)
             raise IndexError("Ensemble: selecting no members; an Ensemble needs at least one")
         self._follow_template()
-        scrub_(self._template)
-        scrub_(self._runner)
-        sub = copy.copy(self)
-        nn.Module.__init__(sub)  # fresh registries; the options are shared
-        # Copies of the meta modules: sub.train()/eval() must not switch this ensemble's mode.
-        sub.__dict__["_template"] = copy_member(self._template)
-        sub.__dict__["_runner"] = copy_member(self._runner)
+        with scrubbed(self._template, self._runner):  # copy.copy scrubs too (__getstate__)
+            sub = copy.copy(self)
+            nn.Module.__init__(sub)  # fresh registries; the options are shared
+            # Copies of the meta modules: sub.train()/eval() must not switch this one's mode.
+            sub.__dict__["_template"] = copy_member(self._template)
+            sub.__dict__["_runner"] = copy_member(self._runner)
         if self._padding is not None:
             sub.__dict__["_padding"] = self._padding.select(rows.tolist())
         with torch.no_grad():
@@ -254,7 +253,8 @@ class StackedModule(nn.Module):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:  # the meta modules' lambdas rebound
         metas = [] if self._padding is None else self._padding.templates
-        return copy_holding(self, memo, [self._template, self._runner, *metas])
+        with scrubbed(self._template, self._runner):
+            return copy_holding(self, memo, [self._template, self._runner, *metas])
 
     def __getstate__(self) -> dict[str, Any]:  # copy.deepcopy, pickle, torch.save
         scrub_(self._template)
