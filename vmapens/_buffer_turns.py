@@ -45,9 +45,9 @@ class Turns:
 
     def __init__(self, state: dict[str, Tensor], watch: bool = True) -> None:
         self.state = state
-        traced = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+        self.traced = torch.compiler.is_compiling() or torch.compiler.is_exporting()
         #: Whether a backward may follow the turns (grad on, outside a traced call).
-        self.backward = torch.is_grad_enabled() and not traced
+        self.backward = torch.is_grad_enabled() and not self.traced
         self.watched = (
             []
             if not (watch and self.backward)
@@ -73,7 +73,11 @@ class Turns:
         if self.copied:
             self.given = [(k, part[k].clone()) for k in self.copied]
             part.update(self.given)
-        self.views = [(k, t, t.data_ptr()) for k, t in part.items() if k not in self.copied]
+        self.views = [
+            (k, t, t.data_ptr())  # a traced or transformed tensor has no data pointer
+            for k, t in part.items()
+            if k not in self.copied and not self.traced and not is_functorch_wrapped_tensor(t)
+        ]
         return part
 
     def give_back(self, rows: Rows) -> None:
