@@ -6,7 +6,7 @@ member's forward builds `Categorical(logits=...)` (discrete actions) or `Normal(
 log_std.exp())` with a state-independent `log_std` parameter (continuous; once wrapped in
 `Independent`) and returns the taken actions' log-probabilities, the entropy and the value;
 a second policy returns only `(logits, value)` and the loss builds the distribution.
-torch's default `validate_args` (on under pytest) stays on, but where a test turns it off
+torch's default `validate_args` (on in a fresh process) stays on, but where a test turns it off
 for a diverged member.
 
 The PPO update: a fixed rollout buffer per member (seeded random tensors), advantages
@@ -41,7 +41,18 @@ from vmapens.optim import MemberValues
 sys.path.insert(0, str(Path(__file__).parent))
 from truth import batch_plan  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("float64_default")
+pytestmark = pytest.mark.usefixtures("float64_default", "validating_distributions")
+
+
+@pytest.fixture
+def validating_distributions() -> Any:
+    """torch's default `validate_args` (True), as a fresh process has it: torch._dynamo's
+    set-up turns it off for the whole process (`Distribution.set_default_validate_args(False)`
+    in `eval_frame`), which any earlier test that compiled has done."""
+    was = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(True)
+    yield
+    torch.distributions.Distribution.set_default_validate_args(was)
 
 N, OBS, A, ACT, H = 4, 3, 3, 2, 8
 T, MB, EPOCHS = 16, 8, 2  # rollout rows per member, minibatch rows, epochs: 4 steps
@@ -429,7 +440,7 @@ def poisoned(validate: bool | None) -> tuple[vmapens.Ensemble, list[nn.Module]]:
 def test_validate_args_check_every_member_at_once() -> None:
     """Under vmap torch's `validate_args` check (`.all()` of the constraint) covers every
     member: one member's NaN logits raise for all, where alone only that member raises."""
-    assert torch.distributions.Distribution._validate_args  # torch's default under pytest
+    assert torch.distributions.Distribution._validate_args  # torch's default in a fresh process
     obs = torch.randn(5, OBS)
     ens, alone = poisoned(None)
     with pytest.raises(ValueError, match="Expected parameter logits"):
