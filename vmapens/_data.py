@@ -10,6 +10,7 @@ from typing import Any
 import optree
 import torch
 from torch import Tensor
+from torch.utils.data import default_collate
 
 from ._data_checks import check_batch, check_listed_batch, is_tensor_data
 from .seeds import derive_seed
@@ -233,6 +234,21 @@ def _length(data: Iterable) -> int | None:
         return None
 
 
+def _batch_rows(data: Any) -> tuple[int, int] | None:
+    """A DataLoader's rows per batch and in its last batch, where its settings say them (a
+    ``batch_size``, a sized sampler, torch's own collate); None otherwise."""
+    size, sampler = getattr(data, "batch_size", None), getattr(data, "sampler", None)
+    collate = getattr(data, "collate_fn", None)
+    if (
+        not isinstance(size, int)
+        or not isinstance(sampler, Sized)
+        or collate is not default_collate
+    ):
+        return None
+    last = len(sampler) % size
+    return size, size if last == 0 or getattr(data, "drop_last", False) else last
+
+
 class MemberIterables:
     """One re-iterable per member (a DataLoader each): a step stacks one batch of each."""
 
@@ -250,6 +266,15 @@ class MemberIterables:
                 f"pass, got {sorted(lengths, key=str)}"
             )
         self.length = self.sources[0].length
+        # Batches of other row counts fail to stack at that step, after the steps before it
+        # trained: where the loaders' settings say their batches' rows, refuse before any.
+        rows = [_batch_rows(src.data) for src in self.sources]
+        if None not in rows and len(set(rows)) > 1:
+            raise ValueError(
+                f"{api}: the per-member DataLoaders give batches of other sizes (rows per batch, "
+                f"rows in the last batch: {rows}); a step stacks one batch of each member, so "
+                "they must agree at every step: give them one batch_size and drop_last=True"
+            )
 
     @property
     def pass_rng(self) -> list[Any]:
