@@ -54,6 +54,7 @@ def validating_distributions() -> Any:
     yield
     torch.distributions.Distribution.set_default_validate_args(was)
 
+
 N, OBS, A, ACT, H = 4, 3, 3, 2, 8
 T, MB, EPOCHS = 16, 8, 2  # rollout rows per member, minibatch rows, epochs: 4 steps
 CLIP, ENT_COEF, VF_COEF, MAX_NORM = 0.2, 0.01, 0.5, 0.5
