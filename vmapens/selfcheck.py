@@ -12,12 +12,13 @@ itself").
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ._batch_edits import refuse_edits_in_turns
 from ._checks import check_loss_fn, positional, tolerance
@@ -173,15 +174,38 @@ class Probe:
         if not self.pending:
             return
         batch = (self.loss_fn, args, targets, self.in_dims, self.autocast)
-        try:
-            runs = [(member, run_alone(self.ens, member, *batch)) for member in probed(self.ens)]
-        except Exception:
-            self.tries += 1  # the step reports it, as without the probe
-            self.pending = self.tries < TRIES
-            return
-        for member, alone in runs:
-            _compare("step", self.ens, member, alone, *batch, compiled=self.compiled)
+        with _loss_state_kept(self.loss_fn):
+            try:
+                runs = [(m, run_alone(self.ens, m, *batch)) for m in probed(self.ens)]
+            except Exception:
+                self.tries += 1  # the step reports it, as without the probe
+                self.pending = self.tries < TRIES
+                return
+            for member, alone in runs:
+                _compare("step", self.ens, member, alone, *batch, compiled=self.compiled)
         self.pending = False
+
+
+@contextlib.contextmanager
+def _loss_state_kept(loss_fn: Callable) -> Iterator[None]:
+    """Put a loss module's buffers and gradients back after the probe's runs of the loss: a
+    frozen teacher in train mode inside the loss updated its BatchNorm statistics twice more
+    on the first step than alone, silently."""
+    if not isinstance(loss_fn, nn.Module):
+        yield
+        return
+    kept = [(m, k, t, t.detach().clone()) for m in loss_fn.modules()
+            for k, t in m._buffers.items() if t is not None]  # fmt: skip
+    grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in loss_fn.parameters()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, key, tensor, value in kept:
+                tensor.copy_(value)
+                module._buffers[key] = tensor
+        for p, grad in grads:
+            p.grad = grad
 
 
 # -- the comparison -------------------------------------------------------------------------
