@@ -3,6 +3,7 @@ name, and 0.2's moved names saying where they went."""
 
 from __future__ import annotations
 
+import copy
 import importlib
 
 import pytest
@@ -49,6 +50,36 @@ def test_a_moved_name_says_where_it_went(name):
         getattr(vmapens, name)
     space, attr = target.removeprefix("vmapens.").split(".")
     assert hasattr(importlib.import_module(f"vmapens.{space}"), attr)
+
+
+@pytest.mark.parametrize("space", [vmapens, vmapens.optim])
+def test_stacked_adamw_names_the_ways_to_adamw_and_both_step_as_torch_adamw(space):
+    with pytest.raises(AttributeError, match="decoupled_weight_decay=True.*stacked") as err:
+        space.StackedAdamW  # noqa: B018
+    assert "has no attribute 'StackedAdamW'" in str(err.value)
+    # The two ways it names: each member steps as torch.optim.AdamW alone.
+    ens = vmapens.Ensemble(lambda: torch.nn.Linear(3, 2).double(), n=2, seed=0)
+    alone = ens.unstack()
+    ways = [
+        lambda e: vmapens.StackedAdam(e, lr=0.1, weight_decay=0.3, decoupled_weight_decay=True),
+        lambda e: vmapens.optim.stacked(torch.optim.AdamW)(e, lr=0.1, weight_decay=0.3),
+    ]
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for way in ways:
+        ens = vmapens.Ensemble.from_modules([copy.deepcopy(m) for m in alone])
+        opt = way(ens)
+        for _ in range(2):
+            opt.zero_grad()
+            ens(x).pow(2).sum().backward()
+            opt.step()
+        for i, m in enumerate(alone):
+            m = copy.deepcopy(m)
+            plain = torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.3)
+            for _ in range(2):
+                plain.zero_grad()
+                m(x).pow(2).sum().backward()
+                plain.step()
+            torch.testing.assert_close(ens[i].state_dict(), m.state_dict(), rtol=1e-12, atol=1e-14)
 
 
 def test_an_unknown_name_is_a_plain_attribute_error():

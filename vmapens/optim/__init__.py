@@ -62,3 +62,14 @@ __all__ = [
     "sgd_update_",
     "stacked",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "StackedAdamW":  # torch's AdamW is Adam with decoupled weight decay
+        raise AttributeError(
+            "module 'vmapens.optim' has no attribute 'StackedAdamW': torch's AdamW is Adam "
+            "with decoupled weight decay: StackedAdam(ens, weight_decay=..., "
+            "decoupled_weight_decay=True), as torch.optim.Adam(decoupled_weight_decay=True) "
+            "equals AdamW, or vmapens.optim.stacked(torch.optim.AdamW)"
+        )
+    raise AttributeError(f"module 'vmapens.optim' has no attribute {name!r}")
