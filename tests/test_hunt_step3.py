@@ -166,6 +166,30 @@ def test_targets_that_are_not_tensors_are_refused_before_anything_changes(target
     assert not opt.state
 
 
+def maybe_weighted(out: torch.Tensor, target: dict) -> torch.Tensor:
+    """An MSE, weighted where the batch has weights (an empty tensor where it has none)."""
+    w = target["w"] if target["w"].numel() else 1.0
+    return (w * (out - target["y"]) ** 2).mean()
+
+
+@pytest.mark.parametrize("in_dims", [None, 0])
+def test_a_missing_target_as_none_names_the_way_out_and_that_way_trains_as_alone(in_dims):
+    ens, members = pair()
+    step = vmapens.make_step(ens, maybe_weighted, vmapens.StackedSGD(ens, lr=0.1), in_dims=in_dims)
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"holding NoneType; for a target missing .*torch\.empty"):
+        step(x, {"y": y, "w": None})
+    # The way the message names: an empty tensor the loss skips.
+    if in_dims is None:
+        got = step(x, {"y": y, "w": torch.empty(0)})
+    else:
+        got = step(x.expand(N, 5, 3), {"y": y.expand(N, 5, 2), "w": torch.empty(N, 0)})
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in members]
+    want = step_alone(members, opts, x, lambda _: {"y": y, "w": torch.empty(0)}, maybe_weighted)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    assert_members_equal(ens, members)
+
+
 def test_several_targets_pass_the_first_calls_self_check():
     # check=True (the default): vmapens.check runs member 0 alone on the same targets.
     ens, members = pair()

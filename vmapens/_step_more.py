@@ -63,6 +63,13 @@ def check_targets(targets: Any) -> None:
                 "; a loss that takes no targets (a flow's likelihood, an autoencoder) gets "
                 "the inputs as targets and ignores them: `step(x, x)`"
             )
+        elif any(leaf is None for leaf in bad):  # a task without labels in this batch
+            hint = (
+                "; for a target missing from this batch (a task without labels), pass an "
+                "empty tensor (torch.empty(0), or one row per member: torch.empty(n, 0) with "
+                "in_dims=0) and let the loss skip it (`if t.numel():`), or a mask of the rows "
+                "that have labels"
+            )
         raise TypeError(
             f"step: `targets` must be a tensor or a tuple, list or dict of tensors, got {got}{hint}"
         )
