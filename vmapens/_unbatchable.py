@@ -172,6 +172,19 @@ def explain_failure(
             "of the input: these run under vmap), or build the ensemble with backend='loop': "
             f"members run one after another, each as it would alone, exactly. ({err})"
         )
+    if (
+        backend == "vmap"
+        and _OLD_FUNCTION in str(err)
+        and any(_DISTRIBUTIONS in p for p, _ in frames)
+    ):
+        return RuntimeError(
+            f"{api}: {what} draws from torch.distributions' Beta or Dirichlet, whose sample() "
+            "runs torch's _Dirichlet, an autograd.Function torch.func.vmap cannot run. Draw "
+            "the values outside the ensemble and pass them in (one per member with in_dims=0), "
+            "draw two Gamma variables and take their ratio (X / (X + Y) with X ~ Gamma(a), "
+            "Y ~ Gamma(b) is Beta(a, b)), or build the ensemble with backend='loop'. "
+            f"({err})"
+        )
     if backend == "vmap" and _OLD_FUNCTION in str(err):
         return RuntimeError(
             f"{api}: the forward of {name} calls a torch.autograd.Function written the old way "

@@ -158,12 +158,19 @@ class Probe:
         self.autocast = autocast
         self.pending, self.tries = enabled, 0
 
-    def wrap(self, step: Callable[..., Tensor]) -> Callable[..., Tensor]:
-        """``step`` probed on its first call (``step`` itself when the probe is disabled)."""
+    def wrap(
+        self, step: Callable[..., Tensor], first: Callable[..., Any] | None = None
+    ) -> Callable[..., Tensor]:
+        """``step`` probed on its first call (``step`` itself when the probe is disabled).
+        ``first(inputs, targets, mask)``, the step's own argument checks, runs before the
+        probe: a batch the step refuses (a float in per-member targets) gets the step's
+        error, not the probe's "fails inside the ensemble" and its way out."""
         if not self.pending:
             return step
 
         def checked(inputs: Any, targets: Tensor, mask: Tensor | None = None) -> Tensor:
+            if self.pending and first is not None:
+                first(inputs, targets, mask)
             self(positional(inputs), targets)
             return step(inputs, targets, mask)
 

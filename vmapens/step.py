@@ -130,6 +130,10 @@ def make_step(
     )
     member_loss = _member_loss(ens, loss_fn)
     probe = Probe(ens, loss_fn, in_dims, update.dtype, enabled=check, compiled=compile)
+
+    def arguments(inputs: Any, targets: Any, mask: torch.Tensor | None) -> None:
+        check_call(ens, optimizer, inputs, targets, mask, in_dims)  # before the probe too
+
     if compile:
         if not isinstance(optimizer, StackedOptimizer):
             raise TypeError(
@@ -143,7 +147,7 @@ def make_step(
                 "times. Use compile=False with backend='loop'."
             )
         compiled = compiled_step(ens, member_loss, optimizer, in_dims, update, check)
-        return grad_on(probe.wrap(compiled))
+        return grad_on(probe.wrap(compiled, arguments))
     batched = ens._member_map(member_loss, (in_dims, in_dims))
 
     # The stacked parameters keep their identity through .to() / .double(): list them once.
@@ -200,7 +204,7 @@ def make_step(
             raise
         return losses.detach()
 
-    return grad_on(probe.wrap(step))
+    return grad_on(probe.wrap(step, arguments))
 
 
 def _member_loss(ens: Ensemble, loss_fn: Callable) -> Callable[..., torch.Tensor]:
