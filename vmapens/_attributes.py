@@ -127,6 +127,7 @@ class Watched:
         self.keys = [k for names in self.names for k in names]
         self.count = len(self.keys)
         self.keys += [k for m in modules for k in m._modules]
+        self.keys += [k for m in modules for d in (m._parameters, m._buffers) for k in d]
         self._link()
         self.sizes = list(map(len, self.dicts))
         self.values = list(map(dict.get, self.owned, self.keys))
@@ -142,7 +143,8 @@ class Watched:
         self.dicts += [d for m in self.modules for d in (m._parameters, m._buffers)]
         self.owned: list[dict[str, Any]] = [m.__dict__ for m in self.owners] + [
             m._modules for m in self.modules for _ in m._modules
-        ]
+        ]  # then each parameter and buffer, by identity: one replaced is refused
+        self.owned += [d for m in self.modules for d in (m._parameters, m._buffers) for _ in d]
 
     def __getstate__(self) -> dict[str, Any]:  # the copies' ``__dict__``s are other objects
         state = {k: v for k, v in vars(self).items() if k not in ("dicts", "owned")}
@@ -226,6 +228,18 @@ class Watched:
                     "with, so no member would hold (train, save) it. Build a new ensemble from "
                     "members that have it (Ensemble.from_modules(...), or a factory that makes it)"
                 )
+        for prefix, m in zip(self.prefixes, self.modules, strict=True):
+            for name, t in [*m._parameters.items(), *m._buffers.items()]:
+                if t is not None and not t.is_meta:
+                    path = f"{prefix}.{name}" if prefix else name
+                    raise ValueError(
+                        f"Ensemble: `ens.template.{path}` was replaced by a tensor on {t.device} "
+                        "(load_state_dict(..., assign=True) or an assignment); the template is "
+                        "on meta and every member holds its own tensors, so no member would "
+                        "read it. Load values into the members: ens.load_state_dict() with "
+                        "[n, ...] tensors, ens.stacked_params()[name].copy_(...), or build "
+                        "the members with them"
+                    )
         for prefix, m, built in zip(self.prefixes, self.modules, self.built_children, strict=True):
             now = dict(m._modules)
             for name in sorted(set(built) | set(now), key=str):

@@ -1,6 +1,7 @@
 """Each member's own state dict, cut from the stacked storage: what ``ens[i].state_dict()``
-gives, detached copies under the member's keys (tied aliases included), at the member's own
-size where members differ in size, with the member's ``_metadata``."""
+gives, detached copies under the member's keys (a tied alias shares its tensor's copy, as in
+``module.state_dict()``), at the member's own size where members differ in size, with the
+member's ``_metadata``."""
 
 from __future__ import annotations
 
@@ -35,9 +36,13 @@ def member_state_dicts(
         # `module.state_dict()`'s type, with its `_metadata` (each submodule's `_version`):
         # without it BatchNorm's loader reads a state dict as version 1.
         sd: OrderedDict[str, torch.Tensor] = OrderedDict()
+        rows: dict[str, torch.Tensor] = {}
         for key, name in state_keys.items():
-            row = persistent[name][i]
-            sd[key] = (row if padding is None else padding.take(name, row, i)).detach().clone()
+            if name not in rows:  # one copy per tensor: a tied alias shares it, as alone
+                row = persistent[name][i]
+                own = row if padding is None else padding.take(name, row, i)
+                rows[name] = own.detach().clone()
+            sd[key] = rows[name].detach()
         if metadata is not None:
             sd._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
         sds.append(sd)

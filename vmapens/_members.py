@@ -135,12 +135,24 @@ def signature(module: nn.Module) -> Signature:
     each submodule's train/eval mode (a BatchNorm frozen in eval mode stays frozen), and
     every submodule's name, class and settings (``own_settings``; cheap: mostly ints)."""
     modules, names = modules_of(module), Names(module)
+    tied = tied_names(module)
     tensors = {
-        name: (tuple(t.shape), t.dtype, t.device, t.requires_grad)
+        name: (tuple(t.shape), t.dtype, t.device, t.requires_grad, tied.get(id(t), ()))
         for name, t in named_tensors(module, modules)
     }
     settings = tuple((n, class_of(m), own_settings(m, names)) for n, m in modules)
     return class_of(module), tensors, {n: m.training for n, m in modules}, settings
+
+
+def tied_names(module: nn.Module) -> dict[int, tuple[str, ...]]:
+    """Each tied tensor's other names (a tensor held under one name is left out), by id."""
+    names: dict[int, list[str]] = {}
+    for name, t in [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]:
+        names.setdefault(id(t), []).append(name)
+    return {k: tuple(v[1:]) for k, v in names.items() if len(v) > 1}
 
 
 def check_same(
@@ -160,10 +172,13 @@ def check_same(
         if key not in got or key not in ref:
             which = "lacks" if key not in got else "has an extra"
             raise ValueError(f"{api}: member {i} {which} tensor `{key}` (compared to member 0)")
-        for what, a, b in zip(("shape", "dtype", "device", "requires_grad"), ref[key], got[key]):
+        whats = ("shape", "dtype", "device", "requires_grad", "tied names")
+        for what, a, b in zip(whats, ref[key], got[key], strict=True):
             if a != b and (shapes or what != "shape"):
                 sizes = (
-                    ""
+                    "; tie the same tensors in every member (a member runs with member 0's ties)"
+                    if what == "tied names"
+                    else ""
                     if what != "shape"
                     # the padded ensemble takes them
                     else (

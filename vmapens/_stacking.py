@@ -336,7 +336,7 @@ def check_applied(api: str, before: tuple, after: tuple, hooks_before: list, hoo
             "over only tensor values, train/eval modes and requires_grad: set an attribute on "
             "ens.template instead (every member follows it), or build the members with it"
         )
-    for name, (shape, dtype, device, _) in after[1].items():
+    for name, (shape, dtype, device, *_) in after[1].items():
         if name not in tensors or tensors[name][:3] != (shape, dtype, device):
             raise ValueError(
                 f"{api}: `fn` changed the tensor `{name}` (shape, dtype or device); an ensemble's "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -71,6 +72,7 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
                 "per argument, 0 for a stacked one, None for a shared one: e.g. "
                 f"per_member(loss_fn, in_dims={(0, *[None] * max(len(args) - 1, 0))!r})"
             )
+        _warn_stacked_keywords(in_dims, args, kwargs)
         # autocast casts below vmap's batching rules: a batched cross_entropy decomposes into
         # ops autocast leaves in bf16, where the member alone gets float32. The member's own
         # policy, applied per torch function (a no-op without an active autocast).
@@ -93,6 +95,35 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
         return values
 
     return loss
+
+
+def _warn_stacked_keywords(in_dims: Any, args: tuple, kwargs: dict) -> None:
+    """Warn of a keyword tensor with as many rows as there are members: vmap maps positional
+    arguments only, so each member gets all of it (a stacked ``var=`` mixes the members')."""
+    dims = _flat_dims(in_dims, len(args))
+    if not kwargs or dims is None:
+        return
+    sizes = {
+        leaf.shape[d]
+        for a, d in zip(args, dims)
+        if d is not None
+        for leaf in optree.tree_leaves(a)
+        if isinstance(leaf, torch.Tensor) and -leaf.dim() <= d < leaf.dim()
+    }
+    for name, value in kwargs.items():
+        leaves = [t for t in optree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+        n = next((t.shape[0] for t in leaves if t.dim() and t.shape[0] in sizes), None)
+        if n is not None:
+            warnings.warn(
+                f"per_member: keyword argument `{name}` reaches every member whole (vmap maps "
+                f"positional arguments only), but its dim 0 has {n} rows, one per member; if "
+                "it holds one slice per member, pass it positionally with an in_dims entry of "
+                f"0, e.g. per_member(loss_fn, in_dims=(0, None, 0))(output, target, {name}); "
+                "if it is shared, silence this with "
+                "warnings.filterwarnings('ignore', message='per_member: keyword')",
+                UserWarning,
+                stacklevel=2,
+            )
 
 
 def _unbatchable(err: RuntimeError) -> bool:
