@@ -203,16 +203,17 @@ def adds_at_indices(gm: torch.fx.GraphModule) -> bool:
 
 
 def _inner_compile(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
-    """Inductor's ``compile_fx_inner``, with the kernels that add at computed indices left
-    unvectorized where ``gm`` has such adds.
+    """Inductor's ``compile_fx_inner``, with the kernels that add at computed indices tiled in
+    one dim only where ``gm`` has such adds.
 
     torch 2.13's C++ codegen (CPU) miscomputes the index of such an add (an ``atomic_add``
     store) in a kernel it tiles in two dims (one input with the member dim innermost, as vmap
     leaves it, another not): member ``m`` of a [N, 64]-element gradient wrote at ``128 * m``.
     ``vmap(grad(f))`` of a bilinear ``F.interpolate`` (tests/test_journey_vision.py) crashed the
     process (heap corruption) or, at N=3, gave every member a wrong gradient without an error.
-    Unvectorized it is exact. Only those kernels: a CNN's max-pool backward is a ``scatter_add``
-    under vmap, and the whole graph unvectorized took its step 3x as long (docs/performance.md).
+    Vectorized along the innermost dim alone it is exact. Only those kernels: a CNN's max-pool
+    backward is a ``scatter_add`` under vmap, and the whole graph unvectorized (sessions 28-29)
+    took its step 3x as long, the add's kernel alone unvectorized 1.4x (docs/performance.md).
     """
     # Imported here: torch._inductor imports torch._dynamo (seconds), which eager never needs.
     from torch._inductor.codegen import cpp
@@ -222,12 +223,13 @@ def _inner_compile(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any)
         return compile_fx_inner(gm, example_inputs, **kwargs)
     select = cpp.TilingSelect.select_tiling
 
-    def scalar_atomic_adds(self: Any, fn_list: Any, var_sizes_list: Any) -> Any:
-        if _atomic_adds(cpp._get_loop_body(fn_list)):
-            return [], [], cpp.KernelOpStats()  # no tiling: the kernel runs unvectorized
-        return select(self, fn_list, var_sizes_list)
+    def one_dim_atomic_adds(self: Any, fn_list: Any, var_sizes_list: Any) -> Any:
+        factors, indices, stats = select(self, fn_list, var_sizes_list)
+        if len(indices) == 2 and _atomic_adds(cpp._get_loop_body(fn_list)):
+            return factors[:1], indices[-1:], stats  # vectorized along the innermost dim only
+        return factors, indices, stats
 
-    cpp.TilingSelect.select_tiling = scalar_atomic_adds  # type: ignore[method-assign]
+    cpp.TilingSelect.select_tiling = one_dim_atomic_adds  # type: ignore[method-assign]
     try:
         return compile_fx_inner(gm, example_inputs, **kwargs)
     finally:
@@ -246,8 +248,8 @@ def _atomic_adds(loop_bodies: Any) -> bool:
 
 def compile_arguments(device: torch.device) -> dict[str, Any]:
     """``torch.compile``'s ``options`` for the compiled step on ``device`` and, on a CPU, its
-    ``backend``: inductor, compiling the kernels that add at computed indices unvectorized
-    (``_inner_compile``: torch 2.13 miscompiles them vectorized)."""
+    ``backend``: inductor, tiling the kernels that add at computed indices in one dim only
+    (``_inner_compile``: torch 2.13 miscompiles them tiled in two)."""
     options = compile_options(device)
     return (
         {"options": options, "backend": _inductor} if device.type == "cpu" else {"options": options}
