@@ -54,6 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
+    "names_by_tensor",
     "WRITTEN",
     "Reassigned",
     "call_member",
@@ -231,15 +232,21 @@ def _plan(module: nn.Module, keys: tuple[str, ...]) -> _Plan | None:
     return plans[keys]
 
 
-def _make_plan(module: nn.Module, keys: tuple[str, ...]) -> _Plan | None:
-    """Where each name's tensor goes, tied aliases too; None if functional_call must decide."""
+def names_by_tensor(module: nn.Module) -> dict[int, list[str]]:
+    """Every name of each of ``module``'s parameters and buffers (tied aliases, a submodule
+    at two paths), by the tensor's id, in the module's order."""
     names: dict[int, list[str]] = {}
     for name, t in [
         *module.named_parameters(remove_duplicate=False),
         *module.named_buffers(remove_duplicate=False),
     ]:
         names.setdefault(id(t), []).append(name)
-    aliases = {name: group for group in names.values() for name in group}
+    return names
+
+
+def _make_plan(module: nn.Module, keys: tuple[str, ...]) -> _Plan | None:
+    """Where each name's tensor goes, tied aliases too; None if functional_call must decide."""
+    aliases = {name: group for group in names_by_tensor(module).values() for name in group}
     given = set(keys)
     plan: _Plan = []
     for key in keys:

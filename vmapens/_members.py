@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from ._fastcall import names_by_tensor
 from ._hooks import (
     ATOMS,
     DEPTH,
@@ -146,13 +147,16 @@ def signature(module: nn.Module) -> Signature:
 
 def tied_names(module: nn.Module) -> dict[int, tuple[str, ...]]:
     """Each tied tensor's other names (a tensor held under one name is left out), by id."""
-    names: dict[int, list[str]] = {}
-    for name, t in [
-        *module.named_parameters(remove_duplicate=False),
-        *module.named_buffers(remove_duplicate=False),
-    ]:
-        names.setdefault(id(t), []).append(name)
-    return {k: tuple(v[1:]) for k, v in names.items() if len(v) > 1}
+    return {k: tuple(v[1:]) for k, v in names_by_tensor(module).items() if len(v) > 1}
+
+
+#: What ``check_same`` adds where members differ in a tensor's shape (the padded ensemble
+#: takes them) or in its ties.
+_WAY_OUT = {
+    "shape": "; members of different sizes train padded with Ensemble.from_factories("
+    "[lambda m=m: m for m in modules]) (docs/semantics.md)",
+    "tied names": "; tie the same tensors in every member (a member runs with member 0's ties)",
+}
 
 
 def check_same(
@@ -175,19 +179,9 @@ def check_same(
         whats = ("shape", "dtype", "device", "requires_grad", "tied names")
         for what, a, b in zip(whats, ref[key], got[key], strict=True):
             if a != b and (shapes or what != "shape"):
-                sizes = (
-                    "; tie the same tensors in every member (a member runs with member 0's ties)"
-                    if what == "tied names"
-                    else ""
-                    if what != "shape"
-                    # the padded ensemble takes them
-                    else (
-                        "; members of different sizes train padded with Ensemble.from_factories("
-                        "[lambda m=m: m for m in modules]) (docs/semantics.md)"
-                    )
-                )
                 raise ValueError(
-                    f"{api}: member {i} differs from member 0 at `{key}`: {what} {b} vs {a}{sizes}"
+                    f"{api}: member {i} differs from member 0 at `{key}`: {what} {b} vs "
+                    f"{a}{_WAY_OUT.get(what, '')}"
                 )
     for name, mode in ref_modes.items() if got_modes != ref_modes else ():
         if got_modes.get(name, mode) != mode:
