@@ -119,18 +119,9 @@ _MOVED = {
 }
 
 
-#: Names users reach for that vmapens spells otherwise, and how.
-_SPELLED = {
-    "StackedAdamW": "torch's AdamW is Adam with decoupled weight decay: "
-    "vmapens.StackedAdam(ens, weight_decay=..., decoupled_weight_decay=True), as "
-    "torch.optim.Adam(decoupled_weight_decay=True) equals AdamW, or "
-    "vmapens.optim.stacked(torch.optim.AdamW)",
-}
-
-
 def __getattr__(name: str) -> object:
     if name in _MOVED:
         raise AttributeError(f"vmapens.{name} moved to {_MOVED[name]} in 0.3.0")
-    if name in _SPELLED:
-        raise AttributeError(f"module 'vmapens' has no attribute {name!r}: {_SPELLED[name]}")
+    if name in optim.SPELLED:
+        raise AttributeError(f"module 'vmapens' has no attribute {name!r}: {optim.SPELLED[name]}")
     raise AttributeError(f"module 'vmapens' has no attribute {name!r}")

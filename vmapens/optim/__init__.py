@@ -64,12 +64,16 @@ __all__ = [
 ]
 
 
+#: Names users reach for that vmapens spells otherwise, and how (``vmapens`` says it too).
+SPELLED = {
+    "StackedAdamW": "torch's AdamW is Adam with decoupled weight decay: "
+    "vmapens.StackedAdam(ens, weight_decay=..., decoupled_weight_decay=True), as "
+    "torch.optim.Adam(decoupled_weight_decay=True) equals AdamW, or "
+    "vmapens.optim.stacked(torch.optim.AdamW)",
+}
+
+
 def __getattr__(name: str) -> object:
-    if name == "StackedAdamW":  # torch's AdamW is Adam with decoupled weight decay
-        raise AttributeError(
-            "module 'vmapens.optim' has no attribute 'StackedAdamW': torch's AdamW is Adam "
-            "with decoupled weight decay: StackedAdam(ens, weight_decay=..., "
-            "decoupled_weight_decay=True), as torch.optim.Adam(decoupled_weight_decay=True) "
-            "equals AdamW, or vmapens.optim.stacked(torch.optim.AdamW)"
-        )
+    if name in SPELLED:
+        raise AttributeError(f"module 'vmapens.optim' has no attribute {name!r}: {SPELLED[name]}")
     raise AttributeError(f"module 'vmapens.optim' has no attribute {name!r}")
