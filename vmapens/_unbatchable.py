@@ -148,6 +148,7 @@ def explain_failure(
     frames = [
         (os.path.normcase(f.filename), f.name) for f in traceback.extract_tb(err.__traceback__)
     ]
+    in_distributions = any(_DISTRIBUTIONS in path for path, _ in frames)
     if any(path.endswith(_CHECKPOINT) for path, _ in frames):
         return RuntimeError(
             f"{api}: the forward of {name} uses torch.utils.checkpoint, which recomputes the "
@@ -172,11 +173,7 @@ def explain_failure(
             "of the input: these run under vmap), or build the ensemble with backend='loop': "
             f"members run one after another, each as it would alone, exactly. ({err})"
         )
-    if (
-        backend == "vmap"
-        and _OLD_FUNCTION in str(err)
-        and any(_DISTRIBUTIONS in p for p, _ in frames)
-    ):
+    if backend == "vmap" and _OLD_FUNCTION in str(err) and in_distributions:
         return RuntimeError(
             f"{api}: {what} draws from torch.distributions' Beta or Dirichlet, whose sample() "
             "runs torch's _Dirichlet, an autograd.Function torch.func.vmap cannot run. Draw "
@@ -208,11 +205,7 @@ def explain_failure(
             "the ensemble stacks every output along a new member dim, with either backend. "
             f"Return tensors (torch.tensor(3) for a number) or None. ({err})"
         )
-    if (
-        isinstance(err, ValueError)
-        and _INVALID in str(err)
-        and any(_DISTRIBUTIONS in path for path, _ in frames)
-    ):
+    if isinstance(err, ValueError) and _INVALID in str(err) and in_distributions:
         return ValueError(
             f"{api}: {what} builds a torch.distributions distribution whose argument check "
             "(validate_args, on by default) found invalid values (a NaN, say) in some "
