@@ -100,16 +100,10 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
 def _warn_stacked_keywords(in_dims: Any, args: tuple, kwargs: dict) -> None:
     """Warn of a keyword tensor with as many rows as there are members: vmap maps positional
     arguments only, so each member gets all of it (a stacked ``var=`` mixes the members')."""
-    dims = _flat_dims(in_dims, len(args))
-    if not kwargs or dims is None:
+    dims = _flat_dims(in_dims, len(args)) if kwargs else None  # most calls: no keywords
+    if dims is None:
         return
-    sizes = {
-        leaf.shape[d]
-        for a, d in zip(args, dims)
-        if d is not None
-        for leaf in optree.tree_leaves(a)
-        if isinstance(leaf, torch.Tensor) and -leaf.dim() <= d < leaf.dim()
-    }
+    sizes = _mapped_sizes(args, dims)
     for name, value in kwargs.items():
         leaves = [t for t in optree.tree_leaves(value) if isinstance(t, torch.Tensor)]
         n = next((t.shape[0] for t in leaves if t.dim() and t.shape[0] in sizes), None)
@@ -143,19 +137,24 @@ def _flat_dims(in_dims: Any, count: int) -> list[int | None] | None:
     return list(in_dims) if flat and all(d is None or isinstance(d, int) for d in in_dims) else None
 
 
+def _mapped_sizes(args: tuple, dims: list[int | None]) -> set[int]:
+    """The sizes of the mapped dims of the positional arguments' tensors (one: ``n``, where
+    vmap accepts them)."""
+    return {
+        leaf.shape[d]
+        for a, d in zip(args, dims, strict=True)
+        if d is not None
+        for leaf in optree.tree_leaves(a)
+        if isinstance(leaf, torch.Tensor) and -leaf.dim() <= d < leaf.dim()
+    }
+
+
 def _member_by_member(
     loss_fn: Callable, dims: list[int | None], args: tuple, kwargs: dict
 ) -> torch.Tensor | None:
     """``loss_fn`` on member ``i``'s slice of every mapped argument, for each ``i``, stacked;
     None if it returns anything but a tensor."""
-    sizes = {
-        leaf.shape[d]
-        for a, d in zip(args, dims)
-        if d is not None
-        for leaf in optree.tree_leaves(a)
-        if isinstance(leaf, torch.Tensor)
-    }
-    (n,) = sizes  # vmap checked the mapped sizes agree before it ran the loss
+    (n,) = _mapped_sizes(args, dims)  # vmap checked the mapped sizes agree before it ran
 
     def member(i: int) -> list[Any]:
         return [
