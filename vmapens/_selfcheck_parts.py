@@ -104,11 +104,12 @@ def refuse_carried(api: str, name: str, how: str, attributes: Attributes, why: s
     )
     raise RuntimeError(
         f"{api}: the forward of {name} sets or edits {shown} on its module, which is no "
-        f"parameter or buffer, and a second call reads it ({why}). With {how} the members run in turns on "
-        "one module, so each member would read what a member before it left there (a plain "
-        "value such as a number or a flag: at the next call), where alone it reads its own. Keep that state in a buffer (self.register_buffer(...): one "
-        "row per member), or build the ensemble with backend='vmap' and no chunk_size (one run "
-        "for all members sets it once per call, as alone). Nothing was changed"
+        f"parameter or buffer, and a second call reads it ({why}). With {how} the members run "
+        "in turns on one module, so each member would read what a member before it left there "
+        "(a plain value such as a number or a flag: at the next call), where alone it reads "
+        "its own. Keep that state in a buffer (self.register_buffer(...): one row per member), "
+        "or build the ensemble with backend='vmap' and no chunk_size (one run for all members "
+        "sets it once per call, as alone). Nothing was changed"
     )
 
 
