@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
-from truth import batch_plan, resample
+from truth import assert_members_equal, batch_plan, resample
 
 import vmapens
 
@@ -177,11 +177,7 @@ def adam(i: int, m: nn.Module) -> torch.optim.Optimizer:
 
 
 def assert_members(ens: vmapens.Ensemble, models: list[nn.Module]) -> None:
-    for i, m in enumerate(models):
-        got, want = ens[i].state_dict(), m.state_dict()
-        assert list(got) == list(want)
-        for k in want:
-            torch.testing.assert_close(got[k], want[k], **TOL, msg=f"member {i} {k}")
+    assert_members_equal(ens, models, **TOL)
 
 
 @pytest.mark.parametrize(

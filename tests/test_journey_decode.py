@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
-from truth import factory_members
+from truth import assert_members_equal, factory_members
 
 import vmapens
 
@@ -125,11 +125,7 @@ def trained_together(
 
 
 def assert_members(ens: vmapens.Ensemble, models: list[nn.Module]) -> None:
-    for i, m in enumerate(models):
-        got, want = ens[i].state_dict(), m.state_dict()
-        assert list(got) == list(want)
-        for k in want:
-            torch.testing.assert_close(got[k], want[k], **TOL, msg=f"member {i} {k}")
+    assert_members_equal(ens, models, **TOL)
 
 
 # -- training: teacher forcing, the logits viewed flat inside the loss ---------------------------

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import vmapens
-from tests.truth import factory_members, seeded_members
+from tests.truth import assert_members_equal, factory_members, seeded_members
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 
@@ -188,11 +188,7 @@ def alone(factory, data, wd=WD, clip=True) -> tuple[list[nn.Module], list[Tensor
 
 
 def assert_members(ens: vmapens.Ensemble, members: list[nn.Module]) -> None:
-    for i, m in enumerate(members):
-        got, want = ens[i].state_dict(), m.state_dict()
-        assert list(got) == list(want)
-        for k in want:
-            torch.testing.assert_close(got[k], want[k], **TOL, msg=f"member {i} {k}")
+    assert_members_equal(ens, members, **TOL)
 
 
 def stacked_adamw(ens: vmapens.Ensemble) -> torch.optim.Optimizer:
