@@ -19,6 +19,8 @@ decoded alone by the same plain-PyTorch code.
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -540,7 +542,23 @@ def test_decoding_from_the_averaged_distribution_with_predict_matches_the_plain_
     assert ens.training  # predict gives the mode back
 
 
-@pytest.mark.parametrize("fork", ["deepcopy", "select"])
+def fork_of(ens: vmapens.Ensemble, how: str) -> object:
+    """The ensemble copied or written mid-generation, as a user does."""
+    if how == "deepcopy":
+        return copy.deepcopy(ens)
+    if how == "select":
+        return ens.select([0, 2])
+    if how == "copy":
+        return copy.copy(ens)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(ens))
+    buffer = io.BytesIO()
+    torch.save(ens, buffer)  # "torch.save"
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("fork", ["deepcopy", "select", "copy", "pickle", "torch.save"])
 def test_copying_the_ensemble_mid_generation_keeps_its_attribute_cache(fork: str) -> None:
     factory = lambda: CachedLM("attribute")  # noqa: E731
     ens = vmapens.Ensemble(factory, n=N, seed=0).eval()
@@ -553,7 +571,7 @@ def test_copying_the_ensemble_mid_generation_keeps_its_attribute_cache(fork: str
             if k == 2:  # fork the run (a copy, or a sub-ensemble), then go on with the original
                 copies = [copy.deepcopy(m) for m in alone]  # alone: the original keeps its cache
                 assert len(copies) == N
-                kept = copy.deepcopy(ens) if fork == "deepcopy" else ens.select([0, 2])
+                kept = fork_of(ens, fork)
                 assert kept is not ens
             got = ens(got[:, :, -1].argmax(-1, keepdim=True), False, in_dims=(0, None))
             want = [

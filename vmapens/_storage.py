@@ -256,12 +256,16 @@ class StackedModule(nn.Module):
         with scrubbed(self._template, self._runner):
             return copy_holding(self, memo, [self._template, self._runner, *metas])
 
-    def __getstate__(self) -> dict[str, Any]:  # copy.deepcopy, pickle, torch.save
-        scrub_(self._template)
-        scrub_(self._runner)
-        return super().__getstate__()
+    def __getstate__(self) -> dict[str, Any]:  # pickle, torch.save, copy.copy
+        state = super().__getstate__()
+        # Last: pickle writes it after the meta modules, and it gives back what scrub_ took.
+        state["_vmapens_kept"] = _Kept([*scrub_(self._template), *scrub_(self._runner)])
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        kept = state.pop("_vmapens_kept", None)
+        if isinstance(kept, _Kept):  # copy.copy: the state was not pickled
+            kept.restore()
         # Parameter.__deepcopy__ and TemplateParameter.__reduce_ex__ drop the stacked parameters'
         # padding marks (sizes, for the optimizers) and the template's links to them (now).
         super().__setstate__(state)
@@ -367,3 +371,25 @@ class StackedModule(nn.Module):
         with torch.no_grad():
             for _, target, value in ready:
                 target.copy_(value)
+
+
+class _Kept:
+    """What ``scrub_`` took from the modules that ran, for ``__getstate__``: given back once
+    the state is written (pickle reduces this entry after the meta modules) or dropped, so
+    ``torch.save(ens)`` leaves the ensemble's own forward state (a key/value cache) as it was,
+    as ``torch.save(module)`` leaves a module's."""
+
+    def __init__(self, dropped: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+        self.dropped = dropped
+
+    def restore(self) -> None:
+        for m, key, v in self.dropped:
+            m.__dict__[key] = v
+        self.dropped = []
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        self.restore()
+        return (type(None), ())  # None in the file; __setstate__ drops the key
+
+    def __del__(self) -> None:  # the state was not written whole (pickling failed)
+        self.restore()
