@@ -79,6 +79,9 @@ _AUTOGRAD = os.path.normcase(os.path.join("torch", "autograd", "__init__.py"))
 _DISTRIBUTIONS = os.path.normcase(os.path.join("torch", "distributions", ""))
 #: What that check says of a parameter or a value outside its constraint.
 _INVALID = "but found invalid values"
+#: What torch says where a sparse gradient (``F.embedding(..., sparse=True)``) meets a member
+#: map: vmap's reshape, or the loop's stacking of the members' gradients.
+_SPARSE = ("not implemented for sparse tensors", "with arguments from the 'Sparse")
 
 
 def explain_failure(
@@ -125,6 +128,14 @@ def explain_failure(
             f"mode. ({err})"
         )
     what = f"`loss_fn` or the forward of {name}" if loss else f"the forward of {name}"
+    if any(s in str(err) for s in _SPARSE):
+        first = str(err).split(". ", 1)[0]  # torch's list of dispatch keys left out
+        return RuntimeError(
+            f"{api}: {what} makes a sparse tensor (a gradient of F.embedding or "
+            "F.embedding_bag with sparse=True, say), which neither backend computes for "
+            "stacked members; pass sparse=False (the same values, a dense gradient), freeze "
+            f"the weight, or run it under torch.no_grad(). Nothing was changed ({first})"
+        )
     if backend == "vmap" and _SAME_BATCHED in str(err):
         return RuntimeError(
             f"{api}: {what} draws random numbers with the member's own parameters "
