@@ -31,6 +31,8 @@ __all__ = [
     "set_attributes",
 ]
 
+_HALF = (torch.float16, torch.bfloat16)
+
 #: A module's plain attributes, by (submodule path, attribute name).
 Attributes = dict[tuple[str, str], Any]
 
@@ -141,13 +143,13 @@ def differences(
     layers: dict[str, float] = {}  # each layer's largest float tensor, a floor for its own:
     for key, a in alone["state"].items():  # a running mean of normalised inputs is round-off
         if a.is_floating_point() and a.numel():
-            layer, at = key.rpartition(".")[0], float(a.abs().nan_to_num().max())
+            layer, at = key.rpartition(".")[0], _finite_max(a)
             layers[layer] = max(layers.get(layer, 0.0), at)
     for key, a in alone["state"].items():
         floor = layers.get(key.rpartition(".")[0], 0.0)
         yield from _close(f"`{key}` after the forward", a, together["state"][key], low, floor)
     grads = [g for g in alone["grads"].values() if g is not None]
-    scale = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
+    scale = max((_finite_max(g) for g in grads if g.numel()), default=0.0)
     for key, a in alone["grads"].items():
         t = together["grads"].get(key)
         if (a is None) != (t is None):
@@ -159,6 +161,12 @@ def differences(
             # Relative to the member's largest gradient: a gradient that is 0 in exact
             # arithmetic (a bias before BatchNorm) is round-off of the terms around it.
             yield from _close(f"the gradient of `{key}`", a, t, low, floor=scale)
+
+
+def _finite_max(t: Tensor) -> float:
+    """The largest finite magnitude in ``t`` (0 if none): a scale that one inf or NaN of a
+    diverged member does not turn into "anything goes"."""
+    return float(t.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
 
 
 def _close(
@@ -182,6 +190,18 @@ def _close(
     if not torch.equal(a.isnan(), t.isnan()):
         yield f"{what} is NaN in other places"
         return
+    if not a.is_complex():
+        # +inf against -inf is never round-off; inf against a number is, only where a half
+        # precision rounds at its largest value (a loss scaler's overflow): then both read 0
+        a_inf, t_inf = a.isinf(), t.isinf()
+        if bool((a_inf & t_inf & ((a > 0) != (t > 0))).any()):
+            yield f"{what} is +inf where the other is -inf"
+            return
+        if not torch.equal(a_inf, t_inf):
+            if low is None and a.dtype not in _HALF:
+                yield f"{what} is infinite in other places"
+                return
+            a, t = a.masked_fill(t_inf, 0.0), t.masked_fill(a_inf, 0.0)
     a, t = a.nan_to_num(0.0, 0.0, 0.0), t.nan_to_num(0.0, 0.0, 0.0)
     dtypes = [a.dtype] if low is None else [a.dtype, low]
     tol = max(tolerance(d) for d in dtypes)
