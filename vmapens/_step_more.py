@@ -12,18 +12,26 @@ import torch
 __all__ = ["check_targets", "clip_bound", "grad_on", "graph_into", "refuse_graph_into"]
 
 
-def clip_bound(api: str, name: str, bound: Any) -> float | None:
+def clip_bound(api: str, name: str, bound: Any, params: Any = ()) -> float | None:
     """A ``clip_grad_norm`` / ``clip_grad_value`` bound as a float (None: no clipping).
 
     ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` take a 0-d tensor as well as a
     number (``max_norm=torch.tensor(1.0)``); it is read once, when the step is built.
+    ``params``: the ``(name, parameter)`` pairs whose gradients a ``clip_grad_value`` clamps.
 
     Raises:
         TypeError: not a number or a 0-d real tensor.
-        ValueError: not > 0.
+        ValueError: not > 0; a complex parameter in ``params`` that trains.
     """
     if bound is None:
         return None
+    for key, p in params:  # clip_grad_value_ alone refuses them; in the step, as a failed forward
+        if p.is_complex() and p.requires_grad:
+            raise ValueError(
+                f"{api}: `{name}` cannot clip complex gradients (`{key}` is {p.dtype}), as "
+                "torch.nn.utils.clip_grad_value_ cannot (clamp is not supported for complex "
+                "types); clip by norm with `clip_grad_norm`, which takes them"
+            )
     if isinstance(bound, torch.Tensor) and bound.dim() == 0:
         if bound.is_complex() or bound.dtype == torch.bool:
             raise TypeError(f"{api}: `{name}` must be a real number, got a {bound.dtype} tensor")

@@ -101,7 +101,7 @@ def build_update(
     if clip_norm is not None and clip_value is not None:
         raise ValueError(f"{api}: give one of `clip_grad_norm` and `clip_grad_value`, not both")
     norm = clip_bound(api, "clip_grad_norm", clip_norm)
-    value = clip_bound(api, "clip_grad_value", clip_value)
+    value = clip_bound(api, "clip_grad_value", clip_value, ens.named_parameters())
     if precision is not None:
         check_choice(api, "precision", precision, tuple(PRECISIONS))
     device = next(iter(ens.parameters())).device

@@ -116,6 +116,13 @@ def save_members(ens: Ensemble, directory: str | os.PathLike, format: str = "pt"
     if format not in ("pt", "safetensors"):
         raise ValueError(f"save_members: `format` must be 'pt' or 'safetensors', got {format!r}")
     to_bytes = _safetensors("save", "save_members") if format == "safetensors" else None
+    if to_bytes is not None:  # before anything is written: safetensors says `KeyError: torch.x`
+        for dtype, key in {t.dtype: k for k, t in ens.state_dict().items()}.items():
+            try:
+                to_bytes({"probe": torch.zeros(1, dtype=dtype)})
+            except KeyError as err:
+                why = f"safetensors cannot store {dtype} tensors (`{key}`); use format='pt'"
+                raise ValueError(f"save_members: {why}, which keeps every dtype") from err
     ids = list(ens.member_ids)
     twice = repeated(ids)
     if twice:

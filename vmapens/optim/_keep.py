@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .._checks import column
+from ._kinds import real_views
 
 __all__ = ["Rule", "Snapshot", "keep_masked_", "step_one", "tensors_of"]
 
@@ -130,7 +131,9 @@ def step_one(
     state.update(counters)
     written = tensors_of([param], state)
     before = None if mask is None else [t.clone() for t in written]
-    rule([param], [grad], state, {**group, "fused": False, "mask": None})
+    # A complex tensor steps as its real pairs, as the optimizers step it (``real_views``).
+    params, grads, views = real_views(([param], [grad], state))
+    rule(params, grads, views, {**group, "fused": False, "mask": None})
     if mask is not None and before is not None:
         keep_masked_(written, before, mask)
 
