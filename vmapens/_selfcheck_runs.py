@@ -91,6 +91,7 @@ def run_alone(
         # Into the parameters only, as the step differentiates: a target or input that
         # requires grad (a teacher's output) keeps its `.grad` (None).
         trained = [p for p in module.parameters() if p.requires_grad]
+        reads = _stacked_reads(ens, loss, (args, targets))
         if loss.requires_grad and trained:  # all parameters frozen: nothing to differentiate
             loss.backward(inputs=trained)
         out = _copied(out)  # an output that is the input edited in place is put back next
@@ -104,7 +105,35 @@ def run_alone(
         "grads": grads,
         "edits": edited,
         "carried": kept,
+        "reads": reads,
     }
+
+
+def _stacked_reads(ens: Ensemble, loss: Tensor, given: Any) -> list[str]:
+    """The names of ``ens``'s own stacked parameters that ``loss`` (of a member run alone, a
+    copy) reaches outside the member and the batch ``given`` (inputs or targets computed from
+    the ensemble, which the step back-propagates as alone): a ``loss_fn`` that reads
+    ``ens.stacked_params()``."""
+    leaves = {id(p): name for name, p in ens.stacked_params().items() if p.requires_grad}
+    batch = [t.grad_fn for t in optree.tree_leaves(given) if isinstance(t, Tensor)]
+    via_batch = set(_reached(batch, leaves))
+    return sorted(set(_reached([getattr(loss, "grad_fn", None)], leaves)) - via_batch)
+
+
+def _reached(roots: list, leaves: dict[int, str]) -> list[str]:
+    """The names in ``leaves`` (by ``id``) of the leaf tensors the autograd graphs from
+    ``roots`` accumulate into."""
+    seen, found, todo = set(), [], list(roots)
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) in leaves:
+            found.append(leaves[id(variable)])
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return found
 
 
 def run_together(

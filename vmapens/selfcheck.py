@@ -233,6 +233,17 @@ def _compare(
     """Run the member inside the ensemble and raise if it differs from ``alone`` (``compiled``:
     for the compiled step)."""
     name = type(ens.template).__name__
+    if alone["reads"]:
+        raise ValueError(
+            f"{api}: `loss_fn` reads the ensemble's own stacked parameters "
+            f"({', '.join(f'`{k}`' for k in alone['reads'][:4])}) besides the member's output: "
+            "inside the step each member's loss would hold every member's term, so the summed "
+            f"loss would train each member on {len(ens)} times its own part (alone: once). "
+            "Compute a penalty in the member's forward from its own parameters (return it "
+            "with the output), or write the step by hand: "
+            "`(vmapens.per_member(loss_fn)(ens(x), y) + penalty).sum().backward()` with "
+            "`penalty` one value per member from `ens.stacked_params()`"
+        )
     if alone["edits"] and in_dims is None:  # shared by all members
         refuse_edits_in_turns(api, name, ens.backend, ens.chunk_size, len(ens))
     how = in_turns(ens.backend, ens.chunk_size, len(ens))
