@@ -212,3 +212,25 @@ def test_the_first_calls_self_check_leaves_inputs_and_targets_grads_as_the_step_
         t = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
         vmapens.make_step(ens, nn.MSELoss(), opt, check=check)(x, t)
         assert x.grad is None and t.grad is None, check
+
+
+class _Unsupported(torch.optim.SGD):
+    """A user's optimizer with a rule it has not written for every case yet."""
+
+    def step(self, closure: Any = None) -> Any:
+        raise NotImplementedError("my_rule is not implemented for sparse tensors yet")
+
+
+def test_an_error_after_the_backward_is_not_explained_as_the_members_and_changes_nothing() -> None:
+    """The guard explains errors of the members' forward and loss ("makes a sparse tensor",
+    "a member's forward or loss failed"); an error from the optimizer comes after them and is
+    raised as the optimizer raised it, with BatchNorm's statistics and the parameters as
+    before."""
+    ens = vmapens.Ensemble(lambda: nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), 3, seed=0)
+    before = copy.deepcopy(ens.state_dict())
+    step = vmapens.make_step(ens, nn.MSELoss(), _Unsupported(ens.parameters(), lr=0.1), check=False)
+    with pytest.raises(NotImplementedError, match="^my_rule is not implemented") as err:
+        step(torch.randn(5, 3), torch.randn(5, 4))
+    assert "forward" not in str(err.value)
+    for key, value in ens.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0, msg=key)

@@ -25,6 +25,7 @@ from ._hooks import refuse_global_backward_hooks
 
 __all__ = [
     "NO_STORAGE",
+    "Guard",
     "explain_failure",
     "follow_sparse",
     "guarded",
@@ -355,21 +356,29 @@ def unchunked(runner: nn.Module) -> nn.Module:
     return runner
 
 
+class Guard:
+    """What ``guarded`` yields: set ``members_ran`` once the members' forward and backward are
+    done, so that a later error (clipping, the optimizer) is not explained as theirs."""
+
+    members_ran = False
+
+
 @contextlib.contextmanager
 def guarded(
     buffers: Sequence[torch.Tensor], api: str, name: str, backend: str, loss: bool = False
-) -> Iterator[None]:
+) -> Iterator[Guard]:
     """``Ensemble.guard``: buffers given back on any exception, errors explained (``loss``: as
-    in ``explain_failure``), batched attention on (see there)."""
+    in ``explain_failure``) until ``Guard.members_ran``, batched attention on (see there)."""
     saved = [b.clone() for b in buffers]
+    guard = Guard()
     try:
         with batched_attention():
-            yield
+            yield guard
     except BaseException as err:
         with torch.no_grad():
             for b, s in zip(buffers, saved, strict=True):
                 b.copy_(s)
-        if not isinstance(err, Exception):
+        if not isinstance(err, Exception) or guard.members_ran:
             raise
         explained = explain_failure(api, name, backend, err, loss=loss)
         if explained is not None:

@@ -26,7 +26,7 @@ from ._member_maps import looped, vmapped
 from ._members import Factory, member_ids_for
 from ._stacking import Stacked, scrub_, stack_one_size
 from ._storage import StackedModule
-from ._unbatchable import follow_sparse, guarded, refuse_template_hooks
+from ._unbatchable import Guard, follow_sparse, guarded, refuse_template_hooks
 
 __all__ = ["Ensemble", "check_ensemble"]
 
@@ -300,7 +300,7 @@ class Ensemble(StackedModule):
         return vmapped(len(self), self.randomness, self.chunk_size, fn, in_dims, self.runner)
 
     @contextlib.contextmanager
-    def guard(self, api: str = "Ensemble", *, loss: bool = False) -> Iterator[None]:
+    def guard(self, api: str = "Ensemble", *, loss: bool = False) -> Iterator[Guard]:
         """Around a call of the members: what every call of ``_member_map`` runs inside.
 
         * vmap can fail after BatchNorm has updated some members' statistics: the buffers
@@ -313,14 +313,17 @@ class Ensemble(StackedModule):
           its graph.
         * With grad on, a trained ``sparse=True`` layer is refused first (``follow_sparse``).
         * ``loss``: the call runs ``loss_fn`` too (errors name it).
+
+        Yields a ``Guard``: set its ``members_ran`` once the members' forward and backward
+        are done, and a later error (clipping, the optimizer) is raised as it is.
         """
         self._follow_template()
         if self._sparse:
             follow_sparse(api, self._sparse, torch.is_grad_enabled())
         buffers = list(self.stacked_buffers().values())
         try:
-            with guarded(buffers, api, type(self._template).__name__, self.backend, loss):
-                yield
+            with guarded(buffers, api, type(self._template).__name__, self.backend, loss) as g:
+                yield g
         finally:  # weight_norm's tensor, set by its hook: one member's, with its graph
             for m, name, meta in self._followers[2]:
                 m.__dict__[name] = meta

@@ -163,7 +163,7 @@ def make_step(
         old_grads = [p.grad for p in every]
         undo = undo_point(ens, optimizer)
         try:
-            with ens.guard("step", loss=True), frozen_members(ens, mask):
+            with ens.guard("step", loss=True) as guard, frozen_members(ens, mask):
                 scale = None if update.scale is None else update.scale.scale
                 # chunk_size: forward and backward one chunk at a time (one chunk's activations
                 # alive; vmap's chunking keeps all), unless the batch has a graph into the
@@ -181,6 +181,7 @@ def make_step(
                     losses, grads = chunked_losses_and_grads(batched, ens.stacked_state(),
                         params, args, targets, in_dims, scale, chunks,
                         ens.randomness == "same", update.autocast, ens.runner)  # fmt: skip
+                guard.members_ran = True  # errors from here on are not the members'
                 for p in every:  # a layer frozen since the last step: no gradient, no step
                     p.grad = None  # (zero_grad's set_to_none)
                 for p, new in zip(params, grads, strict=True):
