@@ -45,6 +45,8 @@ _VERSIONS = itertools.count()
 #: or a tuple of ints back as another object, and a padded template's sizes must stay its own.
 _PLAIN = (int, float, bool, str, type(None), tuple)
 
+_VERSION_OF = operator.attrgetter("_version")
+
 
 def _names(module: nn.Module, skip: set[str]) -> list[str]:
     return [k for k in module.__dict__ if k not in INTERNAL and k not in skip]
@@ -131,6 +133,16 @@ class Watched:
         self._link()
         self.sizes = list(map(len, self.dicts))
         self.values = list(map(dict.get, self.owned, self.keys))
+        named = [
+            (f"{prefix}.{k}" if prefix else k, t)
+            for prefix, m in zip(self.prefixes, modules, strict=True)
+            for d in (m._parameters, m._buffers)
+            for k, t in d.items()
+            if t is not None
+        ]
+        self.paths = [path for path, _ in named]
+        self.tensors = [t for _, t in named]
+        self.stamps = list(map(_VERSION_OF, self.tensors))  # in-place writes bump `_version`
 
     def _link(self) -> None:
         """The dicts ``follow`` reads (a copy's are other objects): every module's ``__dict__``
@@ -162,11 +174,14 @@ class Watched:
         Raises:
             ValueError: a submodule of the template was replaced, added or deleted.
         """
-        if list(map(len, self.dicts)) == self.sizes and all(
-            map(operator.is_, map(dict.get, self.owned, self.keys), self.values)
+        if (
+            list(map(len, self.dicts)) == self.sizes
+            and all(map(operator.is_, map(dict.get, self.owned, self.keys), self.values))
+            and list(map(_VERSION_OF, self.tensors)) == self.stamps
         ):
             return
         self._refuse_new_children()
+        self._refuse_written()
         attributes = zip(self.owners, self.keys[: self.count], self.values, strict=False)
         before = {(id(m), k): v for m, k, v in attributes}
         changes = []
@@ -210,6 +225,21 @@ class Watched:
                         "members' tensors are swapped into module slots only, so a forward "
                         "would read the template's (on meta) there: read it via its module"
                     )
+
+    def _refuse_written(self) -> None:
+        """A template tensor written in place (``ens.template.apply(init)``,
+        ``reset_parameters()``, ``nn.init.normal_(ens.template.fc.weight)``): it is on meta, so
+        the write kept nothing and no member changed. Refused once (the write cannot be undone),
+        naming the way to initialise the members."""
+        for t, stamp, path in zip(self.tensors, self.stamps, self.paths, strict=True):
+            if t._version != stamp:
+                self.stamps = list(map(_VERSION_OF, self.tensors))
+                raise ValueError(
+                    f"Ensemble: `ens.template.{path}` was written in place (an initialisation "
+                    "or `reset_parameters()` run on the template); the template is on meta and "
+                    "holds no values, so no member changed. Run it on every member with "
+                    "ens.apply(fn), or write ens.stacked_params()[name] under torch.no_grad()"
+                )
 
     def _refuse_new_children(self) -> None:
         """A submodule replaced on the template would never run: the runner and the padded

@@ -88,7 +88,10 @@ def nadam_rule(
     # torch multiplies its scalar tensor by a Python float: in the product's dtype (float32,
     # or float64 under a float64 default dtype), mu rounded to it first.
     mu_product = state["mu_product"]
-    new_product = mu_product * mu.to(mu_product.dtype)
+    # torch starts the product at 1 at a member's first step (its state is lazy): a member at
+    # step 0 (yet to step, or its row reset as docs/semantics.md says) starts there.
+    start = torch.where(step.eq(0), 1.0, mu_product)
+    new_product = start * mu.to(mu_product.dtype)
     product = new_product.double()
     grad_step = torch._foreach_mul(g, col(-lr * like(lr, 1.0 - mu) / like(lr, 1.0 - product)))
     step_size = (-lr * like(lr, mu_next)) / like(lr, 1.0 - product * mu_next)
@@ -118,7 +121,8 @@ def _shared_kernel(t: list[list[Tensor]], count: float, group: dict[str, Any]) -
     bias_correction2 = 1 - beta2 ** (count + 1)
     mu = beta1 * (1.0 - 0.5 * (0.96 ** ((count + 1) * decay)))
     mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((count + 2) * decay)))
-    product = mu_product * mu  # torch's `mu_product *= mu`, aside
+    start = torch.ones_like(mu_product) if count == 0 else mu_product  # 1 at the first step
+    product = start * mu  # torch's `mu_product *= mu`, aside
     denom = [torch.empty_like(x) for x in v]
     writes += [
         functools.partial(mu_product.copy_, product),
