@@ -247,8 +247,15 @@ class _Same:
             return True
 
     def __repr__(self) -> str:
-        name = getattr(self.raw, "__qualname__", None)
-        return name if isinstance(name, str) else repr(self.raw)[:200]
+        raw = self.raw
+        if isinstance(raw, types.FunctionType):  # every lambda of one class has one name
+            return _shown(raw)[:200]
+        plain = type(raw).__repr__ is object.__repr__ and hasattr(raw, "__dict__")
+        if plain and not isinstance(raw, (type, nn.Module)):  # a config object: its contents
+            inner = ", ".join(f"{k}={v!r}" for k, v in vars(raw).items())
+            return f"{type(raw).__name__}({inner})"[:200]
+        name = getattr(raw, "__qualname__", None)
+        return name if isinstance(name, str) else repr(raw)[:200]
 
 
 class _Tensor(_Same):
@@ -301,7 +308,7 @@ def _value(v: Any, names: Names, depth: int = 0) -> Any:
     if isinstance(v, (set, frozenset)):
         return frozenset(v)
     if isinstance(v, types.FunctionType):  # a lambda made in __init__ is one per member
-        cells = [c.cell_contents for c in v.__closure__ or () if c.cell_contents is not v]
+        cells = [c for c in _cells(v) if c is not v]
         # One level for all it holds: a lambda in a list (`[lambda o: self.fc(o)]`) reached
         # its cells past DEPTH, compared by identity there, and differed per member.
         held = [*(v.__defaults__ or ()), *(v.__kwdefaults__ or {}).items(), *cells]
@@ -321,8 +328,9 @@ def own_settings(module: nn.Module, names: Names) -> dict[str, Any]:
     submodules, hooks and mode. A tensor that a forward pre-hook sets before every call
     (``weight_norm``, ``spectral_norm``) compares by shape and dtype only."""
     own = vars(module)
+    ran = _hooks(own, names)
     if own.keys() <= _INTERNAL:  # a set operation: most modules have no or a few settings
-        return {}
+        return ran
     found = {k: own[k] for k in sorted(own.keys() - _INTERNAL)}
     for key, v in found.items():
         if type(v) in ATOMS and v == v:  # most settings: ints, floats, strings (no NaN)
@@ -332,7 +340,33 @@ def own_settings(module: nn.Module, names: Names) -> dict[str, Any]:
             if any(key in (getattr(h, "name", 0), getattr(h, "_tensor_name", 0)) for h in hooks):
                 v = torch.empty_like(v, device="meta")
         found[key] = _value(v, names)
+    return found | ran
+
+
+def _hooks(own: dict[str, Any], names: Names) -> dict[str, Any]:
+    """The module hooks a forward runs, compared as a function attribute is (a lambda by its
+    code and what it closes over, a ``partial`` by its arguments): the forward runs member
+    0's, so member 1's ``register_forward_hook(lambda m, a, out: out * s)`` ran with member
+    0's ``s``, silently. torch's own hook objects (weight_norm, spectral_norm, prune) set a
+    tensor the ensemble recomputes per member, and are left out."""
+    found = {}
+    for key in sorted(_HOOKS):
+        hooks = [h for h in own[key].values() if type(h).__module__.split(".")[0] != "torch"]
+        if hooks:
+            shown = ", ".join(_shown(h) for h in hooks)
+            found[key] = _Same(shown, _value(hooks, names))
     return found
+
+
+def _shown(hook: Any) -> str:
+    """A hook by name and the plain values it holds (its repr shows only an address)."""
+    fn = hook.func if isinstance(hook, functools.partial) else hook
+    held = _cells(fn)
+    if isinstance(hook, functools.partial):
+        held += [*hook.args, *hook.keywords.values()]
+    atoms = ", ".join(repr(v) for v in held if type(v) in ATOMS)
+    name = getattr(fn, "__qualname__", type(hook).__name__)
+    return f"{name}({atoms})" if atoms else name
 
 
 def non_persistent_buffers(module: nn.Module) -> set[str]:
@@ -354,3 +388,14 @@ def member_ids_for(n: int, shard: bool, seeded: bool, api: str) -> range:
             "member i alike"
         )
     return member_block(n, api)
+
+
+def _cells(fn: Any) -> list[Any]:
+    """What a function closes over; an empty cell (a name deleted after) holds nothing."""
+    found = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            found.append(cell.cell_contents)
+        except ValueError:  # as alone, the forward raises NameError when it reads it
+            continue
+    return found
