@@ -116,7 +116,12 @@ def check_arguments(api: str, args: dict[str, Any]) -> Checked:
     check_metrics(api, metrics)
     check_metric_names(api, metrics)
     if metrics and (val_data is None or isinstance(val_data, str) or val_dims is not None):
-        raise ValueError(f"{api}: `metrics` need shared `val_data` as (X, Y) tensors")
+        got = "no `val_data`" if val_data is None else f"val_data={val_data!r}"
+        got = f"per-member `val_data` (in_dims={val_dims})" if val_dims is not None else got
+        raise ValueError(
+            f"{api}: `metrics` need shared `val_data` as (X, Y) tensors, got {got}: give shared "
+            "(X, Y), or score each member's own rows in a Callback's `on_epoch_end`"
+        )
     oob = isinstance(val_data, str)
     if oob and (val_data != "oob" or not bootstrap):
         raise ValueError(
