@@ -132,10 +132,12 @@ def explain_failure(
     if any(s in str(err) for s in _SPARSE):
         first = str(err).split(". ", 1)[0]  # torch's list of dispatch keys left out
         return RuntimeError(
-            f"{api}: {what} makes a sparse tensor (a gradient of F.embedding or "
-            "F.embedding_bag with sparse=True, say), which neither backend computes for "
-            "stacked members; pass sparse=False (the same values, a dense gradient), freeze "
-            f"the weight, or run it under torch.no_grad(). Nothing was changed ({first})"
+            f"{api}: {what} makes a sparse tensor that torch.func.vmap cannot batch. A sparse "
+            "gradient (F.embedding or F.embedding_bag with sparse=True) runs in neither "
+            "backend: pass sparse=False (the same values, a dense gradient), freeze the weight, "
+            "or run it under torch.no_grad(). A sparse tensor the forward builds from its "
+            "inputs (torch.sparse_coo_tensor) runs with backend='loop', each member alone. "
+            f"Nothing was changed ({first})"
         )
     if backend == "vmap" and _SAME_BATCHED in str(err):
         return RuntimeError(
