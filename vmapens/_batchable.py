@@ -25,6 +25,10 @@ batches and ``torch.compile(fullgraph=True)`` traces:
   ``torch.nn.utils.spectral_norm``'s forward pre-hook (``_spectral.py``): their power
   iteration writes ``u``/``v`` with ``out=``, which ``vmap`` cannot batch; the twins compute
   them out of place and copy them into the buffers.
+* ``torch.nn.utils.parametrizations.weight_norm``'s parametrization and the old-style
+  ``torch.nn.utils.weight_norm``'s forward pre-hook (``_weight_norm.py``): torch's fused
+  ``_weight_norm`` kernel has no batching rule (it ran member after member); the twins write
+  its formula in ops ``vmap`` batches.
 
 A parametrized module (``torch.nn.utils.parametrize``: its class is the ``Parametrized<Class>``
 torch made, whose properties compute the tensors) is re-classed to a copy of that class over
@@ -43,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
-from torch.nn.utils.parametrizations import _SpectralNorm
+from torch.nn.utils.parametrizations import _SpectralNorm, _WeightNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
 from ._copies import copy_member
@@ -58,6 +62,7 @@ from ._recurrent import (
     BatchableRNNCell,
 )
 from ._spectral import BatchableSpectralNorm, BatchableSpectralNormHook
+from ._weight_norm import BatchableWeightNorm, BatchableWeightNormHook, WeightNorm
 
 __all__ = [
     "BatchableDropout",
@@ -225,6 +230,7 @@ _BATCHABLE: dict[type, type] = {
     nn.Dropout: BatchableDropout,
     nn.GroupNorm: BatchableGroupNorm,
     _SpectralNorm: BatchableSpectralNorm,
+    _WeightNorm: BatchableWeightNorm,
 }
 
 #: Layers re-classed only with ``momentum=None``: the others batch as they are.
@@ -236,7 +242,10 @@ _CUMULATIVE: dict[type, type] = {
 }
 
 #: Forward pre-hooks re-classed in place: the module's state_dict hooks hold the same object.
-_BATCHABLE_HOOKS: dict[type, type] = {SpectralNorm: BatchableSpectralNormHook}
+_BATCHABLE_HOOKS: dict[type, type] = {
+    SpectralNorm: BatchableSpectralNormHook,
+    WeightNorm: BatchableWeightNormHook,
+}
 
 
 #: The runner's own ``Parametrized*`` classes, by the template's class and the twin below it;
