@@ -139,7 +139,11 @@ def differences(
     else:
         for i, (a, t) in enumerate(zip(outs_a, outs_t, strict=True)):
             yield from _close(f"output {i}" if len(outs_a) > 1 else "the output", a, t, low)
-    yield from _close("the loss", alone["loss"], together["loss"], low)
+    # A loss is summed from terms the size of the outputs: at its minimum (a consistency or
+    # KL term between equal outputs) its value is round-off of those terms, not of itself.
+    terms = [o for o in outs_a if isinstance(o, Tensor) and o.is_floating_point() and o.numel()]
+    loss_floor = max(map(_finite_max, terms), default=0.0)
+    yield from _close("the loss", alone["loss"], together["loss"], low, loss_floor)
     layers: dict[str, float] = {}  # each layer's largest float tensor, a floor for its own:
     for key, a in alone["state"].items():  # a running mean of normalised inputs is round-off
         if a.is_floating_point() and a.numel():
@@ -150,6 +154,9 @@ def differences(
         yield from _close(f"`{key}` after the forward", a, together["state"][key], low, floor)
     grads = [g for g in alone["grads"].values() if g is not None]
     scale = max((_finite_max(g) for g in grads if g.numel()), default=0.0)
+    if _at_round_off(alone["loss"], loss_floor):  # every gradient is round-off too: a floor of
+        weights = [alone["state"].get(k) for k in alone["grads"]]  # 256 ulps of the weights
+        scale = max([scale, *(_ulps(w) for w in weights if w is not None and w.numel())])
     for key, a in alone["grads"].items():
         t = together["grads"].get(key)
         if (a is None) != (t is None):
@@ -161,6 +168,21 @@ def differences(
             # Relative to the member's largest gradient: a gradient that is 0 in exact
             # arithmetic (a bias before BatchNorm) is round-off of the terms around it.
             yield from _close(f"the gradient of `{key}`", a, t, low, floor=scale)
+
+
+def _at_round_off(loss: Any, terms: float) -> bool:
+    """Whether a floating loss is 0 up to the round-off of terms of size ``terms`` (a loss at
+    its minimum): only there are its gradients round-off, and compared against the weights."""
+    if not (isinstance(loss, Tensor) and loss.is_floating_point() and loss.numel() == 1):
+        return False
+    return abs(float(loss)) <= tolerance(loss.dtype) * terms
+
+
+def _ulps(weight: Tensor) -> float:
+    """A gradient scale whose ``tolerance`` is 256 ulps of ``weight``'s largest value."""
+    if not weight.is_floating_point():
+        return 0.0
+    return 256 * torch.finfo(weight.dtype).eps * _finite_max(weight) / tolerance(weight.dtype)
 
 
 def _finite_max(t: Tensor) -> float:
