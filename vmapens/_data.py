@@ -259,11 +259,13 @@ class MemberIterables:
                 f"expected {n}, got {len(loaders)}"
             )
         self.sources = [IterableSource(d, api, f"data[{i}]") for i, d in enumerate(loaders)]
-        lengths = {src.length for src in self.sources}
-        if len(lengths) != 1:
+        lengths = [src.length for src in self.sources]
+        if len(set(lengths)) != 1:
             raise ValueError(
                 f"{api}: the per-member DataLoaders must yield the same number of batches per "
-                f"pass, got {sorted(lengths, key=str)}"
+                f"pass (a step stacks one batch of every member), got {lengths} (member by "
+                "member); give every loader as many batches (a sampler with `num_samples`), "
+                "or step members with less data fewer times with make_step's `mask`"
             )
         self.length = self.sources[0].length
         # Batches of other row counts fail to stack at that step, after the steps before it

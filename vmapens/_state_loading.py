@@ -98,6 +98,15 @@ def _adoptable(value: torch.Tensor, flag: bool | None) -> torch.Tensor:
     """``value`` as ``assign=True`` keeps it: a buffer's (``flag`` None) as it is, a
     parameter's as a Parameter (the state dict's own, or one made now) that can take the
     ensemble's grad flag ``flag``: checked here, before anything is assigned."""
+    if torch._debug_has_internal_overlap(value) == 1:  # an `expand`ed tensor: one memory
+        stride = tuple(value.stride())
+        raise ValueError(
+            f"load_state_dict: with assign=True the value becomes the members' storage, and "
+            f"this one (stride {stride}, an `expand`ed tensor) holds several elements in one "
+            "memory location: the members would write each other's rows (BatchNorm's "
+            "statistics, the optimizer's step); pass `value.expand(...).clone()`, or "
+            "assign=False to copy it into every member's row"
+        )
     if flag is None:
         return value
     if not isinstance(value, nn.Parameter):
