@@ -83,6 +83,8 @@ _INVALID = "but found invalid values"
 #: What torch says where a sparse gradient (``F.embedding(..., sparse=True)``) meets a member
 #: map: vmap's reshape, or the loop's stacking of the members' gradients.
 _SPARSE = ("not implemented for sparse tensors", "with arguments from the 'Sparse")
+#: vmap's batched ``gather`` (``nll_loss``/``cross_entropy``'s rule) on uint8/int8/int16 indices.
+_NARROW_GATHER = "gather(): Expected dtype int32/int64 for index"
 
 
 def explain_failure(
@@ -385,6 +387,12 @@ def guarded(
         explained = explain_failure(api, name, backend, err, loss=loss)
         if explained is not None:
             raise explained from err
+        if _NARROW_GATHER in str(err):  # "gather():" read as naming where it came from
+            raise RuntimeError(
+                f"{api}: a member's forward or loss indexes with a uint8, int8 or int16 tensor "
+                "(uint8 class targets, as read from an image mask), which vmap's gather cannot "
+                f"index with (int64 or int32 only): pass .long() ({err})"
+            ) from err
         if (
             type(err) in (RuntimeError, NotImplementedError)
             and ":" not in str(err).split(" ", 1)[0]
