@@ -101,7 +101,9 @@ class TensorSource:
             if leaf.shape[axis] != self.size:
                 raise ValueError(
                     f"{api}: every tensor in `data` needs the same number of samples (dim "
-                    f"{axis}), got {leaf.shape[axis]} and {self.size}"
+                    f"{axis}), got {leaf.shape[axis]} and {self.size}: each is cut by rows. "
+                    "Pass an input every batch takes whole (a time grid) in a list of batches, "
+                    "data=[((x, ts), y), ...], or keep it on the module (a buffer)"
                 )
         self.batch = self.size if batch_size is None else min(batch_size, self.size)
         self.length = math.ceil(self.size / self.batch)

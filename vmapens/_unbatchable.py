@@ -173,6 +173,16 @@ def explain_failure(
             "either backend. Call the checkpointed function directly inside an ensemble: the "
             f"results are the same, only memory differs (train fewer members at once). ({err})"
         )
+    if "device meta" in str(err) and any(fn == "_engine_run_backward" for _, fn in frames):
+        return RuntimeError(
+            f"{api}: the backward of {name}'s forward (an autograd.Function's backward, as in "
+            "an adjoint ODE solver, or a tensor hook) calls a module after the member's turn, "
+            "when the member's own tensors have been swapped out of it (they are on the meta "
+            "device there); this fails with either backend. Pass the parameters to the "
+            "Function and call the module on them in its backward with "
+            "torch.func.functional_call(module, dict(zip(names, params)), args) (with "
+            f"torch.func.vjp there, it runs under vmap too). ({err})"
+        )
     in_forward = False
     for path, fn in frames:
         in_forward = in_forward or fn == "_call_impl"  # below a module's forward
