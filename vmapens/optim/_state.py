@@ -42,6 +42,8 @@ def fill_state(
         args: ``args(device)``: the group as the rule reads it, on ``device``.
     """
     # New state shares one step count per group: the rule then runs once for all.
+    if not params:  # an empty param group (torch keeps one) has no state to make
+        return
     device = params[0].device
     fresh: dict[tuple[str, torch.dtype], Tensor] = {}
     for p in params:

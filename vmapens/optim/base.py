@@ -193,7 +193,8 @@ class StackedOptimizer(EagerOptimizer):
         check_ordered(f"{self._api}.add_param_group", param_group.get("params"))
         group = dict(param_group)
         group["params"] = params_of(group["params"], f"{self._api}.add_param_group")
-        leading_n(self._api, group["params"], self.num_members)
+        if group["params"]:  # an empty group is kept, as torch keeps one
+            leading_n(self._api, group["params"], self.num_members)
         for key, default in self.defaults.items():
             group.setdefault(key, default)
         check_complex(self._api, unnamed(group["params"]), type(self).elementwise)
@@ -214,7 +215,13 @@ class StackedOptimizer(EagerOptimizer):
         for index, group in enumerate(self.param_groups):
             # Not skipped while tracing: dynamo then guards on the state it reads.
             names = self.state_names(group)  # a flag changed mid-run (momentum) adds state
-            impl = {} if compiling else {k: group[k] for k in IMPLEMENTATION if k in group}
+            # An empty group updates nothing: its flags are moot (dynamo sets capturable=True
+            # on one, all() of no parameters being on CUDA), as torch ignores them there.
+            impl = (
+                {}
+                if compiling or not group["params"]
+                else {k: group[k] for k in IMPLEMENTATION if k in group}
+            )
             ready = not compiling and self._ready[index] == (layout(group["params"]), names, impl)
             if ready and all(map(self.state.get, group["params"])):  # `del opt.state[p]`: anew
                 continue
