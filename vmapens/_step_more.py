@@ -78,6 +78,11 @@ def check_targets(targets: Any) -> None:
                 "in_dims=0) and let the loss skip it (`if t.numel():`), or a mask of the rows "
                 "that have labels"
             )
+        elif any(isinstance(leaf, (int, float)) for leaf in bad):  # CTC's lengths as lists
+            hint = (
+                "; pass numbers as tensors, one per member with in_dims=0 or shared "
+                "(torch.tensor(input_lengths) for nn.CTCLoss), or let loss_fn close over them"
+            )
         raise TypeError(
             f"step: `targets` must be a tensor or a tuple, list or dict of tensors, got {got}{hint}"
         )
