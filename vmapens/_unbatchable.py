@@ -24,6 +24,7 @@ from ._fastcall import WRITTEN, Reassigned
 from ._hooks import refuse_global_backward_hooks
 
 __all__ = [
+    "NARROW_GATHER",
     "NO_STORAGE",
     "Guard",
     "explain_failure",
@@ -84,7 +85,7 @@ _INVALID = "but found invalid values"
 #: map: vmap's reshape, or the loop's stacking of the members' gradients.
 _SPARSE = ("not implemented for sparse tensors", "with arguments from the 'Sparse")
 #: vmap's batched ``gather`` (``nll_loss``/``cross_entropy``'s rule) on uint8/int8/int16 indices.
-_NARROW_GATHER = "gather(): Expected dtype int32/int64 for index"
+NARROW_GATHER = "gather(): Expected dtype int32/int64 for index"
 
 
 def explain_failure(
@@ -397,7 +398,7 @@ def guarded(
         explained = explain_failure(api, name, backend, err, loss=loss)
         if explained is not None:
             raise explained from err
-        if _NARROW_GATHER in str(err):  # "gather():" read as naming where it came from
+        if NARROW_GATHER in str(err):  # "gather():" read as naming where it came from
             raise RuntimeError(
                 f"{api}: a member's forward or loss indexes with a uint8, int8 or int16 tensor "
                 "(uint8 class targets, as read from an image mask), which vmap's gather cannot "

@@ -11,7 +11,7 @@ import torch
 from torch.func import vmap
 
 from ._precision import autocast_members
-from ._unbatchable import NO_STORAGE
+from ._unbatchable import NARROW_GATHER, NO_STORAGE
 
 __all__ = ["per_member"]
 
@@ -25,9 +25,6 @@ _READS_VALUES = (
     "dynamic shape",
     "a differently shaped Tensor",
 )
-
-# vmap's batching rule of ``cross_entropy``/``nll_loss`` gathers with the targets as indices.
-_BATCHED_GATHER = "gather(): Expected dtype int32/int64 for index"
 
 
 def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -> Callable:
@@ -126,7 +123,7 @@ def _unbatchable(err: RuntimeError) -> bool:
     class indices that ``cross_entropy`` alone takes: it runs member by member instead."""
     said = str(err)
     reads = said.startswith("vmap: ") and any(m in said for m in _READS_VALUES)
-    return reads or any(m in said for m in (*NO_STORAGE, _BATCHED_GATHER))
+    return reads or any(m in said for m in (*NO_STORAGE, NARROW_GATHER))
 
 
 def _flat_dims(in_dims: Any, count: int) -> list[int | None] | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 import uuid
 import warnings
@@ -30,18 +29,11 @@ __all__ = ["Checkpoint"]
 #: last (a PBT round at an epoch's end, before that epoch's write): (their settings when it
 #: raised, the checkpoint's). Resumed untouched since, such an optimizer is that run going on.
 _UNSAVED: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
-#: Each ensemble as the last run with a checkpoint left it in this process: (that run's id, a
-#: SHA-256 of its values). Resuming that run with the ensemble edited since (a server's average
-#: between two rounds' fits) would replace the edit with the checkpoint's values, silently.
-_LEFT: weakref.WeakKeyDictionary[Any, tuple[str, str]] = weakref.WeakKeyDictionary()
-
-
-def _marks(ens: Any) -> str:
-    digest = hashlib.sha256()
-    for name, t in ens.stacked_state().items():
-        digest.update(name.encode())
-        digest.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+#: Each ensemble as the last run with a checkpoint left it in this process: (that run's id,
+#: the ``fingerprint`` of its values). Resuming that run with the ensemble edited since (a
+#: server's average between two rounds' fits) would replace the edit with the checkpoint's
+#: values, silently.
+_LEFT: weakref.WeakKeyDictionary[Any, tuple[str, Any]] = weakref.WeakKeyDictionary()
 
 
 class Checkpoint(Callback):
@@ -181,7 +173,11 @@ class Checkpoint(Callback):
             self.path, ctx.ensemble, options, ctx.seed, self.override, ctx.optimizer
         )
         left = _LEFT.get(ctx.ensemble)
-        if left is not None and left[0] == saved.get("run") and left[1] != _marks(ctx.ensemble):
+        if (
+            left is not None
+            and left[0] == saved.get("run")
+            and left[1] != fingerprint(ctx.ensemble.stacked_state())
+        ):
             raise ValueError(
                 f"fit: {os.fspath(self.path)} holds the run that last trained this ensemble, "
                 "but the ensemble was changed since that run ended (a value written between "
@@ -216,7 +212,7 @@ class Checkpoint(Callback):
 
     def teardown(self, ctx: Context) -> None:
         if self.run is not None:
-            _LEFT[ctx.ensemble] = (self.run, _marks(ctx.ensemble))
+            _LEFT[ctx.ensemble] = (self.run, fingerprint(ctx.ensemble.stacked_state()))
         now = live_options(ctx, self.options)
         if self.live is not None and now != self.live:  # raised past the last write
             _UNSAVED[ctx.optimizer] = (now, self.live)
