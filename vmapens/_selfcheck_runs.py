@@ -27,6 +27,7 @@ from ._selfcheck_parts import (
     plain_attributes,
     set_attributes,
 )
+from ._step_more import reached_leaves
 from .ensemble import Ensemble
 
 __all__ = ["forked_rng", "member_slice", "run_alone", "run_together"]
@@ -116,24 +117,9 @@ def _stacked_reads(ens: Ensemble, loss: Tensor, given: Any) -> list[str]:
     ``ens.stacked_params()``."""
     leaves = {id(p): name for name, p in ens.stacked_params().items() if p.requires_grad}
     batch = [t.grad_fn for t in optree.tree_leaves(given) if isinstance(t, Tensor)]
-    via_batch = set(_reached(batch, leaves))
-    return sorted(set(_reached([getattr(loss, "grad_fn", None)], leaves)) - via_batch)
-
-
-def _reached(roots: list, leaves: dict[int, str]) -> list[str]:
-    """The names in ``leaves`` (by ``id``) of the leaf tensors the autograd graphs from
-    ``roots`` accumulate into."""
-    seen, found, todo = set(), [], list(roots)
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None and id(variable) in leaves:
-            found.append(leaves[id(variable)])
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return found
+    via_batch = set(reached_leaves(batch, leaves))
+    read = set(reached_leaves([getattr(loss, "grad_fn", None)], leaves)) - via_batch
+    return sorted(leaves[i] for i in read)
 
 
 def run_together(

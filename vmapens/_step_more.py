@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any
 
 import optree
 import torch
 
-__all__ = ["check_targets", "clip_bound", "grad_on", "graph_into", "refuse_graph_into"]
+__all__ = [
+    "check_targets",
+    "clip_bound",
+    "grad_on",
+    "graph_into",
+    "reached_leaves",
+    "refuse_graph_into",
+]
 
 
 def clip_bound(api: str, name: str, bound: Any, params: Any = ()) -> float | None:
@@ -131,17 +138,22 @@ def graph_into(batch: tuple[tuple, Any], params: Sequence[torch.Tensor]) -> bool
     wanted = {id(p) for p in params}
     if any(id(t) in wanted for t in leaves):
         return True
-    todo = [t.grad_fn for t in leaves if t.grad_fn is not None]
-    seen: set[Any] = set()  # a node's Python object is cached on it: identity is stable
+    return any(True for _ in reached_leaves([t.grad_fn for t in leaves], wanted))
+
+
+def reached_leaves(roots: Sequence[Any], wanted: Container[int]) -> Iterator[int]:
+    """The ids in ``wanted`` of the leaf tensors that the autograd graphs from ``roots``
+    (``grad_fn`` nodes, None skipped) accumulate into, each once, as the walk finds them."""
+    todo, seen = list(roots), set()  # a node's Python object is cached on it: a stable identity
     while todo:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if id(getattr(node, "variable", None)) in wanted:  # AccumulateGrad of a parameter
-            return True
+        leaf = id(getattr(node, "variable", None))  # AccumulateGrad of a leaf
+        if leaf in wanted:
+            yield leaf
         todo.extend(nxt for nxt, _ in node.next_functions)
-    return False
 
 
 def refuse_graph_into(batch: tuple[tuple, Any], params: Sequence[torch.Tensor]) -> None:
