@@ -199,6 +199,7 @@ def check_same(
 _INTERNAL = frozenset(vars(nn.Module())) | {"_flat_weights", "_flat_weight_refs"}
 #: Module hooks, which the forward runs: a tensor they hold is read as a setting is.
 _HOOKS = {"_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"}
+_HOOKS_SORTED = sorted(_HOOKS)  # once: own_settings reads them for every module of a member
 #: Values compared as they are.
 
 
@@ -350,7 +351,7 @@ def _hooks(own: dict[str, Any], names: Names) -> dict[str, Any]:
     0's ``s``, silently. torch's own hook objects (weight_norm, spectral_norm, prune) set a
     tensor the ensemble recomputes per member, and are left out."""
     found = {}
-    for key in sorted(_HOOKS):
+    for key in _HOOKS_SORTED:
         hooks = [h for h in own[key].values() if type(h).__module__.split(".")[0] != "torch"]
         if hooks:
             shown = ", ".join(_shown(h) for h in hooks)
