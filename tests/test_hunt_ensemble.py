@@ -295,7 +295,8 @@ def test_a_forward_that_keeps_a_tensor_on_the_module_leaves_the_ensemble_usable(
     x = torch.randn(5, 3, dtype=torch.float64)
     before = torch.stack([m(x) for m in alone])
     torch.testing.assert_close(ens(x), before, **TOL64)
-    assert ens[0].hidden is None  # no member's activation: a module that has not run
+    # member 0's own activation, detached, as member 0 alone holds after the same forward
+    torch.testing.assert_close(ens[0].hidden, alone[0].hidden.detach(), **TOL64)
     torch.testing.assert_close(ens.select([2, 0])(x), before[[2, 0]], **TOL64)
     copied = copy.deepcopy(ens)
     batches = float64_batches(2, 5, 3, 1)
@@ -305,3 +306,58 @@ def test_a_forward_that_keeps_a_tensor_on_the_module_leaves_the_ensemble_usable(
     train_each(alone, batches)
     assert_members_equal(ens, alone)
     torch.testing.assert_close(copied(x), before, **TOL64)  # the copy did not train
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_kept_tensor_on_the_template_is_seen_not_followed(grad):
+    """``ens(x)`` sets the stacked activation on ``ens.template`` (docs/semantics.md). That
+    is not a value set there for every member: the runner keeps its own (nothing is copied to
+    it), and the template's watch takes no new version (a compiled step would compile anew)."""
+    ens = vmapens.Ensemble(_KeepsActivation, N, seeds=list(range(N)))
+    alone = _alone(_KeepsActivation)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with torch.set_grad_enabled(grad):
+        ens(x)
+        version = ens._followers[4].version
+        for _ in range(2):
+            ens(x)
+        assert ens._followers[4].version == version
+        assert ens.runner.hidden is not ens.template.hidden
+        want = torch.stack([m.fc1(x).tanh() for m in alone])
+        torch.testing.assert_close(ens.template.hidden, want, **TOL64)
+        # a copy takes None there, and the original keeps its own
+        assert copy.deepcopy(ens).template.hidden is None
+        torch.testing.assert_close(ens.template.hidden, want, **TOL64)
+
+
+class _KeepsSome(nn.Module):
+    """Keeps a constant every call, and its first activation once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2, dtype=torch.float64)
+        self.first: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc(x)
+        if self.first is None:
+            self.first = out
+        self.const = torch.ones(2, dtype=torch.float64)  # made without the member's tensors
+        return out
+
+
+@pytest.mark.parametrize("how", [{}, {"chunk_size": 2}, {"backend": "loop"}])
+def test_kept_tensors_are_stacked_every_call_and_turn(how):
+    """docs/semantics.md: the tensors the members set are stacked on the template; a constant
+    is one per member. `first` is set when `self.first is None`: with chunks or the loop every
+    turn starts from the plain values the modules held before the call (None), so each member
+    keeps its own, as alone."""
+    ens = vmapens.Ensemble(_KeepsSome, N, seeds=list(range(N)), **how)
+    alone = _alone(_KeepsSome)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    for _ in range(2):  # the second call sets no `first`: the first call's stays, as alone
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in alone]), **TOL64)
+        assert ens.template.const.shape == (N, 2)
+        assert torch.equal(ens.template.const, torch.ones(N, 2, dtype=torch.float64))
+        want = torch.stack([m.first for m in alone])
+        torch.testing.assert_close(ens.template.first, want, **TOL64)

@@ -345,8 +345,9 @@ def test_kv_cache_decoding_twice_matches_alone(where: str) -> None:
         if where == "buffer":  # the member's own cache rows, as alone
             torch.testing.assert_close(kept.k, m.k, **TOL)
             assert kept.length == m.length == T
-        else:  # docs: a tensor the forward keeps is None in ens[i], as in a module not run
-            assert kept.k is None
+        else:  # docs: a tensor the forward keeps is member i's own in ens[i], as alone
+            torch.testing.assert_close(kept.k, m.k, **TOL)
+            torch.testing.assert_close(kept.v, m.v, **TOL)
 
 
 # -- sampling at a per-member temperature --------------------------------------------------------

@@ -30,6 +30,7 @@ from ._padding import Padding, check_pair, gates_of, largest, setting_advice
 _HOOKS = tuple(k for k, v in vars(nn.Module()).items() if isinstance(v, dict) and "hook" in k)
 
 __all__ = [
+    "KEPT_MARK",
     "Stacked",
     "TemplateParameter",
     "check_applied",
@@ -38,6 +39,7 @@ __all__ = [
     "first_difference",
     "follow_flags",
     "hooks_of",
+    "is_kept",
     "meta_copy",
     "migrated_keys",
     "recompute_",
@@ -270,16 +272,27 @@ def recompute_(module: nn.Module) -> None:
             setattr(m, name, hook.compute_weight(m, **power))
 
 
+#: Marks a tensor the members' forward kept, stacked on the template (``vmapens._kept``).
+KEPT_MARK = "_vmapens_stacked_kept"
+
+
+def is_kept(value: object) -> bool:
+    """Whether ``value`` is a tensor marked ``KEPT_MARK``."""
+    return isinstance(value, torch.Tensor) and getattr(value, KEPT_MARK, False)
+
+
 def scrub_(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """Drop the tensors a forward left in a meta module's plain attributes (``self.last = h``)
     before it is copied: under vmap a batched tensor, dead outside it; with the loop backend
-    the last member's, with its graph. ``copy.deepcopy`` refuses both, and neither is any
-    one member's: a copy starts with None there, as a module that has not run. Returns what
+    the last member's, with its graph; stacked on the template (``is_kept``). ``copy.deepcopy``
+    refuses the first two, and none is one member's: a copy starts with None there, as a module that has not run. Returns what
     it dropped, by module and name (``scrubbed`` puts it back)."""
     dropped = []
     for m in module.modules():
         for key, v in list(vars(m).items()):
-            if isinstance(v, torch.Tensor) and (is_functorch_wrapped_tensor(v) or v.grad_fn):
+            if isinstance(v, torch.Tensor) and (
+                is_functorch_wrapped_tensor(v) or v.grad_fn or is_kept(v)
+            ):
                 m.__dict__[key] = None
                 dropped.append((m, key, v))
     return dropped

@@ -22,9 +22,10 @@ from ._construction import (
 from ._container_ops import check_call, member_index, member_module, refused_assignment, set_flags_
 from ._ensemble_parts import check_factories, check_modules
 from ._fastcall import call_member, tracked
+from ._kept import rows_of_kept_, set_kept_, slots_for, stack_turns, turn_rows
 from ._member_maps import looped, vmapped
 from ._members import Factory, member_ids_for
-from ._stacking import Stacked, scrub_, stack_one_size
+from ._stacking import Stacked, scrubbed, stack_one_size
 from ._storage import StackedModule
 from ._unbatchable import Guard, follow_sparse, guarded, refuse_template_hooks
 
@@ -230,12 +231,24 @@ class Ensemble(StackedModule):
         """
         check_call(args, kwargs, in_dims, self.backend)
 
+        runner = self.runner
+        # Tensors the forward keeps (``self.kl = kl``), by turn: member (loop) or chunk (vmap)
+        slots, turns = slots_for(runner), []
+
         def member(state: dict[str, torch.Tensor], kw: dict, *args: Any) -> Any:
-            return call_member(self.runner, state, args, kw)
+            before = slots.seen()
+            out = call_member(runner, state, args, kw)
+            if kept := slots.new(before):
+                turns.append((turn_rows(state), kept))
+            return out
 
         # kwargs as a shared input: runners that run members in turns check it like the others
         dims = expand_in_dims("Ensemble", in_dims, args, len(self))
-        return self.map_members(member, kwargs, *args, in_dims=(None, *dims))
+        out = self.map_members(member, kwargs, *args, in_dims=(None, *dims))
+        kept = stack_turns(turns, len(self)) if turns else {}
+        if kept:  # on the template, stacked, where a loop over its modules reads them
+            self._followers[4].settle(set_kept_(self._template, kept))
+        return out
 
     def map_members(self, fn: Callable[..., Any], *args: Any, in_dims: Any = None) -> Any:
         """Run ``fn(member_state, *member_args)`` for every member, stacking the outputs.
@@ -343,8 +356,13 @@ class Ensemble(StackedModule):
             raise IndexError(f"Ensemble: member index {i} out of range for {len(self)} members")
         i %= len(self)
         self._follow_template()
-        scrub_(self._template)
-        return member_module(self._template, self.runner, self.stacked_state(), self._padding, i)
+        with scrubbed(self._template):  # a tensor the forward kept: given back afterwards
+            member = member_module(
+                self._template, self.runner, self.stacked_state(), self._padding, i
+            )
+        if self._padding is None:
+            rows_of_kept_(member, self._template, i)
+        return member
 
     def __setitem__(self, index: Any, value: Any) -> None:
         raise TypeError(refused_assignment(index))

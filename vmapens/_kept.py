@@ -1,0 +1,162 @@
+"""Tensors a forward keeps on its modules (``self.kl = kl``), stacked on ``ens.template``.
+
+A plain module keeps what its forward set: a Bayes-by-Backprop loop sums ``m.kl`` over its
+layers after ``model(x)``. The ensemble runs ``ens.runner``, where such a tensor is batched
+(dead after the call) or the last member's, and ``ens.template`` kept ``__init__``'s value:
+the loop read ``0.0`` and dropped the KL, silently. ``Ensemble.forward`` now takes what the
+forward kept out of the member map with the outputs and sets it on the template's module of
+the same name, stacked: ``[n, ...]``, one row per member, with its graph. The runner keeps
+its own for the next call (a key/value cache goes on as before), and ``ens[i]`` gets row
+``i``.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch._C._functorch import (
+    get_unwrapped,
+    is_batchedtensor,
+    is_functorch_wrapped_tensor,
+    maybe_get_bdim,
+)
+
+from ._plain_turns import INTERNAL
+from ._stacking import KEPT_MARK, is_kept, recomputed
+
+__all__ = ["kept_on", "rows_of_kept_", "set_kept_", "slots_for", "stack_turns", "turn_rows"]
+
+#: Each runner's ``KeptSlots``, built once (the runner's modules stay those it was built with).
+_SLOTS: weakref.WeakKeyDictionary[nn.Module, KeptSlots] = weakref.WeakKeyDictionary()
+
+
+class KeptSlots:
+    """The plain attributes of ``runner``'s modules, to tell the tensors a call set there.
+
+    ``seen`` and ``new`` compare the values by identity in C-level passes (a forward that
+    keeps nothing costs ~2 us a call); a new attribute shows as a longer ``__dict__``.
+
+    Args:
+        runner: the module the members run.
+    """
+
+    def __init__(self, runner: nn.Module) -> None:
+        named = list(runner.named_modules())
+        self.paths = [path for path, _ in named]
+        self.dicts = [vars(m) for _, m in named]
+        # weight_norm's, spectral_norm's and prune's computed tensors: set by a hook every call
+        self.skip = {(id(vars(m)), name) for m, name, _ in recomputed(runner)}
+        self._index()
+
+    def _index(self) -> None:
+        entries = [
+            (path, d, k)
+            for path, d in zip(self.paths, self.dicts, strict=True)
+            for k in d
+            if k not in INTERNAL and (id(d), k) not in self.skip
+        ]
+        self.names = [f"{path}:{k}" for path, _, k in entries]
+        self.owned = [d for _, d, _ in entries]
+        self.keys = [k for _, _, k in entries]
+        self.sizes = list(map(len, self.dicts))
+
+    def seen(self) -> list[object]:
+        """The values now (held: an id stays theirs while ``new`` compares)."""
+        return list(map(dict.get, self.owned, self.keys))
+
+    def new(self, before: list[object]) -> dict[str, torch.Tensor]:
+        """The tensors set since ``seen`` gave ``before``, by ``"<module path>:<attribute>"``."""
+        now = list(map(dict.get, self.owned, self.keys))
+        found = {}
+        if any(map(operator.is_not, now, before)):
+            found = {
+                name: v
+                for name, v, b in zip(self.names, now, before, strict=True)
+                if v is not b and isinstance(v, torch.Tensor)
+            }
+        if list(map(len, self.dicts)) != self.sizes:  # an attribute set the first time
+            known = set(self.names)
+            self._index()
+            found.update(
+                (name, v)
+                for name, d, k in zip(self.names, self.owned, self.keys, strict=True)
+                if name not in known and isinstance(v := d[k], torch.Tensor)
+            )
+        return found
+
+
+def slots_for(runner: nn.Module) -> KeptSlots:
+    """``runner``'s ``KeptSlots``."""
+    slots = _SLOTS.get(runner)
+    if slots is None:
+        slots = _SLOTS[runner] = KeptSlots(runner)
+    return slots
+
+
+def turn_rows(state: dict[str, torch.Tensor]) -> int:
+    """How many members a turn runs: one (loop), or a chunk's (vmap: the batched state's)."""
+    t = next(iter(state.values()), None)
+    if t is None or not is_batchedtensor(t):
+        return 1
+    return get_unwrapped(t).shape[maybe_get_bdim(t)]
+
+
+def _rows(t: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """A turn's kept tensor as ``[rows, ...]``: a batched one (dead after the call) unwrapped,
+    with its graph; one the members share (made without their tensors), one per member."""
+    if not is_batchedtensor(t):
+        return None if is_functorch_wrapped_tensor(t) else t.expand(rows, *t.shape)
+    value = get_unwrapped(t)
+    return None if is_functorch_wrapped_tensor(value) else value.movedim(maybe_get_bdim(t), 0)
+
+
+def stack_turns(
+    turns: Sequence[tuple[int, dict[str, torch.Tensor]]], n: int
+) -> dict[str, torch.Tensor]:
+    """What the turns that kept tensors (``(members, kept)`` each) kept, ``[n, ...]``: the
+    names every turn set, with one shape, dtype and device (others are left as they are)."""
+    if sum(rows for rows, _ in turns) != n:  # a turn kept nothing
+        return {}
+    stacked = {}
+    for name in turns[0][1]:
+        found = [_rows(kept[name], rows) if name in kept else None for rows, kept in turns]
+        parts = [p for p in found if p is not None]
+        if len(parts) == len(turns) and len({(p.shape[1:], p.dtype, p.device) for p in parts}) == 1:
+            stacked[name] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return stacked
+
+
+def set_kept_(template: nn.Module, kept: dict[str, torch.Tensor]) -> list[tuple[nn.Module, str]]:
+    """Set every stacked ``kept`` tensor on the template's module of its name; returns where."""
+    modules = dict(template.named_modules())
+    where = []
+    for name, value in kept.items():
+        path, _, key = name.rpartition(":")
+        if path in modules:
+            setattr(value, KEPT_MARK, True)
+            modules[path].__dict__[key] = value
+            where.append((modules[path], key))
+    return where
+
+
+def kept_on(template: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
+    """``(module path, attribute, stacked tensor)`` for each ``set_kept_`` put there."""
+    return [
+        (path, k, v)
+        for path, m in template.named_modules()
+        for k, v in vars(m).items()
+        if is_kept(v)
+    ]
+
+
+def rows_of_kept_(member: nn.Module, template: nn.Module, i: int) -> None:
+    """Row ``i`` of each tensor ``set_kept_`` put on the template, on ``member``'s module of the
+    same name, detached (a copy: a module that ran keeps its own)."""
+    modules = dict(member.named_modules())
+    for path, key, value in kept_on(template):
+        if path in modules:
+            modules[path].__dict__[key] = value[i].detach().clone()
