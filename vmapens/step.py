@@ -140,6 +140,14 @@ def make_step(
                 f"{api}: `compile=True` needs a vmapens.StackedOptimizer (its update runs inside "
                 f"the compiled graph), got {type(optimizer).__name__}"
             )
+        if type(optimizer).step is not StackedOptimizer.step:
+            # The graph runs the update as apply_gradients, never optimizer.step().
+            raise TypeError(
+                f"{api}: `compile=True` runs the update inside the compiled graph, never through "
+                f"`optimizer.step()`, and {type(optimizer).__name__} overrides `step`: its own "
+                "step would be skipped. Use compile=False (the eager step calls "
+                "optimizer.step()), or move the change into `update_` (which the graph calls)"
+            )
         if ens.backend == "loop":
             raise ValueError(
                 f"{api}: `compile=True` needs an ensemble with backend='vmap'; the 'loop' backend "
