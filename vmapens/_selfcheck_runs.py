@@ -30,7 +30,7 @@ from ._selfcheck_parts import (
 from ._step_more import reached_leaves
 from .ensemble import Ensemble
 
-__all__ = ["forked_rng", "member_slice", "run_alone", "run_together"]
+__all__ = ["IN_FORWARD", "forked_rng", "member_slice", "run_alone", "run_together"]
 
 
 def forked_rng(ens: Ensemble) -> contextlib.AbstractContextManager:
@@ -68,6 +68,10 @@ def member_slice(tree: Any, member: int, in_dims: int | None, keep_dim: bool) ->
     return optree.tree_map(lambda t: cut(t) if isinstance(t, Tensor) else t, tree)
 
 
+#: Set on an error raised by the member's own forward in ``run_alone`` (not by ``loss_fn``).
+IN_FORWARD = "_vmapens_member_forward"
+
+
 def run_alone(
     ens: Ensemble,
     member: int,
@@ -87,7 +91,11 @@ def run_alone(
         sub.__class__ = BatchableDropout if type(sub) is torch.nn.Dropout else type(sub)
     with batch_kept(args, targets) as edited, forked_rng(ens), _logical(ens):
         with _autocast(ens, autocast):
-            out = module(*member_slice(args, member, in_dims, False))
+            try:
+                out = module(*member_slice(args, member, in_dims, False))
+            except Exception as err:
+                setattr(err, IN_FORWARD, True)  # not the loss: see ``Probe``
+                raise
             loss = loss_fn(out, member_slice(targets, member, in_dims, False))
         # Into the parameters only, as the step differentiates: a target or input that
         # requires grad (a teacher's output) keeps its `.grad` (None).

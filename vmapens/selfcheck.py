@@ -26,7 +26,7 @@ from ._locate import first_padded_difference
 from ._padding import masked
 from ._plain_turns import plain_value
 from ._selfcheck_parts import differences, in_turns, refuse_carried
-from ._selfcheck_runs import member_slice, run_alone, run_together
+from ._selfcheck_runs import IN_FORWARD, member_slice, run_alone, run_together
 from ._unbatchable import explain_failure, follow_sparse
 from .ensemble import Ensemble, check_ensemble
 
@@ -182,15 +182,40 @@ class Probe:
             return
         batch = (self.loss_fn, args, targets, self.in_dims, self.autocast)
         with _loss_state_kept(self.loss_fn):
-            try:
-                runs = [(m, run_alone(self.ens, m, *batch)) for m in probed(self.ens)]
-            except Exception:
-                self.tries += 1  # the step reports it, as without the probe
-                self.pending = self.tries < TRIES
-                return
+            runs = []
+            for m in probed(self.ens):
+                try:
+                    runs.append((m, run_alone(self.ens, m, *batch)))
+                except Exception as err:
+                    _refuse_if_it_runs_together(self.ens, m, batch, err)
+                    self.tries += 1  # the step reports it, as without the probe
+                    self.pending = self.tries < TRIES
+                    return
             for member, alone in runs:
                 _compare("step", self.ens, member, alone, *batch, compiled=self.compiled)
         self.pending = False
+
+
+def _refuse_if_it_runs_together(ens: Ensemble, member: int, batch: tuple, err: Exception) -> None:
+    """A batch the member fails on alone is left to the step, which raises its usual error
+    (wrong shapes fail inside the ensemble too); one that runs inside the ensemble computes
+    what no member alone computes (vmap's ``F.one_hot`` skips torch's class range check and
+    gives a zero row): refused, before anything changed. An error of ``loss_fn`` is left to
+    the step (a loss that reads what the forward kept on ``ens.runner`` runs in the ensemble
+    only)."""
+    if not getattr(err, IN_FORWARD, False):
+        return
+    try:
+        run_together(ens.select([member]), member, *batch)
+    except Exception:
+        return
+    raise RuntimeError(
+        f"step: member {member} of {type(ens.template).__name__} fails alone on this batch "
+        f"({type(err).__name__}: {err}) but runs inside the ensemble, so the step would train "
+        "what no member alone computes (vmap skips some of torch's checks: `F.one_hot` of a "
+        "class out of range gives a zero row). Make the forward run alone on the batch, or "
+        "build the ensemble with backend='loop' to run each member as it runs alone"
+    ) from err
 
 
 @contextlib.contextmanager
