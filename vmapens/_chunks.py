@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -53,15 +54,41 @@ def in_order(
     rng = torch.get_rng_state() if same_randomness else None
     plain = plain_turns(runner)
     last: tuple[int, int] | None = None
+    ends: list[tuple[int, torch.Tensor]] = []  # (first member, RNG state) after each turn
     for a, b in bounds:
         if last is not None:
             refuse_edited(shared, how, *last)
         if rng is not None:
+            if last is not None:
+                ends.append((last[0], torch.get_rng_state()))
             torch.set_rng_state(rng)
         if plain is not None:
             plain.next_turn()
         yield a, b
         last = (a, b - 1)
+    if rng is not None and last is not None:
+        _warn_uneven_draws(how, ends, last[0])
+
+
+def _warn_uneven_draws(how: str, ends: list[tuple[int, torch.Tensor]], final: int) -> None:
+    """Warn when the turns of a ``randomness="same"`` call left the global RNG in different
+    states (``ends``: each turn's first member and the state it left; the last turn, whose
+    first member is ``final``, left the current one): the next call goes on from the last
+    turn's state, which is not where the other members' draws leave their RNG alone."""
+    now = torch.get_rng_state()
+    uneven = [i for i, state in ends if not torch.equal(state, now)]
+    if uneven:
+        warnings.warn(
+            f"{how} with randomness='same': member {uneven[0]} drew other random numbers "
+            f"than member {final} in this call (a draw under a condition on the member's "
+            f"values, such as a dead-code restart only when a code is unused), so the "
+            f"global RNG goes on from member {final}'s state, and from the next call on "
+            f"member {uneven[0]} no longer draws what it draws alone. Draw the same numbers "
+            "in every member (draw unconditionally, pick with torch.where), or build with "
+            "randomness='different' (independent draws, the same in distribution)",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def in_turns(
