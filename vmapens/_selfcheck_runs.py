@@ -8,6 +8,7 @@ the forward, the gradients), which ``selfcheck`` compares.
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -89,6 +90,7 @@ def run_alone(
     before = fingerprints(plain_attributes(module))
     for sub in module.modules() if ens.backend == "vmap" else ():  # see in_logical_order
         sub.__class__ = BatchableDropout if type(sub) is torch.nn.Dropout else type(sub)
+    python_rng = random.getstate()
     with batch_kept(args, targets) as edited, forked_rng(ens), _logical(ens):
         with _autocast(ens, autocast):
             try:
@@ -115,6 +117,7 @@ def run_alone(
         "edits": edited,
         "carried": kept,
         "reads": reads,
+        "python_rng": random.getstate() != python_rng,  # drew from Python's `random`
     }
 
 

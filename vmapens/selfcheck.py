@@ -289,6 +289,14 @@ def _compare(
             f"ensemble ({type(err).__name__}: {err}). {how}"
         ) from err
     found = list(differences(alone, together, autocast))
+    if found and alone.get("python_rng"):
+        raise RuntimeError(
+            f"{api}: member {member} of {name} draws from Python's `random` module in its "
+            f"forward ({'; '.join(found[:2])} between two runs on the same batch): torch's RNG "
+            "is the one the ensemble follows, and inside it one Python draw would serve every "
+            "member, with either backend. Draw with torch (`torch.randint`, `torch.rand`), "
+            "which follows `randomness` (docs/semantics.md, 'Randomness in the forward pass')"
+        )
     if found:
         padded = ens._padding is not None
         where = _padded_layer(sub, member, args, in_dims) if padded else None
