@@ -14,6 +14,7 @@ from ._batch_edits import shared_versions
 from ._buffer_turns import Slices, Turns
 from ._chunks import in_order, in_turns, uncache, uncached, vmap_in_turns
 from ._fastcall import forget_writes, no_random_ops, vmap_members
+from ._linalg_failure import FAILED_MEMBER
 from ._precision import autocast_members
 
 __all__ = ["looped", "vmapped"]
@@ -39,7 +40,11 @@ def looped(
             member_args = slices.take(i)
             uncache()  # member i - 1's parametrized tensors: cached by module, not by member
             with no_random_ops(randomness == "error"):
-                outputs.append(fn(turns.take(i), *member_args))
+                try:
+                    outputs.append(fn(turns.take(i), *member_args))
+                except torch.linalg.LinAlgError as err:
+                    setattr(err, FAILED_MEMBER, i)  # the message names the member
+                    raise
             turns.give_back(i)
             slices.give_back()
         uncache()

@@ -23,6 +23,7 @@ from ._container_ops import check_call, member_index, member_module, refused_ass
 from ._ensemble_parts import check_factories, check_modules
 from ._fastcall import call_member, tracked
 from ._kept import rows_of_kept_, set_kept_, slots_for, stack_turns, turn_rows
+from ._linalg_failure import linalg_failure
 from ._member_maps import looped, vmapped
 from ._members import Factory, member_ids_for
 from ._stacking import Stacked, scrubbed, stack_one_size
@@ -334,9 +335,14 @@ class Ensemble(StackedModule):
         if self._sparse:
             follow_sparse(api, self._sparse, torch.is_grad_enabled())
         buffers = list(self.stacked_buffers().values())
+        g = None
         try:
             with guarded(buffers, api, type(self._template).__name__, self.backend, loss) as g:
                 yield g
+        except torch.linalg.LinAlgError as err:  # one member's matrix: said as its own
+            if g is None or g.members_ran:
+                raise
+            raise linalg_failure(api, err, len(self), self.chunk_size) from err
         finally:  # weight_norm's tensor, set by its hook: one member's, with its graph
             for m, name, meta in self._followers[2]:
                 m.__dict__[name] = meta
