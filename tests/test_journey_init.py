@@ -346,3 +346,25 @@ def test_init_on_the_template_is_refused_not_silently_ignored() -> None:
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
     ens.apply(weights_init)  # the way out, then the ensemble runs again
     ens(torch.randn(2, 3, 2, 2))
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda t: nn.init.normal_(t.up.weight.data, 0.0, 0.02),  # DCGAN's weights_init
+        lambda t: t.up.weight.data.clamp_(-0.01, 0.01),  # WGAN's clipping, CLIP's clamp
+        lambda t: [p.data.mul_(0.5) for p in t.parameters()],
+    ],
+    ids=["init", "clamp", "all"],
+)
+def test_a_write_through_data_on_the_template_is_refused(write) -> None:
+    # Until session 32 `.data` of a template parameter had its own version counter: the
+    # write changed nothing and nothing said so. Now the next call refuses it, naming the ways.
+    ens = vmapens.Ensemble(Gen, N, seed=0)
+    before = {k: v.clone() for k, v in ens.state_dict().items()}
+    write(ens.template)
+    with pytest.raises(ValueError, match=r"ens\.template\..*written in place.*ens\.apply"):
+        ens(torch.randn(2, 3, 2, 2))
+    for k, v in ens.state_dict().items():  # nothing changed
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    ens(torch.randn(2, 3, 2, 2))  # refused once: the ensemble runs on

@@ -255,8 +255,8 @@ class Watched:
             if t._version != stamp:
                 self.stamps = list(map(_VERSION_OF, self.tensors))
                 raise ValueError(
-                    f"Ensemble: `ens.template.{path}` was written in place (an initialisation "
-                    "or `reset_parameters()` run on the template); the template is on meta and "
+                    f"Ensemble: `ens.template.{path}` was written in place (an initialisation, "
+                    "`reset_parameters()` or a `.data` write on the template); it is on meta and "
                     "holds no values, so no member changed. Run it on every member with "
                     "ens.apply(fn), or write ens.stacked_params()[name] under torch.no_grad()"
                 )

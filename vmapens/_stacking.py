@@ -25,6 +25,7 @@ from ._copies import copy_member
 from ._ensemble_parts import refuse_compiled
 from ._members import check_same, class_name, named_tensors, signature
 from ._padding import Padding, check_pair, gates_of, largest, setting_advice
+from ._template_parameter import TemplateParameter
 
 #: nn.Module's hook registries: hooks that ``apply``'s ``fn`` registers cannot carry over.
 _HOOKS = tuple(k for k, v in vars(nn.Module()).items() if isinstance(v, dict) and "hook" in k)
@@ -32,7 +33,6 @@ _HOOKS = tuple(k for k, v in vars(nn.Module()).items() if isinstance(v, dict) an
 __all__ = [
     "KEPT_MARK",
     "Stacked",
-    "TemplateParameter",
     "check_applied",
     "check_extra_state",
     "check_settings",
@@ -163,31 +163,6 @@ def follow_flags(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], synced: lis
     if pairs and pairs[0][1].__dict__.get("_twin", (None, None))[1] is not synced:
         for k, (p, meta) in enumerate(pairs):  # new storage (built, selected, copied, assigned)
             meta.__dict__["_twin"] = (p, synced, k)
-
-
-class TemplateParameter(nn.Parameter):
-    """A parameter of the meta template (``ens.template``) whose ``requires_grad``, when set,
-    is set on its stacked parameter too (``follow_flags`` links the two), so that flags set on
-    either side count in the order they were set, as on a plain module."""
-
-    def requires_grad_(self, requires_grad: bool = True) -> TemplateParameter:
-        super().requires_grad_(requires_grad)
-        twin = self.__dict__.get("_twin")
-        if twin is not None:
-            p, synced, k = twin
-            if p.requires_grad != requires_grad:
-                p.requires_grad_(requires_grad)
-            synced[k] = requires_grad
-        return self
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "requires_grad":  # ``p.requires_grad = False`` sets the stacked one too
-            self.requires_grad_(value)
-        else:
-            super().__setattr__(name, value)
-
-    def __reduce_ex__(self, proto: Any) -> Any:  # torch.save(ens): one of these, not yet linked
-        return TemplateParameter, (self.data, self.requires_grad)
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
