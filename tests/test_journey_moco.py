@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from truth import batch_plan
+from truth import batch_plan, float64_batches
 
 import vmapens
 
@@ -119,12 +119,8 @@ def reference_alone(ms: tuple[float, ...] = (0.9,) * N, queue: str = "item") -> 
 
 
 def pairs(count: int, rows: int = B, seed: int = 0) -> list[tuple[Tensor, Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (torch.randn(rows, D, generator=g, dtype=torch.float64),
-         torch.randn(rows, D, generator=g, dtype=torch.float64))
-        for _ in range(count)
-    ]  # fmt: skip
+    """Two augmented views per batch: float64 standard normals, batch after batch."""
+    return float64_batches(count, rows, D, D, seed)
 
 
 def train_alone(models: list[nn.Module], batches: list[tuple[Tensor, Tensor]], loss=info_nce):
