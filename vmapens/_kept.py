@@ -3,11 +3,13 @@
 A plain module keeps what its forward set: a Bayes-by-Backprop loop sums ``m.kl`` over its
 layers after ``model(x)``. The ensemble runs ``ens.runner``, where such a tensor is batched
 (dead after the call) or the last member's, and ``ens.template`` kept ``__init__``'s value:
-the loop read ``0.0`` and dropped the KL, silently. ``Ensemble.forward`` now takes what the
-forward kept out of the member map with the outputs and sets it on the template's module of
-the same name, stacked: ``[n, ...]``, one row per member, with its graph. The runner keeps
-its own for the next call (a key/value cache goes on as before), and ``ens[i]`` gets row
-``i``.
+the loop read ``0.0`` and dropped the KL, silently. ``Ensemble.forward`` now notes, turn by
+turn (one under vmap, one per chunk or member otherwise), the tensors the forward set on the
+runner's modules; after the call it unwraps the batched ones (dead outside vmap, their values
+and graph intact), stacks them and sets them on the template's module of the same name:
+``[n, ...]``, one row per member, with their graph. The outputs are untouched, the runner
+keeps its own for the next call (a key/value cache goes on as before), and ``ens[i]`` gets
+row ``i``.
 """
 
 from __future__ import annotations

@@ -260,8 +260,9 @@ def scrub_(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """Drop the tensors a forward left in a meta module's plain attributes (``self.last = h``)
     before it is copied: under vmap a batched tensor, dead outside it; with the loop backend
     the last member's, with its graph; stacked on the template (``is_kept``). ``copy.deepcopy``
-    refuses the first two, and none is one member's: a copy starts with None there, as a module that has not run. Returns what
-    it dropped, by module and name (``scrubbed`` puts it back)."""
+    refuses the first two, and none is one member's: a copy starts with None there, as a
+    module that has not run. Returns what it dropped, by module and name (``scrubbed`` puts
+    it back)."""
     dropped = []
     for m in module.modules():
         for key, v in list(vars(m).items()):
