@@ -246,6 +246,12 @@ class Watched:
                         "would read the template's (on meta) there: read it via its module"
                     )
 
+    def check_written(self) -> None:
+        """``_refuse_written`` alone: before the members' values are read out (``state_dict``),
+        so that a write on the template is not saved as if it had been made."""
+        if list(map(_VERSION_OF, self.tensors)) != self.stamps:
+            self._refuse_written()
+
     def _refuse_written(self) -> None:
         """A template tensor written in place (``ens.template.apply(init)``,
         ``reset_parameters()``, ``nn.init.normal_(ens.template.fc.weight)``): it is on meta, so

@@ -138,6 +138,13 @@ class StackedModule(nn.Module):
         kept = {k: v for k, v in buffers.items() if k not in self._non_persistent_buffers_set}
         return {**self.stacked_params(), **kept}
 
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """nn.Module's, after the check ``ens(x)`` makes of writes on the template (on meta:
+        they kept nothing, and the values saved would not be what the user wrote)."""
+        if "_followers" in self.__dict__:  # built
+            self._followers[4].check_written()
+        return super().state_dict(*args, **kwargs)
+
     def state_dicts(self) -> list[dict[str, torch.Tensor]]:
         """One state_dict per member, each loadable with ``strict=True`` by the user's class:
         what ``ens[i].state_dict()`` gives (detached copies), ``_metadata`` included.
@@ -148,6 +155,7 @@ class StackedModule(nn.Module):
             >>> nn.Linear(3, 2).load_state_dict(sds[0])
             <All keys matched successfully>
         """
+        self._followers[4].check_written()  # a write on the template refused, as by ens(x)
         persistent, keys, metadata = self._persistent(), self._state_keys, self._member_metadata
         return member_state_dicts(persistent, keys, len(self), self._padding, metadata)
 
@@ -222,6 +230,16 @@ class StackedModule(nn.Module):
             raise TypeError(f"{api}: `fn` must be callable, got {type(fn).__name__}")
         apply_members(api, self, fn)
         return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        old = self.__dict__.get("_parameters", {}).get(name)  # a member's top-level parameter
+        if isinstance(value, torch.Tensor) and old is not None and value.shape != old.shape:
+            raise ValueError(
+                f"Ensemble: `ens.{name}` is the members' stacked parameter, of shape "
+                f"{tuple(old.shape)}, got {tuple(value.shape)}; write the members' values in "
+                f"place: with torch.no_grad(): ens.{name}.copy_(value)"
+            )
+        super().__setattr__(name, value)
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -377,6 +377,9 @@ def leading_n(api: str, tensors: Sequence[Any], n: int | None = None) -> int:
         raise ValueError(f"{api}: `params` is empty; expected at least one stacked tensor")
     if any(not isinstance(t, Tensor) for t in tensors):
         raise TypeError(f"{api}: `params` must hold tensors, got {type(tensors[0]).__name__}")
+    if any(t.is_meta for t in tensors):  # ens.template's: no values, never a gradient
+        msg = "holds a meta tensor (ens.template's?); pass the ensemble's: ens.get_parameter(name)"
+        raise ValueError(f"{api}: `params` {msg}")
     if any(t.dim() == 0 for t in tensors):
         raise ValueError(f"{api}: every parameter needs a leading member dim, got a 0-dim tensor")
     first: dict[int, int] = {}
