@@ -65,7 +65,8 @@ def predict(
 
     Args:
         ens: the ensemble.
-        data: the member's input (a tensor), a tuple of its positional inputs, or an iterable
+        data: the member's input (a tensor), a tuple of its positional inputs (tensors, and
+            ``None`` for an input left out: ``(tokens, None, mask)``), or an iterable
             of batches, each one input or a tuple/list of inputs (a ``DataLoader`` over
             ``TensorDataset(x)`` yields ``[x]``).
         reduce: one of ``REDUCTIONS``.
@@ -245,8 +246,10 @@ def _entropy(p: Tensor) -> Tensor:
 
 def _batches(data: Any, batch_size: int | None, in_dims: Any, api: str) -> Iterable[tuple]:
     """Tuples of positional inputs: tensor data cut along the samples, or the given batches."""
-    if isinstance(data, Tensor) or (
-        isinstance(data, tuple) and data and all(isinstance(t, Tensor) for t in data)
+    if isinstance(data, Tensor) or (  # a None among the inputs (`tags=None`) is an input too
+        isinstance(data, tuple)
+        and any(isinstance(t, Tensor) for t in data)
+        and all(isinstance(t, Tensor) or t is None for t in data)
     ):
         args = data if isinstance(data, tuple) else (data,)
         dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args)
@@ -259,11 +262,13 @@ def _batches(data: Any, batch_size: int | None, in_dims: Any, api: str) -> Itera
         if batch_size is None:  # one batch: the inputs as given (a broadcast one included)
             yield args
             return
-        axes = [_sample_axis(a, d) for a, d in zip(args, dims)]
-        sizes = [a.shape[ax] if a.dim() > ax else None for a, ax in zip(args, axes)]
+        cut = [(a, _sample_axis(a, d)) for a, d in zip(args, dims) if a is not None]
+        sizes = [a.shape[ax] if a.dim() > ax else None for a, ax in cut]
         size = sizes[0]
         if size is None or any(s != size for s in sizes):
-            shapes = ", ".join(f"input {k}: {tuple(a.shape)}" for k, a in enumerate(args))
+            shapes = ", ".join(
+                f"input {k}: {tuple(a.shape)}" for k, a in enumerate(args) if a is not None
+            )
             raise ValueError(
                 f"{api}: `batch_size` cuts every input of `data` along its samples (dim 0 of "
                 f"what a member sees), so they need as many samples each, got {shapes}; for "
@@ -272,9 +277,8 @@ def _batches(data: Any, batch_size: int | None, in_dims: Any, api: str) -> Itera
             )
         # No samples: one empty batch, whose outputs have no samples either (as alone).
         for start in range(0, max(size, 1), batch_size):
-            yield tuple(
-                a.narrow(ax, start, min(batch_size, size - start)) for a, ax in zip(args, axes)
-            )
+            cuts = iter([a.narrow(ax, start, min(batch_size, size - start)) for a, ax in cut])
+            yield tuple(None if a is None else next(cuts) for a in args)
         return
     if batch_size is not None:
         raise ValueError(f"{api}: `batch_size` cuts tensor `data`; an iterable is already batched")
