@@ -371,11 +371,6 @@ def test_discretized_members_of_different_architectures_are_refused_naming_the_e
     assert len(same) == 2
 
 
-@__import__("pytest").mark.xfail(
-    strict=True,
-    reason="from_modules names a missing tensor (`edges.0.weight`), not the differing layer "
-    "classes at `edges.0`, and gives no way out",
-)
 def test_from_modules_names_the_differing_op_when_a_parametrised_op_meets_a_pooling_one() -> None:
     pytest = __import__("pytest")
     with pytest.raises(ValueError, match=r"`edges\.0` \(AvgPool1d vs Linear\)"):

@@ -174,6 +174,7 @@ def check_same(
         )
     for key in [*ref, *(k for k in got if k not in ref)] if got != ref else ():
         if key not in got or key not in ref:
+            _refuse_other_layers(reference[3], theirs[3], i, api)  # the cause, named
             which = "lacks" if key not in got else "has an extra"
             raise ValueError(f"{api}: member {i} {which} tensor `{key}` (compared to member 0)")
         whats = ("shape", "dtype", "device", "requires_grad", "tied names")
@@ -192,6 +193,21 @@ def check_same(
                 "(call .train() / .eval() the same way on each) before building the ensemble"
             )
     return theirs
+
+
+def _refuse_other_layers(ours: tuple, theirs: tuple, i: int, api: str) -> None:
+    """Raise ValueError at the first submodule whose class differs from member 0's (a DARTS
+    genotype's pooling op where member 0 has a Linear): what a missing tensor comes from."""
+    a, b = {n: c for n, c, _ in ours}, {n: c for n, c, _ in theirs}
+    for path in [*a, *(p for p in b if p not in a)]:
+        if a.get(path) != b.get(path):
+            kinds = " vs ".join(
+                "none" if c is None else class_name(c) for c in (b.get(path), a.get(path))
+            )
+            raise ValueError(
+                f"{api}: member {i} has another structure than member 0 at `{path}` ({kinds}); "
+                "every member must have member 0's layers: build one ensemble per architecture"
+            )
 
 
 #: nn.Module's own bookkeeping (registries, hooks, mode) and the RNNs' lists of their own
