@@ -311,7 +311,7 @@ class StackedOptimizer(EagerOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._update([p.grad for g in self.param_groups for p in g["params"]], mask)
+        self._update([_own_grad(p) for g in self.param_groups for p in g["params"]], mask)
         return loss
 
     def apply_gradients(self, grads: Sequence[Tensor | None], mask: Tensor | None = None) -> None:
@@ -379,3 +379,15 @@ class StackedOptimizer(EagerOptimizer):
         if new.state:
             new.prepare()
         return new
+
+
+def _own_grad(p: Tensor) -> Tensor | None:
+    """``p.grad``, zero where a member of another size is padded: a hand-written loss over the
+    padded storage (a penalty on ``ens.stacked_params()``) gives those entries gradients, which
+    moved them off zero (the step's masked forward gives them none)."""
+    padded = getattr(p, "_member_padding", None)
+    if padded is None or p.grad is None or p.grad.layout != torch.strided:
+        return p.grad
+    padding, name = padded
+    mask = padding.masks({name: p}).get(name)  # None: no member is padded in this tensor
+    return p.grad if mask is None else p.grad * mask
