@@ -215,6 +215,7 @@ def _refuse_if_it_runs_together(ens: Ensemble, member: int, batch: tuple, err: E
         "what no member alone computes (vmap skips some of torch's checks: `F.one_hot` of a "
         "class out of range gives a zero row). Make the forward run alone on the batch, or "
         "build the ensemble with backend='loop' to run each member as it runs alone"
+        + (_PADDED_INPUT if ens._padding is not None else "")
     ) from err
 
 
@@ -402,6 +403,10 @@ _WAY_OUT = {
     "functional_call: compare ens[0] with it, or pass check=False to train anyway",
     "narrow": "uint8 class targets cannot index in vmap's gather (int64, int32): pass .long()",
 }
+_PADDED_INPUT = (
+    ". Members of different sizes run at the largest one's size: an input padded to it runs "
+    "there but not alone; pass the whole input and pick each member's columns in its forward"
+)
 _PADDED = (
     "Members of different sizes run padded to the largest one, exact only when no operation "
     "mixes a padded dimension (a mean, softmax or norm over it, a reshape that moves it; "
