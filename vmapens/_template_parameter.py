@@ -6,7 +6,8 @@ be refused. ``requires_grad`` set on one is set on its stacked parameter too. A 
 clipping over ``ens.template.parameters()``) changed nothing, silently: torch's ``.data``
 aliases a tensor without sharing its version counter, so ``Watched`` (which refuses in-place
 writes to the template by ``_version``) did not see it. Here ``.data`` is ``detach()``, which
-shares it: the next call refuses the write, naming the ways to change the members.
+shares it: the next call refuses the write, naming the ways to change the members. New
+``.data`` assigned (``w.data = F.normalize(w.data, dim=1)``) bumps the version counter too.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class TemplateParameter(nn.Parameter):
     @data.setter
     def data(self, value: torch.Tensor) -> None:
         torch._C.TensorBase.data.__set__(self, value)  # type: ignore[attr-defined]
+        # New data (the TransE recipe's `w.data = F.normalize(w.data, ...)`) keeps `_version`:
+        # bump it so that the next call refuses it as it refuses a write through `.data`.
+        torch.autograd.graph.increment_version(self)
 
     def __reduce_ex__(self, proto: Any) -> Any:  # torch.save(ens): one of these, not yet linked
         return TemplateParameter, (self.data, self.requires_grad)
