@@ -30,6 +30,23 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _default_dtype_kept(request: pytest.FixtureRequest) -> Iterator[None]:
+    # A test file that sets torch's default dtype and leaves it (a module-scoped fixture that
+    # calls set_default_dtype) made every later file in that xdist worker build float64
+    # tensors: 15 unrelated tests failed in one CI run. The file that leaves it fails here.
+    before = torch.get_default_dtype()
+    yield
+    after = torch.get_default_dtype()
+    if after != before:
+        torch.set_default_dtype(before)
+        pytest.fail(
+            f"{request.module.__name__} left torch's default dtype at {after} (it was "
+            f"{before}): restore it where it is set (see `float64_default`)",
+            pytrace=False,
+        )
+
+
 @pytest.fixture
 def float64_default() -> Iterator[None]:
     """float64 as torch's default dtype for the test (``pytestmark =

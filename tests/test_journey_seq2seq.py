@@ -276,10 +276,15 @@ def beam_ensemble(ens: vmapens.Ensemble, src: Tensor, k: int = 3, steps: int = T
 
 @pytest.fixture(scope="module")
 def trained() -> tuple[vmapens.Ensemble, list[nn.Module]]:
+    before = torch.get_default_dtype()  # module-scoped: set up before `float64_default`
     torch.set_default_dtype(torch.float64)
-    data = batches(2, N)
-    ens = trained_with_step(Seq2Seq, data, per_member=True)
-    return ens.eval(), [m.eval() for m in alone_from_same_rng(Seq2Seq, data, per_member=True)]
+    try:
+        data = batches(2, N)
+        ens = trained_with_step(Seq2Seq, data, per_member=True)
+        alone = alone_from_same_rng(Seq2Seq, data, per_member=True)
+    finally:  # the next test file in this worker gets torch's default back
+        torch.set_default_dtype(before)
+    return ens.eval(), [m.eval() for m in alone]
 
 
 def sources(rows: int = 2) -> Tensor:
