@@ -22,8 +22,8 @@ def mlp() -> nn.Sequential:
 
 def workload_a(n: int = 15, steps: int = 1000) -> None:
     """Workload A: n MLPs 2->20->1, BCELoss, Adam, one batch of 5, naive loop vs Ensemble."""
+    torch.manual_seed(0)  # the batch too: the same figures at every run
     x, y = torch.randn(5, 2), torch.ones(5, 1)
-    torch.manual_seed(0)
     twins = [mlp() for _ in range(n)]
     eager = vmapens.Ensemble.from_modules(twins)
     compiled = vmapens.Ensemble.from_modules(twins)
