@@ -25,15 +25,13 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import nn
-from torch._C._functorch import is_functorch_wrapped_tensor
 
 from ._batchable import twin_class
 from ._hooks import held_tensor
 from ._members import named_tensors
 from ._plain_turns import INTERNAL, plain_value
-from ._stacking import is_kept, recomputed
+from ._stacking import left_by_forward, recomputed
 from ._unbatchable import unchunked
 
 __all__ = ["INTERNAL", "Watched", "forward_set"]
@@ -52,19 +50,10 @@ def _names(module: nn.Module, skip: set[str]) -> list[str]:
     return [k for k in module.__dict__ if k not in INTERNAL and k not in skip]
 
 
-def _left_by_forward(value: object) -> bool:
-    """A tensor a forward stored (``self.last = h``): batched, or with the graph of the last
-    member run in turns (what ``scrub_`` drops before a copy, and no member's own value), or
-    all members' stacked on the template (``_kept``)."""
-    return isinstance(value, torch.Tensor) and (
-        is_functorch_wrapped_tensor(value) or value.grad_fn is not None or is_kept(value)
-    )
-
-
 def _scrubbed(now: object, before: object) -> bool:
     """A forward's tensor replaced by None: ``scrub_`` at work (a copy of the ensemble, which
     follows the template with the same ``Watched``), not a value for every member."""
-    return now is None and _left_by_forward(before)
+    return now is None and left_by_forward(before)
 
 
 def _same(a: object, b: object) -> bool:
@@ -171,7 +160,7 @@ class Watched:
         """``(template module, attribute)`` for each tensor ``Ensemble.forward`` set on the
         template (what the forward kept, stacked): seen as it is, without a new ``version``,
         and never followed (the runner keeps its own for the next call). An attribute the
-        template had not is taken once by ``follow``'s slow path (``_left_by_forward``)."""
+        template had not is taken once by ``follow``'s slow path (``left_by_forward``)."""
         for module, key in kept:
             j = self.slot.get((id(module), key))
             if j is not None:
@@ -180,7 +169,7 @@ class Watched:
     def __getstate__(self) -> dict[str, Any]:  # the copies' ``__dict__``s are other objects
         state = {k: v for k, v in vars(self).items() if k not in ("dicts", "owned", "slot")}
         # as ``scrub_`` leaves the template: torch copies no tensor with a graph
-        state["values"] = [None if _left_by_forward(v) else v for v in self.values]
+        state["values"] = [None if left_by_forward(v) else v for v in self.values]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -209,7 +198,7 @@ class Watched:
             changed = [
                 k for k in names
                 if ((id(module), k) not in before or not _same(state[k], before[id(module), k]))
-                and not _left_by_forward(state[k])
+                and not left_by_forward(state[k])
                 and not _scrubbed(state[k], before.get((id(module), k)))
             ]  # fmt: skip
             changes.append((names, changed))

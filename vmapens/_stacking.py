@@ -40,6 +40,7 @@ __all__ = [
     "follow_flags",
     "hooks_of",
     "is_kept",
+    "left_by_forward",
     "meta_copy",
     "migrated_keys",
     "recompute_",
@@ -256,6 +257,15 @@ def is_kept(value: object) -> bool:
     return isinstance(value, torch.Tensor) and getattr(value, KEPT_MARK, False)
 
 
+def left_by_forward(value: object) -> bool:
+    """A tensor a forward stored (``self.last = h``): batched, or with the graph of the last
+    member run in turns, or all members' stacked on the template (``is_kept``); no member's
+    own value, and what ``scrub_`` drops before a copy."""
+    return isinstance(value, torch.Tensor) and (
+        is_functorch_wrapped_tensor(value) or value.grad_fn is not None or is_kept(value)
+    )
+
+
 def scrub_(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """Drop the tensors a forward left in a meta module's plain attributes (``self.last = h``)
     before it is copied: under vmap a batched tensor, dead outside it; with the loop backend
@@ -266,9 +276,7 @@ def scrub_(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     dropped = []
     for m in module.modules():
         for key, v in list(vars(m).items()):
-            if isinstance(v, torch.Tensor) and (
-                is_functorch_wrapped_tensor(v) or v.grad_fn or is_kept(v)
-            ):
+            if left_by_forward(v):
                 m.__dict__[key] = None
                 dropped.append((m, key, v))
     return dropped
