@@ -103,11 +103,17 @@ def compile_failures() -> Iterator[None]:
         if isinstance(err, Unsupported | BackendCompilerFailed | TorchRuntimeError):
             lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
             why = " ".join(lines[:2]) if lines else type(err).__name__
+            likely = (
+                "a tensor of a member leaves the graph: the forward keeps one on its module "
+                "(`self.aux_loss = ...`), or a submodule sits at two paths"
+                if "storage of TensorWrapper" in why
+                else "the forward or the loss calls something dynamo cannot trace"
+            )
             raise CompileFailed(
                 f"step: torch.compile cannot compile this training step into one graph "
-                f"({type(err).__name__}: {why[:400]}); most likely the forward or the loss "
-                "calls something dynamo cannot trace. Train with compile=False (make_step or "
-                "fit), which runs the same step eagerly. Nothing was changed"
+                f"({type(err).__name__}: {why[:400]}); most likely {likely}. Train with "
+                "compile=False (make_step or fit), which runs the same step eagerly. Nothing "
+                "was changed"
             ) from err
         raise
 
