@@ -56,7 +56,9 @@ def clip_grad_norm_(
 
     Args:
         ens_or_params: An ensemble (``nn.Module``), a stacked tensor or an iterable of them.
-        max_norm: Maximum total norm per member (a number or a 0-d tensor, as torch takes).
+        max_norm: Maximum total norm per member (a number or a 0-d tensor, as torch takes),
+            or a floating-point ``[n]`` tensor: member ``i`` clipped as alone with
+            ``max_norm[i]``.
         norm_type: p of the p-norm (``inf`` or ``"inf"`` allowed).
         error_if_nonfinite: raise, with no gradient changed, if some member's norm is NaN or
             inf, as torch raises for the member alone (default: that member gets the
@@ -70,7 +72,7 @@ def clip_grad_norm_(
     Raises:
         ValueError: No parameters, mismatched leading sizes, ``max_norm`` < 0, or
             ``norm_type`` < 0 on members of different sizes (padded zeros would count).
-        TypeError: ``max_norm`` is not a number.
+        TypeError: ``max_norm`` is not a number, a 0-d tensor or an ``[n]`` float tensor.
         RuntimeError: ``error_if_nonfinite`` and a member's norm is not finite.
 
     Example:
@@ -82,19 +84,37 @@ def clip_grad_norm_(
     api = "clip_grad_norm_"
     if isinstance(max_norm, Tensor) and max_norm.dim() == 0 and not max_norm.is_complex():
         max_norm = float(max_norm)  # torch.nn.utils takes a 0-d tensor too
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
-        raise TypeError(f"{api}: `max_norm` must be a float, got {type(max_norm).__name__}")
-    if not max_norm >= 0:
+    bound: float | Tensor
+    if isinstance(max_norm, Tensor) and max_norm.dim() == 1 and max_norm.is_floating_point():
+        bound = max_norm.detach()  # one bound per member (checked against n below)
+        if not bool((bound >= 0).all()):
+            raise ValueError(f"{api}: `max_norm` must be >= 0, got {max_norm}")
+    elif isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+        got = type(max_norm).__name__
+        if isinstance(max_norm, Tensor):
+            got = f"a {max_norm.dtype} tensor of shape {tuple(max_norm.shape)}"
+        raise TypeError(
+            f"{api}: `max_norm` must be a float, a 0-d tensor or a floating-point tensor of "
+            f"shape [n] (one bound per member), got {got}"
+        )
+    elif not max_norm >= 0:
         raise ValueError(f"{api}: `max_norm` must be >= 0, got {max_norm}")
+    else:
+        bound = max_norm
     try:
         p = float(norm_type)  # torch reads "inf" as float("inf") too
     except (TypeError, ValueError):
         raise TypeError(f"{api}: `norm_type` must be a float, got {norm_type!r}") from None
     grads, n, device = _grads(api, ens_or_params, p)
+    if isinstance(bound, Tensor) and tuple(bound.shape) != (n,):
+        raise ValueError(
+            f"{api}: a tensor `max_norm` holds one bound per member: expected shape ({n},), "
+            f"got {tuple(bound.shape)}"
+        )
     if not grads:
         return torch.zeros(n, device=device)
     if not error_if_nonfinite:
-        return clip_norms_(grads, max_norm, p)
+        return clip_norms_(grads, bound, p)
     norms = member_norms(grads, p)
     bad = (~norms.isfinite()).nonzero().flatten().tolist()
     if bad:
@@ -105,11 +125,14 @@ def clip_grad_norm_(
             "`error_if_nonfinite=False` to clip the others (and skip those members with "
             "`opt.step(mask=norms.isfinite())`)"
         )
-    return clip_norms_(grads, max_norm, p, norms)
+    return clip_norms_(grads, bound, p, norms)
 
 
 def clip_norms_(
-    grads: list[Tensor], max_norm: float, norm_type: float = 2.0, norms: Tensor | None = None
+    grads: list[Tensor],
+    max_norm: float | Tensor,
+    norm_type: float = 2.0,
+    norms: Tensor | None = None,
 ) -> Tensor:
     """:func:`clip_grad_norm_` on stacked gradient tensors ``[n, ...]`` (non-empty, none None).
 
@@ -118,7 +141,11 @@ def clip_norms_(
     """
     if norms is None:
         norms = member_norms(grads, norm_type)
-    coef = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
+    if isinstance(max_norm, Tensor):  # one bound per member: each as torch's float bound alone
+        bound = max_norm.to(norms.device, norms.dtype)
+        coef = torch.clamp((norms + 1e-6).reciprocal() * bound, max=1.0)
+    else:
+        coef = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
     # torch multiplies each gradient by the coefficient as a 0-d tensor, which type promotion
     # reads as a scalar: in float32 for a float16/bfloat16 gradient, in the coefficient's dtype
     # for a 0-d gradient (a member's scalar parameter), rounded once. The coefficient rounded
