@@ -113,6 +113,35 @@ def refuse_global_backward_hooks() -> None:
         )
 
 
+def refuse_runner_hooks(template: nn.Module, runner: nn.Module) -> None:
+    """Refuse a forward hook registered on ``ens.runner`` after building, as one on the
+    template is refused: under vmap it fires once on batched tensors, so a hook that stores
+    its output (feature extraction, ``feats.append(o)``) kept dead BatchedTensors, silently
+    until read (functorch's "tensor may have escaped"). The runner's own ``put_back`` hooks
+    (``_construction.runner_for``) are the ensemble's.
+
+    Raises:
+        RuntimeError: naming the layer and the ways out.
+    """
+    twins = dict(template.named_modules(remove_duplicate=False))
+    for name, module in runner.named_modules(remove_duplicate=False):
+        for kind in ("_forward_hooks", "_forward_pre_hooks"):
+            mine = set(getattr(twins[name], kind)) if name in twins else set()
+            for key, hook in getattr(module, kind).items():
+                func = getattr(hook, "func", None)
+                if key in mine or getattr(func, "__name__", "") == "put_back":
+                    continue
+                raise RuntimeError(
+                    f"Ensemble: `ens.runner.{name}` has a {kind[1:-1].replace('_', ' ')} "
+                    "registered after the ensemble was built; with backend='vmap' it fires "
+                    "once on all members' batched tensors, which are dead after the call. "
+                    "Build the ensemble with backend='loop' and register it on "
+                    "`ens.template` (it then fires once per member), register it on a member "
+                    "run alone (m = ens[0]), or keep the activation on the module in forward "
+                    "(self.feat = h: ens.template holds it stacked after the call)"
+                )
+
+
 def refuse_state_dict_pre_hooks(api: str, member: nn.Module, i: int) -> None:
     """Refuse a member with a state_dict pre-hook (``register_state_dict_pre_hook``).
 

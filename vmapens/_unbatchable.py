@@ -21,7 +21,7 @@ from torch import nn
 from ._attention import batched_attention
 from ._batch_edits import EditedInTurns
 from ._fastcall import WRITTEN, Reassigned
-from ._hooks import refuse_global_backward_hooks
+from ._hooks import refuse_global_backward_hooks, refuse_runner_hooks
 
 __all__ = [
     "NARROW_GATHER",
@@ -297,6 +297,7 @@ def refuse_template_hooks(template: nn.Module, runner: nn.Module) -> None:
                 "(m = ens[0]; m.<layer>.register_forward_hook(...)), or return the "
                 "activation from forward"
             )
+    refuse_runner_hooks(template, runner)
     if not torch.is_grad_enabled():
         return  # no backward follows
     refuse_global_backward_hooks()
