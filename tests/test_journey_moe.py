@@ -377,40 +377,32 @@ def test_a_forward_that_raises_alone_is_refused_by_the_step():
     pytest.fail("four steps trained a forward that raises alone")
 
 
-VAL = (
-    "fit's validation runs ens(x), then loss_fn per member: a loss reading the aux loss the "
-    "forward kept on ens.runner (exact in training) reads the last chunk's / member's there"
-)
-
-
-def runner_aux_loss(ens: vmapens.Ensemble):
+def runner_aux_loss(ens: vmapens.Ensemble, where: str = "runner"):
     def loss(out: tuple, y: Tensor) -> Tensor:  # the awkward journey's way: the module run
-        return F.mse_loss(out[0], y) + ens.runner.aux_loss
+        return F.mse_loss(out[0], y) + getattr(ens, where).aux_loss  # or the docs' template
 
     return loss
 
 
 @pytest.mark.parametrize(
     "options",
-    [
-        {},
-        pytest.param({"chunk_size": 2}, marks=pytest.mark.xfail(strict=True, reason=VAL)),
-        pytest.param({"backend": "loop"}, marks=pytest.mark.xfail(strict=True, reason=VAL)),
-    ],
+    [{}, {"chunk_size": 2}, {"backend": "loop"}],
     ids=IDS,
 )
-def test_fit_validation_of_a_loss_reading_the_kept_aux_loss_equals_alone(options):
+@pytest.mark.parametrize("where", ["runner", "template"])
+def test_fit_validation_of_a_loss_reading_the_kept_aux_loss_equals_alone(options, where):
     # Training runs forward and loss in one member map, so the loss reads each member's own
-    # `ens.runner.aux_loss` (exact). Validation runs `ens(x)` first, then the loss per member:
-    # in chunks / turns the runner holds the last chunk's / member's, and every member's
-    # validation loss (hence early stopping, best_k) uses it, silently.
+    # `ens.runner.aux_loss` (exact). Validation ran `ens(x)` first, then the loss per member:
+    # in chunks / turns the runner held the last chunk's / member's, and every member's
+    # validation loss (hence early stopping, best_k) used it, silently; the template's held
+    # all members' (a crash). It now runs the loss in the member map too.
     ens = vmapens.Ensemble(SwitchMoE, n=N, seed=0, **options)
     alone = ens.unstack()
     g = torch.Generator().manual_seed(1)
     X, Y = torch.randn(16, D, generator=g), torch.randn(16, 1, generator=g)
     Xv, Yv = torch.randn(8, D, generator=g), torch.randn(8, 1, generator=g)
     h = vmapens.fit(
-        ens, (X, Y), runner_aux_loss(ens), epochs=1, batch_size=8, shuffle=False, lr=0.05,
+        ens, (X, Y), runner_aux_loss(ens, where), epochs=1, batch_size=8, shuffle=False, lr=0.05,
         val_data=(Xv, Yv), patience=5, seed=0, progress=False,
     )  # fmt: skip
     want = torch.zeros(1, N, dtype=torch.float64)
@@ -429,14 +421,9 @@ def test_fit_validation_of_a_loss_reading_the_kept_aux_loss_equals_alone(options
     torch.testing.assert_close(h.val_loss, want, **TOL)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a loss_fn that reads `ens.template`'s kept aux loss inside make_step reads "
-    "__init__'s 0.0 under vmap (the self-check reads it too, both runs): the aux loss is "
-    "dropped silently; with backend='loop' (template is the runner) it is each member's own",
-)
-def test_step_loss_reading_the_templates_kept_aux_loss_gets_each_members_or_an_error():
-    ens = vmapens.Ensemble(SwitchMoE, n=N, seed=0)
+@pytest.mark.parametrize("options", [{}, {"chunk_size": 2}], ids=["vmap", "chunks"])
+def test_step_loss_reading_the_templates_kept_aux_loss_gets_each_members(options) -> None:
+    ens = vmapens.Ensemble(SwitchMoE, n=N, seed=0, **options)
     alone = ens.unstack()
 
     def loss(out: tuple, y: Tensor) -> Tensor:  # the member's structure: docs' `ens.template`
@@ -444,11 +431,8 @@ def test_step_loss_reading_the_templates_kept_aux_loss_gets_each_members_or_an_e
 
     step = vmapens.make_step(ens, loss, vmapens.StackedSGD(ens, lr=0.1))
     data = batches(2)
-    try:
-        for x, y in data:
-            step(x, y)
-    except (RuntimeError, ValueError):
-        return  # an error is right too
+    for x, y in data:
+        step(x, y)
     for m in alone:
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         for x, y in data:

@@ -31,7 +31,7 @@ from ._batchable import twin_class
 from ._hooks import held_tensor
 from ._members import named_tensors
 from ._plain_turns import INTERNAL, plain_value
-from ._stacking import left_by_forward, recomputed
+from ._stacking import left_by_forward, recomputed, scrubbing
 from ._unbatchable import unchunked
 
 __all__ = ["INTERNAL", "Watched", "forward_set"]
@@ -51,9 +51,10 @@ def _names(module: nn.Module, skip: set[str]) -> list[str]:
 
 
 def _scrubbed(now: object, before: object) -> bool:
-    """A forward's tensor replaced by None: ``scrub_`` at work (a copy of the ensemble, which
-    follows the template with the same ``Watched``), not a value for every member."""
-    return now is None and left_by_forward(before)
+    """A forward's tensor replaced by None while ``scrubbed`` is at work (a copy of the
+    ensemble, which follows the template with the same ``Watched``), not a value for every
+    member. Outside a copy it is the user's reset (``ens.template.h = None``): followed."""
+    return now is None and left_by_forward(before) and scrubbing()
 
 
 def _same(a: object, b: object) -> bool:
@@ -279,7 +280,9 @@ class Watched:
                     path = f"{prefix}.{name}" if prefix else name
                     raise ValueError(
                         f"Ensemble: `ens.template.{path}` was replaced by a tensor on {t.device} "
-                        "(load_state_dict(..., assign=True) or an assignment); the template is "
+                        "(load_state_dict(..., assign=True), an assignment, or a forward run "
+                        "with backend='loop' that sets a buffer registered as None: register it "
+                        "with a tensor of its final shape); the template is "
                         "on meta and every member holds its own tensors, so no member would "
                         "read it. Load values into the members: ens.load_state_dict() with "
                         "[n, ...] tensors, ens.stacked_params()[name].copy_(...), or build "

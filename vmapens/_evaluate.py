@@ -48,6 +48,7 @@ class Evaluator:
         self.val_loss = per_member(loss_fn, in_dims=(0, val_dims))
         self.metrics: dict[str, Metric] = {k: metric_pair(fn) for k, fn in metrics.items()}
         self.oob: Tensor | None = None
+        self.in_map = True  # the loss runs in the member map (see ``_forward``)
 
     def use_out_of_bag(self, data: tuple, mask: Tensor, in_dims: int | None) -> None:
         """Validate each member on the training rows its resample left out (``mask`` [n, S])."""
@@ -75,7 +76,7 @@ class Evaluator:
         # draw of the run after it, the shuffle's too, from a plain loop's from the same seed.
         with forked_rng(self.ens):
             try:
-                out, _ = self._forward(lambda out, y: (out, self.val_loss(out, y)))
+                out = self._forward(lambda out, loss, y: out)
             except (RuntimeError, ValueError, TypeError, IndexError) as err:
                 if isinstance(err.__cause__, EditedInTurns):  # the forward, not the data
                     name = type(self.ens.template).__name__
@@ -109,7 +110,7 @@ class Evaluator:
         h.train_loss = torch.cat([h.train_loss, torch.where(running, mean_loss.cpu(), nan)[None]])
         if self.val is None:
             return
-        val, (per, whole) = self._forward(lambda out, y: self._score(out, y, diverged))
+        val, (per, whole) = self._forward(lambda out, loss, y: self._score(out, loss, y, diverged))
         scored = running & ~diverged
         assert h.val_loss is not None  # History.empty made it: there is validation data
         h.val_loss = torch.cat([h.val_loss, torch.where(scored, val, nan)[None]])
@@ -118,16 +119,33 @@ class Evaluator:
                 h.metrics[k] = torch.cat([h.metrics[k], torch.where(scored, value, nan)[None]])
                 h.ensemble_metrics[k] = torch.cat([h.ensemble_metrics[k], whole[k][None]])
 
-    def _forward(self, then: Callable[[Any, Tensor], Any]) -> Any:
+    def _forward(self, then: Callable[[Any, Tensor | None, Tensor], Any]) -> Any:
+        """``then(outputs, losses, targets)`` of one eval-mode forward on the validation data.
+
+        Each member's loss runs right after its forward, in the member map, as in the step: a
+        ``loss_fn`` that reads what the forward kept (``ens.runner.aux_loss``, or the
+        template's) reads that member's, not the last chunk's or member's. A loss that cannot
+        run there (``.item()`` under vmap, not one value) is computed from the outputs by
+        ``per_member`` instead, which falls back to one member at a time; so is the
+        out-of-bag loss of a member's own rows (``losses`` is None then)."""
         assert self.val is not None  # called only with validation data
         x, y = self.val
+        args = positional(x)
         with torch.no_grad(), self.ens._evaluating():
-            return then(self.ens(*positional(x), in_dims=self.dims), y)
+            if self.oob is None and self.in_map:
+                try:
+                    out, losses = self.ens._run(args, {}, self.dims, (self.loss_fn, y, self.dims))
+                    return then(out, losses, y)
+                except (RuntimeError, ValueError, TypeError, IndexError, AttributeError):
+                    self.in_map = False  # from now on, as below
+            out = self.ens(*args, in_dims=self.dims)
+            return then(out, None if self.oob is not None else self.val_loss(out, y), y)
 
-    def _score(self, out: Any, y: Tensor, diverged: Tensor) -> tuple[Tensor, Any]:
+    def _score(self, out: Any, loss: Tensor | None, y: Tensor, diverged: Tensor) -> Any:
         scores = score(self.metrics, out, y, diverged)
-        if self.oob is None:
-            return self.val_loss(out, y).double().cpu(), scores
+        if loss is not None:
+            return loss.double().cpu(), scores
+        assert self.oob is not None  # ``_forward`` gives no loss for out-of-bag rows only
         return self._out_of_bag(out, y, self.oob).double().cpu(), scores
 
     def _out_of_bag(self, out: Any, y: Tensor, mask: Tensor) -> Tensor:

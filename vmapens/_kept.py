@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,7 +31,18 @@ from torch._C._functorch import (
 from ._plain_turns import INTERNAL
 from ._stacking import KEPT_MARK, is_kept, recomputed
 
-__all__ = ["kept_on", "rows_of_kept_", "set_kept_", "slots_for", "stack_turns", "turn_rows"]
+__all__ = [
+    "KeptTurns",
+    "keep_",
+    "kept_on",
+    "kept_rows",
+    "loss_with_kept",
+    "rows_of_kept_",
+    "set_kept_",
+    "slots_for",
+    "stack_turns",
+    "turn_rows",
+]
 
 #: Each runner's ``KeptSlots``, built once (the runner's modules stay those it was built with).
 _SLOTS: weakref.WeakKeyDictionary[nn.Module, KeptSlots] = weakref.WeakKeyDictionary()
@@ -133,7 +145,10 @@ def stack_turns(
 
 
 def set_kept_(template: nn.Module, kept: dict[str, torch.Tensor]) -> list[tuple[nn.Module, str]]:
-    """Set every stacked ``kept`` tensor on the template's module of its name; returns where."""
+    """Set every stacked ``kept`` tensor on the template's module of its name; returns where.
+
+    With ``backend="loop"`` the template is the module the members run: ``KeptTurns`` gives
+    each member its own row there while it runs."""
     modules = dict(template.named_modules())
     where = []
     for name, value in kept.items():
@@ -145,6 +160,77 @@ def set_kept_(template: nn.Module, kept: dict[str, torch.Tensor]) -> list[tuple[
     return where
 
 
+def keep_(template: nn.Module, watched: Any, turns: list, n: int, detach: bool) -> None:
+    """Set what the turns' forwards kept (``(members, kept)`` each) on the template, stacked,
+    where a loop over its modules reads them (``detach``: after a step, its graph is spent),
+    and tell ``watched`` (the template's ``Watched``) they are no user's write."""
+    kept = stack_turns(turns, n) if turns else {}
+    if kept:
+        kept = {k: v.detach() for k, v in kept.items()} if detach else kept
+        watched.settle(set_kept_(template, kept))
+
+
+class KeptTurns:
+    """The loop's turns over the stacked kept tensors on the template (the module the members
+    run there): member ``i`` runs with row ``i`` of each, its own, as alone, not all members'
+    (a cache read back, ``if self.cos is None or self.cos.shape[0] < t``, read the stack).
+    After the turns, one the forwards did not set again is put back whole.
+
+    Args:
+        runner: the module the members run.
+        n: how many members run.
+    """
+
+    def __init__(self, runner: nn.Module, n: int) -> None:
+        self.kept = [
+            (d, k, v)
+            for d in (m.__dict__ for m in runner.modules())
+            for k, v in d.items()
+            if is_kept(v) and v.dim() and v.shape[0] == n
+        ]
+        self.rows: list[torch.Tensor] = []
+
+    def take(self, i: int) -> None:
+        """Before member ``i``'s turn: its rows."""
+        self.rows = [v[i] for _, _, v in self.kept]
+        for (d, k, _), row in zip(self.kept, self.rows, strict=True):
+            d[k] = row
+
+    def end(self) -> None:
+        """After the turns (or a failed one): the stacks back where a row is still there."""
+        for (d, k, v), row in zip(self.kept, self.rows, strict=True):
+            if d.get(k) is row:
+                d[k] = v
+
+
+def loss_with_kept(
+    loss_fn: Callable, out: Any, target: Any, template: nn.Module, kept: dict[str, torch.Tensor]
+) -> Any:
+    """``loss_fn(out, target)`` with the tensors one run's forward ``kept`` (``KeptSlots.new``:
+    a member's, or a turn's batched ones) set on the template's module of the same name
+    meanwhile, then given back: a ``loss_fn`` that reads ``ens.template.moe.aux_loss`` reads
+    the member's own there, as alone it reads its module's (it read ``__init__``'s value)."""
+    modules = dict(template.named_modules()) if kept else {}
+    lent = []
+    for name, value in kept.items():
+        path, _, key = name.rpartition(":")
+        if path in modules:
+            owned = modules[path].__dict__
+            lent.append((owned, key, owned.get(key, _NONE)))
+            owned[key] = value
+    try:
+        return loss_fn(out, target)
+    finally:
+        for owned, key, old in reversed(lent):
+            if old is _NONE:
+                owned.pop(key, None)
+            else:
+                owned[key] = old
+
+
+_NONE = object()  # no such attribute before
+
+
 def kept_on(template: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
     """``(module path, attribute, stacked tensor)`` for each ``set_kept_`` put there."""
     return [
@@ -153,6 +239,13 @@ def kept_on(template: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
         for k, v in vars(m).items()
         if is_kept(v)
     ]
+
+
+def kept_rows(template: nn.Module, n: int) -> dict[str, torch.Tensor]:
+    """The stacked ``[n, ...]`` tensors ``set_kept_`` put on the template, by
+    ``"<module path>:<attribute>"``: mapped into the members, a ``loss_fn`` that reads one a
+    forward did not set again (an aux loss set in training only) reads its member's row."""
+    return {f"{path}:{k}": v for path, k, v in kept_on(template) if v.dim() and len(v) == n}
 
 
 def rows_of_kept_(member: nn.Module, template: nn.Module, i: int) -> None:

@@ -14,6 +14,7 @@ from ._batch_edits import shared_versions
 from ._buffer_turns import Slices, Turns
 from ._chunks import in_order, in_turns, uncache, uncached, vmap_in_turns
 from ._fastcall import forget_writes, no_random_ops, vmap_members
+from ._kept import KeptTurns
 from ._linalg_failure import FAILED_MEMBER
 from ._precision import autocast_members
 
@@ -28,25 +29,30 @@ def looped(
     they share: a member that edits one in place is refused before the next one runs. Once
     a member edited a buffer in place, the next ones get copies of theirs (``Turns``). Each
     member starts from the plain values ``runner`` (the module ``fn`` runs) held before the
-    call (``_plain_turns``)."""
+    call (``_plain_turns``), and with its own row of each tensor the forwards kept, stacked
+    there (``KeptTurns``)."""
 
     def looped(state: dict[str, torch.Tensor], *args: Any) -> Any:
         forget_writes()
         shared = shared_versions(args, in_dims) if n > 1 else []
         turns, slices = Turns(state, n > 1), Slices(args, in_dims, n > 1)
-        outputs = []
+        outputs, kept = [], KeptTurns(runner, n)  # each member its own row of a kept stack
         members = ((i, i + 1) for i in range(n))
-        for i, _ in in_order(members, shared, "backend='loop'", randomness == "same", runner):
-            member_args = slices.take(i)
-            uncache()  # member i - 1's parametrized tensors: cached by module, not by member
-            with no_random_ops(randomness == "error"):
-                try:
-                    outputs.append(fn(turns.take(i), *member_args))
-                except torch.linalg.LinAlgError as err:
-                    setattr(err, FAILED_MEMBER, i)  # the message names the member
-                    raise
-            turns.give_back(i)
-            slices.give_back()
+        try:
+            for i, _ in in_order(members, shared, "backend='loop'", randomness == "same", runner):
+                member_args = slices.take(i)
+                uncache()  # member i - 1's parametrized tensors: cached by module, not by member
+                kept.take(i)
+                with no_random_ops(randomness == "error"):
+                    try:
+                        outputs.append(fn(turns.take(i), *member_args))
+                    except torch.linalg.LinAlgError as err:
+                        setattr(err, FAILED_MEMBER, i)  # the message names the member
+                        raise
+                turns.give_back(i)
+                slices.give_back()
+        finally:
+            kept.end()
         uncache()
         return optree.tree_map(lambda *xs: torch.stack(xs), *outputs)
 

@@ -151,6 +151,13 @@ def differences(
             layers[layer] = max(layers.get(layer, 0.0), at)
     for key, a in alone["state"].items():
         floor = layers.get(key.rpartition(".")[0], 0.0)
+        if key not in together["state"]:  # a buffer registered as None, set by the forward
+            yield (
+                f"`{key}` is a buffer the forward sets alone and no member holds inside the "
+                "ensemble (registered as None: nothing to stack); register it with a tensor of "
+                "its final shape, or keep it as a plain attribute"
+            )
+            continue
         yield from _close(f"`{key}` after the forward", a, together["state"][key], low, floor)
     grads = [g for g in alone["grads"].values() if g is not None]
     scale = max((_finite_max(g) for g in grads if g.numel()), default=0.0)

@@ -20,6 +20,7 @@ from ._attention import batched_attention
 from ._batch_edits import batch_kept
 from ._batchable import BatchableDropout, in_logical_order
 from ._fastcall import call_member
+from ._kept import KeptSlots, loss_with_kept, slots_for
 from ._members import named_tensors
 from ._selfcheck_parts import (
     Attributes,
@@ -31,7 +32,15 @@ from ._selfcheck_parts import (
 from ._step_more import reached_leaves
 from .ensemble import Ensemble
 
-__all__ = ["IN_FORWARD", "forked_rng", "member_slice", "run_alone", "run_together"]
+__all__ = ["DRAWS", "IN_FORWARD", "forked_rng", "member_slice", "run_alone", "run_together"]
+
+
+# Alone, torch fills a channels-last or transposed tensor in memory order; vmap in logical order.
+DRAWS = (
+    "It draws random numbers: an in-place draw or F.dropout into a tensor laid out otherwise "
+    "than contiguous (channels-last, transposed) gets other numbers under vmap; draw into "
+    "`.contiguous()` (or use torch.rand_like, nn.Dropout). "
+)
 
 
 def forked_rng(ens: Ensemble) -> contextlib.AbstractContextManager:
@@ -88,17 +97,22 @@ def run_alone(
     module = ens[member]
     set_attributes(module, attributes or {})
     before = fingerprints(plain_attributes(module))
+    slots = KeptSlots(module)
+    seen = slots.seen()
     for sub in module.modules() if ens.backend == "vmap" else ():  # see in_logical_order
         sub.__class__ = BatchableDropout if type(sub) is torch.nn.Dropout else type(sub)
     python_rng = random.getstate()
     with batch_kept(args, targets) as edited, forked_rng(ens), _logical(ens):
+        torch_rng = torch.get_rng_state()  # inside the fork: what this run draws
         with _autocast(ens, autocast):
             try:
                 out = module(*member_slice(args, member, in_dims, False))
             except Exception as err:
                 setattr(err, IN_FORWARD, True)  # not the loss: see ``Probe``
                 raise
-            loss = loss_fn(out, member_slice(targets, member, in_dims, False))
+            target = member_slice(targets, member, in_dims, False)
+            loss = loss_with_kept(loss_fn, out, target, ens.template, slots.new(seen))
+        drew = not torch.equal(torch.get_rng_state(), torch_rng)  # torch's CPU generator
         # Into the parameters only, as the step differentiates: a target or input that
         # requires grad (a teacher's output) keeps its `.grad` (None).
         trained = [p for p in module.parameters() if p.requires_grad]
@@ -118,6 +132,7 @@ def run_alone(
         "carried": kept,
         "reads": reads,
         "python_rng": random.getstate() != python_rng,  # drew from Python's `random`
+        "torch_rng": drew,
     }
 
 
@@ -141,19 +156,25 @@ def run_together(
     targets: Tensor,
     in_dims: int | None,
     autocast: torch.dtype | None,
+    *,
+    template: torch.nn.Module,
 ) -> dict[str, Any]:
     """The same member through the ensemble's member map (``sub``: that member alone, at
-    its own size: a padded member's tensors are cut to it)."""
+    its own size: a padded member's tensors are cut to it; ``template``: the ensemble's,
+    where ``loss_fn`` may read what the forward kept, as in the step)."""
     state = sub.stacked_state()
     trained = [name for name, p in sub.stacked_params().items() if p.requires_grad]
 
     structure: list = []
+    slots = slots_for(sub.runner)
 
     def run(st: dict, inputs: tuple, target: Tensor) -> tuple[Any, Tensor]:
+        seen = slots.seen()
         out = call_member(sub.runner, st, inputs)
         leaves, spec = optree.tree_flatten(out)
         structure[:] = [spec, leaves]  # a number in the output is no vmap output: kept here
-        return [t for t in leaves if isinstance(t, Tensor)], loss_fn(out, target)
+        loss = loss_with_kept(loss_fn, out, target, template, slots.new(seen))
+        return [t for t in leaves if isinstance(t, Tensor)], loss
 
     mine = member_slice(args, member, in_dims, True)
     target = member_slice(targets, member, in_dims, True)

@@ -25,6 +25,7 @@ from ._copies import copy_member
 from ._ensemble_parts import refuse_compiled
 from ._members import check_same, class_name, named_tensors, signature
 from ._padding import Padding, check_pair, gates_of, largest, setting_advice
+from ._plain_turns import INTERNAL
 from ._template_parameter import TemplateParameter
 
 #: nn.Module's hook registries: hooks that ``apply``'s ``fn`` registers cannot carry over.
@@ -47,6 +48,7 @@ __all__ = [
     "recomputed",
     "scrub_",
     "scrubbed",
+    "scrubbing",
     "stack_one_size",
     "stack_sizes",
     "staged",
@@ -260,7 +262,10 @@ def is_kept(value: object) -> bool:
 def left_by_forward(value: object) -> bool:
     """A tensor a forward stored (``self.last = h``): batched, or with the graph of the last
     member run in turns, or all members' stacked on the template (``is_kept``); no member's
-    own value, and what ``scrub_`` drops before a copy."""
+    own value, and what ``scrub_`` drops before a copy. A tuple or list holding one counts
+    too (an LSTM's ``self.state = (h, c)``: its batched tensors crashed every copy)."""
+    if isinstance(value, tuple | list):
+        return any(map(left_by_forward, value))
     return isinstance(value, torch.Tensor) and (
         is_functorch_wrapped_tensor(value) or value.grad_fn is not None or is_kept(value)
     )
@@ -276,7 +281,7 @@ def scrub_(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     dropped = []
     for m in module.modules():
         for key, v in list(vars(m).items()):
-            if left_by_forward(v):
+            if key not in INTERNAL and left_by_forward(v):  # not an RNN's `_flat_weights`
                 m.__dict__[key] = None
                 dropped.append((m, key, v))
     return dropped
@@ -289,11 +294,22 @@ def scrubbed(*modules: nn.Module) -> Iterator[None]:
     goes on from the state its forward keeps (a key/value cache in ``self.k``), as a plain
     module goes on after ``copy.deepcopy`` of it (it went on from None, silently)."""
     dropped = [d for module in modules for d in scrub_(module)]
+    _SCRUBBING[0] += 1
     try:
         yield
     finally:
+        _SCRUBBING[0] -= 1
         for m, key, v in dropped:
             m.__dict__[key] = v
+
+
+#: How many ``scrubbed`` are under way: only then is a kept tensor's None a scrub, not a reset.
+_SCRUBBING = [0]
+
+
+def scrubbing() -> bool:
+    """Whether a ``scrubbed`` copy is under way (``Watched.follow`` then ignores its Nones)."""
+    return _SCRUBBING[0] > 0
 
 
 def first_difference(ours: tuple, theirs: tuple) -> tuple[str, Any, str | None, Any, Any] | None:

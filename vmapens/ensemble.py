@@ -22,7 +22,7 @@ from ._construction import (
 from ._container_ops import check_call, member_index, member_module, refused_assignment, set_flags_
 from ._ensemble_parts import check_factories, check_modules
 from ._fastcall import call_member, tracked
-from ._kept import rows_of_kept_, set_kept_, slots_for, stack_turns, turn_rows
+from ._kept import keep_, kept_rows, loss_with_kept, rows_of_kept_, slots_for, turn_rows
 from ._linalg_failure import linalg_failure
 from ._member_maps import looped, vmapped
 from ._members import Factory, member_ids_for
@@ -231,25 +231,38 @@ class Ensemble(StackedModule):
                 stacked storage cannot hold (a buffer it reassigns is kept, as alone).
         """
         check_call(args, kwargs, in_dims, self.backend)
+        return self._run(args, kwargs, in_dims)
 
-        runner = self.runner
+    def _run(self, args: tuple, kwargs: dict, in_dims: Any, loss: tuple | None = None) -> Any:
+        """``forward``; with ``loss = (loss_fn, target, its in_dims)``, ``(outputs, losses)``:
+        each member's ``loss_fn(output, target)`` right after its forward, in the member map
+        as the step runs it, reading its own rows of what the forwards kept on the template
+        (``fit``'s validation; the loop's members run the template itself: ``KeptTurns``)."""
+        runner, template, n = self.runner, self._template, len(self)
         # Tensors the forward keeps (``self.kl = kl``), by turn: member (loop) or chunk (vmap)
         slots, turns = slots_for(runner), []
+        loss_fn, target, target_dims = loss or (None, None, None)
+        rows = {} if loss is None or runner is template else kept_rows(template, n)
 
-        def member(state: dict[str, torch.Tensor], kw: dict, *args: Any) -> Any:
+        def member(state: dict[str, torch.Tensor], kw: dict, y: Any, own: dict, *args: Any) -> Any:
             before = slots.seen()
             out = call_member(runner, state, args, kw)
             if kept := slots.new(before):
                 turns.append((turn_rows(state), kept))
-            return out
+            if loss_fn is None:
+                return out
+            lent = {} if runner is template else {**own, **kept}
+            return out, loss_with_kept(loss_fn, out, y, template, lent).reshape(())
 
         # kwargs as a shared input: runners that run members in turns check it like the others
-        dims = expand_in_dims("Ensemble", in_dims, args, len(self))
-        out = self.map_members(member, kwargs, *args, in_dims=(None, *dims))
-        kept = stack_turns(turns, len(self)) if turns else {}
-        if kept:  # on the template, stacked, where a loop over its modules reads them
-            self._followers[4].settle(set_kept_(self._template, kept))
+        dims = (None, target_dims, 0, *expand_in_dims("Ensemble", in_dims, args, n))
+        out = self.map_members(member, kwargs, target, rows, *args, in_dims=dims)
+        self._keep(turns)
         return out
+
+    def _keep(self, turns: list, detach: bool = False) -> None:
+        """``keep_`` on the template (``detach``: after a step)."""
+        keep_(self._template, self._followers[4], turns, len(self), detach)
 
     def map_members(self, fn: Callable[..., Any], *args: Any, in_dims: Any = None) -> Any:
         """Run ``fn(member_state, *member_args)`` for every member, stacking the outputs.

@@ -26,7 +26,7 @@ from ._locate import first_padded_difference
 from ._padding import masked
 from ._plain_turns import plain_value
 from ._selfcheck_parts import differences, in_turns, refuse_carried
-from ._selfcheck_runs import IN_FORWARD, member_slice, run_alone, run_together
+from ._selfcheck_runs import DRAWS, IN_FORWARD, member_slice, run_alone, run_together
 from ._unbatchable import explain_failure, follow_sparse
 from .ensemble import Ensemble, check_ensemble
 
@@ -206,7 +206,7 @@ def _refuse_if_it_runs_together(ens: Ensemble, member: int, batch: tuple, err: E
     if not getattr(err, IN_FORWARD, False):
         return
     try:
-        run_together(ens.select([member]), member, *batch)
+        run_together(ens.select([member]), member, *batch, template=ens.template)
     except Exception:
         return
     raise RuntimeError(
@@ -278,7 +278,8 @@ def _compare(
         _refuse_reads_of_carried(api, ens, member, alone, how, compiled, *batch)
     sub = ens.select([member])  # a copy: the probe's forward changes nothing of ens
     try:
-        together = run_together(sub, member, loss_fn, args, targets, in_dims, autocast)
+        batch = (loss_fn, args, targets, in_dims, autocast)
+        together = run_together(sub, member, *batch, template=ens.template)
     except Exception as err:
         explained = explain_failure(api, name, sub.backend, err, loss=True)
         if explained is not None:
@@ -305,6 +306,7 @@ def _compare(
             f"{api}: member {member} of {name} computes something else inside the "
             f"{'padded ' * padded}ensemble than alone on the same batch: "
             f"{'; '.join(found[:4])}. {'' if where is None else f'It first differs at {where}. '}"
+            f"{'' if padded or not alone.get('torch_rng') else DRAWS}"
             f"{_PADDED if padded else _VMAPPED if ens.backend == 'vmap' else _WAY_OUT['loop']}"
         )
 

@@ -10,6 +10,7 @@ import torch
 from ._chunks import chunk_bounds, chunked_losses_and_grads
 from ._compiled_step import compiled_step
 from ._fastcall import call_member
+from ._kept import loss_with_kept, slots_for, turn_rows
 from ._precision import LossScale
 from ._step_hooks import TemplateHooks
 from ._step_more import grad_on, graph_into
@@ -128,7 +129,6 @@ def make_step(
     update = build_update(
         api, ens, optimizer, clip_grad_norm, clip_grad_value, precision, loss_scale
     )
-    member_loss = _member_loss(ens, loss_fn)
     probe = Probe(ens, loss_fn, in_dims, update.dtype, enabled=check, compiled=compile)
 
     def arguments(inputs: Any, targets: Any, mask: torch.Tensor | None) -> None:
@@ -154,9 +154,10 @@ def make_step(
                 "runs members one after another in Python, which torch.compile would unroll n "
                 "times. Use compile=False with backend='loop'."
             )
-        compiled = compiled_step(ens, member_loss, optimizer, in_dims, update, check)
+        compiled = compiled_step(ens, _member_loss(ens, loss_fn), optimizer, in_dims, update, check)
         return grad_on(probe.wrap(compiled, arguments))
-    batched = ens._member_map(member_loss, (in_dims, in_dims))
+    turns: list = []  # what the forward kept, by turn: on the template after the step
+    batched = ens._member_map(_member_loss(ens, loss_fn, turns), (in_dims, in_dims))
 
     # The stacked parameters keep their identity through .to() / .double(): list them once.
     # Which of them train is read every call, as loss.backward() reads it.
@@ -170,6 +171,7 @@ def make_step(
         params = trainable(every)
         old_grads = [p.grad for p in every]
         undo = undo_point(ens, optimizer)
+        turns.clear()
         try:
             with ens.guard("step", loss=True) as guard, frozen_members(ens, mask):
                 scale = None if update.scale is None else update.scale.scale
@@ -211,16 +213,36 @@ def make_step(
                 p.grad = g
             undo()
             raise
+        ens._keep(turns, detach=True)  # as ens(x) leaves them: a reset on the template is seen
+        turns.clear()
         return losses.detach()
 
     return grad_on(probe.wrap(step, arguments))
 
 
-def _member_loss(ens: Ensemble, loss_fn: Callable) -> Callable[..., torch.Tensor]:
-    """``(member_state, inputs, target) -> loss`` for one member, as it would run alone."""
+def _member_loss(
+    ens: Ensemble, loss_fn: Callable, turns: list | None = None
+) -> Callable[..., torch.Tensor]:
+    """``(member_state, inputs, target) -> loss`` for one member, as it would run alone.
+
+    With ``turns`` (the eager step's), what each turn's forward keeps on the runner's modules
+    (``self.aux_loss = ...``) is noted there, as ``Ensemble.forward`` notes it, and lent to
+    the template while ``loss_fn`` runs: a loss that reads ``ens.template.moe.aux_loss``
+    reads the member's own. The compiled step passes none: dynamo cannot guard that scan, and
+    a tensor kept on a module leaves its graph (refused, ``CompileFailed``)."""
 
     def member_loss(state: Any, inputs: tuple, target: Any) -> torch.Tensor:
-        loss = loss_fn(call_member(ens.runner, state, inputs), target)
+        runner, template = ens.runner, ens.template
+        if turns is None:
+            loss = loss_fn(call_member(runner, state, inputs), target)
+        else:
+            slots = slots_for(runner)
+            before = slots.seen()
+            out = call_member(runner, state, inputs)
+            if kept := slots.new(before):
+                turns.append((turn_rows(state), kept))
+            lent = kept if runner is not template else {}  # the loop kept them there
+            loss = loss_with_kept(loss_fn, out, target, template, lent)
         # loss.backward() alone refuses more than one value; the sum over members would not.
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             got = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
