@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules.module import _global_backward_hooks, _global_backward_pre_hooks
+from torch.utils.hooks import RemovableHandle
 
 #: Values that hold nothing.
 ATOMS = {bool, int, float, str, bytes, complex, type(None), torch.dtype, torch.device}
@@ -111,6 +114,22 @@ def refuse_global_backward_hooks() -> None:
             "without it. Build the ensemble with backend='loop' (the hook fires once per "
             "member, as alone), remove the hook, or run the forward under torch.no_grad()"
         )
+
+
+#: Per runner, ``(RemovableHandle.next_id, grad mode)`` when its hooks last passed ``check``.
+_PASSED: weakref.WeakKeyDictionary[nn.Module, tuple[int, bool]] = weakref.WeakKeyDictionary()
+
+
+def checked_hooks(
+    check: Callable[[nn.Module, nn.Module], None], template: nn.Module, runner: nn.Module
+) -> None:
+    """``check(template, runner)``, skipped while no hook was registered since it last passed
+    in this grad mode: torch numbers every hook handle it makes (``RemovableHandle.next_id``),
+    and the walk over the modules costs ~10 us a call. A refused hook is refused again."""
+    now = (RemovableHandle.next_id, torch.is_grad_enabled())
+    if _PASSED.get(runner) != now:
+        check(template, runner)
+        _PASSED[runner] = now
 
 
 def refuse_runner_hooks(template: nn.Module, runner: nn.Module) -> None:

@@ -22,6 +22,7 @@ from ._construction import (
 from ._container_ops import check_call, member_index, member_module, refused_assignment, set_flags_
 from ._ensemble_parts import check_factories, check_modules
 from ._fastcall import call_member, tracked
+from ._hooks import checked_hooks
 from ._kept import keep_, kept_rows, loss_with_kept, rows_of_kept_, slots_for, turn_rows
 from ._linalg_failure import linalg_failure
 from ._member_maps import looped, vmapped
@@ -235,16 +236,16 @@ class Ensemble(StackedModule):
 
     def _run(self, args: tuple, kwargs: dict, in_dims: Any, loss: tuple | None = None) -> Any:
         """``forward``; with ``loss = (loss_fn, target, its in_dims)``, ``(outputs, losses)``:
-        each member's ``loss_fn(output, target)`` right after its forward, in the member map
-        as the step runs it, reading its own rows of what the forwards kept on the template
-        (``fit``'s validation; the loop's members run the template itself: ``KeptTurns``)."""
+        each member's ``loss_fn(output, target)`` after its forward, in the member map as the
+        step runs it, reading its rows of what the forwards kept (``fit``'s validation)."""
         runner, template, n = self.runner, self._template, len(self)
         # Tensors the forward keeps (``self.kl = kl``), by turn: member (loop) or chunk (vmap)
         slots, turns = slots_for(runner), []
         loss_fn, target, target_dims = loss or (None, None, None)
         rows = {} if loss is None or runner is template else kept_rows(template, n)
 
-        def member(state: dict[str, torch.Tensor], kw: dict, y: Any, own: dict, *args: Any) -> Any:
+        def member(state: dict[str, torch.Tensor], kw: dict, *given: Any) -> Any:
+            args, (y, own) = (given, (None, {})) if loss_fn is None else (given[:-2], given[-2:])
             before = slots.seen()
             out = call_member(runner, state, args, kw)
             if kept := slots.new(before):
@@ -254,9 +255,12 @@ class Ensemble(StackedModule):
             lent = {} if runner is template else {**own, **kept}
             return out, loss_with_kept(loss_fn, out, y, template, lent).reshape(())
 
-        # kwargs as a shared input: runners that run members in turns check it like the others
-        dims = (None, target_dims, 0, *expand_in_dims("Ensemble", in_dims, args, n))
-        out = self.map_members(member, kwargs, target, rows, *args, in_dims=dims)
+        # kwargs shared: runners in turns check it too; no loss, no extra: ``_fastcall``'s path
+        dims = (None, *expand_in_dims("Ensemble", in_dims, args, n))
+        more = () if loss is None else (target, rows)
+        out = self.map_members(
+            member, kwargs, *args, *more, in_dims=dims + (target_dims, 0)[: len(more)]
+        )
         self._keep(turns)
         return out
 
@@ -323,7 +327,7 @@ class Ensemble(StackedModule):
     def _lifted(self, fn: Callable[..., Any], in_dims: tuple) -> Callable[..., Any]:
         if self.backend == "loop":
             return looped(len(self), self.randomness, fn, in_dims, self.runner)
-        refuse_template_hooks(self._template, self._runner)
+        checked_hooks(refuse_template_hooks, self._template, self._runner)
         return vmapped(len(self), self.randomness, self.chunk_size, fn, in_dims, self.runner)
 
     @contextlib.contextmanager
