@@ -35,7 +35,7 @@ Found: with backend='loop', a forward that differentiates w.r.t. its own paramet
 `torch.enable_grad()` fails under `torch.no_grad()` (`predict`, `fit(val_data=...)`,
 `with torch.no_grad(): ens(x)`) where the member alone runs: the member's row cut under
 no_grad reports `requires_grad=True` but is no node of the graph ("appears to not have been
-used in the graph"); strict xfail below (patch implicit-1 broke recurrent members).
+used in the graph"); fixed in session 33 (the loop cuts the rows with grad on).
 Left as documented or unfixable here: the hook guarded by `z.requires_grad` trains on the
 one-step gradient in a hand-written loop under vmap, silently (0.02 off after 3 steps; only
 the first step and `vmapens.check` look); the adjoint iterated to a tolerance raises torch's
@@ -593,7 +593,7 @@ def test_an_inner_gradient_on_the_own_weight_trains_alone(cls: type, kw: dict) -
     train_alone(alone, data, nn.functional.mse_loss)
     train_ensemble(ens, data, mse, "step")
     assert_members_equal(ens, alone)
-    if cls is FuncTTT:  # with autograd.grad and backend='loop': the xfail below
+    if cls is FuncTTT:  # with autograd.grad and backend='loop': fixed in session 33, below
         x = batches(1, seed=12)[0][0]
         with torch.no_grad():
             want = torch.stack([m.eval()(x) for m in alone])
@@ -606,12 +606,6 @@ def test_an_inner_gradient_on_the_own_weight_is_refused_under_vmap() -> None:
     assert "backend='loop'" in str(err.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="backend='loop' under torch.no_grad(): a member's row cut from a stacked parameter "
-    "is no node of the graph, so autograd.grad w.r.t. it inside enable_grad fails; cutting "
-    "the rows with grad on (patch implicit-1) broke recurrent members under the loop",
-)
 def test_an_inner_gradient_on_the_own_weight_runs_under_no_grad_with_loop() -> None:
     # Alone, `with torch.no_grad(): m(x)` runs: the parameter is a leaf whatever the mode.
     ens = vmapens.Ensemble(TTT, n=N, seed=11, backend="loop")

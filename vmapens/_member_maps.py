@@ -43,9 +43,14 @@ def looped(
                 member_args = slices.take(i)
                 uncache()  # member i - 1's parametrized tensors: cached by module, not by member
                 kept.take(i)
+                # Cut with grad on: a row cut from a stacked parameter under no_grad reports
+                # requires_grad but is no node of the graph, so a forward that differentiates
+                # w.r.t. its own weight inside `torch.enable_grad()` failed where alone it runs.
+                with torch.enable_grad():
+                    state = turns.take(i)
                 with no_random_ops(randomness == "error"):
                     try:
-                        outputs.append(fn(turns.take(i), *member_args))
+                        outputs.append(fn(state, *member_args))
                     except torch.linalg.LinAlgError as err:
                         setattr(err, FAILED_MEMBER, i)  # the message names the member
                         raise

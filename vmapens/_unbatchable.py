@@ -292,8 +292,9 @@ def refuse_template_hooks(template: nn.Module, runner: nn.Module) -> None:
                 f"Ensemble: `{where}` has a {kind[1:-1].replace('_', ' ')} registered "
                 "after the ensemble was built; with backend='vmap' the members run as one "
                 "batched copy of the template, so it would never fire. Build the ensemble "
-                "with backend='loop' (hooks on the template then fire once per member, in "
-                "member order), register the hook on a member run alone "
+                "with backend='loop' (hooks on the template then fire once per member: "
+                "forward hooks in member order, backward hooks as autograd reaches them), "
+                "register the hook on a member run alone "
                 "(m = ens[0]; m.<layer>.register_forward_hook(...)), or return the "
                 "activation from forward"
             )
