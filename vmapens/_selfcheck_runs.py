@@ -14,6 +14,11 @@ from typing import Any
 
 import optree
 import torch
+
+try:  # a forward may draw from numpy's global RNG: told apart from torch's below
+    import numpy
+except ImportError:  # torch runs without numpy
+    numpy = None  # type: ignore[assignment]
 from torch import Tensor
 
 from ._attention import batched_attention
@@ -101,7 +106,7 @@ def run_alone(
     seen = slots.seen()
     for sub in module.modules() if ens.backend == "vmap" else ():  # see in_logical_order
         sub.__class__ = BatchableDropout if type(sub) is torch.nn.Dropout else type(sub)
-    python_rng = random.getstate()
+    python_rng, numpy_rng = random.getstate(), _numpy_state()
     with batch_kept(args, targets) as edited, forked_rng(ens), _logical(ens):
         torch_rng = torch.get_rng_state()  # inside the fork: what this run draws
         with _autocast(ens, autocast):
@@ -131,9 +136,20 @@ def run_alone(
         "edits": edited,
         "carried": kept,
         "reads": reads,
-        "python_rng": random.getstate() != python_rng,  # drew from Python's `random`
+        # drew from Python's `random` or numpy's global RNG: named by the refusal
+        "python_rng": "Python's `random` module"
+        if random.getstate() != python_rng
+        else ("numpy's global RNG (`np.random`)" if _numpy_state() != numpy_rng else None),
         "torch_rng": drew,
     }
+
+
+def _numpy_state() -> tuple | None:
+    """numpy's global generator state as comparable values (None without numpy)."""
+    if numpy is None:
+        return None
+    state: Any = numpy.random.get_state()  # ("MT19937", keys, pos, has_gauss, gauss)
+    return state[1].tobytes(), *state[2:]
 
 
 def _stacked_reads(ens: Ensemble, loss: Tensor, given: Any) -> list[str]:

@@ -293,9 +293,9 @@ def _compare(
     found = list(differences(alone, together, autocast))
     if found and alone.get("python_rng"):
         raise RuntimeError(
-            f"{api}: member {member} of {name} draws from Python's `random` module in its "
+            f"{api}: member {member} of {name} draws from {alone['python_rng']} in its "
             f"forward ({'; '.join(found[:2])} between two runs on the same batch): torch's RNG "
-            "is the one the ensemble follows, and inside it one Python draw would serve every "
+            "is the one the ensemble follows, and inside it one such draw would serve every "
             "member, with either backend. Draw with torch (`torch.randint`, `torch.rand`), "
             "which follows `randomness` (docs/semantics.md, 'Randomness in the forward pass')"
         )
