@@ -14,6 +14,7 @@ from torch import Tensor
 from ._attributes import INTERNAL
 from ._batch_edits import EditedInTurns
 from ._checks import positional
+from ._kept import held_rows
 from ._metrics import Metric, average, metric_pair, score
 from ._selfcheck_runs import forked_rng
 from .ensemble import Ensemble
@@ -72,6 +73,9 @@ class Evaluator:
         # And the plain values it sets on the modules the members run (a first-call flag, as
         # Glow's ActNorm's `initialized`; a Python counter): members alone never ran this.
         plain = [(vars(m), dict(vars(m))) for m in self.ens.runner.modules()]
+        # And the tensors it kept, stacked on the template (a hidden state): ``ens[i]`` and the
+        # first step's self-check read them there, where the runner holds its own from before.
+        plain += [(vars(m), dict(vars(m))) for m in self.ens.template.modules()]
         # Forked: a forward that draws in eval mode (a VAE's noise) would otherwise shift every
         # draw of the run after it, the shuffle's too, from a plain loop's from the same seed.
         with forked_rng(self.ens):
@@ -110,7 +114,9 @@ class Evaluator:
         h.train_loss = torch.cat([h.train_loss, torch.where(running, mean_loss.cpu(), nan)[None]])
         if self.val is None:
             return
+        frozen = held_rows(self.ens.template, running)  # stopped members do not run alone
         val, (per, whole) = self._forward(lambda out, loss, y: self._score(out, loss, y, diverged))
+        frozen()
         scored = running & ~diverged
         assert h.val_loss is not None  # History.empty made it: there is validation data
         h.val_loss = torch.cat([h.val_loss, torch.where(scored, val, nan)[None]])

@@ -33,6 +33,7 @@ from ._stacking import KEPT_MARK, is_kept, recomputed
 
 __all__ = [
     "KeptTurns",
+    "held_rows",
     "keep_",
     "kept_on",
     "kept_rows",
@@ -255,3 +256,31 @@ def rows_of_kept_(member: nn.Module, template: nn.Module, i: int) -> None:
     for path, key, value in kept_on(template):
         if path in modules:
             modules[path].__dict__[key] = value[i].detach().clone()
+
+
+def held_rows(template: nn.Module, running: torch.Tensor | None) -> Callable[[], None]:
+    """What puts back, after a call that ran every member, the rows of the stacked kept tensors
+    on the template for the members where ``running`` is False (stopped, masked): alone such a
+    member does not run, so its hidden state stays (a stopped member's went on from the
+    frozen weights, and its next forward started from there, silently). In place: the module
+    the members run (under vmap, one chunk) reads the same storage at the next call."""
+    if running is None:
+        return lambda: None
+    before = {(id(m), k): v for m in template.modules() for k, v in vars(m).items() if is_kept(v)}
+
+    def back() -> None:
+        frozen = ~running.to(torch.bool)
+        if not bool(frozen.any()):
+            return
+        for m in template.modules():
+            for k, v in list(vars(m).items()):
+                old = before.get((id(m), k))
+                if not is_kept(v) or old is None or old is v or old.shape != v.shape:
+                    continue
+                if old.dtype != v.dtype or v.stride(0) == 0:  # one the members share
+                    continue
+                with torch.no_grad():
+                    rows = frozen.to(v.device)
+                    v[rows] = old[rows].to(v.dtype)
+
+    return back

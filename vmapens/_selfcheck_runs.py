@@ -25,7 +25,7 @@ from ._attention import batched_attention
 from ._batch_edits import batch_kept
 from ._batchable import BatchableDropout, in_logical_order
 from ._fastcall import call_member
-from ._kept import KeptSlots, loss_with_kept, slots_for
+from ._kept import KeptSlots, kept_on, loss_with_kept, slots_for
 from ._members import named_tensors
 from ._selfcheck_parts import (
     Attributes,
@@ -183,8 +183,18 @@ def run_together(
 
     structure: list = []
     slots = slots_for(sub.runner)
+    # The member's rows of what the forwards kept (a hidden state read back): ``sub``, a copy,
+    # starts with None there, where the step's runner and ``ens[member]`` hold the member's.
+    kept = {} if sub._padding is not None else {
+        f"{path}:{k}": v[member : member + 1] for path, k, v in kept_on(template) if v.dim()
+    }  # fmt: skip
+    modules = dict(sub.runner.named_modules())
 
-    def run(st: dict, inputs: tuple, target: Tensor) -> tuple[Any, Tensor]:
+    def run(st: dict, inputs: tuple, target: Tensor, rows: dict) -> tuple[Any, Tensor]:
+        for name, value in rows.items():
+            path, _, key = name.rpartition(":")
+            if path in modules:
+                modules[path].__dict__[key] = value
         seen = slots.seen()
         out = call_member(sub.runner, st, inputs)
         leaves, spec = optree.tree_flatten(out)
@@ -196,7 +206,7 @@ def run_together(
     target = member_slice(targets, member, in_dims, True)
     with batch_kept(args, targets), forked_rng(sub), batched_attention(), _logical(sub):
         with _autocast(sub, autocast):
-            tensors, loss = sub._member_map(run, (in_dims, in_dims))(state, mine, target)
+            tensors, loss = sub._member_map(run, (in_dims, in_dims, 0))(state, mine, target, kept)
         spec, leaves = structure
         outs = iter(tensors)
         out = spec.unflatten([next(outs) if isinstance(t, Tensor) else t for t in leaves])

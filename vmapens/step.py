@@ -10,7 +10,7 @@ import torch
 from ._chunks import chunk_bounds, chunked_losses_and_grads
 from ._compiled_step import compiled_step
 from ._fastcall import call_member
-from ._kept import loss_with_kept, slots_for, turn_rows
+from ._kept import held_rows, loss_with_kept, slots_for, turn_rows
 from ._precision import LossScale
 from ._step_hooks import TemplateHooks
 from ._step_more import grad_on, graph_into
@@ -172,6 +172,7 @@ def make_step(
         old_grads = [p.grad for p in every]
         undo = undo_point(ens, optimizer)
         turns.clear()
+        frozen = held_rows(ens.template, mask)  # a frozen member's kept hidden state stays
         try:
             with ens.guard("step", loss=True) as guard, frozen_members(ens, mask):
                 scale = None if update.scale is None else update.scale.scale
@@ -214,6 +215,7 @@ def make_step(
             undo()
             raise
         ens._keep(turns, detach=True)  # as ens(x) leaves them: a reset on the template is seen
+        frozen()
         turns.clear()
         return losses.detach()
 
