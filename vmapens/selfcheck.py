@@ -202,8 +202,9 @@ def _refuse_if_it_runs_together(ens: Ensemble, member: int, batch: tuple, err: E
     what no member alone computes (vmap's ``F.one_hot`` skips torch's class range check and
     gives a zero row): refused, before anything changed. An error of ``loss_fn`` is left to
     the step (a loss that reads what the forward kept on ``ens.runner`` runs in the ensemble
-    only)."""
-    if not getattr(err, IN_FORWARD, False):
+    only), but torch's dtype check: vmap's losses take a float64 class `weight` in float32."""
+    dtypes = isinstance(err, RuntimeError) and "expected scalar type" in str(err)
+    if not getattr(err, IN_FORWARD, False) and not dtypes:
         return
     try:
         run_together(ens.select([member]), member, *batch, template=ens.template)
@@ -213,8 +214,9 @@ def _refuse_if_it_runs_together(ens: Ensemble, member: int, batch: tuple, err: E
         f"step: member {member} of {type(ens.template).__name__} fails alone on this batch "
         f"({type(err).__name__}: {err}) but runs inside the ensemble, so the step would train "
         "what no member alone computes (vmap skips some of torch's checks: `F.one_hot` of a "
-        "class out of range gives a zero row). Make the forward run alone on the batch, or "
-        "build the ensemble with backend='loop' to run each member as it runs alone"
+        "class out of range gives a zero row). Make the forward and the loss run alone on the "
+        "batch (a class `weight` in the members' dtype), or build the ensemble with "
+        "backend='loop' to run each member as it runs alone"
         + (_PADDED_INPUT if ens._padding is not None else "")
     ) from err
 
