@@ -28,16 +28,19 @@ from torch._C._functorch import (
     maybe_get_bdim,
 )
 
+from ._fastcall import call_member
 from ._plain_turns import INTERNAL
 from ._stacking import KEPT_MARK, is_kept, recomputed
 
 __all__ = [
     "KeptTurns",
+    "call_noting",
     "held_rows",
     "keep_",
     "kept_on",
     "kept_rows",
     "loss_with_kept",
+    "named_slots",
     "rows_of_kept_",
     "set_kept_",
     "slots_for",
@@ -150,15 +153,41 @@ def set_kept_(template: nn.Module, kept: dict[str, torch.Tensor]) -> list[tuple[
 
     With ``backend="loop"`` the template is the module the members run: ``KeptTurns`` gives
     each member its own row there while it runs."""
-    modules = dict(template.named_modules())
     where = []
-    for name, value in kept.items():
+    for module, key, value in named_slots(template, kept):
+        setattr(value, KEPT_MARK, True)
+        module.__dict__[key] = value
+        where.append((module, key))
+    return where
+
+
+def named_slots(module: nn.Module, values: dict[str, Any]) -> list[tuple[nn.Module, str, Any]]:
+    """``(submodule, attribute, value)`` for each of ``values`` named
+    ``"<module path>:<attribute>"`` (as ``KeptSlots.new`` names them) whose submodule
+    ``module`` has."""
+    if not values:
+        return []
+    modules = dict(module.named_modules())
+    found = []
+    for name, value in values.items():
         path, _, key = name.rpartition(":")
         if path in modules:
-            setattr(value, KEPT_MARK, True)
-            modules[path].__dict__[key] = value
-            where.append((modules[path], key))
-    return where
+            found.append((modules[path], key, value))
+    return found
+
+
+def call_noting(
+    runner: nn.Module, state: dict, args: tuple, kw: dict | None, turns: list
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """``call_member(runner, state, args, kw)`` and the tensors its forward kept on the
+    runner's modules (``KeptSlots.new``), noted in ``turns`` as ``(members, kept)`` for
+    ``keep_``: one turn per call (the whole ensemble under vmap, a chunk, or one member)."""
+    slots = slots_for(runner)
+    before = slots.seen()
+    out = call_member(runner, state, args, kw)
+    if kept := slots.new(before):
+        turns.append((turn_rows(state), kept))
+    return out, kept
 
 
 def keep_(template: nn.Module, watched: Any, turns: list, n: int, detach: bool) -> None:
@@ -211,14 +240,11 @@ def loss_with_kept(
     a member's, or a turn's batched ones) set on the template's module of the same name
     meanwhile, then given back: a ``loss_fn`` that reads ``ens.template.moe.aux_loss`` reads
     the member's own there, as alone it reads its module's (it read ``__init__``'s value)."""
-    modules = dict(template.named_modules()) if kept else {}
     lent = []
-    for name, value in kept.items():
-        path, _, key = name.rpartition(":")
-        if path in modules:
-            owned = modules[path].__dict__
-            lent.append((owned, key, owned.get(key, _NONE)))
-            owned[key] = value
+    for module, key, value in named_slots(template, kept):
+        owned = module.__dict__
+        lent.append((owned, key, owned.get(key, _NONE)))
+        owned[key] = value
     try:
         return loss_fn(out, target)
     finally:

@@ -25,7 +25,7 @@ from ._attention import batched_attention
 from ._batch_edits import batch_kept
 from ._batchable import BatchableDropout, in_logical_order
 from ._fastcall import call_member
-from ._kept import KeptSlots, kept_on, loss_with_kept, slots_for
+from ._kept import KeptSlots, kept_on, loss_with_kept, named_slots, slots_for
 from ._members import named_tensors
 from ._selfcheck_parts import (
     Attributes,
@@ -188,13 +188,10 @@ def run_together(
     kept = {} if sub._padding is not None else {
         f"{path}:{k}": v[member : member + 1] for path, k, v in kept_on(template) if v.dim()
     }  # fmt: skip
-    modules = dict(sub.runner.named_modules())
 
     def run(st: dict, inputs: tuple, target: Tensor, rows: dict) -> tuple[Any, Tensor]:
-        for name, value in rows.items():
-            path, _, key = name.rpartition(":")
-            if path in modules:
-                modules[path].__dict__[key] = value
+        for module, key, value in named_slots(sub.runner, rows):
+            module.__dict__[key] = value
         seen = slots.seen()
         out = call_member(sub.runner, st, inputs)
         leaves, spec = optree.tree_flatten(out)

@@ -21,9 +21,9 @@ from ._construction import (
 )
 from ._container_ops import check_call, member_index, member_module, refused_assignment, set_flags_
 from ._ensemble_parts import check_factories, check_modules
-from ._fastcall import call_member, tracked
+from ._fastcall import tracked
 from ._hooks import checked_hooks
-from ._kept import keep_, kept_rows, loss_with_kept, rows_of_kept_, slots_for, turn_rows
+from ._kept import call_noting, keep_, kept_rows, loss_with_kept, rows_of_kept_
 from ._linalg_failure import linalg_failure
 from ._member_maps import looped, vmapped
 from ._members import Factory, member_ids_for
@@ -240,16 +240,13 @@ class Ensemble(StackedModule):
         step runs it, reading its rows of what the forwards kept (``fit``'s validation)."""
         runner, template, n = self.runner, self._template, len(self)
         # Tensors the forward keeps (``self.kl = kl``), by turn: member (loop) or chunk (vmap)
-        slots, turns = slots_for(runner), []
+        turns: list = []
         loss_fn, target, target_dims = loss or (None, None, None)
         rows = {} if loss is None or runner is template else kept_rows(template, n)
 
         def member(state: dict[str, torch.Tensor], kw: dict, *given: Any) -> Any:
             args, (y, own) = (given, (None, {})) if loss_fn is None else (given[:-2], given[-2:])
-            before = slots.seen()
-            out = call_member(runner, state, args, kw)
-            if kept := slots.new(before):
-                turns.append((turn_rows(state), kept))
+            out, kept = call_noting(runner, state, args, kw, turns)
             if loss_fn is None:
                 return out
             lent = {} if runner is template else {**own, **kept}

@@ -10,7 +10,7 @@ import torch
 from ._chunks import chunk_bounds, chunked_losses_and_grads
 from ._compiled_step import compiled_step
 from ._fastcall import call_member
-from ._kept import held_rows, loss_with_kept, slots_for, turn_rows
+from ._kept import call_noting, held_rows, loss_with_kept
 from ._precision import LossScale
 from ._step_hooks import TemplateHooks
 from ._step_more import grad_on, graph_into
@@ -238,11 +238,7 @@ def _member_loss(
         if turns is None:
             loss = loss_fn(call_member(runner, state, inputs), target)
         else:
-            slots = slots_for(runner)
-            before = slots.seen()
-            out = call_member(runner, state, inputs)
-            if kept := slots.new(before):
-                turns.append((turn_rows(state), kept))
+            out, kept = call_noting(runner, state, inputs, None, turns)
             lent = kept if runner is not template else {}  # the loop kept them there
             loss = loss_with_kept(loss_fn, out, target, template, lent)
         # loss.backward() alone refuses more than one value; the sum over members would not.
