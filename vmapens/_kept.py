@@ -292,21 +292,19 @@ def held_rows(template: nn.Module, running: torch.Tensor | None) -> Callable[[],
     the members run (under vmap, one chunk) reads the same storage at the next call."""
     if running is None:
         return lambda: None
-    before = {(id(m), k): v for m in template.modules() for k, v in vars(m).items() if is_kept(v)}
+    before = {(path, k): v for path, k, v in kept_on(template)}
 
     def back() -> None:
         frozen = ~running.to(torch.bool)
         if not bool(frozen.any()):
             return
-        for m in template.modules():
-            for k, v in list(vars(m).items()):
-                old = before.get((id(m), k))
-                if not is_kept(v) or old is None or old is v or old.shape != v.shape:
-                    continue
-                if old.dtype != v.dtype or v.stride(0) == 0:  # one the members share
-                    continue
-                with torch.no_grad():
-                    rows = frozen.to(v.device)
-                    v[rows] = old[rows].to(v.dtype)
+        for path, k, v in kept_on(template):
+            old = before.get((path, k))
+            if old is None or old is v or old.shape != v.shape or old.dtype != v.dtype:
+                continue
+            if v.stride(0) == 0:  # one the members share
+                continue
+            with torch.no_grad():
+                v[frozen.to(v.device)] = old[frozen.to(v.device)]
 
     return back
