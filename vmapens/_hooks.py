@@ -100,7 +100,7 @@ def held_message(api: str, where: str, held: str) -> str:
 
 def refuse_global_backward_hooks() -> None:
     """Refuse torch's global module backward hooks under vmap, as a member's own are refused
-    (``_unbatchable.refuse_template_hooks``): they fire alone, never on batched tensors.
+    (``refuse_template_hooks``): they fire alone, never on batched tensors.
 
     Raises:
         RuntimeError: torch has a global backward (pre-)hook, with the ways out.
@@ -132,33 +132,86 @@ def checked_hooks(
         _PASSED[runner] = now
 
 
-def refuse_runner_hooks(template: nn.Module, runner: nn.Module) -> None:
-    """Refuse a forward hook registered on ``ens.runner`` after building, as one on the
-    template is refused: under vmap it fires once on batched tensors, so a hook that stores
-    its output (feature extraction, ``feats.append(o)``) kept dead BatchedTensors, silently
-    until read (functorch's "tensor may have escaped"). The runner's own ``put_back`` hooks
-    (``_construction.runner_for``) are the ensemble's.
+#: The hooks ``nn.Module`` runs around a forward or backward, by attribute name.
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def refuse_template_hooks(template: nn.Module, runner: nn.Module) -> None:
+    """Hooks that would never fire, or fire on dead batched tensors, under vmap: refuse them.
+
+    The vmap backend runs ``runner``, a copy of ``template`` made at build time: forward hooks
+    the module registered itself (in its ``__init__``) are in both and run batched.
+    - A hook added to ``ens.template`` later is only on the template: it would never fire.
+    - A forward hook added to ``ens.runner`` later fires once on all members' batched
+      tensors, so a hook that stores its output (feature extraction, ``feats.append(o)``)
+      kept dead BatchedTensors, silently until read (functorch's "tensor may have escaped").
+      The runner's own ``put_back`` hooks (``_construction.runner_for``) are the ensemble's.
+    - Backward hooks never fire under vmap (torch attaches them only to tensors that report
+      ``requires_grad``, which a member's batched tensors do not), so with grad enabled a
+      runner's backward hook, or torch's global one, is refused too.
+    One walk pairs the two modules by path.
 
     Raises:
         RuntimeError: naming the layer and the ways out.
     """
-    twins = dict(template.named_modules(remove_duplicate=False))
-    for name, module in runner.named_modules(remove_duplicate=False):
-        for kind in ("_forward_hooks", "_forward_pre_hooks"):
-            mine = set(getattr(twins[name], kind)) if name in twins else set()
-            for key, hook in getattr(module, kind).items():
-                func = getattr(hook, "func", None)
-                if key in mine or getattr(func, "__name__", "") == "put_back":
-                    continue
-                raise RuntimeError(
-                    f"Ensemble: `ens.runner.{name}` has a {kind[1:-1].replace('_', ' ')} "
-                    "registered after the ensemble was built; with backend='vmap' it fires "
-                    "once on all members' batched tensors, which are dead after the call. "
-                    "Build the ensemble with backend='loop' and register it on "
-                    "`ens.template` (it then fires once per member), register it on a member "
-                    "run alone (m = ens[0]), or keep the activation on the module in forward "
-                    "(self.feat = h: ens.template holds it stacked after the call)"
-                )
+    backward = torch.is_grad_enabled()
+    if backward:
+        refuse_global_backward_hooks()
+    twins = dict(runner.named_modules(remove_duplicate=False))
+    for name, module in template.named_modules(remove_duplicate=False):
+        twin = twins.pop(name, None)
+        for kind in _HOOKS:
+            if twin is None or not set(getattr(module, kind)) <= set(getattr(twin, kind)):
+                _refuse_template_hook(name, kind)
+        if twin is not None:
+            _refuse_runner_hooks(name, twin, module, backward)
+    for name, twin in twins.items():  # the runner's own modules (none the template has)
+        _refuse_runner_hooks(name, twin, None, backward)
+
+
+def _refuse_template_hook(name: str, kind: str) -> None:
+    where = f"ens.template.{name}" if name else "ens.template"
+    raise RuntimeError(
+        f"Ensemble: `{where}` has a {kind[1:-1].replace('_', ' ')} registered after the "
+        "ensemble was built; with backend='vmap' the members run as one batched copy of the "
+        "template, so it would never fire. Build the ensemble with backend='loop' (hooks on "
+        "the template then fire once per member: forward hooks in member order, backward "
+        "hooks as autograd reaches them), register the hook on a member run alone "
+        "(m = ens[0]; m.<layer>.register_forward_hook(...)), or return the activation from "
+        "forward"
+    )
+
+
+def _refuse_runner_hooks(
+    name: str, module: nn.Module, twin: nn.Module | None, backward: bool
+) -> None:
+    """A forward hook on the runner's ``module`` that its template ``twin`` lacks, or, with
+    ``backward``, any backward hook on it (``refuse_template_hooks``)."""
+    for kind in ("_forward_hooks", "_forward_pre_hooks"):
+        mine = getattr(twin, kind) if twin is not None else {}
+        for key, hook in getattr(module, kind).items():
+            func = getattr(hook, "func", None)
+            if key in mine or getattr(func, "__name__", "") == "put_back":
+                continue
+            raise RuntimeError(
+                f"Ensemble: `ens.runner.{name}` has a {kind[1:-1].replace('_', ' ')} "
+                "registered after the ensemble was built; with backend='vmap' it fires once "
+                "on all members' batched tensors, which are dead after the call. Build the "
+                "ensemble with backend='loop' and register it on `ens.template` (it then "
+                "fires once per member), register it on a member run alone (m = ens[0]), or "
+                "keep the activation on the module in forward (self.feat = h: ens.template "
+                "holds it stacked after the call)"
+            )
+    if backward and (module._backward_hooks or module._backward_pre_hooks):
+        where = f"`{name}` ({type(module).__name__})" if name else "the member"
+        raise RuntimeError(
+            f"Ensemble: {where} has a backward hook (register_full_backward_hook, "
+            "register_full_backward_pre_hook or register_backward_hook); under "
+            "backend='vmap' it would never fire: a member's tensors inside torch.func.vmap "
+            "report requires_grad=False, so torch attaches no hook, and the members would "
+            "train without it. Build the ensemble with backend='loop' (the hook fires once "
+            "per member, as alone), or run the forward under torch.no_grad()"
+        )
 
 
 def refuse_state_dict_pre_hooks(api: str, member: nn.Module, i: int) -> None:

@@ -18,7 +18,7 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 from torch.utils.hooks import RemovableHandle
 
-from ._unbatchable import refuse_template_hooks
+from ._hooks import refuse_template_hooks
 from .ensemble import Ensemble
 
 __all__ = ["PreHookRefused", "TemplateHooks", "refuse_pre_hooks", "run_post_hooks"]

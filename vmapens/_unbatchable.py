@@ -21,7 +21,6 @@ from torch import nn
 from ._attention import batched_attention
 from ._batch_edits import EditedInTurns
 from ._fastcall import WRITTEN, Reassigned
-from ._hooks import refuse_global_backward_hooks, refuse_runner_hooks
 
 __all__ = [
     "NARROW_GATHER",
@@ -30,7 +29,6 @@ __all__ = [
     "explain_failure",
     "follow_sparse",
     "guarded",
-    "refuse_template_hooks",
     "sparse_layers",
     "unchunked",
 ]
@@ -55,8 +53,6 @@ _SAME_BATCHED = "same randomness with a batched tensor input"
 _DIFFERENT_UNBATCHED = "different inplace randomness on an unbatched tensor"
 #: What autograd says of a tensor changed in place after it was saved for backward.
 _SAVED = "modified by an inplace operation"
-#: The hooks ``nn.Module`` runs around a forward or backward, by attribute name.
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 #: After an unrecognised error under vmap: what to do when the member runs alone.
 _VMAP_HINT = (
     ". If it runs alone, its forward may do what torch.func.vmap cannot batch, such as an "
@@ -266,53 +262,6 @@ def explain_failure(
             f"storage{also if loss else ''}."
         )
     return None
-
-
-def refuse_template_hooks(template: nn.Module, runner: nn.Module) -> None:
-    """Hooks that would never fire under vmap: refuse them.
-
-    The vmap backend runs ``runner``, a copy of ``template`` made at build time: forward hooks
-    the module registered itself (in its ``__init__``) are in both and run batched; hooks added
-    to ``ens.template`` later are only on the template. Backward hooks never fire under vmap
-    (torch attaches them only to tensors that report ``requires_grad``, which a member's
-    batched tensors do not), so with grad enabled a runner's backward hook is refused too.
-
-    Raises:
-        RuntimeError: a hook on ``template`` that ``runner`` lacks, or a backward hook on
-            ``runner`` with grad enabled, with the ways to do it.
-    """
-    twins = dict(runner.named_modules(remove_duplicate=False))
-    for name, module in template.named_modules(remove_duplicate=False):
-        twin = twins.get(name)
-        for kind in _HOOKS:
-            if twin is not None and set(getattr(module, kind)) <= set(getattr(twin, kind)):
-                continue
-            where = f"ens.template.{name}" if name else "ens.template"
-            raise RuntimeError(
-                f"Ensemble: `{where}` has a {kind[1:-1].replace('_', ' ')} registered "
-                "after the ensemble was built; with backend='vmap' the members run as one "
-                "batched copy of the template, so it would never fire. Build the ensemble "
-                "with backend='loop' (hooks on the template then fire once per member: "
-                "forward hooks in member order, backward hooks as autograd reaches them), "
-                "register the hook on a member run alone "
-                "(m = ens[0]; m.<layer>.register_forward_hook(...)), or return the "
-                "activation from forward"
-            )
-    refuse_runner_hooks(template, runner)
-    if not torch.is_grad_enabled():
-        return  # no backward follows
-    refuse_global_backward_hooks()
-    for name, module in runner.named_modules():
-        if module._backward_hooks or module._backward_pre_hooks:
-            where = f"`{name}` ({type(module).__name__})" if name else "the member"
-            raise RuntimeError(
-                f"Ensemble: {where} has a backward hook (register_full_backward_hook, "
-                "register_full_backward_pre_hook or register_backward_hook); under "
-                "backend='vmap' it would never fire: a member's tensors inside torch.func.vmap "
-                "report requires_grad=False, so torch attaches no hook, and the members would "
-                "train without it. Build the ensemble with backend='loop' (the hook fires once "
-                "per member, as alone), or run the forward under torch.no_grad()"
-            )
 
 
 #: A layer whose ``sparse`` flag gives its weight a sparse gradient (``nn.Embedding``,

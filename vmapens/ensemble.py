@@ -22,14 +22,14 @@ from ._construction import (
 from ._container_ops import check_call, member_index, member_module, refused_assignment, set_flags_
 from ._ensemble_parts import check_factories, check_modules
 from ._fastcall import tracked
-from ._hooks import checked_hooks
+from ._hooks import checked_hooks, refuse_template_hooks
 from ._kept import call_noting, keep_, kept_rows, loss_with_kept, rows_of_kept_
 from ._linalg_failure import linalg_failure
 from ._member_maps import looped, vmapped
 from ._members import Factory, member_ids_for
 from ._stacking import Stacked, scrubbed, stack_one_size
 from ._storage import StackedModule
-from ._unbatchable import Guard, follow_sparse, guarded, refuse_template_hooks
+from ._unbatchable import Guard, follow_sparse, guarded
 
 __all__ = ["Ensemble", "check_ensemble"]
 
