@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import traceback
 from collections.abc import Iterator, Sequence
 
@@ -82,6 +83,8 @@ _INVALID = "but found invalid values"
 _SPARSE = ("not implemented for sparse tensors", "with arguments from the 'Sparse")
 #: vmap's batched ``gather`` (``nll_loss``/``cross_entropy``'s rule) on uint8/int8/int16 indices.
 NARROW_GATHER = "gather(): Expected dtype int32/int64 for index"
+#: What torch says of a meta tensor (``ens.template``'s) met with real ones.
+_META = re.compile(r"\bmeta\b")
 
 
 def explain_failure(
@@ -179,6 +182,15 @@ def explain_failure(
             "Function and call the module on them in its backward with "
             "torch.func.functional_call(module, dict(zip(names, params)), args) (with "
             f"torch.func.vjp there, it runs under vmap too). ({err})"
+        )
+    if loss and _META.search(str(err)) and not any(fn == "_call_impl" for _, fn in frames):
+        return RuntimeError(
+            f"{api}: `loss_fn` read a tensor of `ens.template` (its parameters or buffers), "
+            "which is on the meta device and holds no values: each member's tensors are in "
+            "the ensemble's stacked storage. Compute the term from the member's own tensors "
+            "in its forward and return it with the output, or write the step by hand: "
+            "`(vmapens.per_member(loss_fn)(ens(x), y) + penalty).sum().backward()` with "
+            f"`penalty` one value per member from `ens.stacked_params()`. ({err})"
         )
     in_forward = False
     for path, fn in frames:
