@@ -116,12 +116,15 @@ def _adoptable(value: torch.Tensor, flag: bool | None) -> torch.Tensor:
     return value
 
 
-def warn_member_hooks(template: nn.Module) -> None:
+def warn_member_hooks(template: nn.Module, prefix: str = "", metadata: Any = None) -> None:
     """Warn that the members' own load_state_dict hooks do not run: the ensemble loads its
     stacked tensors and never calls its members' loaders, so a hook that renames keys fails
     as a missing key, and one that changes values is skipped. torch's own hooks (the old
     ``spectral_norm``'s, for state dicts of old versions) are left out: they read the formats
-    of old torch versions, which an ensemble's state dict never is."""
+    of old torch versions, which an ensemble's state dict never is. Likewise a member module's
+    own ``_load_from_state_dict`` (a migration of older versions), when the state dict's
+    ``_metadata`` (``metadata``, keys under ``prefix``) gives it no version or another one."""
+    _warn_own_loaders(template, prefix, metadata)
     found = []
     for path, module in template.named_modules():
         hooks = [
@@ -138,6 +141,28 @@ def warn_member_hooks(template: nn.Module) -> None:
             "member's state dict into its own module and stack them with "
             "Ensemble.from_modules",
             stacklevel=4,
+        )
+
+
+def _warn_own_loaders(template: nn.Module, prefix: str, metadata: Any) -> None:
+    found = []
+    for path, module in template.named_modules():
+        loader = type(module)._load_from_state_dict
+        if loader is nn.Module._load_from_state_dict or _of_torch(loader):
+            continue
+        where = (prefix + path) if path else prefix[:-1]  # torch's metadata key: no dot
+        held = (metadata or {}).get(where, {}).get("version")
+        if held is None or held != getattr(module, "_version", None):
+            found.append(f"{path or '(the member)'} (version {held})")
+    if found:
+        warnings.warn(
+            f"load_state_dict: the members' modules {found} define their own "
+            "_load_from_state_dict, which the ensemble does not run (it loads stacked tensors, "
+            "not each member's state dict), and this state dict is of another version (or "
+            "says none): a migration of older versions is not applied. To apply it, load each "
+            "member's state dict into its own module and stack them with "
+            "Ensemble.from_modules",
+            stacklevel=5,
         )
 
 

@@ -358,7 +358,7 @@ class StackedModule(nn.Module):
         lists = (missing_keys, unexpected_keys, error_msgs)
         for hook in self._load_state_dict_pre_hooks.values():  # the ensemble's own, as torch's
             hook(state_dict, prefix, local_metadata, strict, *lists)
-        warn_member_hooks(self._template)
+        warn_member_hooks(self._template, prefix, getattr(state_dict, "_metadata", None))
         persistent, (whole, metadata) = self._persistent(), self.__dict__.get("_loading", (0, 0))
         assign = bool(local_metadata.get("assign_to_params_buffers"))
         if assign:

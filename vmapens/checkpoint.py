@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -184,12 +185,21 @@ def save(
     parts = {
         "members": members_of(ens),
         "settings": settings_of(ens),
-        "ensemble": {k: v.detach().cpu() for k, v in ens.state_dict().items()},
+        "ensemble": _stored(ens.state_dict()),
         "optimizer": None if optimizer is None else optimizer.state_dict(),
         "optimizer_class": None if optimizer is None else type(optimizer).__name__,
         "history": None if history is None else history.state_dict(),
     }
     write(path, parts, "save")
+
+
+def _stored(sd: Any) -> OrderedDict[str, torch.Tensor]:
+    """``sd`` on CPU, detached, with its ``_metadata`` (each submodule's ``_version``), as
+    ``torch.save(module.state_dict())`` keeps it: a member's loader that migrates older
+    versions reads the version saved."""
+    stored = OrderedDict((k, v.detach().cpu()) for k, v in sd.items())
+    stored._metadata = getattr(sd, "_metadata", OrderedDict())  # type: ignore[attr-defined]
+    return stored
 
 
 def _check_parts(api: str, ens: Any, optimizer: Any, history: Any) -> None:
