@@ -48,6 +48,15 @@ class TemplateParameter(nn.Parameter):
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
+        if isinstance(value, torch.Tensor) and not value.is_meta:
+            # torch's set_data refuses it too, in words that name neither (vector_to_parameters
+            # over ens.template.parameters(), an evolution-strategy step).
+            raise ValueError(
+                f"ens.template: its parameters are on meta and hold no values, so new data on "
+                f"{value.device} would reach no member (`p.data = t`, vector_to_parameters); "
+                "write the members' storage instead: ens.parameters() or "
+                "ens.stacked_params()[name] (`[n, ...]`, under torch.no_grad()), or ens.apply(fn)"
+            )
         torch._C.TensorBase.data.__set__(self, value)  # type: ignore[attr-defined]
         # New data (the TransE recipe's `w.data = F.normalize(w.data, ...)`) keeps `_version`:
         # bump it so that the next call refuses it as it refuses a write through `.data`.

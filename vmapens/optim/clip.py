@@ -25,6 +25,11 @@ def _grads(
         params = list(ens_or_params)
     if not params:
         raise ValueError(f"{api}: no parameters given")
+    if any(p.is_meta for p in params):  # ens.template's: no values, never a gradient
+        raise ValueError(
+            f"{api}: `ens_or_params` holds a meta tensor (ens.template's?), which never has a "
+            "gradient: nothing would be clipped; pass the ensemble or ens.parameters()"
+        )
     sizes = sorted({p.shape[0] if p.dim() else -1 for p in params})
     if len(sizes) != 1 or sizes[0] < 1:
         raise ValueError(
