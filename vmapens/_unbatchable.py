@@ -170,7 +170,8 @@ def explain_failure(
             f"{api}: the forward of {name} uses torch.utils.checkpoint, which recomputes the "
             "checkpointed part during backward, after the member's own tensors have been "
             "swapped out of the module (they are on the meta device there); this fails with "
-            "either backend. Call the checkpointed function directly inside an ensemble: the "
+            "either backend where the checkpointed part calls a layer. Call the checkpointed "
+            "function directly inside an ensemble: the "
             f"results are the same, only memory differs (train fewer members at once). ({err})"
         )
     if "device meta" in str(err) and any(fn == "_engine_run_backward" for _, fn in frames):
