@@ -218,8 +218,9 @@ def test_a_mask_keeps_frozen_members_hidden_state_with_different_sizes() -> None
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in alone]), **TOL)
 
 
-def test_a_hidden_state_read_back_in_chunks_is_refused_with_a_mask() -> None:
-    ens = vmapens.Ensemble(Carry, n=N, seed=0, chunk_size=2)
+@pytest.mark.parametrize("how", [{"chunk_size": 2}, {"backend": "loop"}], ids=["chunks", "loop"])
+def test_a_hidden_state_read_back_in_turns_is_refused_with_a_mask(how: dict) -> None:
+    ens = vmapens.Ensemble(Carry, n=N, seed=0, **how)
     before = {k: v.clone() for k, v in ens.state_dict().items()}
     step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedAdam(ens, lr=LR))
     x, y = _data(1)[0]
@@ -229,13 +230,12 @@ def test_a_hidden_state_read_back_in_chunks_is_refused_with_a_mask() -> None:
         assert torch.equal(v, before[k]), k
 
 
-@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
-def test_the_loop_keeps_frozen_members_hidden_state(check: bool) -> None:
-    """The loop trains a read-back hidden state as alone (each turn its own row; the checked
-    step refused it until session 34); with a mask the frozen members' rows stay as well."""
+def test_the_unchecked_loop_keeps_frozen_members_hidden_state() -> None:
+    """docs: `check=False` with the loop trains a read-back hidden state as alone; with a mask
+    the frozen members' rows stay as well."""
     ens = vmapens.Ensemble(Carry, n=N, seed=0, backend="loop")
     alone = ens.unstack()
-    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedAdam(ens, lr=LR), check=check)
+    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedAdam(ens, lr=LR), check=False)
     batches = _data(4)
     for (x, y), mask in zip(batches, MASKS, strict=True):
         step(x, y, None if mask is None else torch.tensor(mask))

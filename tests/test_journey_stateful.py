@@ -82,12 +82,10 @@ class TBPTT(nn.Module):
         return torch.stack(ys, 1)
 
 
-@pytest.mark.parametrize("how", [BACKENDS[0], BACKENDS[2]], ids=[IDS[0], IDS[2]])
-def test_truncated_bptt_with_a_kept_hidden_state_trains_as_alone(how: dict) -> None:
+def test_truncated_bptt_with_a_kept_hidden_state_trains_as_alone_under_vmap() -> None:
     """docs/semantics.md: the runner keeps what the forward kept, so reading it back goes on
-    as alone under vmap (each member its own hidden state, 4 steps); with the loop each
-    member's turn reads its own row (the checked step refused it there until session 34)."""
-    ens = vmapens.Ensemble(TBPTT, n=N, seed=0, **how)
+    as alone under vmap (each member its own hidden state, 4 steps)."""
+    ens = vmapens.Ensemble(TBPTT, n=N, seed=0)
     alone = ens.unstack()
     step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedAdam(ens, lr=1e-2))
     batches = _seq_batches(4)
@@ -103,10 +101,11 @@ def test_truncated_bptt_with_a_kept_hidden_state_trains_as_alone(how: dict) -> N
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in alone]), **TOL)
 
 
-def test_truncated_bptt_in_chunks_is_refused_naming_the_attribute() -> None:
-    """With members in chunks each chunk would read the one before's hidden state: the
+@pytest.mark.parametrize("how", BACKENDS[1:], ids=IDS[1:])
+def test_truncated_bptt_in_turns_is_refused_naming_the_attribute(how: dict) -> None:
+    """With members in turns each member would read the one before's hidden state: the
     first step refuses it, naming `h`, before anything changed."""
-    ens = vmapens.Ensemble(TBPTT, n=N, seed=0, chunk_size=2)
+    ens = vmapens.Ensemble(TBPTT, n=N, seed=0, **how)
     before = {k: v.clone() for k, v in ens.state_dict().items()}
     step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedAdam(ens, lr=1e-2))
     with pytest.raises(RuntimeError, match=r"`h`.*no parameter or buffer"):

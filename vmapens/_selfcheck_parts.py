@@ -27,7 +27,6 @@ __all__ = [
     "in_turns",
     "own_attributes",
     "plain_attributes",
-    "read_in_turns",
     "refuse_carried",
     "set_attributes",
 ]
@@ -81,18 +80,6 @@ def carried(before: dict[tuple[str, str], tuple], after: Attributes) -> Attribut
     return {
         k: v for k, v in after.items() if k not in before or not _same(before[k], _fingerprint(v))
     }
-
-
-def read_in_turns(alone: dict[str, Any], backend: str, compiled: bool) -> Attributes:
-    """The attributes of ``alone["carried"]`` that a member in turn would read from the one
-    before it. With the eager loop none where the forward carried only tensors it set
-    (``alone["kept"]``): member ``i`` reads row ``i`` of their stack as its own
-    (``_kept.KeptTurns``). Beside a plain value all of them count: a cache keyed on a
-    parameter's ``_version`` (``self.version``, never raised by a stacked step) is refused so."""
-    carried = alone["carried"]
-    if compiled or backend != "loop" or any(":".join(k) not in alone["kept"] for k in carried):
-        return carried
-    return {}
 
 
 def set_attributes(module: nn.Module, attributes: Attributes) -> None:

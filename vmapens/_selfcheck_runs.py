@@ -116,8 +116,7 @@ def run_alone(
                 setattr(err, IN_FORWARD, True)  # not the loss: see ``Probe``
                 raise
             target = member_slice(targets, member, in_dims, False)
-            kept = slots.new(seen)
-            loss = loss_with_kept(loss_fn, out, target, ens.template, kept)
+            loss = loss_with_kept(loss_fn, out, target, ens.template, slots.new(seen))
         drew = not torch.equal(torch.get_rng_state(), torch_rng)  # torch's CPU generator
         # Into the parameters only, as the step differentiates: a target or input that
         # requires grad (a teacher's output) keeps its `.grad` (None).
@@ -128,14 +127,14 @@ def run_alone(
         out = _copied(out)  # an output that is the input edited in place is put back next
     grads = {name: p.grad for name, p in module.named_parameters() if p.requires_grad}
     state = {name: t.detach() for name, t in named_tensors(module)}
+    kept = carried(before, plain_attributes(module))
     return {
         "out": out,
         "loss": loss.detach(),
         "state": state,
         "grads": grads,
         "edits": edited,
-        "carried": carried(before, plain_attributes(module)),
-        "kept": set(kept),  # the tensors it set, by "<module path>:<attribute>"
+        "carried": kept,
         "reads": reads,
         # drew from Python's `random` or numpy's global RNG: named by the refusal
         "python_rng": "Python's `random` module"

@@ -25,7 +25,7 @@ from ._checks import check_loss_fn, positional, tolerance
 from ._locate import first_padded_difference
 from ._padding import masked
 from ._plain_turns import plain_value
-from ._selfcheck_parts import differences, in_turns, read_in_turns, refuse_carried
+from ._selfcheck_parts import differences, in_turns, refuse_carried
 from ._selfcheck_runs import DRAWS, IN_FORWARD, member_slice, run_alone, run_together
 from ._unbatchable import explain_failure, follow_sparse
 from .ensemble import Ensemble, check_ensemble
@@ -275,7 +275,6 @@ def _compare(
     if alone["edits"] and in_dims is None:  # shared by all members
         refuse_edits_in_turns(api, name, ens.backend, ens.chunk_size, len(ens))
     how = in_turns(ens.backend, ens.chunk_size, len(ens))
-    alone["carried"] = read_in_turns(alone, ens.backend, compiled)
     if alone["carried"] and how is not None:
         batch = (loss_fn, args, targets, in_dims, autocast)
         _refuse_reads_of_carried(api, ens, member, alone, how, compiled, *batch)
