@@ -26,7 +26,7 @@ from ._ensemble_parts import refuse_compiled
 from ._members import check_same, class_name, named_tensors, signature
 from ._padding import Padding, check_pair, gates_of, largest, setting_advice
 from ._plain_turns import INTERNAL
-from ._template_parameter import TemplateParameter
+from ._template_parameter import TemplateBuffer, TemplateParameter
 
 #: nn.Module's hook registries: hooks that ``apply``'s ``fn`` registers cannot carry over.
 _HOOKS = tuple(k for k, v in vars(nn.Module()).items() if isinstance(v, dict) and "hook" in k)
@@ -173,9 +173,8 @@ def meta_copy(module: nn.Module) -> nn.Module:
     memo: dict[int, Any] = {}
     for _, t in named_tensors(module):
         meta = torch.empty_like(t, device="meta")
-        if isinstance(t, nn.Parameter):
-            meta = TemplateParameter(meta, requires_grad=t.requires_grad)
-        memo[id(t)] = meta
+        param = isinstance(t, nn.Parameter)
+        memo[id(t)] = TemplateParameter(meta, t.requires_grad) if param else TemplateBuffer.of(meta)
     for m, name, _ in recomputed(module):  # a non-leaf (weight_norm's): deepcopy refuses it
         memo[id(m.__dict__[name])] = torch.empty_like(m.__dict__[name], device="meta")
     # The user's parametrized modules keep their classes (remove_parametrizations on one of
