@@ -21,6 +21,8 @@ batches and ``torch.compile(fullgraph=True)`` traces:
   (``_layout_twins.py``).
 * ``nn.GroupNorm`` on a channels-last input (``_layout_twins.py``): torch's ``group_norm``
   asks the input's layout in a way ``vmap`` refuses; the twin lays it out itself.
+* ``nn.LayerNorm`` and ``nn.GroupNorm`` fed an input of another dtype than their weights
+  (``_layout_twins.py``): refused or rounded as torch's kernel does alone.
 * ``torch.nn.utils.parametrizations.spectral_norm``'s parametrization and the old-style
   ``torch.nn.utils.spectral_norm``'s forward pre-hook (``_spectral.py``): their power
   iteration writes ``u``/``v`` with ``out=``, which ``vmap`` cannot batch; the twins compute
@@ -51,7 +53,12 @@ from torch.nn.utils.parametrizations import _SpectralNorm, _WeightNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
 from ._copies import copy_member
-from ._layout_twins import BatchableDropout, BatchableGroupNorm, in_logical_order
+from ._layout_twins import (
+    BatchableDropout,
+    BatchableGroupNorm,
+    BatchableLayerNorm,
+    in_logical_order,
+)
 from ._mha import BatchableMultiheadAttention
 from ._recurrent import (
     BatchableGRU,
@@ -229,6 +236,7 @@ _BATCHABLE: dict[type, type] = {
     nn.MultiheadAttention: BatchableMultiheadAttention,
     nn.Dropout: BatchableDropout,
     nn.GroupNorm: BatchableGroupNorm,
+    nn.LayerNorm: BatchableLayerNorm,
     _SpectralNorm: BatchableSpectralNorm,
     _WeightNorm: BatchableWeightNorm,
 }

@@ -9,6 +9,11 @@ refuse differently (``_batchable`` re-classes these layers in the ensemble's run
   ``input.contiguous(memory_format=torch.channels_last)``, which ``vmap`` refuses ("NYI:
   querying is_contiguous inside of vmap"); a conv fed a channels-last input, or with
   channels-last weights (``ens.to(memory_format=torch.channels_last)``), gives one.
+* ``nn.LayerNorm`` and ``nn.GroupNorm`` fed an input of another dtype than their weights:
+  ``vmap``'s rules normalise, then multiply by the member's weight with type promotion, where
+  torch's CPU kernel alone refuses (float64 input, float32 weights) or runs its mixed-dtype
+  kernel (bf16/fp16 input, float32 weights: float32 arithmetic, output in the input's dtype).
+  The twins ask torch's kernel on empty tensors of the same dtypes, then compute as alone.
 
 This file imports only torch: it sits at the bottom of the package.
 """
@@ -18,13 +23,14 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._prims_common import suggest_memory_format
 
-__all__ = ["BatchableDropout", "BatchableGroupNorm", "in_logical_order"]
+__all__ = ["BatchableDropout", "BatchableGroupNorm", "BatchableLayerNorm", "in_logical_order"]
 
 
 def _memory_order(t: Tensor) -> list[int] | None:
@@ -95,6 +101,38 @@ class BatchableDropout(nn.Dropout):
         return dropped.permute([order.index(d) for d in range(len(order))])
 
 
+def _alone_dtype(
+    norm: nn.LayerNorm | nn.GroupNorm, input: Tensor, shape: tuple[int, ...], probe: Any
+) -> torch.dtype | None:
+    """None where ``input`` has the dtype of ``norm``'s weights; else the dtype torch's kernel
+    gives alone, asked with plain empty tensors of the same dtypes (``probe(x, weight, bias)``,
+    ``x`` of ``(0, *shape)``): where it refuses the mix, its own error is raised, as alone."""
+    w = norm.weight if norm.weight is not None else norm.bias
+    if w is None or input.dtype == w.dtype:
+        return None
+
+    def empty(t: Tensor | None) -> Tensor | None:
+        return None if t is None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+    x = torch.empty((0, *shape), dtype=input.dtype, device=input.device)
+    return probe(x, empty(norm.weight), empty(norm.bias)).dtype
+
+
+class BatchableLayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` that refuses or rounds an input of another dtype than its weights as
+    torch's kernel does alone (``_alone_dtype``)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        shape = tuple(self.normalized_shape)
+        out = _alone_dtype(
+            self, input, shape, lambda x, w, b: F.layer_norm(x, shape, w, b, self.eps)
+        )
+        if out is None:
+            return super().forward(input)
+        w = self.weight if self.weight is not None else self.bias
+        return super().forward(input.to(w.dtype)).to(out)
+
+
 class BatchableGroupNorm(nn.GroupNorm):
     """``nn.GroupNorm`` that lays a channels-last CPU input out as torch does, in ops ``vmap``
     batches.
@@ -109,6 +147,16 @@ class BatchableGroupNorm(nn.GroupNorm):
     """
 
     def forward(self, input: Tensor) -> Tensor:
+        groups = self.num_groups
+        alone = _alone_dtype(
+            self,
+            input,
+            (self.num_channels,),
+            lambda x, w, b: F.group_norm(x, groups, w, b, self.eps),
+        )
+        if alone is not None:
+            w = self.weight if self.weight is not None else self.bias
+            return self.forward(input.to(w.dtype)).to(alone)
         cpu = input.device.type == "cpu" and not input.is_contiguous()  # fast path first
         if not cpu or suggest_memory_format(input) == torch.contiguous_format:
             return super().forward(input)
