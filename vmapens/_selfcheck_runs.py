@@ -8,6 +8,7 @@ the forward, the gradients), which ``selfcheck`` compares.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from collections.abc import Callable
 from typing import Any
@@ -70,6 +71,19 @@ def _copied(tree: Any) -> Any:
     return optree.tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, tree)
 
 
+def _opened(tree: Any) -> Any:
+    """``tree`` with each dataclass instance as a dict of its fields: an output node optree
+    does not open, compared field by field (the run inside the ensemble holds vmap's
+    tensors there, which ``==`` on the dataclass met as escaped ones)."""
+
+    def open_(value: Any) -> Any:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return _opened({f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
+        return value
+
+    return optree.tree_map(open_, tree)
+
+
 def member_slice(tree: Any, member: int, in_dims: int | None, keep_dim: bool) -> Any:
     if in_dims is None:
         return tree
@@ -124,7 +138,7 @@ def run_alone(
         reads = _stacked_reads(ens, loss, (args, targets))
         if loss.requires_grad and trained:  # all parameters frozen: nothing to differentiate
             loss.backward(inputs=trained)
-        out = _copied(out)  # an output that is the input edited in place is put back next
+        out = _copied(_opened(out))  # an output that is the input edited in place: put back next
     grads = {name: p.grad for name, p in module.named_parameters() if p.requires_grad}
     state = {name: t.detach() for name, t in named_tensors(module)}
     kept = carried(before, plain_attributes(module))
@@ -194,7 +208,7 @@ def run_together(
             module.__dict__[key] = value
         seen = slots.seen()
         out = call_member(sub.runner, st, inputs)
-        leaves, spec = optree.tree_flatten(out)
+        leaves, spec = optree.tree_flatten(_opened(out))
         structure[:] = [spec, leaves]  # a number in the output is no vmap output: kept here
         loss = loss_with_kept(loss_fn, out, target, template, slots.new(seen))
         return [t for t in leaves if isinstance(t, Tensor)], loss
