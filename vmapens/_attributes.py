@@ -46,6 +46,10 @@ _PLAIN = (int, float, bool, str, type(None), tuple)
 _VERSION_OF = operator.attrgetter("_version")
 
 
+def _slots(m: nn.Module) -> list[tuple[str, Any]]:
+    return [*m._parameters.items(), *m._buffers.items()]
+
+
 def _names(module: nn.Module, skip: set[str]) -> list[str]:
     return [k for k in module.__dict__ if k not in INTERNAL and k not in skip]
 
@@ -111,6 +115,7 @@ class Watched:
         self.modules = [m for _, m in named]
         self.built_children = [dict(m._modules) for m in self.modules]
         self.built_tensors = [(set(m._parameters), set(m._buffers)) for m in self.modules]
+        self.built_held = [{k for k, t in _slots(m) if t is not None} for m in self.modules]
         self.followers = [followers.get(name, []) for name in self.prefixes]
         self.skip = [skip.get(id(m), set()) for m in self.modules]
         self.names = [_names(m, s) for m, s in zip(self.modules, self.skip, strict=True)]
@@ -274,10 +279,18 @@ class Watched:
                     "with, so no member would hold (train, save) it. Build a new ensemble from "
                     "members that have it (Ensemble.from_modules(...), or a factory that makes it)"
                 )
-        for prefix, m in zip(self.prefixes, self.modules, strict=True):
-            for name, t in [*m._parameters.items(), *m._buffers.items()]:
+        for prefix, m, held in zip(self.prefixes, self.modules, self.built_held, strict=True):
+            for name, t in _slots(m):
+                path = f"{prefix}.{name}" if prefix else name
+                if t is None and name in held:  # the key stays: the members went on using theirs
+                    raise ValueError(
+                        f"Ensemble: `ens.template.{path}` was set to None after building; "
+                        "every member holds its own and "
+                        "would go on using it. Set it back, or build a new ensemble from members "
+                        "without it (set it to None on each of ens.unstack(), then "
+                        "Ensemble.from_modules(...))"
+                    )
                 if t is not None and not t.is_meta:
-                    path = f"{prefix}.{name}" if prefix else name
                     raise ValueError(
                         f"Ensemble: `ens.template.{path}` was replaced by a tensor on {t.device} "
                         "(load_state_dict(..., assign=True), an assignment, or a forward run "
