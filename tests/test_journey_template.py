@@ -8,8 +8,8 @@ before anything changes: modes (``eval()``/``train()`` on the root and on a subm
 dtype conversions, ``load_state_dict`` of a member's state dict, ``reset_running_stats``,
 ``fill_`` under ``no_grad`` (refused at the next call); ``copy.deepcopy``/``torch.save`` of the
 template; the template called directly; a parameter set to None, ``zero_grad`` and an optimizer
-over the template's parameters (xfails: silent); a bias set to None (patch template-1) and a
-buffer's ``.data`` written (``TemplateBuffer``, session 34) are refused now.
+over the template's parameters, a bias set to None (patch template-1) and a buffer's ``.data``
+written (``TemplateBuffer``): each was silent, and is refused now (session 34).
 The truth: each member a plain module trained alone with ``torch.optim.Adam``, float64.
 """
 
@@ -216,7 +216,6 @@ def test_a_bias_set_to_none_on_the_template_is_refused(backend: str) -> None:
         torch.testing.assert_close(ens(x), torch.stack([m.eval()(x) for m in alone]), **TOL)
 
 
-@pytest.mark.xfail(strict=True, reason="template-2: zero_grad on the template clears nothing")
 def test_zero_grad_on_the_template_is_refused_not_left_to_accumulate() -> None:
     """A loop that calls ``ens.template.zero_grad()`` (a plain model's ``model.zero_grad()``)
     with Adam over ``ens.parameters()``: nothing was cleared, gradients added up from step 2 on
@@ -235,7 +234,6 @@ def test_zero_grad_on_the_template_is_refused_not_left_to_accumulate() -> None:
         torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
 
 
-@pytest.mark.xfail(strict=True, reason="template-2: an optimizer over the template steps nothing")
 def test_torch_optimizer_over_the_template_parameters_is_refused() -> None:
     """``torch.optim.Adam(ens.template.parameters())`` (docs: "steps nothing") trained no
     member and said nothing; its first step after a backward is refused, nothing changed."""

@@ -86,3 +86,23 @@ def test_a_forward_that_fails_alone_on_meta_is_not_called_a_template_read() -> N
     with pytest.raises(RuntimeError) as info:
         step(torch.randn(4, 3), torch.randn(4, 1))
     assert "ens.template" not in str(info.value)
+
+
+def test_a_template_parameters_grad_is_refused_while_the_members_hold_one() -> None:
+    """``p.grad`` over ``ens.template.parameters()`` (a plain model's logging, ``zero_grad``,
+    a torch optimizer) read None while the members held gradients: refused then, None again
+    after ``ens.zero_grad()``; ``.half()`` after a backward (``nn.Module._apply`` reads it)
+    is refused at the next call as before, naming the write."""
+    ens = vmapens.Ensemble(_mlp, 2, seed=0)
+    x = torch.randn(4, 3)
+    assert all(p.grad is None for p in ens.template.parameters())  # no gradient yet
+    ens(x).sum().backward()
+    for p in ens.template.parameters():
+        with pytest.raises(RuntimeError, match=r"ens\.template: .*ens\.parameters\(\)"):
+            _ = p.grad
+    ens.zero_grad()
+    assert all(p.grad is None for p in ens.template.parameters())
+    ens(x).sum().backward()
+    ens.template.half()
+    with pytest.raises(ValueError, match=r"`ens\.template\.0\.weight` was written in place"):
+        ens(x)

@@ -9,11 +9,13 @@ silently: torch's ``.data`` aliases a tensor without sharing its version counter
 Here ``.data`` is ``detach()``, which shares it: the next call refuses the write, naming the
 ways to change the members. New ``.data`` assigned (``w.data = F.normalize(w.data, dim=1)``)
 bumps the version counter too. A buffer's ``.data`` (``bn.running_var.data.fill_(1)``)
-likewise, since session 34.
+likewise, since session 34. A parameter's ``.grad``, read while its stacked twin holds one, is
+refused (``TemplateParameter.grad``).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -42,6 +44,9 @@ def _set_data(self: torch.Tensor, value: torch.Tensor) -> None:
     torch.autograd.graph.increment_version(self)
 
 
+#: What ``TemplateParameter.grad`` lets ``.half()`` and ``to_empty`` read (refused later).
+_APPLY = nn.Module._apply.__code__
+
 #: A template tensor's ``.data`` (module docstring).
 _SHARED_DATA = property(_data, _set_data)
 
@@ -69,6 +74,29 @@ class TemplateParameter(nn.Parameter):
             super().__setattr__(name, value)
 
     data = _SHARED_DATA  # type: ignore[assignment]
+
+    @property  # type: ignore[override]
+    def grad(self) -> torch.Tensor | None:
+        """None, as a meta tensor's; refused while the stacked twin holds a gradient: a
+        torch optimizer over ``ens.template.parameters()`` stepped nothing and
+        ``ens.template.zero_grad()`` cleared nothing (the members' gradients added up),
+        silently. ``nn.Module._apply`` (``.half()``) reads it too: refused at the next call."""
+        grad = torch._C.TensorBase.grad.__get__(self)  # type: ignore[union-attr]
+        twin = self.__dict__.get("_twin")
+        held = grad is None and twin is not None and twin[0].grad is not None
+        if held and sys._getframe(1).f_code is not _APPLY:
+            raise RuntimeError(
+                "ens.template: its parameters are on meta and never get a gradient; the "
+                "members' gradients are on ens.parameters() (`[n, ...]`). Pass those (or the "
+                "ensemble) to the optimizer, zero_grad and clipping: "
+                "torch.optim.Adam(ens.parameters()), ens.zero_grad(), "
+                "vmapens.optim.clip_grad_norm_(ens, ...)"
+            )
+        return grad
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        torch._C.TensorBase.grad.__set__(self, value)  # type: ignore[union-attr]
 
     def __reduce_ex__(self, proto: Any) -> Any:  # torch.save(ens): one of these, not yet linked
         return TemplateParameter, (self.data, self.requires_grad)
