@@ -78,6 +78,10 @@ _AUTOGRAD = os.path.normcase(os.path.join("torch", "autograd", "__init__.py"))
 _DISTRIBUTIONS = os.path.normcase(os.path.join("torch", "distributions", ""))
 #: What that check says of a parameter or a value outside its constraint.
 _INVALID = "but found invalid values"
+#: Where a check branches on a tensor's values (``MultivariateNormal(covariance_matrix=...)``'s
+#: ``if not sym_check.all()``), and what vmap says of that branch.
+_CONSTRAINTS = os.path.normcase(os.path.join("torch", "distributions", "constraints.py"))
+_CONTROL_FLOW = "data-dependent control flow"
 #: What torch says where a sparse gradient (``F.embedding(..., sparse=True)``) meets a member
 #: map: vmap's reshape, or the loop's stacking of the members' gradients.
 _SPARSE = ("not implemented for sparse tensors", "with arguments from the 'Sparse")
@@ -252,6 +256,20 @@ def explain_failure(
             "your own masks it, opt.step(mask=losses.isfinite())), pass validate_args=False "
             "to the distribution or call "
             f"torch.distributions.Distribution.set_default_validate_args(False). ({err})"
+        )
+    if (
+        backend == "vmap"
+        and _CONTROL_FLOW in str(err)
+        and any(path.endswith(_CONSTRAINTS) for path, _ in frames)
+    ):
+        return RuntimeError(
+            f"{api}: {what} builds a torch.distributions distribution whose argument check "
+            "(validate_args, on by default) branches on the member's values (as "
+            "MultivariateNormal's covariance_matrix / precision_matrix check does), which "
+            "torch.func.vmap cannot batch. Pass validate_args=False to the distribution (or "
+            "call torch.distributions.Distribution.set_default_validate_args(False)): the rest "
+            "runs batched, each member as alone; or build the ensemble with backend='loop', "
+            f"which checks each member alone. ({err})"
         )
     if backend == "vmap" and any(m in str(err) for m in NO_STORAGE):
         return RuntimeError(
