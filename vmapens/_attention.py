@@ -32,6 +32,8 @@ from torch import Tensor
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
 from torch._functorch.pyfunctorch import VmapInterpreter, retrieve_current_functorch_interpreter
 
+from ._tie_reductions import register_tie_rules
+
 __all__ = ["batched_attention"]
 
 _FORWARD = "_scaled_dot_product_flash_attention_for_cpu"
@@ -114,6 +116,7 @@ def _enter() -> None:
             lib = torch.library.Library("aten", "IMPL")
             for name in (_FORWARD, _BACKWARD):
                 lib.impl(name, _batching_rule(name), "FuncTorchBatched", with_keyset=True)
+            register_tie_rules(lib, lambda: _depth > 0)  # whole-tensor max/min/median
             _library = lib
         if _depth == 0:
             _fastpath = torch.backends.mha.get_fastpath_enabled()

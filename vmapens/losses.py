@@ -10,6 +10,7 @@ import optree
 import torch
 from torch.func import vmap
 
+from ._attention import batched_attention
 from ._precision import autocast_members
 from ._unbatchable import NARROW_GATHER, NO_STORAGE
 
@@ -78,7 +79,8 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
         device = tensors[0].device.type if tensors else "cpu"
         batched = vmap(autocast_members(loss_fn, device), in_dims=in_dims)
         try:
-            return batched(*args, **kwargs)
+            with batched_attention():  # vmap's rules the ensemble's calls run (ties split)
+                return batched(*args, **kwargs)
         except RuntimeError as err:
             dims = _flat_dims(in_dims, len(args))
             if not _unbatchable(err):
