@@ -54,6 +54,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 
 from ._copies import copy_member
 from ._layout_twins import (
+    BatchableAlphaDropout,
     BatchableDropout,
     BatchableGroupNorm,
     BatchableLayerNorm,
@@ -72,6 +73,7 @@ from ._spectral import BatchableSpectralNorm, BatchableSpectralNormHook
 from ._weight_norm import BatchableWeightNorm, BatchableWeightNormHook, WeightNorm
 
 __all__ = [
+    "BatchableAlphaDropout",
     "BatchableDropout",
     "batchable",
     "in_logical_order",
@@ -235,6 +237,7 @@ _BATCHABLE: dict[type, type] = {
     nn.LSTMCell: BatchableLSTMCell,
     nn.MultiheadAttention: BatchableMultiheadAttention,
     nn.Dropout: BatchableDropout,
+    nn.AlphaDropout: BatchableAlphaDropout,
     nn.GroupNorm: BatchableGroupNorm,
     nn.LayerNorm: BatchableLayerNorm,
     _SpectralNorm: BatchableSpectralNorm,

@@ -30,7 +30,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._prims_common import suggest_memory_format
 
-__all__ = ["BatchableDropout", "BatchableGroupNorm", "BatchableLayerNorm", "in_logical_order"]
+__all__ = [
+    "BatchableAlphaDropout",
+    "BatchableDropout",
+    "BatchableGroupNorm",
+    "BatchableLayerNorm",
+    "in_logical_order",
+]
 
 
 def _memory_order(t: Tensor) -> list[int] | None:
@@ -90,15 +96,33 @@ class BatchableDropout(nn.Dropout):
 
     def forward(self, input: Tensor) -> Tensor:
         # CUDA's dropout alone draws into a contiguous mask too (its fused native_dropout).
-        drawn = self.training and self.p > 0 and input.device.type == "cpu"
-        order = _memory_order(input) if drawn else None
-        if order is not None and _LOGICAL[0]:
-            dropped = F.dropout(input.contiguous(), self.p, True, False)
-            return input.copy_(dropped) if self.inplace else dropped
-        if order is None:
+        if not (self.training and self.p > 0 and input.device.type == "cpu"):
             return super().forward(input)
-        dropped = F.dropout(input.permute(order), self.p, True, self.inplace)
-        return dropped.permute([order.index(d) for d in range(len(order))])
+        return _in_memory_order(input, self.p, self.inplace, F.dropout)
+
+
+class BatchableAlphaDropout(nn.AlphaDropout):
+    """``nn.AlphaDropout`` that draws its mask in the input's memory order under ``vmap`` too,
+    as ``BatchableDropout`` (torch's CPU ``alpha_dropout`` alone draws into ``empty_like``
+    too). ``nn.AlphaDropout`` never works in place, whatever its ``inplace``."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not (self.training and self.p > 0 and input.device.type == "cpu"):
+            return super().forward(input)
+        return _in_memory_order(input, self.p, False, F.alpha_dropout)
+
+
+def _in_memory_order(input: Tensor, p: float, inplace: bool, drop: Any) -> Tensor:
+    """``drop(input, p, True, inplace)`` with its mask drawn in ``input``'s memory order (in
+    logical order under ``in_logical_order``)."""
+    order = _memory_order(input)
+    if order is not None and _LOGICAL[0]:
+        dropped = drop(input.contiguous(), p, True, False)
+        return input.copy_(dropped) if inplace else dropped
+    if order is None:
+        return drop(input, p, True, inplace)
+    dropped = drop(input.permute(order), p, True, inplace)
+    return dropped.permute([order.index(d) for d in range(len(order))])
 
 
 def _alone_dtype(

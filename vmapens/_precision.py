@@ -250,6 +250,14 @@ class MemberAutocast(TorchFunctionMode):
             and t.dtype != torch.float64
         )
 
+    def _mixed(self, args: tuple, kwargs: dict | None) -> bool:
+        """A norm's low-precision input with float32 weights or statistics: torch's mixed
+        kernel alone. Without any (affine=False), alone runs the input dtype's own kernel."""
+        if not (self._eligible(args[0]) and args[0].dtype != torch.float32):
+            return False
+        rest = tree_leaves((args[1:], kwargs or {}))
+        return any(self._eligible(t) and t.dtype == torch.float32 for t in rest)
+
     def _cast(self, tree: Any, dtype: torch.dtype) -> Any:
         return tree_map(lambda t: t.to(dtype) if self._eligible(t) else t, tree)
 
@@ -272,7 +280,7 @@ class MemberAutocast(TorchFunctionMode):
         elif name in _COMPOSITES:
             with torch.autocast(self.device_type, dtype=self.dtype):
                 return func(*inputs[0], **inputs[1])
-        elif name in _NORMS and self._eligible(args[0]) and args[0].dtype != torch.float32:
+        elif name in _NORMS and self._mixed(args, kwargs):
             out = func(*self._cast(args, torch.float32), **self._cast(kwargs or {}, torch.float32))
             return out.to(args[0].dtype)
         if (

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ._attention import batched_attention
 from ._batch_edits import batch_kept
-from ._batchable import BatchableDropout, in_logical_order
+from ._batchable import BatchableAlphaDropout, BatchableDropout, in_logical_order
 from ._fastcall import call_member
 from ._kept import KeptSlots, kept_on, loss_with_kept, named_slots, slots_for
 from ._members import named_tensors
@@ -61,6 +61,10 @@ def _autocast(ens: Ensemble, dtype: torch.dtype | None) -> contextlib.AbstractCo
         return contextlib.nullcontext()
     device = next(iter(ens.stacked_state().values()), torch.empty(0)).device
     return torch.autocast(device.type, dtype)
+
+
+#: The alone module's layers re-classed for the self-check (see ``in_logical_order``).
+_LOGICAL_DRAWS = {torch.nn.Dropout: BatchableDropout, torch.nn.AlphaDropout: BatchableAlphaDropout}
 
 
 def _logical(ens: Ensemble) -> contextlib.AbstractContextManager:
@@ -119,7 +123,7 @@ def run_alone(
     slots = KeptSlots(module)
     seen = slots.seen()
     for sub in module.modules() if ens.backend == "vmap" else ():  # see in_logical_order
-        sub.__class__ = BatchableDropout if type(sub) is torch.nn.Dropout else type(sub)
+        sub.__class__ = _LOGICAL_DRAWS.get(type(sub), type(sub))
     python_rng, numpy_rng = random.getstate(), _numpy_state()
     with batch_kept(args, targets) as edited, forked_rng(ens), _logical(ens):
         torch_rng = torch.get_rng_state()  # inside the fork: what this run draws

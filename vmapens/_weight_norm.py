@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import sys
 
-import torch
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import _WeightNorm
 
@@ -29,9 +28,22 @@ __all__ = ["BatchableWeightNorm", "BatchableWeightNormHook", "WeightNorm"]
 WeightNorm = sys.modules["torch.nn.utils.weight_norm"].WeightNorm
 
 
+def _norm_except_dim(v: Tensor, dim: int) -> Tensor:
+    """``torch.norm_except_dim(v, 2, dim)`` (no batching rule: vmap ran it member after
+    member) in ops vmap batches, step for step as torch's C++: the whole norm for ``dim`` -1
+    (``weight_norm(dim=None)``), else each slice's norm along ``dim``, in torch's order."""
+    if dim == -1:
+        return v.norm(2)
+    shape = [1] * v.dim()
+    shape[dim] = v.size(dim)
+    if dim != 0 and dim == v.dim() - 1:
+        return v.reshape(-1, v.size(dim)).norm(2, 0).reshape(shape)
+    return v.transpose(0, dim).reshape(v.size(dim), -1).norm(2, 1).reshape(shape)
+
+
 def _normed(v: Tensor, g: Tensor, dim: int) -> Tensor:
     """``torch._weight_norm(v, g, dim)`` in ops vmap batches (its unfused formula)."""
-    return v * (g / torch.norm_except_dim(v, 2, dim))
+    return v * (g / _norm_except_dim(v, dim))
 
 
 class BatchableWeightNorm(_WeightNorm):
