@@ -90,12 +90,14 @@ class BatchableMultiheadAttention(nn.MultiheadAttention):
         # [B, L, 3E] -> 3 x [B, H, L, D]: the projection's column order is (q|k|v, head, dim).
         q, k, v = qkv.view(batch, length, 3, heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         out = _attend(q, k, v)
+        # In torch's layout, [L, B, E] in memory (a batch-first result is its transpose): a
+        # dropout after it draws its mask in memory order, as after torch's own forward.
         out = F.linear(
-            out.transpose(1, 2).reshape(batch, length, embed),
+            out.permute(2, 0, 1, 3).reshape(length, batch, embed),
             self.out_proj.weight,
             self.out_proj.bias,
         )
-        return (out if self.batch_first else out.transpose(0, 1)), None
+        return (out.transpose(0, 1) if self.batch_first else out), None
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
