@@ -280,8 +280,9 @@ def scrub_(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     dropped = []
     for m in module.modules():
         for key, v in list(vars(m).items()):
-            if key not in INTERNAL and left_by_forward(v):  # not an RNN's `_flat_weights`
-                m.__dict__[key] = None
+            flat = key == "_flat_weights"  # a loop turn's weights (a parametrized RNN's too)
+            if (flat or key not in INTERNAL) and left_by_forward(v):
+                m.__dict__[key] = [w if w is None else w.detach() for w in v] if flat else None
                 dropped.append((m, key, v))
     return dropped
 
