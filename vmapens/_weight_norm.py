@@ -50,6 +50,7 @@ class BatchableWeightNorm(_WeightNorm):
     """torch's ``_WeightNorm`` parametrization whose weight ``vmap`` batches.
 
     Example:
+        >>> import torch
         >>> from torch import nn
         >>> from torch.nn.utils import parametrizations
         >>> layer = parametrizations.weight_norm(nn.Linear(3, 4))
@@ -67,6 +68,7 @@ class BatchableWeightNormHook(WeightNorm):  # type: ignore[misc, valid-type]
 
     Example:
         >>> import warnings
+        >>> import torch
         >>> from torch import nn
         >>> with warnings.catch_warnings():  # torch deprecates the old style
         ...     warnings.simplefilter("ignore", FutureWarning)
