@@ -51,6 +51,7 @@ SIZES: dict[type, tuple[str, ...]] = {
     nn.BatchNorm1d: ("num_features",),
     nn.BatchNorm2d: ("num_features",),
     nn.BatchNorm3d: ("num_features",),
+    nn.SyncBatchNorm: ("num_features",),  # BatchNorm without a process group
     nn.InstanceNorm1d: ("num_features",),  # each channel over its own positions: 0 - 0 = 0
     nn.InstanceNorm2d: ("num_features",),
     nn.InstanceNorm3d: ("num_features",),

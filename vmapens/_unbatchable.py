@@ -175,8 +175,10 @@ def explain_failure(
             "checkpointed part during backward, after the member's own tensors have been "
             "swapped out of the module (they are on the meta device there); this fails with "
             "either backend where the checkpointed part calls a layer. Call the checkpointed "
-            "function directly inside an ensemble: the "
-            f"results are the same, only memory differs (train fewer members at once). ({err})"
+            "function directly inside an ensemble: outputs and gradients are the same, only "
+            "memory differs (train fewer members at once); a train-mode BatchNorm there updates "
+            "its statistics once a step, where alone the recompute updates them a second time "
+            f"(num_batches_tracked counts 2 a step). ({err})"
         )
     if "device meta" in str(err) and any(fn == "_engine_run_backward" for _, fn in frames):
         return RuntimeError(
