@@ -32,6 +32,7 @@ from torch import Tensor
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
 from torch._functorch.pyfunctorch import VmapInterpreter, retrieve_current_functorch_interpreter
 
+from ._embedding_rules import register_embedding_rules
 from ._tie_reductions import register_tie_rules
 
 __all__ = ["batched_attention"]
@@ -117,6 +118,7 @@ def _enter() -> None:
             for name in (_FORWARD, _BACKWARD):
                 lib.impl(name, _batching_rule(name), "FuncTorchBatched", with_keyset=True)
             register_tie_rules(lib, lambda: _depth > 0)  # whole-tensor max/min/median
+            register_embedding_rules(lib, lambda: _depth > 0)  # per-member ids: as alone
             _library = lib
         if _depth == 0:
             _fastpath = torch.backends.mha.get_fastpath_enabled()
