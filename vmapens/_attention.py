@@ -25,15 +25,15 @@ import contextlib
 import threading
 import warnings
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
-from torch._functorch.pyfunctorch import VmapInterpreter, retrieve_current_functorch_interpreter
 
 from ._embedding_rules import register_embedding_rules
 from ._tie_reductions import register_tie_rules
+from ._vmap_rules import below_vmap, current_vmap
 
 __all__ = ["batched_attention"]
 
@@ -147,17 +147,12 @@ def _batching_rule(name: str) -> Any:
     def rule(
         keyset: Any, *args: Any, attn_mask: Tensor | None = None, scale: float | None = None
     ) -> tuple[Tensor, ...]:
-        # FuncTorchBatched kernels only run while a vmap level is the current one.
-        interpreter = cast(VmapInterpreter, retrieve_current_functorch_interpreter())
+        interpreter = current_vmap()
         level, n = interpreter.level(), interpreter.batch_size()
         unwrapped = [_unwrap_batched(t, level) for t in args[:n_tensors]]
         mask, mask_dim = (None, None) if attn_mask is None else _unwrap_batched(attn_mask, level)
         rest = args[n_tensors:]
-        # Below this level the tensors are ordinary again (or batched at an outer level).
-        lower = torch._C._ExcludeDispatchKeyGuard(
-            torch._C.DispatchKeySet(torch._C.DispatchKey.FuncTorchBatched)
-        )
-        with lower:
+        with below_vmap():
             if mask_dim is None and all(d is None for _, d in unwrapped):
                 return op(*(t for t, _ in unwrapped), *rest, attn_mask=mask, scale=scale)
             if _depth == 0:

@@ -16,14 +16,14 @@ every member's padding row detached; otherwise it computes as torch's own rule.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
-from torch._functorch.pyfunctorch import VmapInterpreter, retrieve_current_functorch_interpreter
+
+from ._vmap_rules import below_vmap, current_vmap, override
 
 __all__ = ["register_embedding_rules"]
 
@@ -32,19 +32,7 @@ _aten = torch.ops.aten
 
 def register_embedding_rules(lib: torch.library.Library, active: Callable[[], bool]) -> None:
     """Register the rule on ``lib`` (``aten``, ``IMPL``)."""
-    with warnings.catch_warnings():  # "Overriding a previously registered kernel": ours
-        warnings.simplefilter("ignore")
-        lib.impl("embedding", _forward(active), "FuncTorchBatched", with_keyset=True)
-
-
-def _level() -> int:
-    return cast(VmapInterpreter, retrieve_current_functorch_interpreter()).level()
-
-
-def _lower() -> Any:
-    return torch._C._ExcludeDispatchKeyGuard(
-        torch._C.DispatchKeySet(torch._C.DispatchKey.FuncTorchBatched)
-    )
+    override(lib, "embedding", _forward(active))
 
 
 def _offsets(idx: Tensor, n: int, rows: int) -> Tensor:
@@ -63,10 +51,10 @@ def _check_range(idx: Tensor, rows: int) -> None:
 def _forward(active: Callable[[], bool]) -> Any:
     def rule(keyset: Any, weight: Tensor, indices: Tensor, padding_idx: int = -1,
              scale_grad_by_freq: bool = False, sparse: bool = False) -> Tensor:  # fmt: skip
-        level = _level()
+        level = current_vmap().level()
         w, wb = _unwrap_batched(weight, level)
         idx, ib = _unwrap_batched(indices, level)
-        with _lower():
+        with below_vmap():
             if wb is None:  # one table, per-member indices: torch's own call
                 out = _aten.embedding(w, idx, padding_idx, scale_grad_by_freq, sparse)
                 return out if ib is None else _add_batch_dim(out, ib, level)

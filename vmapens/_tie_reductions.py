@@ -16,14 +16,14 @@ runs it inside its context only; outside it, torch's reduction runs as before.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
-from torch._functorch.pyfunctorch import VmapInterpreter, retrieve_current_functorch_interpreter
+
+from ._vmap_rules import below_vmap, current_vmap, override
 
 __all__ = ["register_tie_rules"]
 
@@ -38,22 +38,17 @@ _BY_DIM = {
 def register_tie_rules(lib: torch.library.Library, active: Callable[[], bool]) -> None:
     """Register the four rules on ``lib`` (``aten``, ``IMPL``); each splits ties as alone
     while ``active()``, and reduces as torch's own rule otherwise."""
-    with warnings.catch_warnings():  # "Overriding a previously registered kernel": ours
-        warnings.simplefilter("ignore")
-        for name in _BY_DIM:
-            lib.impl(name, _rule(name, active), "FuncTorchBatched", with_keyset=True)
+    for name in _BY_DIM:
+        override(lib, name, _rule(name, active))
 
 
 def _rule(name: str, active: Callable[[], bool]) -> Any:
     whole, by_dim = getattr(torch.ops.aten, name).default, _BY_DIM[name]
 
     def rule(keyset: Any, t: Tensor) -> Tensor:
-        level = cast(VmapInterpreter, retrieve_current_functorch_interpreter()).level()
+        level = current_vmap().level()
         x, bdim = _unwrap_batched(t, level)
-        lower = torch._C._ExcludeDispatchKeyGuard(
-            torch._C.DispatchKeySet(torch._C.DispatchKey.FuncTorchBatched)
-        )
-        with lower:
+        with below_vmap():
             if bdim is None:
                 return whole(x)
             flat = x.movedim(bdim, 0).flatten(1)
