@@ -127,10 +127,11 @@ def _in_memory_order(input: Tensor, p: float, inplace: bool, drop: Any) -> Tenso
 
 def _alone_dtype(
     norm: nn.LayerNorm | nn.GroupNorm, input: Tensor, shape: tuple[int, ...], probe: Any
-) -> torch.dtype | None:
-    """None where ``input`` has the dtype of ``norm``'s weights; else the dtype torch's kernel
-    gives alone, asked with plain empty tensors of the same dtypes (``probe(x, weight, bias)``,
-    ``x`` of ``(0, *shape)``): where it refuses the mix, its own error is raised, as alone."""
+) -> tuple[torch.dtype, torch.dtype] | None:
+    """None where ``input`` has the dtype of ``norm``'s weights; else that dtype and the one
+    torch's kernel gives alone, asked with plain empty tensors of the same dtypes
+    (``probe(x, weight, bias)``, ``x`` of ``(0, *shape)``): where it refuses the mix, its own
+    error is raised, as alone."""
     w = norm.weight if norm.weight is not None else norm.bias
     if w is None or input.dtype == w.dtype:
         return None
@@ -139,7 +140,7 @@ def _alone_dtype(
         return None if t is None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
     x = torch.empty((0, *shape), dtype=input.dtype, device=input.device)
-    return probe(x, empty(norm.weight), empty(norm.bias)).dtype
+    return w.dtype, probe(x, empty(norm.weight), empty(norm.bias)).dtype
 
 
 class BatchableLayerNorm(nn.LayerNorm):
@@ -148,13 +149,12 @@ class BatchableLayerNorm(nn.LayerNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         shape = tuple(self.normalized_shape)
-        out = _alone_dtype(
+        mixed = _alone_dtype(
             self, input, shape, lambda x, w, b: F.layer_norm(x, shape, w, b, self.eps)
         )
-        if out is None:
+        if mixed is None:
             return super().forward(input)
-        w = self.weight if self.weight is not None else self.bias
-        return super().forward(input.to(w.dtype)).to(out)
+        return super().forward(input.to(mixed[0])).to(mixed[1])
 
 
 class BatchableGroupNorm(nn.GroupNorm):
@@ -179,8 +179,7 @@ class BatchableGroupNorm(nn.GroupNorm):
             lambda x, w, b: F.group_norm(x, groups, w, b, self.eps),
         )
         if alone is not None:
-            w = self.weight if self.weight is not None else self.bias
-            return self.forward(input.to(w.dtype)).to(alone)
+            return self.forward(input.to(alone[0])).to(alone[1])
         cpu = input.device.type == "cpu" and not input.is_contiguous()  # fast path first
         if not cpu or suggest_memory_format(input) == torch.contiguous_format:
             return super().forward(input)
