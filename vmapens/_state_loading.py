@@ -124,45 +124,38 @@ def warn_member_hooks(template: nn.Module, prefix: str = "", metadata: Any = Non
     of old torch versions, which an ensemble's state dict never is. Likewise a member module's
     own ``_load_from_state_dict`` (a migration of older versions), when the state dict's
     ``_metadata`` (``metadata``, keys under ``prefix``) gives it no version or another one."""
-    _warn_own_loaders(template, prefix, metadata)
-    found = []
+    hooked, migrating = [], []
     for path, module in template.named_modules():
         hooks = [
             *module._load_state_dict_pre_hooks.values(),
             *module._load_state_dict_post_hooks.values(),
         ]
         if any(not _of_torch(getattr(h, "hook", h)) for h in hooks):
-            found.append(path or "(the member)")
-    if found:
-        warnings.warn(
-            f"load_state_dict: the members' modules {found} have load_state_dict hooks, which "
-            "the ensemble does not run (it loads stacked tensors, not each member's state "
-            "dict): a hook that changes values is not applied. To apply them, load each "
-            "member's state dict into its own module and stack them with "
-            "Ensemble.from_modules",
-            stacklevel=4,
-        )
-
-
-def _warn_own_loaders(template: nn.Module, prefix: str, metadata: Any) -> None:
-    found = []
-    for path, module in template.named_modules():
+            hooked.append(path or "(the member)")
         loader = type(module)._load_from_state_dict
-        if loader is nn.Module._load_from_state_dict or _of_torch(loader):
-            continue
-        where = (prefix + path) if path else prefix[:-1]  # torch's metadata key: no dot
-        held = (metadata or {}).get(where, {}).get("version")
-        if held is None or held != getattr(module, "_version", None):
-            found.append(f"{path or '(the member)'} (version {held})")
-    if found:
+        if loader is not nn.Module._load_from_state_dict and not _of_torch(loader):
+            where = (prefix + path) if path else prefix[:-1]  # torch's metadata key: no dot
+            held = (metadata or {}).get(where, {}).get("version")
+            if held is None or held != module._version:
+                migrating.append(f"{path or '(the member)'} (version {held})")
+    if migrating:
         warnings.warn(
-            f"load_state_dict: the members' modules {found} define their own "
+            f"load_state_dict: the members' modules {migrating} define their own "
             "_load_from_state_dict, which the ensemble does not run (it loads stacked tensors, "
             "not each member's state dict), and this state dict is of another version (or "
             "says none): a migration of older versions is not applied. To apply it, load each "
             "member's state dict into its own module and stack them with "
             "Ensemble.from_modules",
-            stacklevel=5,
+            stacklevel=4,
+        )
+    if hooked:
+        warnings.warn(
+            f"load_state_dict: the members' modules {hooked} have load_state_dict hooks, which "
+            "the ensemble does not run (it loads stacked tensors, not each member's state "
+            "dict): a hook that changes values is not applied. To apply them, load each "
+            "member's state dict into its own module and stack them with "
+            "Ensemble.from_modules",
+            stacklevel=4,
         )
 
 
