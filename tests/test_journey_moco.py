@@ -9,7 +9,7 @@ negatives in a `[dim, K]` buffer and a long `queue_ptr` buffer, enqueued with
 `.item()`) are refused naming `backend="loop"` (docs/semantics.md "What vmap cannot batch",
 "How vmapens checks itself"), and the reference code then trains as alone with that backend.
 Written without them (the momentum an in-place edit under `torch.no_grad()`, the pointer a
-one-hot mask or a roll), it runs under vmap, each member with its own momentum `m` in a buffer
+one-hot mask, a roll, or an index `queue[:, idx] = keys.T`), it runs under vmap, each member with its own momentum `m` in a buffer
 (a float attribute that differs per member is refused, naming the buffer as the way out);
 `fit` with a checkpoint, resumed after an interrupt, restores the queue and the pointer, and
 member files load into a plain module.
@@ -185,7 +185,10 @@ def test_the_reference_code_with_backend_loop_matches_each_member_alone(momentum
     assert all(p.grad is None for p in ens.template.encoder_k.parameters())
 
 
-@pytest.mark.parametrize(("queue", "chunk"), [("onehot", None), ("onehot", 2), ("roll", None)])
+@pytest.mark.parametrize(
+    ("queue", "chunk"),
+    [("onehot", None), ("onehot", 2), ("roll", None), ("index", None), ("index", 2)],
+)
 def test_rewritten_without_data_and_item_runs_under_vmap_each_member_its_own_m(
     queue: str, chunk: int | None
 ) -> None:
@@ -200,7 +203,9 @@ def test_rewritten_without_data_and_item_runs_under_vmap_each_member_its_own_m(
     batches = pairs(3)
     step = vmapens.make_step(ens, info_nce, vmapens.StackedAdam(ens, lr=LR))
     losses = torch.stack([step(b, dummy()) for b in batches])
-    # the one-hot rewrite keeps the reference's queue order: its truth is the reference itself;
+    # the one-hot and index rewrites keep the reference's queue order: their truth is the
+    # reference itself (`queue[:, idx] = keys.T` once wrote each queue transposed under torch's
+    # vmap rule, or raised a shape mismatch; vmapens's index_put_ rule writes it as alone);
     # the roll keeps the newest keys first (the same negatives in another order)
     alone = reference_alone(MS, "roll" if queue == "roll" else "item")
     want = train_alone(alone, batches)
@@ -209,24 +214,6 @@ def test_rewritten_without_data_and_item_runs_under_vmap_each_member_its_own_m(
     assert [ens[i].m.item() for i in range(N)] == list(MS)
 
 
-def test_an_indexed_enqueue_with_each_members_pointer_is_refused_by_the_step() -> None:
-    # `self.queue[:, idx] = keys.T` with `idx` from the member's pointer: torch's vmap writes
-    # it transposed (bs == dim) or raises a shape mismatch; the step's probe sees the queue
-    ens = vmapens.Ensemble(moco("buffer", "index"), n=N, seeds=range(N))
-    before = {k: v.clone() for k, v in ens.state_dict().items()}
-    step = vmapens.make_step(ens, info_nce, vmapens.StackedAdam(ens, lr=LR))
-    with pytest.raises(RuntimeError, match=r"`queue` after the forward differs.*backend='loop'"):
-        step(pairs(1)[0], dummy())
-    for k, v in ens.state_dict().items():
-        assert torch.equal(v, before[k]), k
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="ens(x) of a forward enqueueing with `queue[:, idx] = keys.T` (idx from each member's "
-    "pointer buffer) fills every member's queue transposed, silently: torch's vmap index_put "
-    "with a batched index after a slice; only the training step's probe refuses it",
-)
 def test_an_indexed_enqueue_in_a_plain_forward_fills_each_queue_as_alone() -> None:
     ens = vmapens.Ensemble(moco("buffer", "index"), n=N, seeds=range(N))
     alone = [ens[i] for i in range(N)]
