@@ -9,6 +9,13 @@ Run in turns (``backend="loop"``, ``chunk_size`` below ``n``), member ``i`` read
 after the first starts from the plain values the modules held before the call
 (``PlainTurns.next_turn``), and after the call the modules keep the values the last turn left
 (one value serves every member: members alone all hold the same counter).
+
+The same holds for a tensor the forward sets there (a positional table cached by
+``if self.pe is None or self.pe.shape[0] < t``, built with ``self.fc.weight.new_zeros``):
+with ``chunk_size`` a later chunk read the table an earlier chunk rebuilt, batched over that
+chunk's members, and returned as many rows as it had (4 outputs for 3 members, member 2
+trained on twice its gradient), silently. A turn after the first starts from the tensors the
+modules held before the call too (``turn_value``).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import operator
 import torch
 from torch import nn
 
-__all__ = ["INTERNAL", "PlainTurns", "plain_turns", "plain_value"]
+__all__ = ["INTERNAL", "PlainTurns", "plain_turns", "plain_value", "turn_value"]
 
 #: ``nn.Module``'s own entries in a module's ``__dict__``, and ``nn.RNNBase``'s views of its
 #: weights (kept per module object; functional_call writes them in place).
@@ -38,6 +45,12 @@ def plain_value(value: object) -> bool:
     return type(value) in (bool, int, float, str, type(None))
 
 
+def turn_value(value: object) -> bool:
+    """A value every turn of a call starts from as the call found it: a plain value, or a
+    tensor the forward keeps on a module (parameters and buffers are not in ``__dict__``)."""
+    return plain_value(value) or isinstance(value, torch.Tensor)
+
+
 class PlainTurns:
     """The plain values of ``runner``'s modules before a call whose members run in turns.
 
@@ -48,7 +61,7 @@ class PlainTurns:
     def __init__(self, runner: nn.Module) -> None:
         self.dicts = [vars(m) for m in runner.modules()]
         self.before = [
-            {k: v for k, v in d.items() if k not in INTERNAL and plain_value(v)} for d in self.dicts
+            {k: v for k, v in d.items() if k not in INTERNAL and turn_value(v)} for d in self.dicts
         ]
         # Flat, for ``next_turn``'s two C-level passes: nothing set, added or deleted.
         self.owned = [d for d, before in zip(self.dicts, self.before, strict=True) for _ in before]
@@ -68,7 +81,7 @@ class PlainTurns:
             return
         for d, before in zip(self.dicts, self.before, strict=True):
             for k in d.keys() - INTERNAL - before.keys():
-                if plain_value(d[k]):
+                if turn_value(d[k]):
                     del d[k]
             d.update(before)
 

@@ -390,7 +390,7 @@ def guarded(
             ) from err
         if (
             type(err) in (RuntimeError, NotImplementedError)
-            and ":" not in str(err).split(" ", 1)[0]
+            and (":" not in str(err).split(" ", 1)[0] or str(err).startswith("NYI:"))
         ):
             # torch's own message (a shape mismatch, an op a layout lacks: "Could not run
             # 'aten::view' with arguments from the 'SparseCPU' backend") does not say where
