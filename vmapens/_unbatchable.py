@@ -388,9 +388,8 @@ def guarded(
                 "(uint8 class targets, as read from an image mask), which vmap's gather cannot "
                 f"index with (int64 or int32 only): pass .long() ({err})"
             ) from err
-        if (
-            type(err) in (RuntimeError, NotImplementedError)
-            and (":" not in str(err).split(" ", 1)[0] or str(err).startswith("NYI:"))
+        if type(err) in (RuntimeError, NotImplementedError) and (
+            ":" not in str(err).split(" ", 1)[0] or str(err).startswith("NYI:")
         ):
             # torch's own message (a shape mismatch, an op a layout lacks: "Could not run
             # 'aten::view' with arguments from the 'SparseCPU' backend") does not say where
