@@ -19,7 +19,7 @@ A write with one index shared by all members (`torch.arange(k)`) at two non-adja
 positions (`t[:, ar, :, ar] = self.diag`) was wrong under torch's `index_put_` batching rule
 (the value broadcast along the wrong dims when `k` equals the number of members in the call,
 silently, in `ens(x)` and in training; a shape mismatch otherwise); vmapens's own rule
-(`vmapens._index_put_rule`) lays it out as alone, for any member count.
+(`vmapens._index_rules`) lays it out as alone, for any member count.
 """
 
 from __future__ import annotations

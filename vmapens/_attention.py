@@ -32,7 +32,7 @@ from torch import Tensor
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
 
 from ._embedding_rules import register_embedding_rules
-from ._index_put_rule import register_index_put_rule
+from ._index_rules import register_index_rules
 from ._tie_reductions import register_tie_rules
 from ._vmap_rules import below_vmap, current_vmap
 
@@ -120,7 +120,7 @@ def _enter() -> None:
                 lib.impl(name, _batching_rule(name), "FuncTorchBatched", with_keyset=True)
             register_tie_rules(lib, lambda: _depth > 0)  # whole-tensor max/min/median
             register_embedding_rules(lib, lambda: _depth > 0)  # per-member ids: as alone
-            register_index_put_rule(lib, lambda: _depth > 0)  # t[:, idx] = v: laid out as alone
+            register_index_rules(lib, lambda: _depth > 0)  # t[:, idx] = v, t[p, :, i]: as alone
             _library = lib
         if _depth == 0:
             _fastpath = torch.backends.mha.get_fastpath_enabled()

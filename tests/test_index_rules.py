@@ -3,7 +3,7 @@
 Alone, torch lays the dims that advanced indices select where the indices stood when they are
 adjacent (`t[:, i, j] = v` writes `v` as `[t.shape[0], len(i), ...]`), and first otherwise
 (`t[:, i, :, j] = v` writes `v` as `[len(i), t.shape[0], t.shape[2]]`). torch's vmap rule for
-the in-place `index_put_` got two of these layouts wrong (vmapens/_index_put_rule.py): indices
+the in-place `index_put_` got two of these layouts wrong (vmapens/_index_rules.py): indices
 not adjacent, and adjacent but not first with an index that differs by member. It raised a
 shape mismatch, or, where the shapes agreed, wrote other members' values, silently.
 
