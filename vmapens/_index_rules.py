@@ -50,7 +50,7 @@ def register_index_rules(lib: torch.library.Library, active: Callable[[], bool])
 
     def rule(keyset: Any, self: Tensor, indices: list[Tensor | None], values: Tensor,
              accumulate: bool = False) -> Tensor:  # fmt: skip
-        if active():
+        if active() and _maybe_misplaced(indices):
             level = current_vmap().level()
             x, xb = _unwrap_batched(self, level)
             held = [None if t is None else _unwrap_batched(t, level) for t in indices]
@@ -80,6 +80,13 @@ def register_index_rules(lib: torch.library.Library, active: Callable[[], bool])
         return reads.call_boxed(keyset, self, indices)
 
     override(lib, "index.Tensor", read)
+
+
+def _maybe_misplaced(indices: list[Tensor | None]) -> bool:
+    """False where torch's rule is right whatever is batched (checked before unwrapping: the
+    common ``t[idx] = v``): the indices first and adjacent, none of them 0-d."""
+    at = [d for d, t in enumerate(indices) if t is not None]
+    return at != list(range(len(at))) or any(t is not None and t.dim() == 0 for t in indices)
 
 
 def _torch_misplaces(held: list[tuple[Tensor, int | None] | None]) -> bool:
