@@ -33,6 +33,7 @@ from torch._C._functorch import _add_batch_dim, _unwrap_batched
 
 from ._embedding_rules import register_embedding_rules
 from ._index_rules import register_index_rules
+from ._scatter_rules import register_scatter_rules
 from ._tie_reductions import register_tie_rules
 from ._vmap_rules import below_vmap, current_vmap
 
@@ -121,6 +122,7 @@ def _enter() -> None:
             register_tie_rules(lib, lambda: _depth > 0)  # whole-tensor max/min/median
             register_embedding_rules(lib, lambda: _depth > 0)  # per-member ids: as alone
             register_index_rules(lib, lambda: _depth > 0)  # t[:, idx] = v, t[p, :, i]: as alone
+            register_scatter_rules(lib, lambda: _depth > 0)  # select_scatter's grads as alone
             _library = lib
         if _depth == 0:
             _fastpath = torch.backends.mha.get_fastpath_enabled()

@@ -10,8 +10,9 @@ member's loss), and ``padding_idx`` is passed on unchanged: under ``vmap`` + ``b
 ``nn.Embedding`` has a twin (``_batchable.BatchableEmbedding``); ``F.embedding`` written in a
 forward reaches this rule only.
 
-While ``active()`` (the ensemble's calls) the rule checks the range per member and reads
-every member's padding row detached; otherwise it computes as torch's own rule.
+While ``active()`` (the ensemble's calls), at the ensemble's own vmap level, the rule checks
+the range per member and reads every member's padding row detached; otherwise (a vmap of the
+user's own inside a forward included, as alone) it computes as torch's own rule.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
 
-from ._vmap_rules import below_vmap, current_vmap, override
+from ._vmap_rules import below_vmap, current_vmap, outermost, override
 
 __all__ = ["register_embedding_rules"]
 
@@ -65,7 +66,7 @@ def _forward(active: Callable[[], bool]) -> Any:
                 out = _aten.embedding(flat, idx, padding_idx, scale_grad_by_freq, sparse)
                 return _add_batch_dim(out.unflatten(-1, (n, -1)).movedim(-2, 0), 0, level)
             idx = idx.movedim(ib, 0)
-            if active():
+            if active() and outermost(level):
                 _check_range(idx, rows)
                 if padding_idx >= 0:  # every member's padding row read detached
                     pad = torch.arange(rows, device=w.device).unsqueeze(-1) == padding_idx

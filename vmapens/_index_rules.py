@@ -23,8 +23,9 @@ torch's indexing keeps a batched one as an index tensor, so there it counts as a
 While ``active()`` (the ensemble's calls) these rules write (and read) those forms with every dim
 up to the last advanced index indexed explicitly (the member ``arange``, the index tensors, an
 ``arange`` for each slice between), each shaped so that the indexed block is laid out as alone,
-members first; the value is broadcast to it as alone. Every other call (and every call outside
-the ensemble's calls) runs torch's own rule, kept with ``torch.library.get_kernel``.
+members first; the value is broadcast to it as alone. Every other call (every call outside the
+ensemble's calls, and at a vmap of the user's own inside a forward, where alone runs torch's
+rule too) runs torch's own rule, kept with ``torch.library.get_kernel``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 from torch import Tensor
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
 
-from ._vmap_rules import below_vmap, current_vmap, override
+from ._vmap_rules import below_vmap, current_vmap, outermost, override
 
 __all__ = ["register_index_rules"]
 
@@ -54,7 +55,7 @@ def register_index_rules(lib: torch.library.Library, active: Callable[[], bool])
             level = current_vmap().level()
             x, xb = _unwrap_batched(self, level)
             held = [None if t is None else _unwrap_batched(t, level) for t in indices]
-            if xb is not None and _torch_misplaces(held):
+            if xb is not None and _torch_misplaces(held) and outermost(level):
                 v, vb = _unwrap_batched(values, level)
                 with below_vmap():
                     done = _write(x.movedim(xb, 0), held, v if vb is None else v.movedim(vb, 0),
@@ -70,7 +71,7 @@ def register_index_rules(lib: torch.library.Library, active: Callable[[], bool])
         if active() and any(t is not None and t.dim() == 0 for t in indices):  # cheap first
             level = current_vmap().level()
             held = [None if t is None else _unwrap_batched(t, level) for t in indices]
-            if _member_scalar(held):
+            if _member_scalar(held) and outermost(level):
                 x, xb = _unwrap_batched(self, level)
                 n = current_vmap().batch_size()
                 with below_vmap():

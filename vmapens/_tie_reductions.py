@@ -11,7 +11,8 @@ The rule here computes the same value, ``v = max(t.flatten(1), 1)`` (detached), 
 ``v + where(mask, t - v, 0).sum(1) / mask.sum(1)``: the added term is exactly zero (the masked
 elements equal ``v``), and its gradient is ``mask / count``, torch's split (``mask`` the NaNs
 where the result is NaN, as torch's). :mod:`._attention` registers it with its own rules and
-runs it inside its context only; outside it, torch's reduction runs as before.
+runs it inside its context only, at the ensemble's own vmap level; outside it (and at a vmap of
+the user's own inside a forward, as alone), torch's reduction runs as before.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
 
-from ._vmap_rules import below_vmap, current_vmap, override
+from ._vmap_rules import below_vmap, current_vmap, outermost, override
 
 __all__ = ["register_tie_rules"]
 
@@ -52,7 +53,7 @@ def _rule(name: str, active: Callable[[], bool]) -> Any:
             if bdim is None:
                 return whole(x)
             flat = x.movedim(bdim, 0).flatten(1)
-            if not (active() and flat.is_floating_point()):
+            if not (active() and flat.is_floating_point() and outermost(level)):
                 return _add_batch_dim(by_dim(flat, 1)[0], 0, level)
             v = by_dim(flat.detach(), 1, True)[0]
             mask = torch.where(v.isnan(), flat.isnan(), flat == v)

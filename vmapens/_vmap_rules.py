@@ -2,6 +2,9 @@
 ``_embedding_rules``): the current vmap level, the dispatch below it, and the registration
 over torch's own rule.
 
+vmapens's rules act at the ensemble's own vmap level only (``outermost``): a vmap the user
+writes inside a forward gets torch's rules, as the member alone does.
+
 A ``FuncTorchBatched`` kernel runs while a vmap level is the current one: it unwraps its
 tensors at that level (``_unwrap_batched``), computes below it, where they are ordinary again
 (or batched at an outer level), and wraps the result (``_add_batch_dim``).
@@ -15,14 +18,22 @@ import warnings
 from typing import Any, cast
 
 import torch
+from torch._C._functorch import TransformType, get_interpreter_stack
 from torch._functorch.pyfunctorch import VmapInterpreter, retrieve_current_functorch_interpreter
 
-__all__ = ["below_vmap", "current_vmap", "override"]
+__all__ = ["below_vmap", "current_vmap", "outermost", "override"]
 
 
 def current_vmap() -> VmapInterpreter:
     """The vmap level a ``FuncTorchBatched`` kernel runs at (``.level()``, ``.batch_size()``)."""
     return cast(VmapInterpreter, retrieve_current_functorch_interpreter())
+
+
+def outermost(level: int) -> bool:
+    """Whether no vmap runs below ``level``: the ensemble's own level. A ``torch.func.vmap`` of
+    the user's inside a forward runs above it, and keeps torch's rules there, as alone."""
+    stack = get_interpreter_stack() or []
+    return not any(i.key() == TransformType.Vmap and i.level() < level for i in stack)
 
 
 def below_vmap() -> Any:
