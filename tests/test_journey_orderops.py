@@ -29,7 +29,7 @@ hand-written loop over `ens(x)` + `backward()` (README's loop; also a write batc
 ensemble's level inside a user's own `torch.func.vmap`): torch's batching rule writes with
 `scatter` of an expanded `src`. The first `make_step` / `fit` step refused it (its self-check
 runs member 0: "computes something else"); `backend="loop"` is exact. vmapens's rule
-(`vmapens/_scatter_rules.py`, patch orderops-1) calls `select_scatter` itself one dim further
+(`vmapens/_fixed_rules.py`, patch orderops-1) calls `select_scatter` itself one dim further
 in; a write batched at the user's own vmap level keeps torch's rule, as alone.
 Refused, naming `backend='loop'`, which runs as alone: `pad_sequence` of a member's own
 rows (no batching rule) and `repeat_interleave` with per-member repeats of different totals.

@@ -32,8 +32,8 @@ from torch import Tensor
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
 
 from ._embedding_rules import register_embedding_rules
+from ._fixed_rules import register_fixed_rules
 from ._index_rules import register_index_rules
-from ._scatter_rules import register_scatter_rules
 from ._tie_reductions import register_tie_rules
 from ._vmap_rules import below_vmap, current_vmap
 
@@ -122,7 +122,7 @@ def _enter() -> None:
             register_tie_rules(lib, lambda: _depth > 0)  # whole-tensor max/min/median
             register_embedding_rules(lib, lambda: _depth > 0)  # per-member ids: as alone
             register_index_rules(lib, lambda: _depth > 0)  # t[:, idx] = v, t[p, :, i]: as alone
-            register_scatter_rules(lib, lambda: _depth > 0)  # select_scatter's grads as alone
+            register_fixed_rules(lib, lambda: _depth > 0)  # select_scatter, index_fill, squeeze_
             _library = lib
         if _depth == 0:
             _fastpath = torch.backends.mha.get_fastpath_enabled()

@@ -52,7 +52,7 @@ def _rule(name: str, active: Callable[[], bool]) -> Any:
         with below_vmap():
             if bdim is None:
                 return whole(x)
-            flat = x.movedim(bdim, 0).flatten(1)
+            flat = x.movedim(bdim, 0).reshape(x.shape[bdim], -1)  # 0-d members too
             if not (active() and flat.is_floating_point() and outermost(level)):
                 return _add_batch_dim(by_dim(flat, 1)[0], 0, level)
             v = by_dim(flat.detach(), 1, True)[0]

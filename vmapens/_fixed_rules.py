@@ -1,0 +1,100 @@
+"""Three of torch's batching rules that are wrong for some layout, each fixed for that layout.
+
+* ``torch.select_scatter(h, src, dim, i)``: functorch's rule writes ``src`` with ``scatter``,
+  its index expanded along the selected dim and ``src`` expanded to match. The forward is
+  right; its backward, run by ``loss.backward()`` after the ensemble's eager forward or step,
+  gives ``src`` the gradient once per position of the selected dim: ``size(dim)`` times
+  alone's, silently in ``ens(x)`` + ``backward()`` (the first step's self-check refused it;
+  ``vmap(grad(f))`` is right: its autograd runs above the rule). Here ``select_scatter`` runs
+  itself one dim further in, whose backward is torch's own.
+* ``x.index_fill(dim, idx, value)`` with ``x`` shared (the input every member sees) and
+  ``value`` per member (a learned 0-d fill): the rule writes every member's value into one
+  shared copy of ``x``, so every member gets the last member's, silently (the self-check runs
+  one member, where it is right). Here ``x`` gets a row per member first.
+* ``h.squeeze_()`` (no dim) with one member in the call (``n=1``, a last chunk of one): the rule
+  squeezes the member dim too, and ``ens(x)`` loses its member axis (a chunk of one beside
+  others fails to stack). Here the member's own size-1 dims are squeezed by number.
+
+Each rule acts while ``active()`` (the ensemble's calls), at the ensemble's own vmap level (a
+vmap the user writes inside a forward keeps torch's rule, as alone); every other call runs
+torch's own rule, kept with ``torch.library.get_kernel``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._C._functorch import _add_batch_dim, _unwrap_batched
+
+from ._vmap_rules import below_vmap, current_vmap, outermost, override
+
+__all__ = ["register_fixed_rules"]
+
+_aten = torch.ops.aten
+
+
+def register_fixed_rules(lib: torch.library.Library, active: Callable[[], bool]) -> None:
+    """Register the three rules on ``lib`` (``aten``, ``IMPL``), over torch's own (a torch
+    without ``torch.library.get_kernel`` keeps its own rules alone)."""
+    if not hasattr(torch.library, "get_kernel"):
+        return
+    for name, make in (
+        ("select_scatter", _select_scatter),
+        ("index_fill.int_Tensor", _index_fill),
+        ("squeeze_", _squeeze_),
+    ):
+        torchs = torch.library.get_kernel(f"aten::{name}", "FuncTorchBatched")
+        override(lib, name, make(torchs, active))
+
+
+def _select_scatter(torchs: Any, active: Callable[[], bool]) -> Any:
+    def rule(keyset: Any, self: Tensor, src: Tensor, dim: int, index: int) -> Tensor:
+        if not active():
+            return torchs.call_boxed(keyset, self, src, dim, index)
+        vmap = current_vmap()
+        level, n = vmap.level(), vmap.batch_size()
+        x, xb = _unwrap_batched(self, level)
+        s, sb = _unwrap_batched(src, level)
+        if xb is None and sb is None:  # batched at an outer level only: the rule there
+            with below_vmap():
+                return _aten.select_scatter.default(x, s, dim, index)
+        if not outermost(level):
+            return torchs.call_boxed(keyset, self, src, dim, index)
+        with below_vmap():
+            x = x.expand(n, *x.shape) if xb is None else x.movedim(xb, 0)
+            s = s.expand(n, *s.shape) if sb is None else s.movedim(sb, 0)
+            d = dim + x.dim() - 1 if dim < 0 else dim  # the member's own dim
+            out = _aten.select_scatter.default(x, s, d + 1, index)
+        return _add_batch_dim(out, 0, level)
+
+    return rule
+
+
+def _index_fill(torchs: Any, active: Callable[[], bool]) -> Any:
+    def rule(keyset: Any, self: Tensor, dim: int, index: Tensor, value: Tensor) -> Tensor:
+        if active():
+            vmap = current_vmap()
+            level = vmap.level()
+            x, xb = _unwrap_batched(self, level)
+            if xb is None and _unwrap_batched(value, level)[1] is not None and outermost(level):
+                with below_vmap():  # one row per member, each its own memory
+                    x = x.expand(vmap.batch_size(), *x.shape).clone()
+                self = _add_batch_dim(x, 0, level)
+        return torchs.call_boxed(keyset, self, dim, index, value)
+
+    return rule
+
+
+def _squeeze_(torchs: Any, active: Callable[[], bool]) -> Any:
+    def rule(keyset: Any, self: Tensor) -> Tensor:
+        if active():
+            level = current_vmap().level()
+            if _unwrap_batched(self, level)[1] is not None and outermost(level):
+                dims = [d for d, size in enumerate(self.shape) if size == 1]  # the member's
+                return self.squeeze_(dims) if dims else self
+        return torchs.call_boxed(keyset, self)
+
+    return rule
