@@ -7,8 +7,10 @@ reads a neighbour's row instead of raising ``IndexError`` (and trains that row o
 member's loss), and ``padding_idx`` is passed on unchanged: under ``vmap`` + ``backward()``
 (the ensemble's eager forward and step) only member 0's padding row keeps its zero gradient
 (``vmap(grad(...))`` is right: ``embedding_dense_backward``'s rule fills every member's).
-``nn.Embedding`` has a twin (``_batchable.BatchableEmbedding``); ``F.embedding`` written in a
-forward reaches this rule only.
+One table shared by the members (requiring grad) read at per-member indices with
+``scale_grad_by_freq=True`` had its gradient scaled by the counts over all members' indices;
+here each member counts its own. ``nn.Embedding`` has a twin
+(``_batchable.BatchableEmbedding``); ``F.embedding`` written in a forward reaches this rule only.
 
 While ``active()`` (the ensemble's calls), at the ensemble's own vmap level, the rule checks
 the range per member and reads every member's padding row detached; otherwise (a vmap of the
@@ -52,10 +54,19 @@ def _check_range(idx: Tensor, rows: int) -> None:
 def _forward(active: Callable[[], bool]) -> Any:
     def rule(keyset: Any, weight: Tensor, indices: Tensor, padding_idx: int = -1,
              scale_grad_by_freq: bool = False, sparse: bool = False) -> Tensor:  # fmt: skip
-        level = current_vmap().level()
+        vmap = current_vmap()
+        level = vmap.level()
         w, wb = _unwrap_batched(weight, level)
         idx, ib = _unwrap_batched(indices, level)
         with below_vmap():
+            if (
+                wb is None
+                and ib is not None
+                and scale_grad_by_freq
+                and active()
+                and outermost(level)
+            ):
+                w, wb = w.expand(vmap.batch_size(), *w.shape), 0  # each member counts its own
             if wb is None:  # one table, per-member indices: torch's own call
                 out = _aten.embedding(w, idx, padding_idx, scale_grad_by_freq, sparse)
                 return out if ib is None else _add_batch_dim(out, ib, level)

@@ -11,6 +11,9 @@
   ``value`` per member (a learned 0-d fill): the rule writes every member's value into one
   shared copy of ``x``, so every member gets the last member's, silently (the self-check runs
   one member, where it is right). Here ``x`` gets a row per member first.
+  With ``idx`` per member and ``value`` shared and requiring grad (``h.mean()`` of a shared
+  trunk's features), the rule fills with the value's number: it got no gradient, silently.
+  Here ``value`` gets a copy per member (an expanded view: its gradients summed).
 * ``h.squeeze_()`` (no dim) with one member in the call (``n=1``, a last chunk of one): the rule
   squeezes the member dim too, and ``ens(x)`` loses its member axis (a chunk of one beside
   others fails to stack). Here the member's own size-1 dims are squeezed by number.
@@ -77,11 +80,16 @@ def _index_fill(torchs: Any, active: Callable[[], bool]) -> Any:
     def rule(keyset: Any, self: Tensor, dim: int, index: Tensor, value: Tensor) -> Tensor:
         if active():
             vmap = current_vmap()
-            level = vmap.level()
+            level, n = vmap.level(), vmap.batch_size()
             x, xb = _unwrap_batched(self, level)
-            if xb is None and _unwrap_batched(value, level)[1] is not None and outermost(level):
+            v, vb = _unwrap_batched(value, level)
+            ib = _unwrap_batched(index, level)[1]
+            if vb is None and ib is not None and v.requires_grad and outermost(level):
+                with below_vmap():  # a shared value that trains: one per member, grads summed
+                    value, vb = _add_batch_dim(v.expand(n, *v.shape), 0, level), 0
+            if xb is None and vb is not None and outermost(level):
                 with below_vmap():  # one row per member, each its own memory
-                    x = x.expand(vmap.batch_size(), *x.shape).clone()
+                    x = x.expand(n, *x.shape).clone()
                 self = _add_batch_dim(x, 0, level)
         return torchs.call_boxed(keyset, self, dim, index, value)
 
