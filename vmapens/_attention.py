@@ -122,7 +122,7 @@ def _enter() -> None:
             register_tie_rules(lib, lambda: _depth > 0)  # whole-tensor max/min/median
             register_embedding_rules(lib, lambda: _depth > 0)  # per-member ids: as alone
             register_index_rules(lib, lambda: _depth > 0)  # t[:, idx] = v, t[p, :, i]: as alone
-            register_fixed_rules(lib, lambda: _depth > 0)  # select_scatter, index_fill, squeeze_
+            register_fixed_rules(lib, lambda: _depth > 0)  # select_scatter, index_fill, ...
             _library = lib
         if _depth == 0:
             _fastpath = torch.backends.mha.get_fastpath_enabled()

@@ -1,4 +1,4 @@
-"""Three of torch's batching rules that are wrong for some layout, each fixed for that layout.
+"""Four of torch's batching rules that are wrong for some layout, each fixed for that layout.
 
 * ``torch.select_scatter(h, src, dim, i)``: functorch's rule writes ``src`` with ``scatter``,
   its index expanded along the selected dim and ``src`` expanded to match. The forward is
@@ -17,6 +17,9 @@
 * ``h.squeeze_()`` (no dim) with one member in the call (``n=1``, a last chunk of one): the rule
   squeezes the member dim too, and ``ens(x)`` loses its member axis (a chunk of one beside
   others fails to stack). Here the member's own size-1 dims are squeezed by number.
+* ``nn.PReLU`` (``_prelu_kernel``) on a shared input with a member's own weight: the rule
+  resizes an output of the input's shape to the members' (a deprecated-resize UserWarning,
+  an error under ``-W error``). Here the input gets a (broadcast) row per member.
 
 Each rule acts while ``active()`` (the ensemble's calls), at the ensemble's own vmap level (a
 vmap the user writes inside a forward keeps torch's rule, as alone); every other call runs
@@ -40,7 +43,7 @@ _aten = torch.ops.aten
 
 
 def register_fixed_rules(lib: torch.library.Library, active: Callable[[], bool]) -> None:
-    """Register the three rules on ``lib`` (``aten``, ``IMPL``), over torch's own (a torch
+    """Register the four rules on ``lib`` (``aten``, ``IMPL``), over torch's own (a torch
     without ``torch.library.get_kernel`` keeps its own rules alone)."""
     if not hasattr(torch.library, "get_kernel"):
         return
@@ -48,6 +51,7 @@ def register_fixed_rules(lib: torch.library.Library, active: Callable[[], bool])
         ("select_scatter", _select_scatter),
         ("index_fill.int_Tensor", _index_fill),
         ("squeeze_", _squeeze_),
+        ("_prelu_kernel", _prelu_kernel),
     ):
         torchs = torch.library.get_kernel(f"aten::{name}", "FuncTorchBatched")
         override(lib, name, make(torchs, active))
@@ -92,6 +96,20 @@ def _index_fill(torchs: Any, active: Callable[[], bool]) -> Any:
                     x = x.expand(n, *x.shape).clone()
                 self = _add_batch_dim(x, 0, level)
         return torchs.call_boxed(keyset, self, dim, index, value)
+
+    return rule
+
+
+def _prelu_kernel(torchs: Any, active: Callable[[], bool]) -> Any:
+    def rule(keyset: Any, self: Tensor, weight: Tensor) -> Tensor:
+        if active():
+            vmap = current_vmap()
+            level, n = vmap.level(), vmap.batch_size()
+            x, xb = _unwrap_batched(self, level)
+            if xb is None and _unwrap_batched(weight, level)[1] is not None and outermost(level):
+                with below_vmap():  # torch's rule resizes x's out to the members' (deprecated)
+                    self = _add_batch_dim(x.expand(n, *x.shape), 0, level)
+        return torchs.call_boxed(keyset, self, weight)
 
     return rule
 
