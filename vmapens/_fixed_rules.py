@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
 
-from ._vmap_rules import below_vmap, current_vmap, outermost, override
+from ._vmap_rules import below_vmap, current_level, current_vmap, outermost, override
 
 __all__ = ["register_fixed_rules"]
 
@@ -61,8 +61,7 @@ def _select_scatter(torchs: Any, active: Callable[[], bool]) -> Any:
     def rule(keyset: Any, self: Tensor, src: Tensor, dim: int, index: int) -> Tensor:
         if not active():
             return torchs.call_boxed(keyset, self, src, dim, index)
-        vmap = current_vmap()
-        level, n = vmap.level(), vmap.batch_size()
+        level = current_level()
         x, xb = _unwrap_batched(self, level)
         s, sb = _unwrap_batched(src, level)
         if xb is None and sb is None:  # batched at an outer level only: the rule there
@@ -70,6 +69,7 @@ def _select_scatter(torchs: Any, active: Callable[[], bool]) -> Any:
                 return _aten.select_scatter.default(x, s, dim, index)
         if not outermost(level):
             return torchs.call_boxed(keyset, self, src, dim, index)
+        n = current_vmap().batch_size()
         with below_vmap():
             x = x.expand(n, *x.shape) if xb is None else x.movedim(xb, 0)
             s = s.expand(n, *s.shape) if sb is None else s.movedim(sb, 0)
@@ -83,15 +83,16 @@ def _select_scatter(torchs: Any, active: Callable[[], bool]) -> Any:
 def _index_fill(torchs: Any, active: Callable[[], bool]) -> Any:
     def rule(keyset: Any, self: Tensor, dim: int, index: Tensor, value: Tensor) -> Tensor:
         if active():
-            vmap = current_vmap()
-            level, n = vmap.level(), vmap.batch_size()
+            level = current_level()
             x, xb = _unwrap_batched(self, level)
             v, vb = _unwrap_batched(value, level)
             ib = _unwrap_batched(index, level)[1]
             if vb is None and ib is not None and v.requires_grad and outermost(level):
+                n = current_vmap().batch_size()
                 with below_vmap():  # a shared value that trains: one per member, grads summed
                     value, vb = _add_batch_dim(v.expand(n, *v.shape), 0, level), 0
             if xb is None and vb is not None and outermost(level):
+                n = current_vmap().batch_size()
                 with below_vmap():  # one row per member, each its own memory
                     x = x.expand(n, *x.shape).clone()
                 self = _add_batch_dim(x, 0, level)
@@ -103,10 +104,10 @@ def _index_fill(torchs: Any, active: Callable[[], bool]) -> Any:
 def _prelu_kernel(torchs: Any, active: Callable[[], bool]) -> Any:
     def rule(keyset: Any, self: Tensor, weight: Tensor) -> Tensor:
         if active():
-            vmap = current_vmap()
-            level, n = vmap.level(), vmap.batch_size()
+            level = current_level()
             x, xb = _unwrap_batched(self, level)
             if xb is None and _unwrap_batched(weight, level)[1] is not None and outermost(level):
+                n = current_vmap().batch_size()
                 with below_vmap():  # torch's rule resizes x's out to the members' (deprecated)
                     self = _add_batch_dim(x.expand(n, *x.shape), 0, level)
         return torchs.call_boxed(keyset, self, weight)
@@ -117,7 +118,7 @@ def _prelu_kernel(torchs: Any, active: Callable[[], bool]) -> Any:
 def _squeeze_(torchs: Any, active: Callable[[], bool]) -> Any:
     def rule(keyset: Any, self: Tensor) -> Tensor:
         if active():
-            level = current_vmap().level()
+            level = current_level()
             if _unwrap_batched(self, level)[1] is not None and outermost(level):
                 dims = [d for d, size in enumerate(self.shape) if size == 1]  # the member's
                 return self.squeeze_(dims) if dims else self

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
 
-from ._vmap_rules import below_vmap, current_vmap, outermost, override
+from ._vmap_rules import below_vmap, current_level, current_vmap, outermost, override
 
 __all__ = ["register_index_rules"]
 
@@ -52,7 +52,7 @@ def register_index_rules(lib: torch.library.Library, active: Callable[[], bool])
     def rule(keyset: Any, self: Tensor, indices: list[Tensor | None], values: Tensor,
              accumulate: bool = False) -> Tensor:  # fmt: skip
         if active() and _maybe_misplaced(indices):
-            level = current_vmap().level()
+            level = current_level()
             x, xb = _unwrap_batched(self, level)
             held = [None if t is None else _unwrap_batched(t, level) for t in indices]
             if xb is not None and _torch_misplaces(held) and outermost(level):
@@ -69,7 +69,7 @@ def register_index_rules(lib: torch.library.Library, active: Callable[[], bool])
 
     def read(keyset: Any, self: Tensor, indices: list[Tensor | None]) -> Tensor:
         if active() and any(t is not None and t.dim() == 0 for t in indices):  # cheap first
-            level = current_vmap().level()
+            level = current_level()
             held = [None if t is None else _unwrap_batched(t, level) for t in indices]
             if _member_scalar(held) and outermost(level):
                 x, xb = _unwrap_batched(self, level)
