@@ -35,7 +35,7 @@ from ._embedding_rules import register_embedding_rules
 from ._fixed_rules import register_fixed_rules
 from ._index_rules import register_index_rules
 from ._tie_reductions import register_tie_rules
-from ._vmap_rules import below_vmap, current_vmap
+from ._vmap_rules import below_vmap, current_vmap, members_first
 
 __all__ = ["batched_attention"]
 
@@ -247,8 +247,7 @@ def _member_loop(
 
 def _fold(t: Tensor, bdim: int | None, n: int) -> Tensor:
     """``[n, B, ...]`` (member dim at ``bdim``, or none: shared) as ``[n * B, ...]``."""
-    t = t.expand(n, *t.shape) if bdim is None else t.movedim(bdim, 0)
-    return t.flatten(0, 1)
+    return members_first(t, bdim, n).flatten(0, 1)
 
 
 def _fold_mask(mask: Tensor | None, bdim: int | None, n: int, batch: int) -> Tensor | None:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
 
-from ._vmap_rules import below_vmap, current_vmap, outermost, override
+from ._vmap_rules import below_vmap, current_level, current_vmap, outermost, override
 
 __all__ = ["register_embedding_rules"]
 
@@ -54,8 +54,7 @@ def _check_range(idx: Tensor, rows: int) -> None:
 def _forward(active: Callable[[], bool]) -> Any:
     def rule(keyset: Any, weight: Tensor, indices: Tensor, padding_idx: int = -1,
              scale_grad_by_freq: bool = False, sparse: bool = False) -> Tensor:  # fmt: skip
-        vmap = current_vmap()
-        level = vmap.level()
+        level = current_level()
         w, wb = _unwrap_batched(weight, level)
         idx, ib = _unwrap_batched(indices, level)
         with below_vmap():
@@ -66,7 +65,7 @@ def _forward(active: Callable[[], bool]) -> Any:
                 and active()
                 and outermost(level)
             ):
-                w, wb = w.expand(vmap.batch_size(), *w.shape), 0  # each member counts its own
+                w, wb = w.expand(current_vmap().batch_size(), *w.shape), 0  # each its own count
             if wb is None:  # one table, per-member indices: torch's own call
                 out = _aten.embedding(w, idx, padding_idx, scale_grad_by_freq, sparse)
                 return out if ib is None else _add_batch_dim(out, ib, level)

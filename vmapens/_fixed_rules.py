@@ -35,7 +35,14 @@ import torch
 from torch import Tensor
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
 
-from ._vmap_rules import below_vmap, current_level, current_vmap, outermost, override
+from ._vmap_rules import (
+    below_vmap,
+    current_level,
+    current_vmap,
+    members_first,
+    outermost,
+    override_keeping,
+)
 
 __all__ = ["register_fixed_rules"]
 
@@ -45,16 +52,13 @@ _aten = torch.ops.aten
 def register_fixed_rules(lib: torch.library.Library, active: Callable[[], bool]) -> None:
     """Register the four rules on ``lib`` (``aten``, ``IMPL``), over torch's own (a torch
     without ``torch.library.get_kernel`` keeps its own rules alone)."""
-    if not hasattr(torch.library, "get_kernel"):
-        return
     for name, make in (
         ("select_scatter", _select_scatter),
         ("index_fill.int_Tensor", _index_fill),
         ("squeeze_", _squeeze_),
         ("_prelu_kernel", _prelu_kernel),
     ):
-        torchs = torch.library.get_kernel(f"aten::{name}", "FuncTorchBatched")
-        override(lib, name, make(torchs, active))
+        override_keeping(lib, name, lambda torchs, make=make: make(torchs, active))
 
 
 def _select_scatter(torchs: Any, active: Callable[[], bool]) -> Any:
@@ -71,8 +75,7 @@ def _select_scatter(torchs: Any, active: Callable[[], bool]) -> Any:
             return torchs.call_boxed(keyset, self, src, dim, index)
         n = current_vmap().batch_size()
         with below_vmap():
-            x = x.expand(n, *x.shape) if xb is None else x.movedim(xb, 0)
-            s = s.expand(n, *s.shape) if sb is None else s.movedim(sb, 0)
+            x, s = members_first(x, xb, n), members_first(s, sb, n)
             d = dim + x.dim() - 1 if dim < 0 else dim  # the member's own dim
             out = _aten.select_scatter.default(x, s, d + 1, index)
         return _add_batch_dim(out, 0, level)

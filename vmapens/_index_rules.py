@@ -37,7 +37,14 @@ import torch
 from torch import Tensor
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
 
-from ._vmap_rules import below_vmap, current_level, current_vmap, outermost, override
+from ._vmap_rules import (
+    below_vmap,
+    current_level,
+    current_vmap,
+    members_first,
+    outermost,
+    override_keeping,
+)
 
 __all__ = ["register_index_rules"]
 
@@ -45,10 +52,11 @@ __all__ = ["register_index_rules"]
 def register_index_rules(lib: torch.library.Library, active: Callable[[], bool]) -> None:
     """Register the two rules on ``lib`` (``aten``, ``IMPL``), over torch's own (kept with
     ``torch.library.get_kernel``; a torch without it keeps its own rules alone)."""
-    if not hasattr(torch.library, "get_kernel"):
-        return
-    torchs = torch.library.get_kernel("aten::index_put_", "FuncTorchBatched")
+    override_keeping(lib, "index_put_", lambda torchs: _index_put_(torchs, active))
+    override_keeping(lib, "index.Tensor", lambda torchs: _index(torchs, active))
 
+
+def _index_put_(torchs: Any, active: Callable[[], bool]) -> Any:
     def rule(keyset: Any, self: Tensor, indices: list[Tensor | None], values: Tensor,
              accumulate: bool = False) -> Tensor:  # fmt: skip
         if active() and _maybe_misplaced(indices):
@@ -64,9 +72,10 @@ def register_index_rules(lib: torch.library.Library, active: Callable[[], bool])
                     return self
         return torchs.call_boxed(keyset, self, indices, values, accumulate)
 
-    override(lib, "index_put_", rule)
-    reads = torch.library.get_kernel("aten::index.Tensor", "FuncTorchBatched")
+    return rule
 
+
+def _index(torchs: Any, active: Callable[[], bool]) -> Any:
     def read(keyset: Any, self: Tensor, indices: list[Tensor | None]) -> Tensor:
         if active() and any(t is not None and t.dim() == 0 for t in indices):  # cheap first
             level = current_level()
@@ -75,12 +84,12 @@ def register_index_rules(lib: torch.library.Library, active: Callable[[], bool])
                 x, xb = _unwrap_batched(self, level)
                 n = current_vmap().batch_size()
                 with below_vmap():
-                    x = x.expand(n, *x.shape) if xb is None else x.movedim(xb, 0)
+                    x = members_first(x, xb, n)
                     explicit, _ = _explicit(n, x.shape[1:], held, x.device)
                     return _add_batch_dim(x[explicit], 0, level)
-        return reads.call_boxed(keyset, self, indices)
+        return torchs.call_boxed(keyset, self, indices)
 
-    override(lib, "index.Tensor", read)
+    return read
 
 
 def _maybe_misplaced(indices: list[Tensor | None]) -> bool:

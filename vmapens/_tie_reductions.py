@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
 
-from ._vmap_rules import below_vmap, current_vmap, outermost, override
+from ._vmap_rules import below_vmap, current_level, outermost, override
 
 __all__ = ["register_tie_rules"]
 
@@ -47,7 +47,7 @@ def _rule(name: str, active: Callable[[], bool]) -> Any:
     whole, by_dim = getattr(torch.ops.aten, name).default, _BY_DIM[name]
 
     def rule(keyset: Any, t: Tensor) -> Tensor:
-        level = current_vmap().level()
+        level = current_level()
         x, bdim = _unwrap_batched(t, level)
         with below_vmap():
             if bdim is None:

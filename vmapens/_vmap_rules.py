@@ -1,6 +1,8 @@
 """What vmapens's own ``torch.func.vmap`` rules share (``_attention``, ``_tie_reductions``,
-``_embedding_rules``): the current vmap level, the dispatch below it, and the registration
-over torch's own rule.
+``_embedding_rules``, ``_index_rules``, ``_fixed_rules``): the current vmap level, the
+dispatch below it, a tensor laid out members first, and the registration over torch's own
+rule (``override``), or over it keeping it for the calls a rule need not fix
+(``override_keeping``).
 
 vmapens's rules act at the ensemble's own vmap level only (``outermost``): a vmap the user
 writes inside a forward gets torch's rules, as the member alone does.
@@ -21,7 +23,15 @@ import torch
 from torch._C._functorch import TransformType, current_level, get_interpreter_stack
 from torch._functorch.pyfunctorch import VmapInterpreter, retrieve_current_functorch_interpreter
 
-__all__ = ["below_vmap", "current_level", "current_vmap", "outermost", "override"]
+__all__ = [
+    "below_vmap",
+    "current_level",
+    "current_vmap",
+    "members_first",
+    "outermost",
+    "override",
+    "override_keeping",
+]
 
 
 def current_vmap() -> VmapInterpreter:
@@ -38,6 +48,12 @@ def outermost(level: int) -> bool:
     return not any(i.key() == TransformType.Vmap and i.level() < level for i in stack)
 
 
+def members_first(t: torch.Tensor, bdim: int | None, n: int) -> torch.Tensor:
+    """An unwrapped tensor with its member dim (``bdim``) first; a shared one (``bdim`` None)
+    expanded to ``n`` rows (a view)."""
+    return t.expand(n, *t.shape) if bdim is None else t.movedim(bdim, 0)
+
+
 def below_vmap() -> Any:
     """A context in which ops dispatch below the current vmap level."""
     return torch._C._ExcludeDispatchKeyGuard(
@@ -52,3 +68,11 @@ def override(lib: torch.library.Library, name: str, rule: Any) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lib.impl(name, rule, "FuncTorchBatched", with_keyset=True)
+
+
+def override_keeping(lib: torch.library.Library, name: str, make: Any) -> None:
+    """``override`` with ``make(torchs)``, a rule that hands the calls it need not fix to
+    ``torchs``, torch's own rule for ``aten::<name>`` (``torch.library.get_kernel``). A torch
+    without ``get_kernel`` keeps its own rule."""
+    if hasattr(torch.library, "get_kernel"):
+        override(lib, name, make(torch.library.get_kernel(f"aten::{name}", "FuncTorchBatched")))
