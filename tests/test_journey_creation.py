@@ -39,7 +39,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from truth import seeded_members
+from truth import assert_members_equal, seeded_members
 
 import vmapens
 
@@ -107,21 +107,6 @@ def _data(count: int, seed: int = 0) -> list[tuple[Tensor, Tensor]]:
     ]
 
 
-def _assert_members(ens: vmapens.Ensemble, alone: list[nn.Module], grads: bool = False) -> None:
-    for i, m in enumerate(alone):
-        got, want = ens[i].state_dict(), m.state_dict()
-        assert list(got) == list(want)
-        for k in want:
-            torch.testing.assert_close(got[k], want[k], **TOL, msg=f"member {i} {k}")
-        if grads:
-            for name, p in ens.named_parameters():
-                g = m.get_parameter(name).grad
-                if g is None:  # unused alone (`thr` of ReadsMemory's other ways): none inside
-                    assert p.grad is None, name
-                    continue
-                torch.testing.assert_close(p.grad[i], g, **TOL, msg=f"member {i} {name}.grad")
-
-
 def _check(factory: Any, backend: dict, n: int = N, steps: int = 2) -> None:
     x, _ = _data(1, seed=7)[0]
     ens = vmapens.Ensemble(factory, n=n, seeds=range(n), **backend)
@@ -131,7 +116,7 @@ def _check(factory: Any, backend: dict, n: int = N, steps: int = 2) -> None:
         want = torch.stack([m(x) for m in alone])
     assert out.dtype == want.dtype
     torch.testing.assert_close(out, want, **TOL)
-    _assert_members(ens, alone)  # the buffers the forward wrote
+    assert_members_equal(ens, alone, **TOL)  # the buffers the forward wrote
     step = vmapens.make_step(ens, F.mse_loss, vmapens.StackedAdam(ens, lr=0.05))
     opts = [torch.optim.Adam(m.parameters(), lr=0.05) for m in alone]
     for xb, yb in _data(steps):
@@ -144,7 +129,7 @@ def _check(factory: Any, backend: dict, n: int = N, steps: int = 2) -> None:
             opt.step()
             want_loss.append(value.detach())
         torch.testing.assert_close(loss, torch.stack(want_loss), **TOL)
-    _assert_members(ens, alone, grads=True)
+    assert_members_equal(ens, alone, grads=True, **TOL)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=IDS)
@@ -310,7 +295,7 @@ def _growing(backend: dict) -> None:
             opt.step()
             want.append(value.detach())
         torch.testing.assert_close(loss, torch.stack(want), **TOL)
-    _assert_members(ens, alone, grads=True)
+    assert_members_equal(ens, alone, grads=True, **TOL)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=IDS)

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
-from truth import seeded_members
+from truth import assert_members_equal, seeded_members
 
 import vmapens
 
@@ -268,19 +268,6 @@ def _data(count: int, size: int, seed: int = 0) -> list[tuple[Tensor, Tensor]]:
     ]
 
 
-def _assert_members(ens: vmapens.Ensemble, alone: list[nn.Module], grads: bool = False) -> None:
-    for i, m in enumerate(alone):
-        got, want = ens[i].state_dict(), m.state_dict()
-        assert list(got) == list(want)
-        for k in want:
-            torch.testing.assert_close(got[k], want[k], **TOL, msg=f"member {i} {k}")
-        if grads:
-            for name, p in ens.named_parameters():
-                g = m.get_parameter(name).grad
-                assert g is not None and p.grad is not None, name
-                torch.testing.assert_close(p.grad[i], g, **TOL, msg=f"member {i} {name}.grad")
-
-
 def _check(factory: Any, backend: dict, n: int = N) -> None:
     x, _ = _data(1, 1, seed=7)[0]
     ens = vmapens.Ensemble(factory, n=n, seeds=range(n), **backend)
@@ -292,7 +279,7 @@ def _check(factory: Any, backend: dict, n: int = N) -> None:
         out = ens(x)
         want = torch.stack([m(x) for m in alone])
     torch.testing.assert_close(out, want, **TOL)
-    _assert_members(ens, alone)  # the buffers the forward wrote
+    assert_members_equal(ens, alone, **TOL)  # the buffers the forward wrote
     step = vmapens.make_step(ens, F.mse_loss, vmapens.StackedAdam(ens, lr=0.05))
     opts = [torch.optim.Adam(m.parameters(), lr=0.05) for m in alone]
     for xb, yb in _data(2, want.shape[1]):
@@ -305,7 +292,8 @@ def _check(factory: Any, backend: dict, n: int = N) -> None:
             opt.step()
             want_loss.append(value.detach())
         torch.testing.assert_close(loss, torch.stack(want_loss), **TOL)
-    _assert_members(ens, alone, grads=True)
+    assert_members_equal(ens, alone, grads=True, **TOL)
+    assert all(p.grad is not None for p in ens.parameters())  # each trained alone
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=IDS)
@@ -337,7 +325,7 @@ def test_select_scatter_forward_under_no_grad_matches_each_member_alone(backend:
     alone = seeded_members(lambda: Orders("select_scatter"), N)
     with torch.no_grad():
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in alone]), **TOL)
-    _assert_members(ens, alone)
+    assert_members_equal(ens, alone, **TOL)
 
 
 def test_select_scatter_trains_as_alone_with_backend_loop() -> None:
@@ -357,7 +345,8 @@ def test_select_scatter_in_a_hand_written_loop_trains_as_alone(backend: dict) ->
         loss.sum().backward()
         opt.step()
     torch.testing.assert_close(loss.detach(), _alone_steps(alone, batches), **TOL)
-    _assert_members(ens, alone, grads=True)
+    assert_members_equal(ens, alone, grads=True, **TOL)
+    assert all(p.grad is not None for p in ens.parameters())  # each trained alone
 
 
 @pytest.mark.parametrize("backend", BACKENDS[:2], ids=IDS[:2])
@@ -376,7 +365,8 @@ def test_select_scatter_inside_a_users_own_vmap_gets_the_gradients_of_alone(fami
     ens(x).pow(2).sum().backward()
     for m in alone:
         m(x).pow(2).sum().backward()
-    _assert_members(ens, alone, grads=True)
+    assert_members_equal(ens, alone, grads=True, **TOL)
+    assert all(p.grad is not None for p in ens.parameters())  # each trained alone
 
 
 # -- what vmap cannot batch: refused, naming backend='loop', which runs as alone ---------------

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
-from truth import seeded_members
+from truth import assert_grads_equal, seeded_members
 
 import vmapens
 
@@ -60,9 +60,4 @@ def test_a_users_own_vmap_inside_a_forward_keeps_torchs_rules_as_alone(kind: str
         y.pow(2).sum().backward()
         want.append(y.detach())
     torch.testing.assert_close(out.detach(), torch.stack(want))
-    for name, p in ens.named_parameters():
-        if alone[0].get_parameter(name).grad is None:  # unused by this kind alone
-            assert p.grad is None, name
-            continue
-        for i, m in enumerate(alone):
-            torch.testing.assert_close(p.grad[i], m.get_parameter(name).grad, msg=f"{i} {name}")
+    assert_grads_equal(ens, alone)

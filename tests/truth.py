@@ -197,8 +197,11 @@ def twins(modules: Iterable[nn.Module]) -> list[nn.Module]:
     return [copy.deepcopy(m) for m in modules]
 
 
-def assert_members_equal(ens: Any, modules: Sequence[nn.Module], **tol: Any) -> None:
-    """Member i's state_dict (parameters and buffers) equals `modules[i]`'s, key by key."""
+def assert_members_equal(
+    ens: Any, modules: Sequence[nn.Module], *, grads: bool = False, **tol: Any
+) -> None:
+    """Member i's state_dict (parameters and buffers) equals `modules[i]`'s, key by key; with
+    `grads`, its gradients too (`assert_grads_equal`)."""
     tol = tol or TOL64
     assert len(ens) == len(modules), f"{len(ens)} members vs {len(modules)} modules"
     for i, m in enumerate(modules):
@@ -207,6 +210,22 @@ def assert_members_equal(ens: Any, modules: Sequence[nn.Module], **tol: Any) -> 
         assert list(got) == list(want), f"member {i}: keys {list(got)} vs {list(want)}"
         for name in want:
             torch.testing.assert_close(got[name], want[name], **tol, msg=f"member {i} {name}")
+    if grads:
+        assert_grads_equal(ens, modules, **tol)
+
+
+def assert_grads_equal(ens: Any, modules: Sequence[nn.Module], **tol: Any) -> None:
+    """Row i of every stacked parameter's `.grad` equals `modules[i]`'s `.grad`; a parameter
+    that gets no gradient alone (unused by the forward) has none inside either."""
+    tol = tol or TOL64
+    for name, p in ens.named_parameters():
+        for i, m in enumerate(modules):
+            g = m.get_parameter(name).grad
+            if g is None:
+                assert p.grad is None, f"{name}: a gradient inside, none alone (member {i})"
+                continue
+            assert p.grad is not None, f"{name}: no gradient inside, one alone (member {i})"
+            torch.testing.assert_close(p.grad[i], g, **tol, msg=f"member {i} {name}.grad")
 
 
 def assert_bit_identical(got: Any, expected: Any, where: str = "") -> None:
