@@ -38,6 +38,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from parity import forward_and_steps_as_alone
 from torch import Tensor, nn
 from truth import assert_members_equal, seeded_members
 
@@ -111,25 +112,8 @@ def _check(factory: Any, backend: dict, n: int = N, steps: int = 2) -> None:
     x, _ = _data(1, seed=7)[0]
     ens = vmapens.Ensemble(factory, n=n, seeds=range(n), **backend)
     alone = seeded_members(factory, n)
-    with torch.no_grad():  # train mode, no step: an evaluation or a warm-up
-        out = ens(x)
-        want = torch.stack([m(x) for m in alone])
-    assert out.dtype == want.dtype
-    torch.testing.assert_close(out, want, **TOL)
-    assert_members_equal(ens, alone, **TOL)  # the buffers the forward wrote
-    step = vmapens.make_step(ens, F.mse_loss, vmapens.StackedAdam(ens, lr=0.05))
-    opts = [torch.optim.Adam(m.parameters(), lr=0.05) for m in alone]
-    for xb, yb in _data(steps):
-        loss = step(xb, yb)
-        want_loss = []
-        for m, opt in zip(alone, opts, strict=True):
-            opt.zero_grad()
-            value = F.mse_loss(m(xb), yb)
-            value.backward()
-            opt.step()
-            want_loss.append(value.detach())
-        torch.testing.assert_close(loss, torch.stack(want_loss), **TOL)
-    assert_members_equal(ens, alone, grads=True, **TOL)
+    # assert_close checks dtypes too: an output dtype other than alone's fails
+    forward_and_steps_as_alone(ens, alone, x, lambda want: _data(steps), **TOL)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=IDS)

@@ -42,6 +42,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from parity import forward_and_steps_as_alone
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 from truth import assert_members_equal, seeded_members
@@ -275,24 +276,7 @@ def _check(factory: Any, backend: dict, n: int = N) -> None:
     assert (
         len({int(m.shift) for m in alone}) > 1 or len({tuple(m.perm.tolist()) for m in alone}) > 1
     )
-    with torch.no_grad():  # train mode, no step: an evaluation or a warm-up
-        out = ens(x)
-        want = torch.stack([m(x) for m in alone])
-    torch.testing.assert_close(out, want, **TOL)
-    assert_members_equal(ens, alone, **TOL)  # the buffers the forward wrote
-    step = vmapens.make_step(ens, F.mse_loss, vmapens.StackedAdam(ens, lr=0.05))
-    opts = [torch.optim.Adam(m.parameters(), lr=0.05) for m in alone]
-    for xb, yb in _data(2, want.shape[1]):
-        loss = step(xb, yb)
-        want_loss = []
-        for m, opt in zip(alone, opts, strict=True):
-            opt.zero_grad()
-            value = F.mse_loss(m(xb), yb)
-            value.backward()
-            opt.step()
-            want_loss.append(value.detach())
-        torch.testing.assert_close(loss, torch.stack(want_loss), **TOL)
-    assert_members_equal(ens, alone, grads=True, **TOL)
+    forward_and_steps_as_alone(ens, alone, x, lambda want: _data(2, want.shape[1]), **TOL)
     assert all(p.grad is not None for p in ens.parameters())  # each trained alone
 
 

@@ -32,8 +32,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from parity import forward_and_steps_as_alone
 from torch import Tensor, nn
-from truth import assert_members_equal, seeded_members
+from truth import seeded_members
 
 import vmapens
 
@@ -201,24 +202,7 @@ def _check(factory: Any, backend: dict, n: int) -> None:
     x, _ = _data(1, 1, seed=7)[0]
     ens = vmapens.Ensemble(factory, n=n, seeds=range(n), **backend)
     alone = seeded_members(factory, n)
-    with torch.no_grad():  # train mode, no step: what an evaluation or a warm-up runs
-        out = ens(x)
-        want = torch.stack([m(x) for m in alone])
-    torch.testing.assert_close(out, want, **TOL)
-    assert_members_equal(ens, alone, **TOL)  # the buffers the forward wrote
-    step = vmapens.make_step(ens, F.mse_loss, vmapens.StackedAdam(ens, lr=0.05))
-    opts = [torch.optim.Adam(m.parameters(), lr=0.05) for m in alone]
-    for xb, yb in _data(2, *want.shape[1:]):
-        loss = step(xb, yb)
-        want_loss = []
-        for m, opt in zip(alone, opts, strict=True):
-            opt.zero_grad()
-            value = F.mse_loss(m(xb), yb)
-            value.backward()
-            opt.step()
-            want_loss.append(value.detach())
-        torch.testing.assert_close(loss, torch.stack(want_loss), **TOL)
-    assert_members_equal(ens, alone, grads=True, **TOL)
+    forward_and_steps_as_alone(ens, alone, x, lambda want: _data(2, *want.shape[1:]), **TOL)
 
 
 # chunks of 2 at 3 members: a full chunk, then one of a single member at row 2

@@ -1,0 +1,52 @@
+"""The parity check several journeys run: an ensemble against its members trained alone.
+
+`truth.py` holds the plain-PyTorch side and imports nothing of vmapens; this module puts the
+ensemble's side (`ens(x)`, `vmapens.make_step`) next to it, so the journeys that check a
+forward and two training steps write it once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from truth import assert_members_equal
+
+import vmapens
+
+Batches = list[tuple[Tensor, Tensor]]
+
+
+def forward_and_steps_as_alone(
+    ens: vmapens.Ensemble,
+    alone: Sequence[nn.Module],
+    x: Tensor,
+    batches: Callable[[Tensor], Batches],
+    **tol: Any,
+) -> None:
+    """`ens(x)` under `torch.no_grad()` in train mode (what an evaluation or a warm-up runs)
+    against each member alone: outputs, then states (the buffers the forward wrote). Then one
+    `make_step` step per batch of `batches(want)` (`want`: the members' stacked outputs) with
+    `StackedAdam(lr=0.05)` on `F.mse_loss` against `torch.optim.Adam(lr=0.05)` alone: losses,
+    then states and gradients."""
+    with torch.no_grad():
+        out = ens(x)
+        want = torch.stack([m(x) for m in alone])
+    torch.testing.assert_close(out, want, **tol)
+    assert_members_equal(ens, alone, **tol)
+    step = vmapens.make_step(ens, F.mse_loss, vmapens.StackedAdam(ens, lr=0.05))
+    opts = [torch.optim.Adam(m.parameters(), lr=0.05) for m in alone]
+    for xb, yb in batches(want):
+        loss = step(xb, yb)
+        want_loss = []
+        for m, opt in zip(alone, opts, strict=True):
+            opt.zero_grad()
+            value = F.mse_loss(m(xb), yb)
+            value.backward()
+            opt.step()
+            want_loss.append(value.detach())
+        torch.testing.assert_close(loss, torch.stack(want_loss), **tol)
+    assert_members_equal(ens, alone, grads=True, **tol)
