@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
+from parity import forward_and_steps_as_alone
 from torch import Tensor, nn
 from truth import seeded_members
 
@@ -99,27 +99,17 @@ def test_an_indexed_write_gives_each_member_its_own_result_as_alone(
     alone = seeded_members(factory, n)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(B, 3, dtype=F64, generator=g)
-    with torch.no_grad():
-        got = ens(x)
-        want = torch.stack([m(x) for m in alone])
-    torch.testing.assert_close(got, want, **TOL)
-    step = vmapens.make_step(ens, F.mse_loss, vmapens.StackedAdam(ens, lr=0.05))
-    opts = [torch.optim.Adam(m.parameters(), lr=0.05) for m in alone]
-    for _ in range(2):
-        xb = torch.randn(B, 3, dtype=F64, generator=g)
-        yb = torch.randn(B, math.prod(SHAPE), dtype=F64, generator=g)
-        losses = step(xb, yb)
-        want_losses = []
-        for m, opt in zip(alone, opts, strict=True):
-            opt.zero_grad()
-            loss = F.mse_loss(m(xb), yb)
-            loss.backward()
-            opt.step()
-            want_losses.append(loss.detach())
-        torch.testing.assert_close(losses, torch.stack(want_losses), **TOL)
-    for i, m in enumerate(alone):
-        for name, p in m.named_parameters():
-            torch.testing.assert_close(ens[i].get_parameter(name), p, **TOL, msg=name)
+
+    def batches(want: Tensor) -> list[tuple[Tensor, Tensor]]:
+        return [
+            (
+                torch.randn(B, 3, dtype=F64, generator=g),
+                torch.randn(*want.shape[1:], dtype=F64, generator=g),
+            )
+            for _ in range(2)
+        ]
+
+    forward_and_steps_as_alone(ens, alone, x, batches, **TOL)
 
 
 class Spelled(nn.Module):
