@@ -249,3 +249,49 @@ def test_ensemble_in_a_users_compiled_function_equals_eager():
     # backend="eager": dynamo's tracing is what takes the torch.func path; inductor adds time.
     compiled = torch.compile(lambda x: ens(x).tanh(), backend="eager")
     torch.testing.assert_close(compiled(x), ens(x).tanh(), rtol=0, atol=1e-12)
+
+
+class _KeepsNorm(nn.Module):
+    """Keeps a tensor its forward computed (``self.norm``), as a KL or aux loss is kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.norm = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        self.norm = y.square().sum()
+        return y
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_a_users_compiled_function_runs_the_ensemble_as_eager(monkeypatch):
+    # Traced by dynamo, the call lost what the forward kept (`ens.template.norm` was None),
+    # and CI failed once: dynamo guarded a cache of runners by key position, and runners
+    # collected between tracing and building the guards made building them fail (IndexError).
+    import gc
+
+    from torch._dynamo.guards import CheckFunctionManager
+
+    others = [Ensemble(_mlp, 2, seed=i) for i in range(20)]
+    for other in others:
+        other(torch.randn(4, 3))
+    build = CheckFunctionManager.__init__
+
+    def collect_then_build(self, *args, **kwargs):
+        others.clear()
+        gc.collect()
+        build(self, *args, **kwargs)
+
+    monkeypatch.setattr(CheckFunctionManager, "__init__", collect_then_build)
+    ens = Ensemble(_KeepsNorm, 3, seed=0).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    compiled = torch.compile(lambda x: ens(x).tanh(), backend="eager")
+    out = compiled(x)
+    norm = ens.template.norm  # the forward's kept tensor, one row per member, as eager keeps it
+    torch.testing.assert_close(out, ens(x).tanh(), rtol=0, atol=1e-12)
+    assert not others
+    members = [ens[i] for i in range(3)]
+    alone = torch.stack([m.lin(x).square().sum() for m in members])
+    torch.testing.assert_close(norm, alone, rtol=0, atol=1e-12)

@@ -61,6 +61,7 @@ __all__ = [
     "forget_writes",
     "no_random_ops",
     "tracked",
+    "untraced",
     "vmap_members",
 ]
 
@@ -80,6 +81,19 @@ def forget_writes() -> None:
     """A member map starts: ``WRITTEN`` is about its forward from now on."""
     if WRITTEN and not _traced():
         WRITTEN.clear()
+
+
+def untraced(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``; while dynamo traces (a ``torch.compile`` of the user's own around ``ens(x)``),
+    ``fn`` run as eager: dynamo skips it and compiles the rest of the user's function.
+
+    Traced, ``ens(x)`` met a dozen graph breaks (1.9x eager's time), lost the tensors its
+    forward keeps on modules, and guarded a cache by its keys' positions (a runner collected
+    mid-compile failed the guard's build); eager is exact and faster. ``make_step(compile=True)``
+    is the ensemble's compiled path; ``torch.export`` (not dynamo) still traces ``ens(x)``."""
+    if torch.compiler.is_dynamo_compiling():
+        return torch.compiler.disable(fn, reason="vmapens runs ens(x) as eager")
+    return fn
 
 
 def _traced() -> bool:

@@ -21,7 +21,7 @@ from ._construction import (
 )
 from ._container_ops import check_call, member_index, member_module, refused_assignment, set_flags_
 from ._ensemble_parts import check_factories, check_modules
-from ._fastcall import tracked
+from ._fastcall import tracked, untraced
 from ._hooks import checked_hooks, refuse_template_hooks
 from ._kept import call_noting, keep_, kept_rows, loss_with_kept, rows_of_kept_
 from ._linalg_failure import linalg_failure
@@ -232,7 +232,7 @@ class Ensemble(StackedModule):
                 stacked storage cannot hold (a buffer it reassigns is kept, as alone).
         """
         check_call(args, kwargs, in_dims, self.backend)
-        return self._run(args, kwargs, in_dims)
+        return untraced(self._run)(args, kwargs, in_dims)
 
     def _run(self, args: tuple, kwargs: dict, in_dims: Any, loss: tuple | None = None) -> Any:
         """``forward``; with ``loss = (loss_fn, target, its in_dims)``, ``(outputs, losses)``:
