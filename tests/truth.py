@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import itertools
 import math
@@ -28,6 +29,26 @@ MakeOpt = Callable[[nn.Module], torch.optim.Optimizer]
 
 # float64 end-to-end: the same kernels on the same numbers, only summation order may differ.
 TOL64 = dict(rtol=1e-9, atol=1e-10)
+
+
+@functools.cache
+def lstm_runs_under_bf16_autocast() -> bool:
+    """Whether torch's own `nn.LSTM` runs here under CPU bf16 autocast. On a CPU without
+    AVX-512 (AVX2 only) torch 2.13 sends it to oneDNN, which has no bf16 LSTM there: "could
+    not create a primitive descriptor for the LSTM forward propagation primitive". A member
+    alone then fails, so the ensemble must refuse rather than train what no member computes."""
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            nn.LSTM(3, 4)(torch.randn(5, 2, 3))
+    except RuntimeError as e:
+        if "primitive descriptor" not in str(e):
+            raise
+        return False
+    return True
+
+
+#: What torch says where `lstm_runs_under_bf16_autocast()` is False.
+NO_BF16_LSTM = "could not create a primitive descriptor for the LSTM"
 
 
 def derived_seed(seed: int, purpose: str, index: int) -> int:
