@@ -21,9 +21,9 @@ loss, ``backward()``):
   (``table.grad`` 1/2 of alone's where two members pick one row). Fixed in session 35
   (``vmapens/_embedding_rules.py``, patch opgrads-2);
 * ``F.linear_cross_entropy(h, w, y, options=LinearCrossEntropyOptions())`` written in a forward:
-  its chunked path gives ``h`` and ``w`` no gradient (``nn.LinearCrossEntropyLoss`` is put on its
-  reference path by vmapens; the functional call is not): still wrong in README's loop (strict
-  xfail); ``make_step``'s first step refuses it ("gets no gradient inside the ensemble").
+  its chunked path gave ``h`` and ``w`` no gradient in README's loop (``make_step``'s first
+  step refused it). Fixed in session 36: vmapens reads the op's requires-grad flags as alone
+  (``vmapens/_fixed_rules.py``); a vmap of the user's around the call keeps torch's.
 
 The truth: each member a plain module (built after ``torch.manual_seed(k)``, as
 ``seeds=range(n)`` builds it) run alone on the same input, shared grads summed over members.
@@ -122,14 +122,61 @@ def test_embedding_of_a_shared_table_without_scaling_backpropagates_as_alone() -
     _shared_grads(Plain, (4, 3))
 
 
-@pytest.mark.xfail(strict=True, reason="chunked F.linear_cross_entropy: no gradient under vmap")
-def test_chunked_functional_linear_cross_entropy_in_readmes_loop_trains_as_alone() -> None:
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_chunked_functional_linear_cross_entropy_in_readmes_loop_trains_as_alone(n) -> None:
+    # torch's op takes `h.requires_grad` as a flag; a member's batched `h` reported False and
+    # got no gradient, silently. vmapens reads the flags as alone (vmapens/_fixed_rules.py).
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(6, 4, generator=g, dtype=F64), torch.randint(0, 5, (6,), generator=g)
-    ens = vmapens.Ensemble(ChunkedHead, n=2, seeds=range(2))
+    ens = vmapens.Ensemble(ChunkedHead, n=n, seeds=range(n))
     ens(x, y).sum().backward()
-    for i, m in enumerate(seeded_members(ChunkedHead, 2)):
+    for i, m in enumerate(seeded_members(ChunkedHead, n)):
         m(x, y).backward()
         for name, p in ens.named_parameters():
             assert p.grad is not None, name
             torch.testing.assert_close(p.grad[i], m.get_parameter(name).grad, **TOL, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["vmap", "chunks"])
+def test_chunked_functional_linear_cross_entropy_trains_as_alone(backend) -> None:
+    chunks = {"chunk_size": 2} if backend == "chunks" else {}
+    g = torch.Generator().manual_seed(2)
+    batches = [
+        ((torch.randn(6, 4, generator=g, dtype=F64), torch.randint(0, 5, (6,), generator=g)),
+         torch.zeros(6, dtype=F64))
+        for _ in range(3)
+    ]  # fmt: skip
+    ens = vmapens.Ensemble(ChunkedHead, n=3, seeds=range(3), **chunks)
+    step = vmapens.make_step(ens, lambda out, _: out, vmapens.StackedAdam(ens, lr=0.05))
+    for inputs, target in batches:
+        step(inputs, target)
+    for i, m in enumerate(seeded_members(ChunkedHead, 3)):
+        opt = torch.optim.Adam(m.parameters(), lr=0.05)
+        for (x, y), _ in batches:
+            opt.zero_grad()
+            m(x, y).backward()
+            opt.step()
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(ens.get_parameter(name)[i], p, **TOL, msg=name)
+
+
+def test_chunked_functional_linear_cross_entropy_in_a_users_vmap_keeps_torchs_rule() -> None:
+    # Alone, a vmap the user writes around the op runs torch's rule (its flags False, no
+    # gradient for `h`): the member inside the ensemble must do the same, not more.
+    class Vmapped(ChunkedHead):
+        def forward(self, x: Tensor, y: Tensor) -> Tensor:
+            return torch.func.vmap(super().forward, in_dims=(0, 0))(x, y).sum()
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(2, 6, 4, generator=g, dtype=F64), torch.randint(0, 5, (2, 6), generator=g)
+    ens = vmapens.Ensemble(Vmapped, n=2, seeds=range(2))
+    ens(x, y).sum().backward()
+    for i, m in enumerate(seeded_members(Vmapped, 2)):
+        m(x, y).backward()
+        for name, p in m.named_parameters():
+            got = ens.get_parameter(name).grad
+            if p.grad is None:
+                assert got is None or not got[i].any(), name
+            else:
+                assert got is not None, name
+                torch.testing.assert_close(got[i], p.grad, **TOL, msg=name)

@@ -1,4 +1,4 @@
-"""Four of torch's batching rules that are wrong for some layout, each fixed for that layout.
+"""Five of torch's batching rules that are wrong for some layout, each fixed for that layout.
 
 * ``torch.select_scatter(h, src, dim, i)``: functorch's rule writes ``src`` with ``scatter``,
   its index expanded along the selected dim and ``src`` expanded to match. The forward is
@@ -21,6 +21,13 @@
   resizes an output of the input's shape to the members' (a deprecated-resize UserWarning,
   an error under ``-W error``). Here the input gets a (broadcast) row per member.
 
+* ``F.linear_cross_entropy(h, w, y, options=...)`` (its chunked path, reduced): the op takes
+  ``h.requires_grad`` and ``w.requires_grad`` as flags, to compute their gradients in the
+  forward; a member's tensors are batched, report ``False``, and got no gradient, silently in
+  ``ens(x)`` + ``backward()`` (the first step refused it). Here the flags are read from the
+  tensors under the batching, as alone; torch's rule then runs the op once per member.
+  (``nn.LinearCrossEntropyLoss`` runs its reference path in the ensemble, ``unchunked``.)
+
 Each rule acts while ``active()`` (the ensemble's calls), at the ensemble's own vmap level (a
 vmap the user writes inside a forward keeps torch's rule, as alone); every other call runs
 torch's own rule, kept with ``torch.library.get_kernel``.
@@ -28,12 +35,22 @@ torch's own rule, kept with ``torch.library.get_kernel``.
 
 from __future__ import annotations
 
+import importlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch._C._functorch import _add_batch_dim, _unwrap_batched
+from torch._C._functorch import (
+    TransformType,
+    _add_batch_dim,
+    _unwrap_batched,
+    get_interpreter_stack,
+    get_unwrapped,
+    is_batchedtensor,
+    maybe_get_level,
+)
 
 from ._vmap_rules import (
     below_vmap,
@@ -47,11 +64,14 @@ from ._vmap_rules import (
 __all__ = ["register_fixed_rules"]
 
 _aten = torch.ops.aten
+#: The library that holds the rule over torch's ``torch_nn`` op (``F.linear_cross_entropy``).
+_torch_nn: torch.library.Library | None = None
 
 
 def register_fixed_rules(lib: torch.library.Library, active: Callable[[], bool]) -> None:
-    """Register the four rules on ``lib`` (``aten``, ``IMPL``), over torch's own (a torch
-    without ``torch.library.get_kernel`` keeps its own rules alone)."""
+    """Register the rules on ``lib`` (``aten``, ``IMPL``), the last on a ``torch_nn`` library
+    of this file's, over torch's own (a torch without ``torch.library.get_kernel`` keeps its
+    own rules alone)."""
     for name, make in (
         ("select_scatter", _select_scatter),
         ("index_fill.int_Tensor", _index_fill),
@@ -59,6 +79,19 @@ def register_fixed_rules(lib: torch.library.Library, active: Callable[[], bool])
         ("_prelu_kernel", _prelu_kernel),
     ):
         override_keeping(lib, name, lambda torchs, make=make: make(torchs, active))
+    _register_linear_cross_entropy(active)
+
+
+def _register_linear_cross_entropy(active: Callable[[], bool]) -> None:
+    global _torch_nn
+    name = "_linear_cross_entropy_batch_chunked"
+    try:  # torch registers its op at the first F.linear_cross_entropy call; now (16 ms, once)
+        importlib.import_module("torch.nn.modules.linear_cross_entropy")
+    except ImportError:  # a torch without it
+        return
+    if _torch_nn is None and hasattr(torch.ops.torch_nn, name):
+        _torch_nn = torch.library.Library("torch_nn", "IMPL")  # kept: its rules live with it
+        override_keeping(_torch_nn, name, lambda torchs: _linear_cross_entropy(torchs, active))
 
 
 def _select_scatter(torchs: Any, active: Callable[[], bool]) -> Any:
@@ -128,3 +161,41 @@ def _squeeze_(torchs: Any, active: Callable[[], bool]) -> Any:
         return torchs.call_boxed(keyset, self)
 
     return rule
+
+
+def _linear_cross_entropy(torchs: Any, active: Callable[[], bool]) -> Any:
+    # torch's op: (input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+    # label_smoothing, chunk size, acc policy, acc dtype, allow_retain_graph, then the flags:
+    # compute input's, linear_weight's and linear_bias's gradients in the forward)
+    flags = ((12, 0), (13, 1), (14, 3))
+    # Set while torch's rule runs: the calls it makes at the vmap levels below keep the flags
+    # the first level read (a vmap of the user's in the forward runs torch's rule, as alone).
+    inside = threading.local()
+
+    def rule(keyset: Any, *args: Any) -> Any:
+        if not active() or not torch.is_grad_enabled() or getattr(inside, "busy", False):
+            return torchs.call_boxed(keyset, *args)
+        stack = get_interpreter_stack() or []
+        ours = min(i.level() for i in stack if i.key() == TransformType.Vmap)
+        given = list(args)
+        for flag, i in flags:
+            given[flag] = given[flag] or _requires_grad_alone(given[i], ours)
+        inside.busy = True
+        try:
+            return torchs.call_boxed(keyset, *given)
+        finally:
+            inside.busy = False
+
+    return rule
+
+
+def _requires_grad_alone(t: Any, ours: int) -> bool:
+    """``t.requires_grad`` as the member alone reads it: batched at the ensemble's level only
+    (``ours``), its member's tensor's; batched at a vmap of the user's, ``False`` (as alone)."""
+    if not isinstance(t, Tensor):
+        return False
+    while is_batchedtensor(t):
+        if maybe_get_level(t) != ours:
+            return False
+        t = get_unwrapped(t)
+    return bool(t.requires_grad)

@@ -62,9 +62,9 @@ def below_vmap() -> Any:
 
 
 def override(lib: torch.library.Library, name: str, rule: Any) -> None:
-    """Register ``rule`` for ``aten::<name>`` on ``lib`` (``aten``, ``IMPL``) in place of
-    torch's own batching rule, without torch's "Overriding a previously registered kernel"
-    warning: the override is ours."""
+    """Register ``rule`` for ``<name>`` on ``lib`` (``aten`` or another namespace, ``IMPL``) in
+    place of torch's own batching rule, without torch's "Overriding a previously registered
+    kernel" warning: the override is ours."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lib.impl(name, rule, "FuncTorchBatched", with_keyset=True)
@@ -72,7 +72,8 @@ def override(lib: torch.library.Library, name: str, rule: Any) -> None:
 
 def override_keeping(lib: torch.library.Library, name: str, make: Any) -> None:
     """``override`` with ``make(torchs)``, a rule that hands the calls it need not fix to
-    ``torchs``, torch's own rule for ``aten::<name>`` (``torch.library.get_kernel``). A torch
-    without ``get_kernel`` keeps its own rule."""
+    ``torchs``, torch's own rule for ``<lib's namespace>::<name>``
+    (``torch.library.get_kernel``). A torch without ``get_kernel`` keeps its own rule."""
     if hasattr(torch.library, "get_kernel"):
-        override(lib, name, make(torch.library.get_kernel(f"aten::{name}", "FuncTorchBatched")))
+        torchs = torch.library.get_kernel(f"{lib.ns}::{name}", "FuncTorchBatched")
+        override(lib, name, make(torchs))
