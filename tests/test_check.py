@@ -365,6 +365,11 @@ def test_linear_cross_entropy_trains_as_alone(reduction, chunked, bias, backend)
     ens = vmapens.Ensemble(make, N, seed=0, backend=backend).double()
     alone = ens.unstack()
     assert all(m.options == options for m in alone)  # the user's module keeps its options
+    _train_both_and_compare(ens, alone, reduction)
+
+
+def _train_both_and_compare(ens: vmapens.Ensemble, alone: list, reduction: str) -> None:
+    """Three SGD steps of the ensemble and of each member alone, on the same batches."""
     batches = [_lce_batch() for _ in range(3)]
     loss = (lambda o, _: o.mean()) if reduction == "none" else _is_loss
     step = vmapens.make_step(ens, loss, vmapens.StackedSGD(ens, lr=0.5, momentum=0.9))
@@ -381,14 +386,7 @@ def test_chunked_linear_cross_entropy_in_the_runner_trains_as_alone(reduction):
     # functional F.linear_cross_entropy(options=...) takes, gave no gradient under vmap until
     # vmapens read the op's requires-grad flags as alone (vmapens/_fixed_rules.py).
     ens = _undo_lce_fix(vmapens.Ensemble(lambda: chunked_lce(reduction), N, seed=0).double())
-    alone = ens.unstack()
-    batches = [_lce_batch() for _ in range(3)]
-    step = vmapens.make_step(ens, _is_loss, vmapens.StackedSGD(ens, lr=0.5, momentum=0.9))
-    for inputs, targets in batches:
-        step(inputs, targets)
-    for m in alone:
-        _lce_alone(m, batches, reduction)
-    assert_members_equal(ens, alone, **TOL64)
+    _train_both_and_compare(ens, ens.unstack(), reduction)
 
 
 def test_linear_cross_entropy_trains_as_alone_compiled():
