@@ -295,3 +295,13 @@ def test_a_users_compiled_function_runs_the_ensemble_as_eager(monkeypatch):
     members = [ens[i] for i in range(3)]
     alone = torch.stack([m.lin(x).square().sum() for m in members])
     torch.testing.assert_close(norm, alone, rtol=0, atol=1e-12)
+
+
+def test_a_users_fullgraph_compile_around_the_ensemble_is_refused_naming_the_compiled_step():
+    # The ensemble's call runs as eager under a user's torch.compile, which fullgraph=True
+    # cannot hold: dynamo's error shows vmapens's line, which names the compiled path.
+    ens = Ensemble(_mlp, 3, seed=0)
+    x = torch.randn(4, 3)
+    compiled = torch.compile(lambda x: ens(x), backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"ens\(x\) runs eager: make_step\(compile=True\)"):
+        compiled(x)

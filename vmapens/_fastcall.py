@@ -92,7 +92,8 @@ def untraced(fn: Callable[..., Any]) -> Callable[..., Any]:
     mid-compile failed the guard's build); eager is exact and faster. ``make_step(compile=True)``
     is the ensemble's compiled path; ``torch.export`` (not dynamo) still traces ``ens(x)``."""
     if torch.compiler.is_dynamo_compiling():
-        return torch.compiler.disable(fn, reason="vmapens runs ens(x) as eager")
+        # fullgraph=True shows this line: the reason is what the user reads
+        return torch.compiler.disable(fn, reason="ens(x) runs eager: make_step(compile=True)")
     return fn
 
 
