@@ -37,8 +37,8 @@ def lstm_runs_under_bf16_autocast() -> bool:
     AVX-512 (AVX2 only) torch 2.13 sends it to oneDNN, which has no bf16 LSTM there: "could
     not create a primitive descriptor for the LSTM forward propagation primitive". A member
     alone then fails, so the ensemble must refuse rather than train what no member computes."""
-    try:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+    try:  # the global RNG as it was: the caller's draws do not depend on who asked first
+        with torch.random.fork_rng(devices=[]), torch.autocast("cpu", dtype=torch.bfloat16):
             nn.LSTM(3, 4)(torch.randn(5, 2, 3))
     except RuntimeError as e:
         if "primitive descriptor" not in str(e):
