@@ -43,10 +43,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch._C._functorch import (
-    TransformType,
     _add_batch_dim,
     _unwrap_batched,
-    get_interpreter_stack,
     get_unwrapped,
     is_batchedtensor,
     maybe_get_level,
@@ -57,6 +55,7 @@ from ._vmap_rules import (
     current_level,
     current_vmap,
     members_first,
+    members_level,
     outermost,
     override_keeping,
 )
@@ -175,8 +174,7 @@ def _linear_cross_entropy(torchs: Any, active: Callable[[], bool]) -> Any:
     def rule(keyset: Any, *args: Any) -> Any:
         if not active() or not torch.is_grad_enabled() or getattr(inside, "busy", False):
             return torchs.call_boxed(keyset, *args)
-        stack = get_interpreter_stack() or []
-        ours = min(i.level() for i in stack if i.key() == TransformType.Vmap)
+        ours = members_level()
         given = list(args)
         for flag, i in flags:
             given[flag] = given[flag] or _requires_grad_alone(given[i], ours)

@@ -28,6 +28,7 @@ __all__ = [
     "current_level",
     "current_vmap",
     "members_first",
+    "members_level",
     "outermost",
     "override",
     "override_keeping",
@@ -41,11 +42,16 @@ def current_vmap() -> VmapInterpreter:
     return cast(VmapInterpreter, retrieve_current_functorch_interpreter())
 
 
+def members_level(default: int = 0) -> int:
+    """The lowest vmap level running (``default`` when none runs): the ensemble's own."""
+    stack = get_interpreter_stack() or []
+    return min((i.level() for i in stack if i.key() == TransformType.Vmap), default=default)
+
+
 def outermost(level: int) -> bool:
     """Whether no vmap runs below ``level``: the ensemble's own level. A ``torch.func.vmap`` of
     the user's inside a forward runs above it, and keeps torch's rules there, as alone."""
-    stack = get_interpreter_stack() or []
-    return not any(i.key() == TransformType.Vmap and i.level() < level for i in stack)
+    return level <= members_level(default=level)
 
 
 def members_first(t: torch.Tensor, bdim: int | None, n: int) -> torch.Tensor:
