@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -37,9 +38,18 @@ def forward_and_steps_as_alone(
         want = torch.stack([m(x) for m in alone])
     torch.testing.assert_close(out, want, **tol)
     assert_members_equal(ens, alone, **tol)
+    steps_as_alone(ens, alone, batches(want), **tol)
+
+
+def steps_as_alone(
+    ens: vmapens.Ensemble, alone: Sequence[nn.Module], batches: Batches, **tol: Any
+) -> None:
+    """One `make_step` step per `(x, y)` of `batches` with `StackedAdam(lr=0.05)` on
+    `F.mse_loss` against `torch.optim.Adam(lr=0.05)` on each member alone: losses, then
+    states and gradients."""
     step = vmapens.make_step(ens, F.mse_loss, vmapens.StackedAdam(ens, lr=0.05))
     opts = [torch.optim.Adam(m.parameters(), lr=0.05) for m in alone]
-    for xb, yb in batches(want):
+    for xb, yb in batches:
         loss = step(xb, yb)
         want_loss = []
         for m, opt in zip(alone, opts, strict=True):
@@ -50,3 +60,23 @@ def forward_and_steps_as_alone(
             want_loss.append(value.detach())
         torch.testing.assert_close(loss, torch.stack(want_loss), **tol)
     assert_members_equal(ens, alone, grads=True, **tol)
+
+
+def refused_naming_the_loop(
+    ens: vmapens.Ensemble, x: Tensor, y: Tensor, says: str, says_in_step: bool = False
+) -> None:
+    """`ens(x)` and a `make_step` step both refuse with a RuntimeError that names
+    `backend='loop'` (`ens(x)`'s starting "Ensemble:" and holding `says`; the step's starting
+    "step:", holding `says` too with `says_in_step`), and neither changes the state dict."""
+    before = {k: v.clone() for k, v in ens.state_dict().items()}
+    with pytest.raises(RuntimeError, match="backend='loop'") as err:
+        ens(x)
+    assert says in str(err.value) and str(err.value).startswith("Ensemble:")
+    step = vmapens.make_step(ens, F.mse_loss, vmapens.StackedAdam(ens, lr=0.05))
+    with pytest.raises(RuntimeError, match="backend='loop'") as err:
+        step(x, y)
+    assert str(err.value).startswith("step:")
+    if says_in_step:
+        assert says in str(err.value)
+    for k, v in ens.state_dict().items():
+        assert torch.equal(v, before[k]), k  # nothing changed

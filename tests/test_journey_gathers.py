@@ -46,8 +46,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from parity import forward_and_steps_as_alone
+from parity import forward_and_steps_as_alone, refused_naming_the_loop
 from torch import Tensor, nn
 from truth import assert_members_equal, seeded_members
 
@@ -311,15 +310,6 @@ def test_positions_vmap_cannot_batch_are_refused_and_backend_loop_runs_as_alone(
     kind: str, says: str
 ) -> None:
     ens = vmapens.Ensemble(lambda: Positions(kind), n=L, seeds=range(L))
-    before = {k: v.clone() for k, v in ens.state_dict().items()}
     x, y = _data(1, B, 4)[0]
-    with pytest.raises(RuntimeError, match="backend='loop'") as err:
-        ens(x)
-    assert says in str(err.value) and str(err.value).startswith("Ensemble:")
-    step = vmapens.make_step(ens, F.mse_loss, vmapens.StackedAdam(ens, lr=0.05))
-    with pytest.raises(RuntimeError, match="backend='loop'") as err:
-        step(x, y)
-    assert str(err.value).startswith("step:")
-    for k, v in ens.state_dict().items():
-        assert torch.equal(v, before[k]), k  # nothing changed
+    refused_naming_the_loop(ens, x, y, says)
     _check(lambda: Positions(kind), {"backend": "loop"}, L)

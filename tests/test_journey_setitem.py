@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import forward_and_steps_as_alone
+from parity import forward_and_steps_as_alone, refused_naming_the_loop
 from torch import Tensor, nn
 from truth import seeded_members
 
@@ -205,17 +205,8 @@ def test_what_vmap_cannot_batch_is_refused_and_backend_loop_runs_as_alone(
     factory: Any, says: str
 ) -> None:
     ens = vmapens.Ensemble(factory, n=N, seeds=range(N))
-    before = {k: v.clone() for k, v in ens.state_dict().items()}
     x, y = _data(1, 1, B, 4)[0]
-    with pytest.raises(RuntimeError, match="backend='loop'") as err:
-        ens(x)
-    assert says in str(err.value) and str(err.value).startswith("Ensemble:")
-    step = vmapens.make_step(ens, F.mse_loss, vmapens.StackedAdam(ens, lr=0.05))
-    with pytest.raises(RuntimeError, match="backend='loop'") as err:
-        step(x, y)
-    assert str(err.value).startswith("step:")
-    for k, v in ens.state_dict().items():
-        assert torch.equal(v, before[k]), k  # nothing changed
+    refused_naming_the_loop(ens, x, y, says)
     _check(factory, {"backend": "loop"})
 
 
