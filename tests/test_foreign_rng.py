@@ -24,6 +24,11 @@ class NumpyJitter(nn.Module):
 
 @pytest.mark.parametrize("how", [{}, {"backend": "loop"}], ids=["vmap", "loop"])
 def test_a_numpy_draw_in_the_forward_is_refused_naming_numpy(how: dict) -> None:
+    # The draws came from numpy's global state as earlier tests in the worker left it. Once
+    # (a cold CI run in session 36, [loop]) nothing was refused; most likely the probe's two
+    # draws came out within the self-check's tolerance of each other (not reproduced: seeds
+    # 0-59 all refused, both backends). A fixed state makes the test's draws its own.
+    np.random.seed(0)
     ens = vmapens.Ensemble(NumpyJitter, n=3, seed=0, **how)
     before = {k: v.clone() for k, v in ens.state_dict().items()}
     step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedSGD(ens, lr=0.1))
