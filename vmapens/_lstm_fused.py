@@ -111,7 +111,7 @@ class _Recurrence(torch.autograd.Function):
     * ``gates [T, m, B, 4H]``: after the sigmoid. Time first, so that each step's ``bmm``
       writes one contiguous block (BLAS's batched path needs that; a strided result runs
       member by member);
-    * ``cs``, ``tanh_c [T, m, B, H]``: every cell state and its tanh;
+    * ``cs``, ``tanh_c [T, m, B, H]``: every cell state and its tanh (``2 sigmoid(2c) - 1``);
     * ``out [m, T, B, H]``: the output, as the caller lays it out.
     """
 
@@ -159,7 +159,9 @@ class _Recurrence(torch.autograd.Function):
             torch.bmm(rows[k], weight, out=gate_rows[k]).sigmoid_()
             # f c + i tanh(g), with tanh(g) = 2 sigmoid(2 g) - 1 from the doubled g rows
             c = torch.mul(f[k], c, out=c_rows[k]).sub_(i[k]).addcmul_(i[k], g[k], value=2)
-            h = torch.mul(o[k], torch.tanh(c, out=tanh_rows[k]), out=out_rows[k])
+            # tanh(c) = 2 sigmoid(2 c) - 1: four ops at ~half of tanh's time on CPU (as lstm_step)
+            tanh_k = torch.mul(c, 2, out=tanh_rows[k]).sigmoid_().mul_(2).sub_(1)
+            h = torch.mul(o[k], tanh_k, out=out_rows[k])
             if step + 1 < steps:
                 h_rows[run[step + 1]].copy_(h)
         c_last = c.reshape(*lead, batch, hidden).clone()
@@ -274,7 +276,7 @@ def _loop(
     for k in _order(x.size(-3), reverse):
         i, f, g, o = torch.sigmoid(gi.select(-3, k) + h @ w_hh_t).chunk(4, -1)
         c = f * c + i * (2 * g - 1)
-        h = o * torch.tanh(c)
+        h = o * (2 * torch.sigmoid(2 * c) - 1)  # tanh(c), as the node's forward
         outs.append(h)
     if reverse:
         outs.reverse()
