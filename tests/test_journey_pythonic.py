@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any
 
 import pytest
@@ -137,19 +138,16 @@ class MaskPos(nn.Module):
         return self.fc(x) * mask.unsqueeze(-1) if mask is not None else self.fc(x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ens(xs, mask=ms, in_dims=0): the keyword tensor with one row per member reaches "
-    "every member whole, silently ([n, n, B, 2] out; a loss that broadcasts trains each member "
-    "on all members' masks); per_member warns of the same and ens(x=xs, in_dims=0) is refused. "
-    "Fix: /work/notes/patches/pythonic-3.patch",
-)
 def test_a_per_member_keyword_tensor_beside_mapped_inputs_warns() -> None:
     xs = torch.randn(N, B, 4, dtype=F64)
     ms = torch.rand(N, B, dtype=F64)
     ens = vmapens.Ensemble(MaskPos, n=N, seed=0)
-    with pytest.warns(UserWarning, match="keyword argument `mask`"):
+    with pytest.warns(UserWarning, match=r"Ensemble: keyword argument `mask`.* in_dims=\(0, 0\)"):
         ens(xs, mask=ms, in_dims=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ens(xs, mask=torch.rand(B, dtype=F64), in_dims=0)  # B rows: shared, as meant
+        ens(xs[0], mask=ms)  # nothing mapped, nothing mixed
 
 
 # -- properties, cached properties, caches on methods ------------------------------------------

@@ -28,12 +28,15 @@ __all__ = [
     "check_writable_dir",
     "column",
     "expand_in_dims",
+    "flat_dims",
     "index_rows",
     "is_int",
+    "mapped_sizes",
     "positional",
     "repeated",
     "to_index",
     "tolerance",
+    "warn_stacked_keywords",
 ]
 
 
@@ -116,6 +119,52 @@ def check_writable_dir(api: str, name: str, path: str | os.PathLike) -> None:
 def column(values: Tensor, like: Tensor) -> Tensor:
     """A per-member ``[n]`` tensor viewed as ``[n, 1, ...]`` to broadcast over ``like``."""
     return values.view(-1, *[1] * (like.dim() - 1))
+
+
+def flat_dims(in_dims: Any, count: int) -> list[int | None] | None:
+    """One member dim (or None) per positional argument; None for in_dims nested deeper."""
+    if in_dims is None or isinstance(in_dims, int):
+        return [in_dims] * count
+    flat = isinstance(in_dims, (tuple, list)) and len(in_dims) == count
+    return list(in_dims) if flat and all(d is None or isinstance(d, int) for d in in_dims) else None
+
+
+def mapped_sizes(args: tuple, dims: list[int | None]) -> set[int]:
+    """The sizes of the mapped dims of the positional arguments' tensors (one: ``n``, where
+    vmap accepts them)."""
+    return {
+        leaf.shape[d]
+        for a, d in zip(args, dims, strict=True)
+        if d is not None
+        for leaf in optree.tree_leaves(a)
+        if isinstance(leaf, Tensor) and -leaf.dim() <= d < leaf.dim()
+    }
+
+
+def warn_stacked_keywords(api: str, in_dims: Any, args: tuple, kwargs: dict, call: str) -> None:
+    """Warn of a keyword tensor with as many rows as there are members: vmap maps positional
+    arguments only, so each member gets all of it (a stacked ``mask=`` mixes the members').
+
+    ``call`` shows the way out with ``{name}`` for the keyword, e.g. ``"ens(x, {name},
+    in_dims=(0, 0))"``.
+    """
+    dims = flat_dims(in_dims, len(args)) if kwargs else None  # most calls: no keywords
+    if dims is None:
+        return
+    sizes = mapped_sizes(args, dims)
+    for name, value in kwargs.items():
+        leaves = [t for t in optree.tree_leaves(value) if isinstance(t, Tensor)]
+        n = next((t.shape[0] for t in leaves if t.dim() and t.shape[0] in sizes), None)
+        if n is not None:
+            warnings.warn(
+                f"{api}: keyword argument `{name}` reaches every member whole (vmap maps "
+                f"positional arguments only), but its dim 0 has {n} rows, one per member; if "
+                "it holds one slice per member, pass it positionally with an in_dims entry of "
+                f"0, e.g. {call.format(name=name)}; if it is shared, silence this with "
+                f"warnings.filterwarnings('ignore', message='{api}: keyword')",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def expand_in_dims(api: str, in_dims: Any, args: tuple, n: int) -> tuple:

@@ -13,7 +13,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from ._attributes import forward_set
 from ._batchable import own_parametrized_classes_
-from ._checks import to_index
+from ._checks import to_index, warn_stacked_keywords
 from ._copies import copy_member
 from ._members import named_tensors
 from ._padding import Padding
@@ -96,13 +96,15 @@ def refused_assignment(index: Any) -> str:
 def check_call(args: tuple, kwargs: dict, in_dims: Any, backend: str) -> None:
     """Refuse what ``ens(*args, in_dims=..., **kwargs)`` cannot do as asked: ``in_dims`` with
     only keyword inputs (shared by every member: each ran on all members' slices, silently),
-    and ``PackedSequence`` inputs, which vmap cannot batch (``backend="loop"`` runs them)."""
+    and ``PackedSequence`` inputs, which vmap cannot batch (``backend="loop"`` runs them).
+    Warn of a keyword tensor with one row per member beside mapped inputs (it stays shared)."""
     if isinstance(in_dims, int) and not isinstance(in_dims, bool) and not args and kwargs:
         raise ValueError(
             f"Ensemble: `in_dims` ({in_dims!r}) maps positional inputs only, and this call has "
             f"none: keyword inputs ({', '.join(kwargs)}) are shared by every member; pass the "
             "per-member inputs positionally, e.g. ens(x, in_dims=0)"
         )
+    warn_stacked_keywords("Ensemble", in_dims, args, kwargs, "ens(x, {name}, in_dims=(0, 0))")
     packed = [a for a in (*args, *kwargs.values()) if isinstance(a, PackedSequence)]
     if packed and backend == "vmap":
         raise TypeError(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +10,7 @@ import torch
 from torch.func import vmap
 
 from ._attention import batched_attention
+from ._checks import flat_dims, mapped_sizes, warn_stacked_keywords
 from ._precision import autocast_members
 from ._unbatchable import NARROW_GATHER, NO_STORAGE
 
@@ -70,7 +70,13 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
                 "per argument, 0 for a stacked one, None for a shared one: e.g. "
                 f"per_member(loss_fn, in_dims={(0, *[None] * max(len(args) - 1, 0))!r})"
             )
-        _warn_stacked_keywords(in_dims, args, kwargs)
+        warn_stacked_keywords(
+            "per_member",
+            in_dims,
+            args,
+            kwargs,
+            "per_member(loss_fn, in_dims=(0, None, 0))(output, target, {name})",
+        )
         # autocast casts below vmap's batching rules: a batched cross_entropy decomposes into
         # ops autocast leaves in bf16, where the member alone gets float32. The member's own
         # policy, applied per torch function (a no-op without an active autocast).
@@ -82,7 +88,7 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
             with batched_attention():  # vmap's rules the ensemble's calls run (ties split)
                 return batched(*args, **kwargs)
         except RuntimeError as err:
-            dims = _flat_dims(in_dims, len(args))
+            dims = flat_dims(in_dims, len(args))
             if not _unbatchable(err):
                 raise
             if dims is None:  # nested in_dims: vmap's own error says what it could not do
@@ -96,29 +102,6 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
     return loss
 
 
-def _warn_stacked_keywords(in_dims: Any, args: tuple, kwargs: dict) -> None:
-    """Warn of a keyword tensor with as many rows as there are members: vmap maps positional
-    arguments only, so each member gets all of it (a stacked ``var=`` mixes the members')."""
-    dims = _flat_dims(in_dims, len(args)) if kwargs else None  # most calls: no keywords
-    if dims is None:
-        return
-    sizes = _mapped_sizes(args, dims)
-    for name, value in kwargs.items():
-        leaves = [t for t in optree.tree_leaves(value) if isinstance(t, torch.Tensor)]
-        n = next((t.shape[0] for t in leaves if t.dim() and t.shape[0] in sizes), None)
-        if n is not None:
-            warnings.warn(
-                f"per_member: keyword argument `{name}` reaches every member whole (vmap maps "
-                f"positional arguments only), but its dim 0 has {n} rows, one per member; if "
-                "it holds one slice per member, pass it positionally with an in_dims entry of "
-                f"0, e.g. per_member(loss_fn, in_dims=(0, None, 0))(output, target, {name}); "
-                "if it is shared, silence this with "
-                "warnings.filterwarnings('ignore', message='per_member: keyword')",
-                UserWarning,
-                stacklevel=2,
-            )
-
-
 def _unbatchable(err: RuntimeError) -> bool:
     """Whether ``err`` is vmap refusing a function that reads tensor values (``.item()``, an
     ``if`` on a tensor, ``.tolist()``, ``.numpy()``), or vmap's ``gather`` refusing the uint8
@@ -128,32 +111,12 @@ def _unbatchable(err: RuntimeError) -> bool:
     return reads or any(m in said for m in (*NO_STORAGE, NARROW_GATHER))
 
 
-def _flat_dims(in_dims: Any, count: int) -> list[int | None] | None:
-    """One member dim (or None) per positional argument; None for in_dims nested deeper."""
-    if in_dims is None or isinstance(in_dims, int):
-        return [in_dims] * count
-    flat = isinstance(in_dims, (tuple, list)) and len(in_dims) == count
-    return list(in_dims) if flat and all(d is None or isinstance(d, int) for d in in_dims) else None
-
-
-def _mapped_sizes(args: tuple, dims: list[int | None]) -> set[int]:
-    """The sizes of the mapped dims of the positional arguments' tensors (one: ``n``, where
-    vmap accepts them)."""
-    return {
-        leaf.shape[d]
-        for a, d in zip(args, dims, strict=True)
-        if d is not None
-        for leaf in optree.tree_leaves(a)
-        if isinstance(leaf, torch.Tensor) and -leaf.dim() <= d < leaf.dim()
-    }
-
-
 def _member_by_member(
     loss_fn: Callable, dims: list[int | None], args: tuple, kwargs: dict
 ) -> torch.Tensor | None:
     """``loss_fn`` on member ``i``'s slice of every mapped argument, for each ``i``, stacked;
     None if it returns anything but a tensor."""
-    (n,) = _mapped_sizes(args, dims)  # vmap checked the mapped sizes agree before it ran
+    (n,) = mapped_sizes(args, dims)  # vmap checked the mapped sizes agree before it ran
 
     def member(i: int) -> list[Any]:
         return [
