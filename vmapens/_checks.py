@@ -141,12 +141,15 @@ def mapped_sizes(args: tuple, dims: list[int | None]) -> set[int]:
     }
 
 
-def warn_stacked_keywords(api: str, in_dims: Any, args: tuple, kwargs: dict, call: str) -> None:
+def warn_stacked_keywords(
+    api: str, in_dims: Any, args: tuple, kwargs: dict, call: str, rank: int = 1
+) -> None:
     """Warn of a keyword tensor with as many rows as there are members: vmap maps positional
     arguments only, so each member gets all of it (a stacked ``mask=`` mixes the members').
 
     ``call`` shows the way out with ``{name}`` for the keyword, e.g. ``"ens(x, {name},
-    in_dims=(0, 0))"``.
+    in_dims=(0, 0))"``. Tensors of fewer than ``rank`` dims are not looked at (a forward's
+    shared vector of features, ``w=torch.ones(3)``, may have as many as there are members).
     """
     dims = flat_dims(in_dims, len(args)) if kwargs else None  # most calls: no keywords
     if dims is None:
@@ -154,7 +157,7 @@ def warn_stacked_keywords(api: str, in_dims: Any, args: tuple, kwargs: dict, cal
     sizes = mapped_sizes(args, dims)
     for name, value in kwargs.items():
         leaves = [t for t in optree.tree_leaves(value) if isinstance(t, Tensor)]
-        n = next((t.shape[0] for t in leaves if t.dim() and t.shape[0] in sizes), None)
+        n = next((t.shape[0] for t in leaves if t.dim() >= rank and t.shape[0] in sizes), None)
         if n is not None:
             warnings.warn(
                 f"{api}: keyword argument `{name}` reaches every member whole (vmap maps "

@@ -104,7 +104,8 @@ def check_call(args: tuple, kwargs: dict, in_dims: Any, backend: str) -> None:
             f"none: keyword inputs ({', '.join(kwargs)}) are shared by every member; pass the "
             "per-member inputs positionally, e.g. ens(x, in_dims=0)"
         )
-    warn_stacked_keywords("Ensemble", in_dims, args, kwargs, "ens(x, {name}, in_dims=(0, 0))")
+    example = "ens(x, {name}, in_dims=(0, 0))"
+    warn_stacked_keywords("Ensemble", in_dims, args, kwargs, example, rank=2)
     packed = [a for a in (*args, *kwargs.values()) if isinstance(a, PackedSequence)]
     if packed and backend == "vmap":
         raise TypeError(
