@@ -439,8 +439,10 @@ def test_an_autocast_decorated_helper_is_refused_under_vmap_and_exact_in_turns()
     ens = vmapens.Ensemble(AutocastHelper, n=N, seed=0)
     before = {k: v.clone() for k, v in ens.state_dict().items()}
     step = vmapens.make_step(ens, F.mse_loss, vmapens.StackedSGD(ens, lr=0.1))
-    with pytest.raises(RuntimeError, match="computes something else inside the ensemble"):
+    with pytest.raises(RuntimeError, match="computes something else inside the ensemble") as err:
         step(x, y)
+    assert "torch.autocast entered in the forward" in str(err.value)  # the likely cause named
+    assert "precision=" in str(err.value) and "backend='loop'" in str(err.value)
     for k, v in ens.state_dict().items():
         assert torch.equal(v, before[k]), k
 
@@ -474,7 +476,7 @@ class AutocastInside(nn.Module):
     strict=True,
     reason="an autocast entered inside the forward is not given vmapens's per-member policy: "
     "ens(x) returns float32 where each member alone returns bf16 (an autocast-decorated "
-    "helper: values 2e-3 off), silently; the step's refusal blames requires_grad/.data. "
+    "helper: values 2e-3 off), silently (the step refuses it, naming autocast in the forward). "
     "No patch (see the report)",
 )
 def test_ens_of_a_forward_that_enters_autocast_equals_the_members_alone() -> None:

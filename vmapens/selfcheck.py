@@ -395,9 +395,10 @@ def _padded_layer(sub: Ensemble, member: int, args: tuple, in_dims: int | None) 
 
 _VMAPPED = (
     "Its forward probably depends on something vmap changes (a parameter's requires_grad "
-    "reads False under vmap; .data, in-place edits of parameters). Build the ensemble with "
-    "backend='loop' (members one after another, exact), or pass check=False to train anyway "
-    "(docs/semantics.md, 'How vmapens checks itself')"
+    "reads False under vmap; .data, in-place edits of parameters; a torch.autocast entered in "
+    "the forward casts only some ops under vmap: make_step's precision= runs it per member). "
+    "Build the ensemble with backend='loop' (members one after another, exact), or pass "
+    "check=False to train anyway (docs/semantics.md, 'How vmapens checks itself')"
 )
 _WAY_OUT = {
     "vmap": "Build the ensemble with backend='loop' to run the members one after another, "
