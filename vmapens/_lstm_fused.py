@@ -19,7 +19,7 @@ None otherwise, and the caller runs the loop): eager (not traced by dynamo or ex
 (``create_graph=True``) differentiates the per-step loop, recomputed from the saved inputs
 (:func:`_twice`).
 
-This file imports only torch.
+This file imports only torch and ``_workspace``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import torch
 from torch import Tensor
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.autograd.forward_ad import unpack_dual
+
+from ._workspace import take
 
 __all__ = ["fused_direction"]
 
@@ -131,19 +133,19 @@ class _Recurrence(torch.autograd.Function):
         m, steps, batch, features = x.shape
         hidden = w_hh_t.size(-2)
         inner = features + (bias is not None)  # where h starts in a row of xh
-        weight = x.new_empty(m, inner + hidden, 4 * hidden)  # [w_ih^T; b; w_hh^T]
+        weight = take(x, m, inner + hidden, 4 * hidden)  # [w_ih^T; b; w_hh^T]
         weight[:, :features] = w_ih.transpose(1, 2)
         if bias is not None:
             weight[:, features] = _flat(bias, 1)
         weight[:, inner:] = w_hh_t
-        xh = x.new_empty(m, steps, batch, inner + hidden)
+        xh = take(x, m, steps, batch, inner + hidden)
         xh[..., :features] = x
         xh[..., features:inner] = 1
         run = _order(steps, reverse)
         xh[:, run[0], :, inner:] = h
-        gates = x.new_empty(steps, m, batch, 4 * hidden)
-        cs = x.new_empty(steps, m, batch, hidden)
-        tanh_c = torch.empty_like(cs)
+        gates = take(x, steps, m, batch, 4 * hidden)
+        cs = take(x, steps, m, batch, hidden)
+        tanh_c = take(x, steps, m, batch, hidden)
         result = x.new_empty(*lead, steps, batch, hidden)  # not a view: the caller may change it
         out = _flat(result, 3)
         # Every step's views made at once (unbind): per-step indexing costs ~1 us a view.
@@ -192,7 +194,7 @@ class _Recurrence(torch.autograd.Function):
         dc = cs.new_zeros(m, batch, hidden)
         if d_c_last is not None:
             dc += _flat(d_c_last, 2)
-        d_gates = x.new_empty(m, steps, batch, four)
+        d_gates = take(x, m, steps, batch, four)
         i, f, g, o = (t.unbind(0) for t in gates.chunk(4, -1))
         di, df, dg, do = (t.unbind(1) for t in d_gates.chunk(4, -1))
         gate_rows, d_rows, c_rows, tanh_rows = (
