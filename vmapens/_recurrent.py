@@ -29,7 +29,15 @@ from torch.nn.utils.rnn import PackedSequence
 
 from ._lstm_fused import fused_direction
 from ._precision import member_autocast
-from ._recurrent_steps import check_dtype, gru_step, lstm_step, lstm_weights, project, rnn_step
+from ._recurrent_steps import (
+    check_dtype,
+    gru_step,
+    lstm_step,
+    lstm_weights,
+    project,
+    rnn_step,
+    traced_lstm_step,
+)
 
 __all__ = [
     "BatchableGRU",
@@ -188,7 +196,8 @@ class _Recurrent(nn.RNNBase):
         w_hh_t = getattr(self, "weight_hh" + suffix).t()
         b_ih = getattr(self, "bias_ih" + suffix) if self.bias else None
         b_hh = getattr(self, "bias_hh" + suffix) if self.bias else None
-        if self.mode == "LSTM":
+        traced = torch.compiler.is_compiling()
+        if self.mode == "LSTM" and not traced:  # eager: one sigmoid for all gates (lstm_step)
             w_ih, w_hh_t, b_ih = lstm_weights(w_ih, w_hh_t.t(), b_ih, b_hh)
             b_hh = None
         outs: list[Tensor] = []
@@ -208,13 +217,14 @@ class _Recurrent(nn.RNNBase):
                 outs.append(h)
         elif c is not None:  # LSTM, the one mode with a cell state
             w_hr_t = getattr(self, "weight_hr" + suffix).t() if self.proj_size > 0 else None
-            if w_hr_t is None:
+            if w_hr_t is None and not traced:
                 fused = fused_direction(x, w_ih, b_ih, w_hh_t, h, c, bool(direction))
                 if fused is not None:
                     return fused
             steps = _projected_steps(x, w_ih, b_ih, b_hh)
+            step = traced_lstm_step if traced else lstm_step
             for gi_t in steps[::-1] if direction else steps:
-                h, c = lstm_step(gi_t, h, c, w_hh_t, w_hr_t)
+                h, c = step(gi_t, h, c, w_hh_t, w_hr_t)
                 outs.append(h)
         else:
             relu = self.mode == "RNN_RELU"
