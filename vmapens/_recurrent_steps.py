@@ -73,11 +73,11 @@ def traced_lstm_step(
 ) -> tuple[Tensor, Tensor]:
     """:func:`lstm_step` for a compiled step: torch's own weights, each gate's chunk on its own.
 
-    The same maths (tanh as ``2 sigmoid(2x) - 1``, the doubling done on the sum here instead of
-    in the weights, exactly). Inductor fuses every gate into one kernel either way, but with
-    the g rows doubled in the weights it doubled the bias in each step's kernel through a 64-bit
-    index mask per element; chunks have fixed offsets. The compiled benchmark step took 0.87x
-    the time (docs/performance.md, "The compiled LSTM without doubled rows").
+    The same maths: tanh as ``2 sigmoid(2x) - 1``, with the sum doubled here instead of the g
+    rows of the weights, which is exact. Inductor fuses every gate into one kernel either way,
+    but with the g rows doubled in the weights it doubled the bias in each step's kernel
+    through a 64-bit index mask per element; chunks have fixed offsets. The compiled benchmark
+    step took 0.87x the time (docs/performance.md, "The compiled LSTM without doubled rows").
     """
     i, f, g, o = (gi + torch.mm(h, w_hh_t)).chunk(4, -1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * (2 * torch.sigmoid(2 * g) - 1)

@@ -5,8 +5,8 @@ rising to at most 32 MB) is mapped when it is made and unmapped when it is freed
 returns freed heap memory above its trim threshold to the system. A buffer of a few MB made
 anew every step is then faulted in page by page, every step. On a virtual machine a fault
 costs microseconds, more on a loaded host: the eager LSTM node (``_lstm_fused``), whose
-buffers for 16 members of ``LSTM(8, 32)`` total 10 MB, took 500-2,500 page faults a step and
-0.63-0.97x the time with its buffers kept here (docs/performance.md, "The LSTM node's buffers
+buffers for 16 members of ``LSTM(8, 32)`` total 10 MB, took 500-2,500 page faults a step, and
+0.63-0.96x the time with its buffers kept here (docs/performance.md, "The LSTM node's buffers
 kept").
 
 :func:`take` hands out a view of a buffer it keeps, once nothing else holds the buffer: no view
