@@ -4,8 +4,8 @@ The unit tests hold views the ways a caller can (a variable, a view of the view,
 graph that saved it, a graph kept for a second backward, another thread) and check that
 ``take`` hands out another buffer meanwhile and the same one after. The LSTM cases are the
 user's side: an ensemble called twice before one backward, a graph dropped without a
-backward, a second backward through a kept graph, and a no-grad call in between; each
-against the members as torch's own ``nn.LSTM``, run alone.
+backward, a second backward through a kept graph, and a no-grad and an inference-mode call
+in between; each against the members as torch's own ``nn.LSTM``, run alone.
 """
 
 from __future__ import annotations
