@@ -61,9 +61,11 @@ def test_a_buffer_saved_by_autograd_is_held_until_the_graph_goes():
     kept = _storage(buf)
     loss = (w * buf).sum()  # mul saves buf for w's gradient
     del buf
-    assert _storage(_workspace.take(w, 3)) != kept
+    others = [_workspace.take(w, 3)]  # held, so that only the saved buffer can come back
+    assert _storage(others[0]) != kept
     loss.backward(retain_graph=True)
-    assert _storage(_workspace.take(w, 3)) != kept  # the kept graph still holds it
+    others.append(_workspace.take(w, 3))
+    assert _storage(others[1]) != kept  # the kept graph still holds it
     loss.backward()
     torch.testing.assert_close(w.grad, 2 * torch.arange(3.0))
     del loss
@@ -86,6 +88,17 @@ def test_a_buffer_held_on_another_thread_is_not_handed_out():
     finally:
         done.set()
         thread.join(10)
+
+
+def test_the_most_recently_used_free_buffer_comes_first():
+    like = torch.empty(0)
+    first, second = _workspace.take(like, 8), _workspace.take(like, 8)
+    older, newer = _storage(first), _storage(second)
+    del first, second  # both free; the second was made last
+    assert _storage(_workspace.take(like, 8)) == newer
+    held = _workspace.take(like, 8)  # the same one again, held now
+    assert _storage(held) == newer
+    assert _storage(_workspace.take(like, 8)) == older
 
 
 def test_the_pool_keeps_at_most_its_capacity(monkeypatch):

@@ -56,7 +56,8 @@ def take(like: Tensor, *shape: int) -> Tensor:
     """An uninitialised tensor of ``shape`` with ``like``'s dtype and device (``new_empty``).
 
     On the CPU, a view of a kept buffer where one of that shape and dtype (made in or out of
-    inference mode, as now) is free; its contents are whatever its last user left.
+    inference mode, as now) is free, the most recently used first; its contents are whatever
+    its last user left.
     """
     if (
         like.device.type != "cpu"
@@ -67,7 +68,8 @@ def take(like: Tensor, *shape: int) -> Tensor:
     pool: list[_Kept] = _LOCAL.__dict__.setdefault("pool", [])
     # A buffer made under inference mode is an inference tensor, which no graph may save.
     key = (shape, like.dtype, torch.is_inference_mode_enabled())
-    for k, kept in enumerate(pool):
+    for k in range(len(pool) - 1, -1, -1):  # the most recently used first: likelier in cache
+        kept = pool[k]
         if kept.key == key and kept.free():
             pool.append(pool.pop(k))  # most recently used last
             return kept.tensor.view(shape)
