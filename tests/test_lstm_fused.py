@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, stack_module_state, vmap
 from torch.overrides import TorchFunctionMode
+from truth import autograd_nodes
 
 from vmapens import _lstm_fused
 from vmapens._batchable import batchable
@@ -23,19 +24,6 @@ from vmapens._batchable import batchable
 TOL = dict(atol=1e-10, rtol=1e-10)  # float64: the same maths, summed in another order
 N, FEATURES, HIDDEN = 3, 3, 4
 FUSED = "_RecurrenceBackward"
-
-
-def _nodes(t: Tensor) -> set[str]:
-    """The names of every autograd node behind ``t``."""
-    seen, todo, names = set(), [t.grad_fn], set()
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        todo.extend(next_fn for next_fn, _ in node.next_functions)
-    return names
 
 
 def _members(make: Callable[[], nn.LSTM], dtype: torch.dtype = torch.float64) -> list[nn.LSTM]:
@@ -90,7 +78,7 @@ def _check_vmapped(make, weights, steps=5, batch=2, hx=True, grad_input=True, fr
 
     out, (h_n, c_n) = vmap(run, in_dims=(0, None, *(0 for _ in states)))(params, x, *states)
     loss = _loss((out, h_n, c_n), weights)
-    assert FUSED in _nodes(loss)
+    assert FUSED in autograd_nodes(loss)
     wrt = [t for t in (*params.values(), x, *states) if t.requires_grad]
     got = torch.autograd.grad(loss, wrt, allow_unused=True)
 
@@ -141,7 +129,7 @@ def test_float32_equals_each_lstm_alone():
     x, _ = _inputs(members[0], 20, 8, torch.float32, hx=False)
     out, _ = vmap(lambda p, x: functional_call(template, p, (x,)), in_dims=(0, None))(params, x)
     loss = out[:, :, -1].square().sum()
-    assert FUSED in _nodes(loss)
+    assert FUSED in autograd_nodes(loss)
     grads = torch.autograd.grad(loss, list(params.values()))
     for k, member in enumerate(members):
         m_out, _ = member(x)
@@ -156,7 +144,7 @@ def test_outside_vmap_equals_the_lstm_itself():
     converted = batchable(member)
     x = torch.randn(6, 2, FEATURES, dtype=torch.float64)
     out = converted(x)[0]
-    assert FUSED in _nodes(out)
+    assert FUSED in autograd_nodes(out)
     torch.testing.assert_close(out, member(x)[0], **TOL)
     got = torch.autograd.grad(out.square().sum(), list(converted.parameters()))
     want = torch.autograd.grad(member(x)[0].square().sum(), list(member.parameters()))
@@ -170,7 +158,7 @@ def test_gradient_of_gradient_equals_each_lstm_alone():
     params, _ = stack_module_state(members)
     x = torch.randn(5, 2, FEATURES, dtype=torch.float64)
     out, _ = vmap(lambda p, x: functional_call(template, p, (x,)), in_dims=(0, None))(params, x)
-    assert FUSED in _nodes(out)
+    assert FUSED in autograd_nodes(out)
     first = torch.autograd.grad(out.square().sum(), list(params.values()), create_graph=True)
     penalty = sum(g.square().sum() for g in first)
     second = torch.autograd.grad(penalty, list(params.values()))
@@ -192,7 +180,7 @@ def test_nested_vmap_equals_each_lstm_alone():
     run = vmap(vmap(lambda p, x: functional_call(template, p, (x,))[0], in_dims=(0, None)),
                in_dims=(0, None))  # fmt: skip
     out = run(grid, x)
-    assert FUSED in _nodes(out)
+    assert FUSED in autograd_nodes(out)
     grads = torch.autograd.grad(out.square().sum(), list(grid.values()))
     for k, member in enumerate(members):
         m_out = member(x)[0]
@@ -233,7 +221,7 @@ def _with(context, fn):
 def test_per_step_loop_where_the_node_is_not_known_to_equal_it(name):
     loss = FALLBACKS[name]()
     assert torch.isfinite(loss)
-    assert FUSED not in _nodes(loss)
+    assert FUSED not in autograd_nodes(loss)
 
 
 def test_grad_transform_runs_the_per_step_loop(monkeypatch):
@@ -306,7 +294,7 @@ def test_shared_weights_mapped_inputs_equal_the_lstm_run_on_each():
     params = dict(member.named_parameters())
     xs = torch.randn(5, N, 2, FEATURES, dtype=torch.float64)
     out = vmap(lambda p, x: functional_call(converted, p, (x,))[0], in_dims=(None, 1))(params, xs)
-    assert FUSED in _nodes(out)
+    assert FUSED in autograd_nodes(out)
     got = torch.autograd.grad(out.square().sum(), list(params.values()))
     alone = torch.stack([member(xs[:, k])[0] for k in range(N)])
     torch.testing.assert_close(out, alone, **TOL)

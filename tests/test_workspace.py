@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from truth import autograd_nodes, seeded_members
 
 from vmapens import Ensemble, _workspace
 
@@ -146,33 +147,15 @@ class _Member(nn.Module):
 
 
 def _truth_and_ensemble(n=3):
-    members = []
-    for k in range(n):
-        torch.manual_seed(k)
-        members.append(_Member().double())
+    members = seeded_members(lambda: _Member().double(), n)
     ens = Ensemble(lambda: _Member().double(), n, seeds=range(n))
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(2, 5, 3, generator=g, dtype=torch.float64) for _ in range(3)]
     return members, ens, xs
 
 
-def _nodes(t: torch.Tensor) -> set[str]:
-    """The names of every autograd node behind ``t``."""
-    seen, todo = set(), [t.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is not None and node not in seen:
-            seen.add(node)
-            todo.extend(next_fn for next_fn, _ in node.next_functions)
-    return {type(node).__name__ for node in seen}
-
-
 def _loss(out: torch.Tensor) -> torch.Tensor:
     return (out * out).sum() + out.sum()
-
-
-def _grads(params) -> list[torch.Tensor]:
-    return [p.grad.clone() for p in params]
 
 
 def test_two_calls_before_one_backward_train_as_each_lstm_alone():
@@ -185,9 +168,9 @@ def test_two_calls_before_one_backward_train_as_each_lstm_alone():
     with torch.no_grad():
         ens(x3)  # a no-grad call in between
     total = _loss(out1) + _loss(out2)
-    assert "_RecurrenceBackward" in _nodes(total)  # the node that takes its buffers here
+    assert "_RecurrenceBackward" in autograd_nodes(total)  # the node that takes its buffers here
     total.backward(retain_graph=True)
-    first = _grads(ens.parameters())
+    first = [p.grad.clone() for p in ens.parameters()]
     total.backward()  # through the kept graph: the saved buffers must be unchanged
     for k, member in enumerate(members):
         m_out1, m_out2 = member(x1), member(x2)

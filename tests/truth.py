@@ -31,6 +31,17 @@ MakeOpt = Callable[[nn.Module], torch.optim.Optimizer]
 TOL64 = dict(rtol=1e-9, atol=1e-10)
 
 
+def autograd_nodes(t: torch.Tensor) -> set[str]:
+    """The class names of every autograd node behind ``t`` (which backward a graph runs)."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(next_fn for next_fn, _ in node.next_functions)
+    return {type(node).__name__ for node in seen}
+
+
 @functools.cache
 def lstm_runs_under_bf16_autocast() -> bool:
     """Whether torch's own `nn.LSTM` runs here under CPU bf16 autocast. On a CPU without
