@@ -19,6 +19,7 @@ __all__ = [
     "add_scaled",
     "added",
     "alpha_columns",
+    "column_dtype",
     "cpu_scalar",
     "decay_factor",
     "decayed_writes",
@@ -48,8 +49,14 @@ def member_column(x: Scalar, like: Tensor) -> Scalar:
     return _column(x, like) if isinstance(x, Tensor) else x
 
 
+def column_dtype(like: Tensor) -> torch.dtype:
+    """The dtype of a member column for ``like``: float32 for float16 and bfloat16, else
+    ``like``'s own (:func:`member_column`)."""
+    return torch.float32 if like.dtype in _LOW_PRECISION else like.dtype
+
+
 def _column(x: Tensor, like: Tensor) -> Tensor:
-    x = x.to(torch.float32 if like.dtype in _LOW_PRECISION else like.dtype)
+    x = x.to(column_dtype(like))
     if torch.compiler.is_compiling() and x.dim() == 1:
         # A view that inductor computes once, into a buffer of n values (its lowering of
         # as_strided realizes its input): else it inlines the column's arithmetic (Adam's

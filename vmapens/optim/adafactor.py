@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
 
-from ._columns import decay_factor, is_tensor_lr, lerp_column_, member_column, member_columns
+from ._columns import (
+    column_dtype,
+    decay_factor,
+    is_tensor_lr,
+    lerp_column_,
+    member_column,
+    member_columns,
+)
 from ._hyper import LR, NONNEGATIVE, Hyper, PerMember, Scalar
 from .base import StackedOptimizer
 
@@ -71,8 +79,13 @@ def adafactor_rule(
     floor = torch.as_tensor(eps2, dtype=torch.float64)
     # `weight`'s column per parameter, made once per dtype and rank (the state shares both)
     weights = cast(list[Tensor], member_columns(weight, params))  # `weight` is a tensor
+    # Per parameter: its update, and per member RMS(p) and the update's clipping denominator,
+    # each in the parameter's dtype; the step sizes from them are computed for all at once.
+    updates: list[tuple[Tensor, Tensor]] = []
+    rms: list[Tensor] = []
+    denoms: list[Tensor] = []
     for k, (p, grad) in enumerate(zip(params, grads, strict=True)):
-        size = p[0].numel()
+        size = math.prod(p.shape[1:])  # a member's numel
         if size == 0:
             continue  # nothing to update (torch's Adafactor divides by zero here)
 
@@ -82,7 +95,7 @@ def adafactor_rule(
         g = -grad if group["maximize"] else grad
         small = torch.finfo(p.dtype).eps if eps1 is None else eps1
         # max(eps2, RMS(p)), and eps2 in float64 as torch's Python float
-        rms = torch.maximum(_per_member_norm(p) / size**0.5, floor)
+        rms.append(torch.maximum(_per_member_norm(p).div_(size**0.5), floor))
         if isinstance(wd, Tensor) or wd != 0:
             p.mul_(col(decay_factor(lr, wd)))
         if p.dim() > 2:
@@ -100,15 +113,24 @@ def adafactor_rule(
             variance = state["variance"][k]
             lerp_column_(variance, g * g, weights[k])
             estimate = variance  # torch clones it to clamp in place; clamp below makes a new one
-        update = torch.clamp(estimate, min=col(small * small)).rsqrt_()
-        update.mul_(g)
-        denom = torch.clamp(_per_member_norm(update) / (size**0.5 * d), min=1.0)
-        scale = -(rms * rho) / denom  # torch's alpha=-alpha / denom
-        if lr0 is not None and picks is not None:
-            scale = torch.where(
-                picks, (-(rms.to(lr0.dtype) * lr0) / denom.to(lr0.dtype)).double(), scale
-            )
-        p.add_(update * col(scale))
+        update = torch.clamp(estimate, min=col(small * small)).rsqrt_().mul_(g)
+        # out of place: a per-member d is a float64 tensor, and so is the quotient
+        denoms.append(torch.clamp(_per_member_norm(update) / (size**0.5 * d), min=1.0))
+        updates.append((p, update))
+    if not updates:
+        return
+    # [parameters, n]: stacking widens mixed dtypes exactly, and the products are float64
+    rms_all, denom_all = torch.stack(rms), torch.stack(denoms)
+    scale = (rms_all * -rho) / denom_all  # torch's alpha=-alpha / denom
+    if lr0 is not None and picks is not None:
+        low = (rms_all.to(lr0.dtype) * -lr0) / denom_all.to(lr0.dtype)
+        scale = torch.where(picks, low.double(), scale)
+    rows: dict[torch.dtype, list[Tensor]] = {}  # the step sizes, cast once per column dtype
+    for k, (p, update) in enumerate(updates):
+        dtype = column_dtype(p)
+        if dtype not in rows:
+            rows[dtype] = list(scale.to(dtype).unbind(0))
+        p.add_(update * member_column(rows[dtype][k], p))
 
 
 class StackedAdafactor(StackedOptimizer):
