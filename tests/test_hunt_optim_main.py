@@ -431,6 +431,34 @@ def test_radam_group_of_float32_and_float64_params_steps_each_in_its_dtype(
             )
 
 
+@pytest.mark.parametrize(
+    "first", [torch.float32, torch.float64], ids=["float32_first", "float64_first"]
+)
+def test_adafactor_group_of_float32_and_float64_params_steps_each_in_its_dtype(
+    first: torch.dtype,
+) -> None:
+    """Adafactor computes the step sizes of all a call's parameters at once, from each
+    parameter's RMS and clipping denominator stacked: a stack in the first parameter's dtype
+    would round a float64 parameter's to float32. Factored ([4, 3], [2, 4]) and vector
+    parameters alternate dtypes; a masked step gives the members different step counts."""
+    other = torch.float64 if first == torch.float32 else torch.float32
+    rig = Twins(
+        vo.StackedAdafactor,
+        torch.optim.Adafactor,
+        ALL,
+        dict(lr=0.1, weight_decay=0.01),
+        [first, other] * 2,
+    )
+    for mask in [None, None, [True, False, True], None, None]:
+        rig.step(mask)
+    for i in range(N):
+        for k, sp in enumerate(rig.stacked):
+            tol = TOL if sp.dtype == torch.float64 else dict(rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(
+                sp[i], rig.members[i][k], **tol, msg=f"member {i}, param {k}"
+            )
+
+
 @pytest.mark.parametrize("stepped", [0, 2], ids=["before_the_first_step", "mid_run"])
 def test_rmsprop_momentum_of_a_wrong_type_set_by_hand_is_named(stepped: int) -> None:
     """A list set into ``param_groups`` (torch's schedulers write MemberValues or floats) was
