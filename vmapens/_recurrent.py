@@ -32,6 +32,7 @@ from ._precision import member_autocast
 from ._recurrent_steps import (
     check_dtype,
     gru_step,
+    lstm_cell_step,
     lstm_step,
     lstm_weights,
     project,
@@ -411,9 +412,5 @@ class BatchableLSTMCell(nn.LSTMCell):
         x, batched = _cell_inputs(self, input)
         h = _cell_state(self, None if hx is None else hx[0], x, batched, "hx[0]")
         c = _cell_state(self, None if hx is None else hx[1], x, batched, "hx[1]")
-        w_ih, w_hh_t, bias = lstm_weights(
-            self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh
-        )
-        gi = project(x, w_ih, bias, None, gru=False)
-        h, c = lstm_step(gi, h, c, w_hh_t, None)
+        h, c = lstm_cell_step(x, self, h, c, torch.compiler.is_compiling())
         return (h, c) if batched else (h.squeeze(0), c.squeeze(0))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 __all__ = [
     "check_dtype",
@@ -110,3 +110,15 @@ def project(x: Tensor, w_ih: Tensor, b_ih: Tensor | None, b_hh: Tensor | None, g
     if b_ih is not None and b_hh is not None and not gru:
         b_ih = b_ih + b_hh
     return F.linear(x, w_ih, b_ih)
+
+
+def lstm_cell_step(
+    x: Tensor, cell: nn.LSTMCell, h: Tensor, c: Tensor, traced: bool
+) -> tuple[Tensor, Tensor]:
+    """One ``nn.LSTMCell`` step: :func:`lstm_step` on :func:`lstm_weights` eagerly, and
+    :func:`traced_lstm_step` on torch's own weights when traced (as an LSTM layer's)."""
+    w_ih, w_hh, b_ih, b_hh = cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh
+    if traced:
+        return traced_lstm_step(project(x, w_ih, b_ih, b_hh, gru=False), h, c, w_hh.t(), None)
+    w_ih, w_hh_t, bias = lstm_weights(w_ih, w_hh, b_ih, b_hh)
+    return lstm_step(project(x, w_ih, bias, None, gru=False), h, c, w_hh_t, None)
