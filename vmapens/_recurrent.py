@@ -32,12 +32,9 @@ from ._precision import member_autocast
 from ._recurrent_steps import (
     check_dtype,
     gru_step,
-    lstm_cell_step,
-    lstm_step,
-    lstm_weights,
+    lstm_parts,
     project,
     rnn_step,
-    traced_lstm_step,
 )
 
 __all__ = [
@@ -197,10 +194,6 @@ class _Recurrent(nn.RNNBase):
         w_hh_t = getattr(self, "weight_hh" + suffix).t()
         b_ih = getattr(self, "bias_ih" + suffix) if self.bias else None
         b_hh = getattr(self, "bias_hh" + suffix) if self.bias else None
-        traced = torch.compiler.is_compiling()
-        if self.mode == "LSTM" and not traced:  # eager: one sigmoid for all gates (lstm_step)
-            w_ih, w_hh_t, b_ih = lstm_weights(w_ih, w_hh_t.t(), b_ih, b_hh)
-            b_hh = None
         outs: list[Tensor] = []
         if self.mode == "GRU":
             # The r, z gates and the n gate projected apart, not one projection split: the
@@ -217,13 +210,14 @@ class _Recurrent(nn.RNNBase):
                 h = gru_step(gi_rz_t, gi_n_t, h, w_hh_t, b_hh)
                 outs.append(h)
         elif c is not None:  # LSTM, the one mode with a cell state
+            traced = torch.compiler.is_compiling()
+            w_ih, w_hh_t, b_ih, b_hh, step = lstm_parts(w_ih, w_hh_t.t(), b_ih, b_hh, traced)
             w_hr_t = getattr(self, "weight_hr" + suffix).t() if self.proj_size > 0 else None
             if w_hr_t is None and not traced:
                 fused = fused_direction(x, w_ih, b_ih, w_hh_t, h, c, bool(direction))
                 if fused is not None:
                     return fused
             steps = _projected_steps(x, w_ih, b_ih, b_hh)
-            step = traced_lstm_step if traced else lstm_step
             for gi_t in steps[::-1] if direction else steps:
                 h, c = step(gi_t, h, c, w_hh_t, w_hr_t)
                 outs.append(h)
@@ -412,5 +406,7 @@ class BatchableLSTMCell(nn.LSTMCell):
         x, batched = _cell_inputs(self, input)
         h = _cell_state(self, None if hx is None else hx[0], x, batched, "hx[0]")
         c = _cell_state(self, None if hx is None else hx[1], x, batched, "hx[1]")
-        h, c = lstm_cell_step(x, self, h, c, torch.compiler.is_compiling())
+        weights = (self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
+        w_ih, w_hh_t, b_ih, b_hh, step = lstm_parts(*weights, torch.compiler.is_compiling())
+        h, c = step(project(x, w_ih, b_ih, b_hh, gru=False), h, c, w_hh_t, None)
         return (h, c) if batched else (h.squeeze(0), c.squeeze(0))

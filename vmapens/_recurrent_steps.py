@@ -7,13 +7,16 @@ This file imports only torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 __all__ = [
     "check_dtype",
     "gru_step",
+    "lstm_parts",
     "lstm_step",
     "lstm_weights",
     "project",
@@ -112,13 +115,13 @@ def project(x: Tensor, w_ih: Tensor, b_ih: Tensor | None, b_hh: Tensor | None, g
     return F.linear(x, w_ih, b_ih)
 
 
-def lstm_cell_step(
-    x: Tensor, cell: nn.LSTMCell, h: Tensor, c: Tensor, traced: bool
-) -> tuple[Tensor, Tensor]:
-    """One ``nn.LSTMCell`` step: :func:`lstm_step` on :func:`lstm_weights` eagerly, and
-    :func:`traced_lstm_step` on torch's own weights when traced (as an LSTM layer's)."""
-    w_ih, w_hh, b_ih, b_hh = cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh
+def lstm_parts(
+    w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None, b_hh: Tensor | None, traced: bool
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Callable[..., tuple[Tensor, Tensor]]]:
+    """``(w_ih, w_hh^T, b_ih, b_hh, step)`` for an LSTM layer's or cell's steps: eagerly
+    :func:`lstm_weights`' doubled g rows (both biases in ``b_ih``) and :func:`lstm_step`;
+    traced (a compiled step), torch's own weights and :func:`traced_lstm_step`."""
     if traced:
-        return traced_lstm_step(project(x, w_ih, b_ih, b_hh, gru=False), h, c, w_hh.t(), None)
+        return w_ih, w_hh.t(), b_ih, b_hh, traced_lstm_step
     w_ih, w_hh_t, bias = lstm_weights(w_ih, w_hh, b_ih, b_hh)
-    return lstm_step(project(x, w_ih, bias, None, gru=False), h, c, w_hh_t, None)
+    return w_ih, w_hh_t, bias, None, lstm_step

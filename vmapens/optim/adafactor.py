@@ -79,8 +79,9 @@ def adafactor_rule(
     floor = torch.as_tensor(eps2, dtype=torch.float64)
     # `weight`'s column per parameter, made once per dtype and rank (the state shares both)
     weights = cast(list[Tensor], member_columns(weight, params))  # `weight` is a tensor
-    # Per parameter: its update, and per member RMS(p) and the update's clipping denominator,
-    # each in the parameter's dtype; the step sizes from them are computed for all at once.
+    # Per parameter: its update, and per member RMS(p) and the update's clipping denominator
+    # (in the parameter's dtype, float64 with a per-member eps2 or d); the step sizes from
+    # them are computed for all parameters at once.
     updates: list[tuple[Tensor, Tensor]] = []
     rms: list[Tensor] = []
     denoms: list[Tensor] = []
