@@ -191,7 +191,8 @@ class _Recurrent(nn.RNNBase):
         suffix = f"_l{layer}_reverse" if direction else f"_l{layer}"
         # getattr at call time: functional_call swaps these attributes, not _flat_weights.
         w_ih = getattr(self, "weight_ih" + suffix)
-        w_hh_t = getattr(self, "weight_hh" + suffix).t()
+        w_hh = getattr(self, "weight_hh" + suffix)
+        w_hh_t = w_hh.t()
         b_ih = getattr(self, "bias_ih" + suffix) if self.bias else None
         b_hh = getattr(self, "bias_hh" + suffix) if self.bias else None
         outs: list[Tensor] = []
@@ -211,7 +212,7 @@ class _Recurrent(nn.RNNBase):
                 outs.append(h)
         elif c is not None:  # LSTM, the one mode with a cell state
             traced = torch.compiler.is_compiling()
-            w_ih, w_hh_t, b_ih, b_hh, step = lstm_parts(w_ih, w_hh_t.t(), b_ih, b_hh, traced)
+            w_ih, w_hh_t, b_ih, b_hh, step = lstm_parts(w_ih, w_hh, b_ih, b_hh, traced)
             w_hr_t = getattr(self, "weight_hr" + suffix).t() if self.proj_size > 0 else None
             if w_hr_t is None and not traced:
                 fused = fused_direction(x, w_ih, b_ih, w_hh_t, h, c, bool(direction))
