@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.exc import BackendCompilerFailed
+from torch._dynamo.exc import BackendCompilerFailed, InternalTorchDynamoError
 
 import vmapens
 from vmapens._compiling import compile_failures
@@ -31,3 +31,18 @@ def test_another_backend_failure_keeps_the_general_way_out() -> None:
         raise other
     assert "keeps one on its module" not in str(failed.value)
     assert torch._C._functorch.get_dynamic_layer_stack_depth() == 0
+
+
+def test_dynamos_internal_error_becomes_compile_failed() -> None:
+    # dynamo failing inside its own code while it traces the step (its rewrite of an
+    # autograd.Function under vmap, torch 2.13) reached the user raw, and fit(compile="auto")
+    # stopped instead of going on eagerly: nothing has run when dynamo fails.
+    internal = InternalTorchDynamoError("RuntimeError: You tried to vmap over ApplyTemplate")
+    with (
+        pytest.raises(
+            vmapens.CompileFailed, match=r"InternalTorchDynamoError.*ApplyTemplate"
+        ) as failed,
+        compile_failures(),
+    ):
+        raise internal
+    assert "compile=False" in str(failed.value)

@@ -1,7 +1,7 @@
 """The compiled step on a forward that edits the batch in place (``x.mul_(2)``).
 
 Before its first call of each graph the compiled step runs member 0 eagerly to learn which
-parameters get a gradient (``_step_parts.no_gradient``). That run edited the user's batch too,
+parameters get a gradient (``_compiled_step.no_gradient``). That run edited the user's batch too,
 so the graph then saw ``4 * x`` and every member stepped from the wrong input, without an
 error, with or without the self-check. The truth: each member trained alone with
 ``torch.optim.SGD`` on its own copy of the batch, which its forward edits once.

@@ -91,6 +91,10 @@ MODELS = {
 # Compiling unrolls the time loop: small cases keep the compile to a few seconds each.
 COMPILED_MODELS = {
     "gru-short": lambda: Seq(lambda: nn.GRU(4, 6, batch_first=True), 6),
+    # Eager, vmapens's LSTM node is an autograd.Function; compiled, the per-step loop runs in
+    # its place, and the compiled step must not refuse it as a user's Function with a backward
+    # of its own (_compiling.refuse_custom_backwards).
+    "lstm-short": lambda: Seq(lambda: nn.LSTM(4, 6, batch_first=True), 6),
     "encoder-layer": lambda: nn.Sequential(
         nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True),
         nn.Flatten(),

@@ -17,8 +17,16 @@ from typing import Any
 import torch
 from torch.func import grad_and_value
 
-from ._batch_edits import batch_kept
-from ._compiling import check_shapes, compile_arguments, compile_failures, own_code
+from ._batch_edits import batch_kept, refuse_edits_in_turns
+from ._chunks import rows
+from ._compiling import (
+    check_shapes,
+    compile_arguments,
+    compile_failures,
+    own_code,
+    refuse_custom_backwards,
+)
+from ._selfcheck_runs import forked_rng
 from ._step_hooks import TemplateHooks, refuse_pre_hooks, run_post_hooks
 from ._step_more import refuse_graph_into
 from ._step_parts import (
@@ -31,7 +39,6 @@ from ._step_parts import (
     distinct_grads,
     frozen_members,
     graph_hyperparameters,
-    no_gradient,
     own_counters,
     shared_floats,
     trainable,
@@ -239,3 +246,46 @@ def compiled_step(
 def _shapes(tree: Any) -> tuple:
     leaves = [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
     return tuple((tuple(t.shape), str(t.dtype)) for t in leaves)
+
+
+def no_gradient(
+    ens: Ensemble,
+    member_loss: Callable,
+    trained: tuple[str, ...],
+    args: tuple,
+    targets: torch.Tensor,
+    in_dims: int | None,
+    update: Update,
+) -> set[str]:
+    """The parameters named in ``trained`` that get no gradient on this batch, from member 0
+    run eagerly (a copy of it: nothing of ``ens``, the batch or the RNG changes).
+
+    ``loss.backward()`` leaves such a parameter's ``.grad`` None, and the optimizer skips it;
+    ``torch.func.grad`` in the compiled graph gives it zeros, which weight decay would step.
+
+    Raises:
+        RuntimeError: the forward edits a batch tensor all members share while the graph runs
+            members in turns (``chunk_size``): each chunk would see the edits of those before
+            it. Found here, so that ``check=False`` refuses it too, before anything changed.
+        CompileFailed: the forward calls a ``torch.autograd.Function`` with a backward of its
+            own, which the compiled step cannot run (``refuse_custom_backwards``).
+    """
+    sub = ens.select([0])
+    state = sub.stacked_state()
+    batch: Any = (args, targets) if in_dims is None else rows((args, targets), 0, 1)
+    forked = forked_rng(sub)
+    # batch_kept: a forward that edits its input (x.mul_(2)) edits it once in the step, as
+    # alone; without it the graph saw the probe's edit too (4 * x).
+    with batch_kept(*batch) as edited:
+        with forked, torch.enable_grad(), sub.guard("step", loss=True), update.autocast():
+            losses = sub._member_map(member_loss, (in_dims, in_dims))(state, *batch)
+        unused = set(trained)
+        if losses.requires_grad:
+            refuse_custom_backwards(losses, type(ens.template).__name__)
+            params = [state[name] for name in trained]
+            grads = torch.autograd.grad(losses.sum(), params, allow_unused=True)
+            unused = {name for name, g in zip(trained, grads, strict=True) if g is None}
+    if edited and in_dims is None:
+        name = type(ens.template).__name__
+        refuse_edits_in_turns("step", name, ens.backend, ens.chunk_size, len(ens))
+    return unused

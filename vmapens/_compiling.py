@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import re
 import traceback
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.autograd.function import BackwardCFunction
 
 from ._matmuls import shared_operand_pass
 
@@ -27,6 +29,7 @@ __all__ = [
     "compile_failures",
     "compile_options",
     "own_code",
+    "refuse_custom_backwards",
 ]
 
 
@@ -59,6 +62,43 @@ def check_shapes(shapes: set[tuple], key: tuple, limit: int) -> None:
         )
 
 
+def refuse_custom_backwards(losses: torch.Tensor, module: str) -> None:
+    """Refuse to compile a step whose forward calls a ``torch.autograd.Function`` with a
+    backward of its own (a gradient reversal, a straight-through estimator).
+
+    The compiled step takes its gradients from ``torch.func.grad`` inside the graph, and torch
+    2.13's dynamo cannot run such a Function there: inside the step's ``vmap`` it fails in its
+    own rewrite of the Function ("You tried to vmap over ApplyTemplate"), and where it traces
+    ``grad`` itself it drops the backward and differentiates the forward, a wrong gradient
+    without an error (pytorch/pytorch#193279). The compiled step's update check compares the
+    update, not the gradients, so the Function is refused here, found in member 0's eager
+    graph (``losses``) before anything is traced. vmapens's own Functions that a traced step
+    replaces with plain ops (a class attribute ``traced_twin = True``) pass.
+
+    Raises:
+        CompileFailed: naming the Function's class.
+    """
+    seen: set[Any] = set()
+    stack = [losses.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        made_by = getattr(node, "_forward_cls", None)
+        if isinstance(node, BackwardCFunction) and not getattr(made_by, "traced_twin", False):
+            name = re.sub(r"^(Vmapped)+", "", getattr(made_by, "__name__", type(node).__name__))
+            raise CompileFailed(
+                f"step: the forward of {module} calls {name}, a torch.autograd.Function with a "
+                "backward of its own, which torch.compile cannot run inside the torch.func "
+                "transforms of the compiled step (torch 2.13 fails there, or differentiates the "
+                "forward instead of calling the backward: pytorch/pytorch#193279). Train with "
+                "compile=False (make_step or fit), which runs it as each member alone. Nothing "
+                "was changed"
+            )
+        stack.extend(next_node for next_node, _ in node.next_functions)
+
+
 @contextlib.contextmanager
 def compile_failures() -> Iterator[None]:
     """Turn ``torch.compile``'s own errors about the step into a ``CompileFailed`` that says
@@ -78,6 +118,7 @@ def compile_failures() -> Iterator[None]:
     from torch._dynamo.exc import (
         BackendCompilerFailed,
         FailOnRecompileLimitHit,
+        InternalTorchDynamoError,
         TorchDynamoException,
         TorchRuntimeError,
         Unsupported,
@@ -100,7 +141,8 @@ def compile_failures() -> Iterator[None]:
                 "temperature) it has met; keep them fixed, pass a changing value as an input, "
                 "or train with compile=False. Nothing was changed"
             ) from err
-        if isinstance(err, Unsupported | BackendCompilerFailed | TorchRuntimeError):
+        failed = Unsupported | BackendCompilerFailed | TorchRuntimeError | InternalTorchDynamoError
+        if isinstance(err, failed):
             lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
             why = " ".join(lines[:2]) if lines else type(err).__name__
             likely = (

@@ -117,6 +117,10 @@ class _Recurrence(torch.autograd.Function):
     * ``out [m, T, B, H]``: the output, as the caller lays it out.
     """
 
+    #: A compiled step runs the per-step loop in its place (``_usable``): its backward is not
+    #: one torch.compile would have to call (``_compiling.refuse_custom_backwards``).
+    traced_twin = True
+
     @staticmethod
     def forward(  # type: ignore[override]
         x: Tensor,

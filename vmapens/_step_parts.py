@@ -14,11 +14,8 @@ from typing import Any
 
 import torch
 
-from ._batch_edits import batch_kept, refuse_edits_in_turns
 from ._checks import check_choice, check_mask, expand_in_dims, positional
-from ._chunks import rows
 from ._precision import LossScale
-from ._selfcheck_runs import forked_rng
 from ._step_more import check_targets, clip_bound
 from .ensemble import Ensemble
 from .optim import StackedOptimizer
@@ -38,7 +35,6 @@ __all__ = [
     "distinct_grads",
     "frozen_members",
     "graph_hyperparameters",
-    "no_gradient",
     "optimizer_errors",
     "own_counters",
     "shared_floats",
@@ -340,46 +336,6 @@ def check_groups(optimizer: StackedOptimizer) -> None:
     set after construction), which dynamo reports as "Observed exception" while tracing."""
     for group in optimizer.param_groups:
         group_args(group, optimizer.hyperparameters, torch.device("meta"), **optimizer._who)
-
-
-def no_gradient(
-    ens: Ensemble,
-    member_loss: Callable,
-    trained: tuple[str, ...],
-    args: tuple,
-    targets: torch.Tensor,
-    in_dims: int | None,
-    update: Update,
-) -> set[str]:
-    """The parameters named in ``trained`` that get no gradient on this batch, from member 0
-    run eagerly (a copy of it: nothing of ``ens``, the batch or the RNG changes).
-
-    ``loss.backward()`` leaves such a parameter's ``.grad`` None, and the optimizer skips it;
-    ``torch.func.grad`` in the compiled graph gives it zeros, which weight decay would step.
-
-    Raises:
-        RuntimeError: the forward edits a batch tensor all members share while the graph runs
-            members in turns (``chunk_size``): each chunk would see the edits of those before
-            it. Found here, so that ``check=False`` refuses it too, before anything changed.
-    """
-    sub = ens.select([0])
-    state = sub.stacked_state()
-    batch: Any = (args, targets) if in_dims is None else rows((args, targets), 0, 1)
-    forked = forked_rng(sub)
-    # batch_kept: a forward that edits its input (x.mul_(2)) edits it once in the step, as
-    # alone; without it the graph saw the probe's edit too (4 * x).
-    with batch_kept(*batch) as edited:
-        with forked, torch.enable_grad(), sub.guard("step", loss=True), update.autocast():
-            losses = sub._member_map(member_loss, (in_dims, in_dims))(state, *batch)
-        unused = set(trained)
-        if losses.requires_grad:
-            params = [state[name] for name in trained]
-            grads = torch.autograd.grad(losses.sum(), params, allow_unused=True)
-            unused = {name for name, g in zip(trained, grads, strict=True) if g is None}
-    if edited and in_dims is None:
-        name = type(ens.template).__name__
-        refuse_edits_in_turns("step", name, ens.backend, ens.chunk_size, len(ens))
-    return unused
 
 
 def own_counters(optimizer: StackedOptimizer, stepped: set[int]) -> None:
