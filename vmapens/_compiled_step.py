@@ -67,9 +67,9 @@ def compiled_step(
     scaled = update.scale is not None
     device = next(iter(ens.parameters())).device
 
-    def build(trained: tuple[str, ...], order: tuple[str, ...]) -> Callable[..., Any]:
+    def build(trained: tuple[str, ...], order: tuple[str, ...]) -> tuple[Callable, Callable]:
         """The compiled step that trains the parameters named ``trained`` with an optimizer
-        over those named ``order``."""
+        over those named ``order``, and its gradients' part, not compiled."""
 
         def loss_of(params: dict, fixed: dict, inputs: tuple, target: Any, scale: Any) -> Any:
             loss = member_loss({**params, **fixed}, inputs, target)
@@ -87,7 +87,9 @@ def compiled_step(
 
         batched = ens._member_map(member_grads, (in_dims, in_dims, 0 if scaled else None))
 
-        def body(state: dict, inputs: tuple, targets: Any, mask: Any, scale: Any) -> Any:
+        def gradients(state: dict, inputs: tuple, targets: Any, mask: Any, scale: Any) -> Any:
+            """The step's gradients: the graph's first part, and the update check's eager
+            reference (uncompiled)."""
             with update.autocast():
                 grads, losses = batched(state, inputs, targets, scale)
             if ens._padding is not None:  # grad takes the masked parameters: padded entries 0
@@ -97,6 +99,12 @@ def compiled_step(
             # (clip_grad_norm_(member.parameters()) alone counts them all); unscaled: the held.
             live = [grads[name] for name in trained]
             stepping, found_inf = update.gradients_(live, mask, [n in order for n in trained])
+            return grads, losses, live, stepping, found_inf
+
+        def body(state: dict, inputs: tuple, targets: Any, mask: Any, scale: Any) -> Any:
+            grads, losses, live, stepping, found_inf = gradients(
+                state, inputs, targets, mask, scale
+            )
             # Frozen parameters get no gradient (None), as with loss.backward().
             optimizer.apply_gradients([grads.get(name) for name in order], mask=stepping)
             if update.scale is not None:
@@ -111,12 +119,13 @@ def compiled_step(
         # dynamic=False: shapes are fixed per ensemble, and functorch's grad cannot trace
         # symbolic sizes. own_code: dynamo caches compiled graphs on the code object, so every
         # make_step would otherwise share one cache (and its recompile limit) with every other.
-        return torch.compile(
+        compiled = torch.compile(
             own_code(body),
             fullgraph=True,
             dynamic=False,
             **compile_arguments(device),  # CPU: a graph inductor miscompiles, unvectorized
         )
+        return compiled, gradients
 
     # Which parameters train, and which the optimizer holds, are read every call, as
     # loss.backward() and opt.step() read them: a layer frozen or unfrozen after make_step, or
@@ -133,7 +142,7 @@ def compiled_step(
     first = graph_key([p for p in every if p.requires_grad])
     # torch.compile wraps now and compiles at the first call; a graph is keyed by (trainable
     # and held names, the names it differentiates) and which share step counts (None: any).
-    graphs: dict[tuple, Callable[..., Any]] = {((first, first[0]), None): build(*first)}
+    graphs: dict[tuple, tuple[Callable, Callable]] = {((first, first[0]), None): build(*first)}
     # For each (graph key, input shapes, train/eval modes, dtypes), for the template's
     # attributes as they are (`seen` below): the graph, the parameters that get a gradient
     # (no_gradient: member 0 run eagerly; a forward may read a parameter only in training
@@ -207,9 +216,12 @@ def compiled_step(
             scale = None if update.scale is None else update.scale.scale
             hyper = graph_hyperparameters(optimizer, made) if tensors else contextlib.nullcontext()
             with hyper, compile_failures():  # torch.compile's errors, named
-                run = functools.partial(
-                    graphs[graph], ens.stacked_state(), args, targets, mask, scale
-                )
+                compiled, gradients = graphs[graph]
+                run = functools.partial(compiled, ens.stacked_state(), args, targets, mask, scale)
+
+                def reference() -> list[torch.Tensor]:  # the graph's gradients, eagerly
+                    with batch_kept(args, targets):
+                        return gradients(ens.stacked_state(), args, targets, mask, scale)[2]
 
                 def forward() -> None:  # its edits of the parameters: the update starts there
                     with batch_kept(args, targets), update.autocast():
@@ -218,8 +230,9 @@ def compiled_step(
                 try:
                     if check and part not in checked:
                         losses, grads = checked_call(
-                            run, forward, ens, optimizer, update.scale, trained, now[1], mask
-                        )
+                            run, forward, ens, optimizer, update.scale, trained, now[1], mask,
+                            reference=reference, within=update.dtype,
+                        )  # fmt: skip
                         checked.add(part)
                     else:
                         losses, grads = run()

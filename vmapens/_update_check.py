@@ -13,6 +13,11 @@ from the parameters it left. Parameters, optimizer state and the loss scale must
 of each member's update, plus a few eps of each value; if they do, the compiled results are
 kept, bit for bit; if not, everything is put back as it was and ``CompiledStepMismatch`` is
 raised.
+
+The gradients the graph returned are compared too, with the same function run eagerly from the
+same state (``reference``), unless its forward draws random numbers: a gradient torch.compile
+computes differently (a custom ``autograd.Function``'s backward dropped, pytorch#193279) went
+through the update check, which steps the compiled gradients both ways.
 """
 
 from __future__ import annotations
@@ -47,10 +52,13 @@ def checked_call(
     trained: Sequence[str],
     order: Sequence[str],
     mask: Tensor | None,
+    *,
+    reference: Callable[[], Sequence[Tensor]] | None = None,
+    within: torch.dtype | None = None,
 ) -> tuple[Tensor, list[Tensor]]:
     """``call()`` (the compiled step: losses and the gradients it stepped with), checked
     against ``forward()`` then ``optimizer.apply_gradients`` run eagerly on those gradients,
-    from the same state.
+    from the same state; its gradients against ``reference()``'s where one is given.
 
     Args:
         call: runs the compiled graph once; its gradients are those of ``trained``, in order.
@@ -63,12 +71,19 @@ def checked_call(
         trained: the names of the parameters the graph differentiates.
         order: the names of the parameters the optimizer holds, in its order.
         mask: the step's ``mask``.
+        reference: the graph's gradients computed eagerly (the same function, not compiled),
+            as ``call`` returns them; compared member by member to ``tolerance`` of the
+            member's largest gradient, unless its forward draws random numbers (the compiled
+            graph draws its own).
+        within: the dtype whose ``tolerance`` the gradients are compared to (autocast's),
+            else each gradient's own.
 
     Returns:
         The losses and gradients ``call`` returned; the state is what ``call`` left.
 
     Raises:
-        CompiledStepMismatch: the two updates differ; the state is as before the call.
+        CompiledStepMismatch: the two updates, or the gradients, differ; the state is as before
+            the call.
     """
     saved = _Saved(ens, optimizer, scale)
     device = next(iter(ens.parameters())).device
@@ -79,7 +94,21 @@ def checked_call(
     finally:
         saved.restore(saved.before)
         _set_rng_state(device, rng)
+    expected = None if reference is None else _eager_gradients(reference, saved, device, rng)
     losses, grads = call()
+    if expected is not None:
+        wrong = _gradient_differences(trained, grads, expected, len(ens), within)
+        if wrong:
+            saved.restore(saved.before)
+            _set_rng_state(device, rng)
+            raise CompiledStepMismatch(
+                f"step: the compiled step's gradients differ from the same step's run eagerly "
+                f"(torch.func.grad without torch.compile): {'; '.join(wrong[:3])}; the step "
+                "changed nothing. One of the two is wrong: most likely torch.compile's code for "
+                "this step (or a forward that branches on torch.compiler.is_compiling()), not "
+                "your model. Train with compile=False (make_step or fit), and please report it "
+                "with your torch version"
+            )
     compiled = saved.current()
     saved.restore(start)
     returned = dict(zip(trained, grads, strict=True))
@@ -125,6 +154,65 @@ def checked_call(
         raise CompiledStepMismatch(_message(found, edited))
     saved.restore(compiled)
     return losses, grads
+
+
+def _eager_gradients(
+    reference: Callable[[], Sequence[Tensor]],
+    saved: _Saved,
+    device: torch.device,
+    rng: tuple[Tensor, Tensor | None],
+) -> list[Tensor] | None:
+    """``reference()``'s gradients from the state before the step (put back after it), or
+    None where its forward drew random numbers: the compiled graph draws its own (dropout's
+    masks differ from eager's, as docs/semantics.md says), so its gradients are not compared."""
+    try:
+        grads = [g.detach().clone() for g in reference()]
+        now = _rng_state(device)
+        drew = any(
+            a is not None and b is not None and not torch.equal(a, b)
+            for a, b in zip(now, rng, strict=True)
+        )
+    finally:
+        saved.restore(saved.before)
+        _set_rng_state(device, rng)
+    return None if drew else grads
+
+
+def _gradient_differences(
+    names: Sequence[str],
+    compiled: Sequence[Tensor],
+    eager: Sequence[Tensor],
+    n: int,
+    within: torch.dtype | None,
+) -> list[str]:
+    """Where a compiled gradient is further from the eager one than ``tolerance`` of the
+    member's largest eager gradient (over all its parameters: a gradient that is round-off, a
+    bias before BatchNorm, is compared to that bound only). A member whose eager gradients are
+    not all finite (an fp16 overflow: the step skips it) is not compared."""
+    rows = [
+        (c.double().reshape(n, -1), e.double().reshape(n, -1))
+        for c, e in zip(compiled, eager, strict=True)
+    ]
+    finite = torch.ones(n, dtype=torch.bool)
+    largest = torch.zeros(n, dtype=torch.float64)
+    for _, e in rows:
+        if e.shape[1]:
+            finite &= e.isfinite().all(dim=1)
+            largest = torch.maximum(largest, e.abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=1))
+    found = []
+    for name, t, (c, e) in zip(names, eager, rows, strict=True):
+        if not e.shape[1]:
+            continue
+        bound = tolerance(within or t.dtype) * largest
+        gap = (c - e).abs().amax(dim=1).nan_to_num(float("inf"))
+        bad = finite & (gap > bound)
+        if bool(bad.any()):
+            m = int(bad.nonzero()[0])
+            found.append(
+                f"`{name}` (member {m}: {float(gap[m]):.3g} from the eager gradient, whose "
+                f"largest is {float(largest[m]):.3g})"
+            )
+    return found
 
 
 def _edited(ens: Ensemble, before: dict[Any, Tensor]) -> tuple[dict[Any, Tensor], set[str]]:
