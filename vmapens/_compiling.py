@@ -70,10 +70,11 @@ def refuse_custom_backwards(losses: torch.Tensor, module: str) -> None:
     2.13's dynamo cannot run such a Function there: inside the step's ``vmap`` it fails in its
     own rewrite of the Function ("You tried to vmap over ApplyTemplate"), and where it traces
     ``grad`` itself it drops the backward and differentiates the forward, a wrong gradient
-    without an error (pytorch/pytorch#193279). The compiled step's update check compares the
-    update, not the gradients, so the Function is refused here, found in member 0's eager
-    graph (``losses``) before anything is traced. vmapens's own Functions that a traced step
-    replaces with plain ops (a class attribute ``traced_twin = True``) pass.
+    without an error (pytorch/pytorch#193279). The compiled step's first-call check compares
+    its gradients with eager ones only where the forward draws no random numbers, and says
+    less than this: the Function is refused here, found in member 0's eager graph (``losses``)
+    before anything is traced. vmapens's own Functions that a traced step replaces with plain
+    ops (a class attribute ``traced_twin = True``) pass.
 
     Raises:
         CompileFailed: naming the Function's class.
