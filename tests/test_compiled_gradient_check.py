@@ -105,3 +105,7 @@ def test_the_comparison_member_by_member() -> None:
     assert _gradient_differences(["b"], [nan], [small], 3, None)[0].startswith("`b` (member 0")
     widened = _gradient_differences(["w", "b"], [big, moved_small], [big, small], 3, torch.bfloat16)
     assert widened == []
+    # A complex gradient is compared in both parts: an imaginary-only difference counts.
+    z = torch.tensor([[1 + 1j], [2 + 0j], [1j]], dtype=torch.complex64)
+    moved_z = z + torch.tensor([[0.5j], [0j], [0j]], dtype=torch.complex64)
+    assert _gradient_differences(["z"], [moved_z], [z], 3, None)[0].startswith("`z` (member 0")
