@@ -164,8 +164,8 @@ def _eager_gradients(
 ) -> list[Tensor] | None:
     """``reference()``'s gradients from the state before the step (put back after it), or
     None where its forward drew random numbers: the compiled graph may draw its own (dropout's
-    masks; on the CPU it drew eager's in session 41's runs, docs/semantics.md), so its
-    gradients are not compared."""
+    masks: on the CPU one Dropout drew eager's, two and a ``randn_like`` did not;
+    docs/semantics.md), so its gradients are not compared."""
     try:
         grads = [g.detach().clone() for g in reference()]
         now = _rng_state(device)
