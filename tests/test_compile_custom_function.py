@@ -1,6 +1,6 @@
 """Members whose forward calls a ``torch.autograd.Function`` with a backward of its own (a
-gradient reversal layer, straight-through estimators), against plain modules trained alone
-with ``torch.optim``.
+gradient reversal layer, straight-through estimators) or a ``torch.library`` custom op with a
+registered backward, against plain modules trained alone with ``torch.optim``.
 
 Eager, vmap runs the Function's own backward (``generate_vmap_rule``). Compiled, torch 2.13
 cannot: inside the step's ``vmap`` dynamo failed with a raw ``InternalTorchDynamoError``
@@ -83,15 +83,38 @@ class ClippedSign(torch.autograd.Function):
         return grad * (x.abs() <= 1)
 
 
-FUNCTIONS = {
+@torch.library.custom_op("vmapens_tests::halved_grad", mutates_args=())
+def halved_grad(x: torch.Tensor) -> torch.Tensor:
+    """A torch.library custom op: identity forward, the gradient halved (register_autograd)."""
+    return x.clone()
+
+
+@halved_grad.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+halved_grad.register_autograd(lambda ctx, grad: grad * 0.5)
+
+
+class HalvedGrad:
+    """``halved_grad`` behind the ``apply`` the members call."""
+
+    @staticmethod
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        return halved_grad(x)
+
+
+FUNCTIONS: dict[str, Any] = {
     "reverse_grad": ReverseGrad,
     "round_through": RoundThrough,
     "clipped_sign": ClippedSign,
+    "custom_op": HalvedGrad,
 }
 
 
 class Net(nn.Module):
-    def __init__(self, function: type[torch.autograd.Function]) -> None:
+    def __init__(self, function: Any) -> None:
         super().__init__()
         self.function = function
         self.body = nn.Linear(3, 8)
@@ -126,7 +149,10 @@ def test_compiled_step_refuses_it_by_name_and_changes_nothing(name) -> None:
     step = vmapens.make_step(ens, nn.MSELoss(), opt, compile=True)
     before = copy.deepcopy(ens.state_dict())
     (x, y), *_ = float64_batches(1, 8, 3, 2)
-    with pytest.raises(vmapens.CompileFailed, match=rf"calls {FUNCTIONS[name].__name__}, a "):
+    said = rf"calls {FUNCTIONS[name].__name__}, a "
+    if name == "custom_op":
+        said = r"calls the custom op vmapens_tests_halved_grad_default \(torch.library\)"
+    with pytest.raises(vmapens.CompileFailed, match=said):
         step(x, y)
     with pytest.raises(vmapens.CompileFailed, match=r"compile=False"):
         step(x, y)  # refused again, not half-built

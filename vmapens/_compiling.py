@@ -62,9 +62,14 @@ def check_shapes(shapes: set[tuple], key: tuple, limit: int) -> None:
         )
 
 
+#: The prefix of the autograd.Function torch.library makes for a custom op's registered backward.
+_CUSTOM_OP = "GeneratedBackwardFor_"
+
+
 def refuse_custom_backwards(losses: torch.Tensor, module: str) -> None:
     """Refuse to compile a step whose forward calls a ``torch.autograd.Function`` with a
-    backward of its own (a gradient reversal, a straight-through estimator).
+    backward of its own (a gradient reversal, a straight-through estimator), or a
+    ``torch.library`` custom op with one (``register_autograd``: torch makes a Function for it).
 
     The compiled step takes its gradients from ``torch.func.grad`` inside the graph, and torch
     2.13's dynamo cannot run such a Function there: inside the step's ``vmap`` it fails in its
@@ -89,13 +94,18 @@ def refuse_custom_backwards(losses: torch.Tensor, module: str) -> None:
         made_by = getattr(node, "_forward_cls", None)
         if isinstance(node, BackwardCFunction) and not getattr(made_by, "traced_twin", False):
             name = re.sub(r"^(Vmapped)+", "", getattr(made_by, "__name__", type(node).__name__))
+            op = name.removeprefix(_CUSTOM_OP)  # torch.library's Function for a custom op
+            what = (
+                f"{name}, a torch.autograd.Function with a backward of its own"
+                if op == name
+                else f"the custom op {op} (torch.library) with a backward (register_autograd)"
+            )
             raise CompileFailed(
-                f"step: the forward of {module} calls {name}, a torch.autograd.Function with a "
-                "backward of its own, which torch.compile cannot run inside the torch.func "
-                "transforms of the compiled step (torch 2.13 fails there, or differentiates the "
-                "forward instead of calling the backward: pytorch/pytorch#193279). Train with "
-                "compile=False (make_step or fit), which runs it as each member alone. Nothing "
-                "was changed"
+                f"step: the forward of {module} calls {what}, which torch.compile cannot run "
+                "inside the torch.func transforms of the compiled step (torch 2.13 fails there, "
+                "or differentiates the forward instead of calling the backward: "
+                "pytorch/pytorch#193279). Train with compile=False (make_step or fit), which "
+                "runs it as each member alone. Nothing was changed"
             )
         stack.extend(next_node for next_node, _ in node.next_functions)
 
