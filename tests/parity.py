@@ -21,6 +21,15 @@ import vmapens
 Batches = list[tuple[Tensor, Tensor]]
 
 
+def training_state(ens: vmapens.Ensemble, opt: torch.optim.Optimizer) -> list[Tensor]:
+    """Copies of everything a step writes: the stacked parameters and buffers, then every
+    tensor of the optimizer's state (a refused step must leave them all as they were)."""
+    tensors = [t.clone() for t in ens.stacked_state().values()]
+    for s in opt.state.values():
+        tensors += [t.clone() for t in s.values() if isinstance(t, Tensor)]
+    return tensors
+
+
 def forward_and_steps_as_alone(
     ens: vmapens.Ensemble,
     alone: Sequence[nn.Module],

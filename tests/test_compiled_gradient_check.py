@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from parity import training_state
 from torch import nn
 from truth import assert_members_equal, float64_batches, seeded_members, train_each
 
@@ -36,23 +37,16 @@ class Drifts(nn.Module):
         return self.head(h * 1.5 if torch.compiler.is_compiling() else h)
 
 
-def _state(ens: vmapens.Ensemble, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    tensors = [t.clone() for t in ens.stacked_state().values()]
-    for s in opt.state.values():
-        tensors += [t.clone() for t in s.values() if isinstance(t, torch.Tensor)]
-    return tensors
-
-
 def test_compiled_gradients_that_differ_from_eager_are_refused_and_change_nothing() -> None:
     ens = vmapens.Ensemble(Drifts, N, seeds=range(N)).double()
     opt = vmapens.StackedAdam(ens, lr=0.1)
     step = vmapens.make_step(ens, nn.MSELoss(), opt, compile=True)
     x, y = float64_batches(1, 5, 3, 2)[0]
     opt.prepare()  # the state the step creates before its graph runs
-    before, rng = _state(ens, opt), torch.get_rng_state()
+    before, rng = training_state(ens, opt), torch.get_rng_state()
     with pytest.raises(CompiledStepMismatch, match=r"gradients differ.*`head.weight` \(member 0"):
         step(x, y)
-    for a, b in zip(before, _state(ens, opt), strict=True):
+    for a, b in zip(before, training_state(ens, opt), strict=True):
         assert torch.equal(a, b)
     assert torch.equal(rng, torch.get_rng_state())
     assert all(p.grad is None for p in ens.parameters())

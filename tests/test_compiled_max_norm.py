@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+from parity import training_state
 from torch import nn
 from torch.nn import functional as F
 from truth import assert_members_equal, train_each
@@ -91,7 +92,7 @@ def _check(kind: str, mask: torch.Tensor | None, held: str = "all", checked: boo
             ens.stacked_state()["emb.weight"][1].add_(1e-6)
         return losses, grads
 
-    before, error = _state(ens, opt), None
+    before, error = training_state(ens, opt), None
     with torch.no_grad():
         try:
             if checked:
@@ -100,14 +101,7 @@ def _check(kind: str, mask: torch.Tensor | None, held: str = "all", checked: boo
                 call()
         except CompiledStepMismatch as e:
             error = e
-    return before, _state(ens, opt), error
-
-
-def _state(ens: vmapens.Ensemble, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    tensors = [t.clone() for t in ens.stacked_state().values()]
-    for s in opt.state.values():
-        tensors += [t.clone() for t in s.values() if isinstance(t, torch.Tensor)]
-    return tensors
+    return before, training_state(ens, opt), error
 
 
 MASK = torch.tensor([True, False, True])

@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from parity import training_state
 from torch import nn
 from truth import assert_bit_identical, assert_members_equal, float64_batches, train_each
 
@@ -35,23 +36,16 @@ def _ensemble(dropout: float = 0.0) -> vmapens.Ensemble:
     return vmapens.Ensemble.from_modules(members)
 
 
-def _state(ens: vmapens.Ensemble, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    tensors = [t.clone() for t in ens.stacked_state().values()]
-    for s in opt.state.values():
-        tensors += [t.clone() for t in s.values() if isinstance(t, torch.Tensor)]
-    return tensors
-
-
 def test_a_compiled_update_that_differs_from_eager_is_refused_and_changes_nothing():
     ens = _ensemble(dropout=0.5)  # the compiled forward draws from the global RNG
     opt = Miscompiled(ens, lr=0.1, momentum=0.9)
     step = vmapens.make_step(ens, nn.MSELoss(), opt, compile=True)
     x, y = float64_batches(1, 5, 3, 2)[0]
     opt.prepare()  # the state the step creates before its graph runs
-    before, rng = _state(ens, opt), torch.get_rng_state()
+    before, rng = training_state(ens, opt), torch.get_rng_state()
     with pytest.raises(CompiledStepMismatch, match=r"`0.weight` \(member 2.*compile=False"):
         step(x, y)
-    for a, b in zip(before, _state(ens, opt), strict=True):
+    for a, b in zip(before, training_state(ens, opt), strict=True):
         assert torch.equal(a, b)
     assert torch.equal(rng, torch.get_rng_state())
     # Refused again: the graph is checked until one call passes.
@@ -85,5 +79,5 @@ def test_a_checked_compiled_step_keeps_the_compiled_results_bit_for_bit():
         opt = vmapens.StackedAdam(ens, lr=0.1, weight_decay=0.01)
         step = vmapens.make_step(ens, nn.MSELoss(), opt, compile=True, check=check)
         losses = [step(x, y, mask), step(x, y)]
-        results.append((losses, _state(ens, opt)))
+        results.append((losses, training_state(ens, opt)))
     assert_bit_identical(results[0], results[1])
