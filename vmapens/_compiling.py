@@ -119,9 +119,11 @@ def compile_failures() -> Iterator[None]:
     dynamo traces the whole step and inductor compiles it before any of it runs, so nothing
     has changed when they fail: dynamo's ``Unsupported`` (a forward that calls a Python
     builtin dynamo cannot trace, such as ``time.perf_counter``, with ``fullgraph=True``),
-    ``BackendCompilerFailed`` (inductor's C++ build) and ``TorchRuntimeError`` (an op that fails
-    on fake tensors while tracing: ``torch.func.hessian`` in a physics-informed forward, which
-    eager runs) reached the user as torch's internals, and so did dynamo's "Hard failure due to
+    ``BackendCompilerFailed`` (inductor's C++ build), ``InternalTorchDynamoError`` (dynamo
+    failing in its own code: its rewrite of an ``autograd.Function`` under ``vmap``) and
+    ``TorchRuntimeError`` (an op that fails on fake tensors while tracing:
+    ``torch.func.hessian`` in a physics-informed forward, which eager runs) reached the user
+    as torch's internals, and so did dynamo's "Hard failure due to
     fullgraph=True" once a graph met more variants than its recompile limit (the step's own
     limit counts input shapes only).
     """
