@@ -41,7 +41,7 @@ def _members(depth: int = DEPTH) -> list[nn.Module]:
     return [Stack(depth).double() for _ in range(N)]
 
 
-# Compiled: 3 list entries (the graph unrolls the loop; 12 took 12 s to compile cold).
+# Compiled: 3 list entries (the graph unrolls the loop; 12 took ~12 s more to compile).
 @pytest.mark.parametrize("compile,depth", [(False, DEPTH), (True, 3)], ids=["eager", "compiled"])
 def test_parameter_containers_train_as_alone_with_torchs_optimizer_state(
     compile: bool, depth: int
@@ -60,7 +60,7 @@ def test_parameter_containers_train_as_alone_with_torchs_optimizer_state(
     for i, member in enumerate(ens.unstack()):
         assert type(member.ws) is nn.ParameterList and type(member.bs) is nn.ParameterDict
         got, want = opt.member_state_dict(i), opts[i].state_dict()
-        # Integer ids in the module's parameter order: ws.0 ... ws.11, bs.even, bs.odd, scale.
+        # Integer ids in the module's parameter order: ws.0, ws.1, ..., bs.even, bs.odd, scale.
         assert got["param_groups"][0]["params"] == want["param_groups"][0]["params"]
         assert set(got["state"]) == set(want["state"]) == set(range(depth + 3))
         for k, state in want["state"].items():

@@ -136,10 +136,10 @@ def test_compiled_members_equal_twins(name):
 
 
 def test_compiled_input_weight_gradient_runs_transposed_and_members_equal_twins(monkeypatch):
-    """4 input features, 16 x 3 time steps: the input weights' gradient is the narrow shared
-    product (48 rows, 4 columns) that the compiled step runs transposed (vmapens/_matmuls.py).
-    Rows from the batch rather than from time steps: 3 unrolled steps compile in about half
-    the time of the 12 this test had (5 x 12)."""
+    """4 input features, 16 x 3 time steps: the input weights' gradient (a sum over the 48
+    input rows, 4 columns wide) is the narrow shared product that the compiled step runs
+    transposed (vmapens/_matmuls.py). The rows come from the batch rather than from time
+    steps: 3 unrolled GRU steps compile in 14 s where the 5 x 12 this test had took 22 s."""
     from vmapens import _matmuls
 
     calls = []
