@@ -86,21 +86,17 @@ def checked_call(
             the call.
     """
     saved = _Saved(ens, optimizer, scale)
-    device = next(iter(ens.parameters())).device
-    rng = _rng_state(device)
     try:
         forward()  # the optimizer steps what the forward left (Embedding's max_norm)
         start, edited = _edited(ens, saved.before)
     finally:
-        saved.restore(saved.before)
-        _set_rng_state(device, rng)
-    expected = None if reference is None else _eager_gradients(reference, saved, device, rng)
+        saved.undo()
+    expected = None if reference is None else _eager_gradients(reference, saved)
     losses, grads = call()
     if expected is not None:
         wrong = _gradient_differences(trained, grads, expected, len(ens), within)
         if wrong:
-            saved.restore(saved.before)
-            _set_rng_state(device, rng)
+            saved.undo()
             raise CompiledStepMismatch(
                 f"step: the compiled step's gradients differ from the same step's run eagerly "
                 f"(torch.func.grad without torch.compile): {'; '.join(wrong[:3])}; the step "
@@ -145,22 +141,17 @@ def checked_call(
                 found += _close(f"the loss scale's `{name}`", saved.before[("scale", name)],
                                 compiled[("scale", name)], eager, n)  # fmt: skip
     except BaseException:
-        saved.restore(saved.before)
-        _set_rng_state(device, rng)
+        saved.undo()
         raise
     if found:
-        saved.restore(saved.before)
-        _set_rng_state(device, rng)  # the compiled forward's dropout draws: not taken either
+        saved.undo()  # the compiled forward's dropout draws: not taken either
         raise CompiledStepMismatch(_message(found, edited))
     saved.restore(compiled)
     return losses, grads
 
 
 def _eager_gradients(
-    reference: Callable[[], Sequence[Tensor]],
-    saved: _Saved,
-    device: torch.device,
-    rng: tuple[Tensor, Tensor | None],
+    reference: Callable[[], Sequence[Tensor]], saved: _Saved
 ) -> list[Tensor] | None:
     """``reference()``'s gradients from the state before the step (put back after it), or
     None where its forward drew random numbers: the compiled graph may draw its own (dropout's
@@ -168,14 +159,13 @@ def _eager_gradients(
     docs/semantics.md), so its gradients are not compared."""
     try:
         grads = [g.detach() for g in reference()]  # fresh tensors: restore() writes none of them
-        now = _rng_state(device)
+        now = _rng_state(saved.device)
         drew = any(
             a is not None and b is not None and not torch.equal(a, b)
-            for a, b in zip(now, rng, strict=True)
+            for a, b in zip(now, saved.rng, strict=True)
         )
     finally:
-        saved.restore(saved.before)
-        _set_rng_state(device, rng)
+        saved.undo()
     return None if drew else grads
 
 
@@ -195,16 +185,15 @@ def _gradient_differences(
         t = torch.view_as_real(t) if t.is_complex() else t
         return (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t).reshape(n, -1)
 
+    flat = [rows(t) for t in eager]
     finite = torch.ones(n, dtype=torch.bool, device=eager[0].device if eager else None)
     largest = torch.zeros(n, dtype=torch.float64, device=finite.device)
-    for t in eager:
-        e = rows(t)
+    for e in flat:
         if e.shape[1]:
             finite &= e.isfinite().all(dim=1)
             largest = torch.maximum(largest, e.abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=1))
     found = []
-    for name, c, t in zip(names, compiled, eager, strict=True):
-        e = rows(t)
+    for name, c, t, e in zip(names, compiled, eager, flat, strict=True):
         if not e.shape[1]:
             continue
         real = t.real.dtype if t.is_complex() else t.dtype
@@ -298,11 +287,18 @@ def static_addresses(ens: Ensemble, optimizer: StackedOptimizer) -> None:
 
 
 class _Saved:
-    """Copies of what a step writes (``written``), taken and put back."""
+    """Copies of what a step writes (``written``) and of the RNG, taken and put back."""
 
     def __init__(self, ens: Ensemble, optimizer: StackedOptimizer, scale: Any) -> None:
         self.ens, self.optimizer, self.scale = ens, optimizer, scale
         self.before = self.current()
+        self.device = next(iter(ens.parameters())).device
+        self.rng = _rng_state(self.device)
+
+    def undo(self) -> None:
+        """Everything as before the step: what it writes, and the RNG."""
+        self.restore(self.before)
+        _set_rng_state(self.device, self.rng)
 
     def current(self) -> dict[Any, Tensor]:
         return {key: t.detach().clone() for key, t in written(self.ens, self.optimizer, self.scale)}
