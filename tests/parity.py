@@ -30,6 +30,25 @@ def training_state(ens: vmapens.Ensemble, opt: torch.optim.Optimizer) -> list[Te
     return tensors
 
 
+def assert_refused_changing_nothing(
+    step: Callable[..., Any],
+    batch: tuple[Tensor, Tensor],
+    ens: vmapens.Ensemble,
+    opt: vmapens.StackedOptimizer,
+    exc: type[BaseException],
+    match: str,
+) -> None:
+    """`step(*batch)` raises `exc` matching `match`, and leaves everything a step writes
+    (`training_state`, with the optimizer's state made first) and the global RNG as they were."""
+    opt.prepare()  # the state the step creates before its graph runs
+    before, rng = training_state(ens, opt), torch.get_rng_state()
+    with pytest.raises(exc, match=match):
+        step(*batch)
+    for a, b in zip(before, training_state(ens, opt), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(rng, torch.get_rng_state())
+
+
 def forward_and_steps_as_alone(
     ens: vmapens.Ensemble,
     alone: Sequence[nn.Module],
