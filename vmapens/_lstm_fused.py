@@ -40,7 +40,7 @@ _VMAP = torch._C._functorch.TransformType.Vmap
 _DTYPES = (torch.float32, torch.float64)
 
 _sigmoid_backward = torch.ops.aten.sigmoid_backward.grad_input
-_tanh_backward = torch.ops.aten.tanh_backward
+_tanh_backward = torch.ops.aten.tanh_backward.grad_input
 
 
 def fused_direction(
@@ -161,12 +161,16 @@ class _Recurrence(torch.autograd.Function):
             tanh_c.unbind(0),
         )
         h_rows, out_rows = xh[..., inner:].unbind(1), out.unbind(1)
+        # Doublings as sums and 1 as a tensor: a Python scalar is made a tensor in every op it is
+        # passed to (~2 us a call); x + x is exactly 2 x.
+        one = x.new_ones(())
         for step, k in enumerate(run):
             torch.bmm(rows[k], weight, out=gate_rows[k]).sigmoid_()
             # f c + i tanh(g), with tanh(g) = 2 sigmoid(2 g) - 1 from the doubled g rows
             c = torch.mul(f[k], c, out=c_rows[k]).sub_(i[k]).addcmul_(i[k], g[k], value=2)
             # tanh(c) = 2 sigmoid(2 c) - 1: four ops at ~half of tanh's time on CPU (as lstm_step)
-            tanh_k = torch.mul(c, 2, out=tanh_rows[k]).sigmoid_().mul_(2).sub_(1)
+            tanh_k = torch.add(c, c, out=tanh_rows[k]).sigmoid_()
+            tanh_k.add_(tanh_k).sub_(one)
             h = torch.mul(o[k], tanh_k, out=out_rows[k])
             if step + 1 < steps:
                 h_rows[run[step + 1]].copy_(h)
@@ -211,23 +215,27 @@ class _Recurrence(torch.autograd.Function):
         c_first = _flat(c0, 2)
         w_hh = weight[:, inner:].transpose(1, 2)
         run = _order(steps, ctx.reverse)
-        dh = None
+        dh = dc.new_empty(m, batch, hidden)  # h's gradient from the step after (at last d_h0)
+        scratch = dc.new_empty(m, batch, hidden)
         for step in range(steps - 1, -1, -1):
             k = run[step]
             c_prev = c_first if step == 0 else c_rows[run[step - 1]]
+            after = step + 1 < steps  # a later step has written dh
             if d_out_rows is None:
-                dh_k = torch.zeros_like(dc) if dh is None else dh
+                dh_k = dh if after else dh.zero_()
             else:
-                dh_k = d_out_rows[k] if dh is None else d_out_rows[k] + dh
+                dh_k = dh.add_(d_out_rows[k]) if after else d_out_rows[k]
             torch.mul(dh_k, tanh_rows[k], out=do[k])
-            dc.add_(_tanh_backward(dh_k * o[k], tanh_rows[k]))
-            torch.mul(dc, g[k], out=di[k]).mul_(2).sub_(dc)  # dc (2 sigmoid(2g) - 1)
+            torch.mul(dh_k, o[k], out=scratch)
+            dc.add_(_tanh_backward(scratch, tanh_rows[k], grad_input=scratch))
+            dc2 = torch.add(dc, dc, out=scratch)  # 2 dc, exactly, without a Python scalar
+            torch.mul(dc2, g[k], out=di[k]).sub_(dc)  # dc (2 sigmoid(2g) - 1)
             torch.mul(dc, c_prev, out=df[k])
-            torch.mul(dc, i[k], out=dg[k]).mul_(2)
+            torch.mul(dc2, i[k], out=dg[k])
             dc.mul_(f[k])
             _sigmoid_backward(d_rows[k], gate_rows[k], grad_input=d_rows[k])
             if step or need[4]:
-                dh = torch.bmm(d_rows[k], w_hh)
+                torch.bmm(d_rows[k], w_hh, out=dh)
         rows = d_gates.view(m, steps * batch, four)
         d_x = d_w_ih = d_bias = d_w_hh_t = None
         if need[0]:
@@ -237,7 +245,7 @@ class _Recurrence(torch.autograd.Function):
             d_w_ih = d_weight[:, :features].transpose(1, 2).reshape(w_ih.shape)
             d_bias = d_weight[:, features].reshape(bias.shape) if bias is not None else None
             d_w_hh_t = d_weight[:, inner:].reshape(w_hh_t.shape)
-        d_h0 = dh.reshape(h0.shape) if need[4] and dh is not None else None
+        d_h0 = dh.reshape(h0.shape) if need[4] else None
         d_c0 = dc.reshape(c0.shape) if need[5] else None
         return d_x, d_w_ih, d_bias, d_w_hh_t, d_h0, d_c0, None
 
