@@ -180,20 +180,54 @@ def undo_point(ens: Ensemble, optimizer: Any) -> Callable[[], None]:
 
     A StackedOptimizer rolls itself back (it checks everything first and undoes a failed
     update); any other optimizer gets a copy of its state and of the parameters it updates.
+    The optimizer's own objects are put back, not new ones: ``load_state_dict`` would make new
+    ``param_groups`` dicts (a group the user holds, ``group["lr"] *= 0.5``, would stop reaching
+    the optimizer) and cast the state to the parameters' dtype (after ``ens.double()``, a
+    refused step would leave float64 moments that a retry trains with, where alone it raises).
     """
     if isinstance(optimizer, StackedOptimizer):
         return lambda: None
     params = list(ens.parameters())
     saved = [p.detach().clone() for p in params]
-    state = copy.deepcopy(optimizer.state_dict())
+    groups = [_kept(group) for group in optimizer.param_groups]
+    state = {p: _kept(s) for p, s in optimizer.state.items()}
 
     def undo() -> None:
         with torch.no_grad():
             for p, s in zip(params, saved, strict=True):
                 p.copy_(s)
-        optimizer.load_state_dict(state)
+            for group, kept in zip(optimizer.param_groups, groups, strict=True):
+                _put_back(group, kept)
+            for p in [p for p in optimizer.state if p not in state]:
+                del optimizer.state[p]  # state the refused step created
+            for p, kept in state.items():
+                _put_back(optimizer.state[p], kept)
 
     return undo
+
+
+def _kept(values: dict) -> dict[Any, tuple[Any, Any]]:
+    """Each entry of an optimizer's group or state (but ``params``) with a copy of its value."""
+    return {
+        k: (v, v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+        for k, v in values.items()
+        if k != "params"
+    }
+
+
+def _put_back(values: dict, kept: dict[Any, tuple[Any, Any]]) -> None:
+    """``values`` as :func:`_kept` found them: its tensors refilled in place, nothing added."""
+    for k in [k for k in values if k != "params" and k not in kept]:
+        del values[k]
+    for k, (obj, copied) in kept.items():
+        if isinstance(obj, torch.Tensor):
+            if obj.shape == copied.shape and obj.dtype == copied.dtype:
+                obj.copy_(copied)
+            else:
+                obj.set_(copied.clone())
+            values[k] = obj
+        else:
+            values[k] = copy.deepcopy(copied)
 
 
 def distinct_grads(
