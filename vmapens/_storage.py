@@ -209,14 +209,17 @@ class StackedModule(nn.Module):
         Members are visited in order, so a custom initialisation that draws from the global
         RNG gives member ``i`` what ``models[i].apply(fn)`` gives after members ``0..i-1``.
         Train/eval modes and ``requires_grad`` flags that ``fn`` sets carry over (the same on
-        every member); any other change to the members' structure is refused. Members of
-        different sizes each run ``fn`` at their own size.
+        every member), and a parameter it replaces with a new ``nn.Parameter`` becomes a new
+        stacked Parameter (an optimizer made before holds the old one, as alone); any other
+        change to the members' structure is refused. Members of different sizes each run
+        ``fn`` at their own size.
 
         Raises:
             TypeError: ``fn`` is not callable.
             ValueError: ``fn`` changed a tensor's shape, dtype or device, an attribute
                 (BatchNorm's ``momentum``, an activation function), a submodule's class, or
-                hooks, or did not treat every member alike. Nothing changes then.
+                hooks, or did not treat every member alike (a parameter replaced in some
+                members only). Nothing changes then.
 
         Example:
             >>> from vmapens import Ensemble
