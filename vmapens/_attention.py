@@ -37,7 +37,7 @@ from ._index_rules import register_index_rules
 from ._tie_reductions import register_tie_rules
 from ._vmap_rules import below_vmap, current_vmap, members_first
 
-__all__ = ["batched_attention"]
+__all__ = ["batched_attention", "fastpath_enabled"]
 
 _FORWARD = "_scaled_dot_product_flash_attention_for_cpu"
 _BACKWARD = "_scaled_dot_product_flash_attention_for_cpu_backward"
@@ -110,6 +110,12 @@ def batched_attention() -> Iterator[None]:
         yield
     finally:
         _exit()
+
+
+def fastpath_enabled() -> bool:
+    """``torch.backends.mha.get_fastpath_enabled()`` as the user set it: what a member alone
+    runs with, while the ensemble's calls have it off (``_encoder_twin`` reads it)."""
+    return _fastpath if _depth else torch.backends.mha.get_fastpath_enabled()
 
 
 def _enter() -> None:

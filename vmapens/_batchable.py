@@ -53,6 +53,7 @@ from torch.nn.utils.parametrizations import _SpectralNorm, _WeightNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
 from ._copies import copy_member
+from ._encoder_twin import BatchableTransformerEncoder
 from ._layout_twins import (
     BatchableAlphaDropout,
     BatchableDropout,
@@ -236,6 +237,7 @@ _BATCHABLE: dict[type, type] = {
     nn.GRUCell: BatchableGRUCell,
     nn.LSTMCell: BatchableLSTMCell,
     nn.MultiheadAttention: BatchableMultiheadAttention,
+    nn.TransformerEncoder: BatchableTransformerEncoder,
     nn.Dropout: BatchableDropout,
     nn.AlphaDropout: BatchableAlphaDropout,
     nn.GroupNorm: BatchableGroupNorm,

@@ -60,6 +60,7 @@ __all__ = [
     "call_member",
     "forget_writes",
     "no_random_ops",
+    "requires_grad_below",
     "tracked",
     "untraced",
     "vmap_members",
@@ -348,7 +349,7 @@ def write_back_(key: str, old: torch.Tensor, new: Any, tied: bool = False) -> No
             "storage keeps each buffer's shape, dtype and device: give the buffer its final "
             "ones when it is registered, or convert the new value (.to(self.<buffer>))"
         )
-    if _history(new):
+    if requires_grad_below(new):
         raise Reassigned(
             f"reassigns buffer `{key}` to a tensor with autograd history (alone, the buffer "
             "would carry that graph into the next forward, whose backward then fails); "
@@ -364,7 +365,7 @@ def _kind(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}, {t.dtype}, on {t.device}"
 
 
-def _history(t: torch.Tensor) -> bool:
+def requires_grad_below(t: torch.Tensor) -> bool:
     """Whether ``t`` requires grad, at its own level or below vmap's wrappers (a batched
     tensor reports ``requires_grad=False`` whatever it wraps)."""
     while not t.requires_grad:

@@ -219,7 +219,8 @@ def run_together(
 
     mine = member_slice(args, member, in_dims, True)
     target = member_slice(targets, member, in_dims, True)
-    with batch_kept(args, targets), forked_rng(sub), batched_attention(), _logical(sub):
+    attention = batched_attention() if sub.backend == "vmap" else contextlib.nullcontext()
+    with batch_kept(args, targets), forked_rng(sub), attention, _logical(sub):
         with _autocast(sub, autocast):
             tensors, loss = sub._member_map(run, (in_dims, in_dims, 0))(state, mine, target, kept)
         spec, leaves = structure

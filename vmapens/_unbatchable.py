@@ -371,7 +371,8 @@ def guarded(
     saved = [b.clone() for b in buffers]
     guard = Guard()
     try:
-        with batched_attention():
+        # The loop runs each member as alone: torch's own attention and its fast path
+        with batched_attention() if backend == "vmap" else contextlib.nullcontext():
             yield guard
     except BaseException as err:
         with torch.no_grad():

@@ -1,0 +1,110 @@
+"""``nn.TransformerEncoder`` whose padded positions come out as the member alone gets them.
+
+Alone, in eval mode with a ``src_key_padding_mask`` (and nothing that needs gradients), torch
+runs the encoder's layers on a nested tensor that holds only the unpadded positions, pads the
+result with zeros and then applies the final norm: a padded position comes out as ``norm(0)``.
+``vmap`` cannot batch nested tensors, so the ensemble's calls run with that fast path off
+(``_attention.batched_attention``), and the layers compute values at the padded positions. The
+unpadded positions agree either way, but a forward that reads every position (a mean over the
+sequence, a decoder attending to the memory without ``memory_key_padding_mask``) then differs
+everywhere, silently. :class:`BatchableTransformerEncoder` asks torch's own conditions and,
+where the member alone takes the nested path, zeroes the padded positions before the norm.
+
+This file imports only torch, ``_attention``, ``_fastcall`` and ``_precision``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import _get_current_function_mode_stack
+
+from ._attention import fastpath_enabled
+from ._fastcall import requires_grad_below
+from ._precision import MemberAutocast
+
+__all__ = ["BatchableTransformerEncoder"]
+
+_DEVICES = ("cpu", "cuda", "xpu")
+
+
+class BatchableTransformerEncoder(nn.TransformerEncoder):
+    """``nn.TransformerEncoder`` as the member alone runs it, under ``vmap`` too.
+
+    Where torch's ``forward`` would convert the input to a nested tensor (its fast path), the
+    layers run on the padded input with the padded keys masked out, as they are in the nested
+    tensor, and the padded positions are set to zero before the norm, as
+    ``to_padded_tensor(0.0)`` sets them. Everywhere else it is torch's ``forward``.
+    """
+
+    def forward(  # type: ignore[override]
+        self,
+        src: Tensor,
+        mask: Tensor | None = None,
+        src_key_padding_mask: Tensor | None = None,
+        is_causal: bool | None = None,
+    ) -> Tensor:
+        if src_key_padding_mask is None or not self._nested_alone(src, mask):
+            return super().forward(src, mask, src_key_padding_mask, is_causal)
+        padding = F._canonical_mask(
+            mask=src_key_padding_mask,
+            mask_name="src_key_padding_mask",
+            other_type=None,
+            other_name="mask",
+            target_type=src.dtype,
+        )
+        assert padding is not None
+        padded = padding != 0  # what the nested tensor leaves out (torch: the mask's logical_not)
+        causal = nn.modules.transformer._detect_is_causal_mask(None, is_causal, src.size(1))
+        output = self._layers(src, padded, causal)
+        if getattr(self, "mask_check", True):
+            # Alone, a mask that is not left aligned (each row's padding after its tokens)
+            # takes the plain path, whose layers add a float mask as it is; the member's own
+            # mask picks (under vmap a tensor, not an `if`).
+            plain = (
+                output
+                if src_key_padding_mask.dtype == torch.bool
+                else self._layers(src, padding, causal)
+            )
+            keep = padded.logical_not()
+            aligned = (keep[..., 1:] <= keep[..., :-1]).all()
+            output = torch.where(aligned, output.masked_fill(padded.unsqueeze(-1), 0.0), plain)
+        else:
+            output = output.masked_fill(padded.unsqueeze(-1), 0.0)
+        return output if self.norm is None else self.norm(output)
+
+    def _layers(self, src: Tensor, padding: Tensor, causal: bool) -> Tensor:
+        output = src
+        for layer in self.layers:
+            output = layer(output, src_mask=None, is_causal=causal, src_key_padding_mask=padding)
+        return output
+
+    def _nested_alone(self, src: Tensor, mask: Tensor | None) -> bool:
+        """Whether torch's ``forward`` would run the member alone, eagerly, on a nested tensor,
+        given a padding mask: its conditions, but the fast path's switch as the user set it
+        (the ensemble's calls turn it off), vmapens's per-member autocast as ``torch.autocast``
+        (it is how the ensemble runs the user's autocast), gradients asked below ``vmap``, and
+        a compiled step as eager (the member trains eagerly alone)."""
+        first = self.layers[0]
+        if not fastpath_enabled() or not getattr(self, "use_nested_tensor", False):
+            return False
+        if first.training or src.dim() != 3 or src.is_nested or mask is not None:
+            return False
+        if getattr(self, "mask_check", True) and torch.compiler.is_exporting():
+            return False  # as torch.export of the member alone (torch.compile: eager's path)
+        modes = _get_current_function_mode_stack()
+        if torch.is_autocast_enabled() or any(isinstance(m, MemberAutocast) for m in modes):
+            return False
+        attn = first.self_attn
+        tensors = (src, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight,
+                   attn.out_proj.bias, first.norm1.weight, first.norm1.bias, first.norm2.weight,
+                   first.norm2.bias, first.linear1.weight, first.linear1.bias,
+                   first.linear2.weight, first.linear2.bias)  # fmt: skip
+        present = [t for t in tensors if t is not None]
+        if modes or any(type(t) not in (Tensor, nn.Parameter) for t in present):
+            return False  # alone, torch's has_torch_function: a mode or a subclass
+        if src.device.type not in _DEVICES:
+            return False
+        # a batched tensor says requires_grad=False whatever it wraps: asked below vmap
+        return not (torch.is_grad_enabled() and any(requires_grad_below(t) for t in present))
