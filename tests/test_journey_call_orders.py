@@ -23,6 +23,7 @@ import models
 import pytest
 import torch
 import torch.nn.functional as F
+from parity import assert_refused_changing_nothing
 from torch import Tensor, nn
 from torch.optim import lr_scheduler as sched
 from truth import TOL64, assert_members_equal, seeded_members
@@ -688,19 +689,21 @@ def test_a_refused_step_after_double_leaves_a_torch_optimizers_state_as_it_was()
         assert [v.dtype for s in opt.state.values() for v in s.values()] == dtypes
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a class target out of range: alone F.cross_entropy raises IndexError('Target 7 is "
-    "out of bounds.'); make_step raises RuntimeError('... index 7 is out of bounds for "
-    "dimension 2 with size 3' ...) about vmap's internals, with a hint to run ens[0](inputs), "
-    "which runs fine (the target is wrong, not the forward); `except IndexError` misses it",
-)
-def test_an_out_of_range_class_target_is_refused_as_torch_refuses_it() -> None:
+@pytest.mark.parametrize("first", [True, False], ids=["first-step", "later-step"])
+def test_an_out_of_range_class_target_is_refused_as_torch_refuses_it(first: bool) -> None:
+    # Under vmap the error spoke of the batched tensors ("index 7 is out of bounds for
+    # dimension 2 with size 3"), a RuntimeError where F.cross_entropy alone raises IndexError.
     ens = vmapens.Ensemble(models.CNN, n=N, seeds=range(N))
-    step = vmapens.make_step(ens, F.cross_entropy, vmapens.StackedAdam(ens, lr=0.01))
-    x, y = torch.randn(4, 1, 6, 6), torch.tensor([0, 1, 7, 2])
+    opt = vmapens.StackedAdam(ens, lr=0.01)
+    step = vmapens.make_step(ens, F.cross_entropy, opt)
+    g = torch.Generator().manual_seed(0)
+    if not first:  # the first call's self-check is done: the step's own failure path
+        step(*_images(g, 4, torch.float32))
+    x, y = torch.randn(4, 1, 6, 6, generator=g), torch.tensor([0, 1, 7, 2])
     with pytest.raises(IndexError) as alone:
         F.cross_entropy(seeded_members(models.CNN, 1)[0](x), y)
+    assert_refused_changing_nothing(step, (x, y), ens, opt, IndexError, "Target 7 is out of bounds")
     with pytest.raises(IndexError) as got:
         step(x, y)
+    assert str(got.value).startswith("step: member 0 run alone raises this too, in `loss_fn`")
     assert str(alone.value) in str(got.value)

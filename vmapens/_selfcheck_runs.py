@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
@@ -20,7 +20,7 @@ try:  # a forward may draw from numpy's global RNG: told apart from torch's belo
     import numpy
 except ImportError:  # torch runs without numpy
     numpy = None  # type: ignore[assignment]
-from torch import Tensor
+from torch import Tensor, nn
 
 from ._attention import batched_attention
 from ._batch_edits import batch_kept
@@ -36,9 +36,19 @@ from ._selfcheck_parts import (
     set_attributes,
 )
 from ._step_more import reached_leaves
+from ._unbatchable import FAILED
 from .ensemble import Ensemble
 
-__all__ = ["DRAWS", "IN_FORWARD", "forked_rng", "member_slice", "run_alone", "run_together"]
+__all__ = [
+    "DRAWS",
+    "IN_FORWARD",
+    "failure_alone",
+    "forked_rng",
+    "loss_state_kept",
+    "member_slice",
+    "run_alone",
+    "run_together",
+]
 
 
 # Alone, torch fills a channels-last or transposed tensor in memory order; vmap in logical order.
@@ -240,3 +250,69 @@ def run_together(
     after = {name: own(name, t.detach()) for name, t in sub.stacked_state().items()}
     first = optree.tree_map(lambda t: t[0] if isinstance(t, Tensor) else t, out)
     return {"out": first, "loss": loss.detach()[0], "state": after, "grads": grads}
+
+
+@contextlib.contextmanager
+def loss_state_kept(loss_fn: Callable) -> Iterator[None]:
+    """Put a loss module's buffers and gradients back after the probe's runs of the loss: a
+    frozen teacher in train mode inside the loss updated its BatchNorm statistics twice more
+    on the first step than alone, silently."""
+    if not isinstance(loss_fn, nn.Module):
+        yield
+        return
+    kept = [(m, k, t, t.detach().clone()) for m in loss_fn.modules()
+            for k, t in m._buffers.items() if t is not None]  # fmt: skip
+    grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in loss_fn.parameters()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, key, tensor, value in kept:
+                tensor.copy_(value)
+                module._buffers[key] = tensor
+        for p, grad in grads:
+            p.grad = grad
+
+
+def failure_alone(
+    api: str,
+    failed: Exception,
+    ens: Ensemble,
+    loss_fn: Callable,
+    args: tuple,
+    targets: Any,
+    in_dims: int | None,
+    autocast: torch.dtype | None,
+) -> Exception | None:
+    """The error member 0 raises run alone on a batch the ensemble failed on (``failed``), as
+    the same type with the step's words in front, or None where it runs alone or ``failed``
+    already is that error.
+
+    Under ``vmap`` an error speaks of the batched tensors (a class target out of range: "index
+    7 is out of bounds for dimension 2 with size 3", a ``RuntimeError`` where ``F.cross_entropy``
+    alone raises ``IndexError: Target 7 is out of bounds.``). Where member 0 fails alone too,
+    its own error is what the user would see without the ensemble, and ``except IndexError``
+    catches it as it would. An error the ensemble explains itself (a loss with
+    ``reduction="none"``, an op vmap cannot batch) is kept: only torch's own words, or the
+    step's "a member's forward or loss failed", are replaced. Nothing of the ensemble changes
+    (``run_alone`` runs a copy, the RNG forked); a loss module's buffers are put back.
+    """
+    said = str(failed)
+    if said.startswith(f"{api}:") and not said.startswith(f"{api}: {FAILED}"):
+        return None
+    try:
+        with loss_state_kept(loss_fn):
+            run_alone(ens, 0, loss_fn, args, targets, in_dims, autocast)
+    except Exception as err:
+        if type(err) is type(failed) and str(err) in str(failed):
+            return None
+        where = "its forward" if getattr(err, IN_FORWARD, False) else "`loss_fn`"
+        message = (
+            f"{api}: member 0 run alone raises this too, in {where}: the batch or the code is "
+            f"what fails, not the ensemble. {err}"
+        )
+        try:
+            return type(err)(message)
+        except Exception:  # an exception class that takes other arguments: its own words
+            return err
+    return None

@@ -24,6 +24,7 @@ from ._batch_edits import EditedInTurns
 from ._fastcall import WRITTEN, Reassigned
 
 __all__ = [
+    "FAILED",
     "NARROW_GATHER",
     "NO_STORAGE",
     "Guard",
@@ -42,6 +43,8 @@ _UNBATCHABLE = (
     "We could not generate a fallback",
     "under vmap transform",  # `.data` of a batched tensor
 )
+#: How an error of a member's forward or loss that nothing here explains is reported.
+FAILED = "a member's forward or loss failed"
 #: What torch.func.vmap says of ``.data`` of a batched tensor.
 _DATA = "accessing `data` under vmap transform"
 #: What torch.func.vmap (and ``_fastcall.no_random_ops``) says of a random op under
@@ -396,7 +399,7 @@ def guarded(
             # 'aten::view' with arguments from the 'SparseCPU' backend") does not say where
             # it came from
             raise RuntimeError(
-                f"{api}: a member's forward or loss failed ({err}); check the inputs "
+                f"{api}: {FAILED} ({err}); check the inputs "
                 f"against one member run alone, e.g. ens[0](inputs){_VMAP_HINT * (backend == 'vmap')}"
             ) from err
         raise

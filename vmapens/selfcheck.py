@@ -12,13 +12,12 @@ itself").
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ._batch_edits import refuse_edits_in_turns
 from ._checks import check_loss_fn, positional, tolerance
@@ -26,7 +25,14 @@ from ._locate import first_padded_difference
 from ._padding import masked
 from ._plain_turns import plain_value
 from ._selfcheck_parts import differences, in_turns, refuse_carried
-from ._selfcheck_runs import DRAWS, IN_FORWARD, member_slice, run_alone, run_together
+from ._selfcheck_runs import (
+    DRAWS,
+    IN_FORWARD,
+    loss_state_kept,
+    member_slice,
+    run_alone,
+    run_together,
+)
 from ._unbatchable import explain_failure, follow_sparse
 from .ensemble import Ensemble, check_ensemble
 
@@ -181,7 +187,7 @@ class Probe:
         if not self.pending:
             return
         batch = (self.loss_fn, args, targets, self.in_dims, self.autocast)
-        with _loss_state_kept(self.loss_fn):
+        with loss_state_kept(self.loss_fn):
             runs = []
             for m in probed(self.ens):
                 try:
@@ -219,28 +225,6 @@ def _refuse_if_it_runs_together(ens: Ensemble, member: int, batch: tuple, err: E
         "backend='loop' to run each member as it runs alone"
         + (_PADDED_INPUT if ens._padding is not None else "")
     ) from err
-
-
-@contextlib.contextmanager
-def _loss_state_kept(loss_fn: Callable) -> Iterator[None]:
-    """Put a loss module's buffers and gradients back after the probe's runs of the loss: a
-    frozen teacher in train mode inside the loss updated its BatchNorm statistics twice more
-    on the first step than alone, silently."""
-    if not isinstance(loss_fn, nn.Module):
-        yield
-        return
-    kept = [(m, k, t, t.detach().clone()) for m in loss_fn.modules()
-            for k, t in m._buffers.items() if t is not None]  # fmt: skip
-    grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in loss_fn.parameters()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for module, key, tensor, value in kept:
-                tensor.copy_(value)
-                module._buffers[key] = tensor
-        for p, grad in grads:
-            p.grad = grad
 
 
 # -- the comparison -------------------------------------------------------------------------

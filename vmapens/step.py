@@ -12,6 +12,7 @@ from ._compiled_step import compiled_step
 from ._fastcall import call_member
 from ._kept import call_noting, held_rows, loss_with_kept
 from ._precision import LossScale
+from ._selfcheck_runs import failure_alone
 from ._step_hooks import TemplateHooks
 from ._step_more import grad_on, graph_into
 from ._step_parts import (
@@ -115,6 +116,9 @@ def make_step(
             update differs from the eager one; that call changed nothing.
         RuntimeError: (from the step) called under ``torch.inference_mode()``; under
             ``torch.no_grad()`` a step runs with grad on, as ``torch.func.grad`` does.
+        Exception: (from the eager step) where the members' forward or loss fails and member 0
+            run alone on the batch fails too, member 0's own error, in its own type (an
+            ``IndexError`` for a class target out of range, as ``F.cross_entropy`` alone).
 
     Example:
         >>> from vmapens import Ensemble, StackedAdam
@@ -173,6 +177,7 @@ def make_step(
         undo = undo_point(ens, optimizer)
         turns.clear()
         frozen = held_rows(ens.template, mask)  # a frozen member's kept hidden state stays
+        guard = None
         try:
             with ens.guard("step", loss=True) as guard, frozen_members(ens, mask):
                 scale = None if update.scale is None else update.scale.scale
@@ -209,10 +214,17 @@ def make_step(
                         masked(mask=stepping)
                 if update.scale is not None:
                     update.scale.update_(found_inf, mask)
-        except BaseException:
+        except BaseException as err:
             for p, g in zip(every, old_grads, strict=True):
                 p.grad = g
             undo()
+            ours = guard is None or not guard.members_ran  # the members' forward or loss
+            if isinstance(err, Exception) and ours and ens.backend == "vmap":
+                alone = failure_alone(
+                    "step", err, ens, loss_fn, args, targets, in_dims, update.dtype
+                )
+                if alone is not None:
+                    raise alone from err
             raise
         ens._keep(turns, detach=True)  # as ens(x) leaves them: a reset on the template is seen
         frozen()
