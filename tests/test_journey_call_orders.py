@@ -402,6 +402,21 @@ def test_an_optimizer_made_after_apply_trains_the_new_parameter_as_alone() -> No
     pair.assert_same()
 
 
+def test_apply_removing_a_parameter_is_refused_changing_nothing() -> None:
+    # It raised a bare KeyError('head.bias') after the members' apply had run.
+    ens = vmapens.Ensemble(models.CNN, n=N, seeds=range(N))
+    before = {k: (t, t.detach().clone()) for k, t in ens.stacked_state().items()}
+
+    def no_bias(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            m.bias = None
+
+    with pytest.raises(ValueError, match=r"`fn` removed `head.bias` \(set it to None"):
+        ens.apply(no_bias)
+    for k, t in ens.stacked_state().items():
+        assert t is before[k][0] and torch.equal(t, before[k][1]), k
+
+
 def test_apply_replacing_a_parameter_in_one_member_only_is_refused_changing_nothing() -> None:
     ens = vmapens.Ensemble(models.CNN, n=N, seeds=range(N))
     before = {k: (t, t.detach().clone()) for k, t in ens.stacked_state().items()}

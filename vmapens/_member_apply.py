@@ -48,6 +48,13 @@ def apply_members(api: str, ens: Any, fn: Callable[[nn.Module], None]) -> None:
                 reference = reference or after
                 check_same(reference, member, i, api, shapes=ens._padding is None)
                 state = dict(named_tensors(member))
+                gone = [k for k in stacked if k not in state]
+                if gone:
+                    raise ValueError(
+                        f"{api}: `fn` removed `{gone[0]}` (set it to None or deleted it); the "
+                        "ensemble keeps one structure for all members: build the members "
+                        "without it, or zero it in place (nn.init.zeros_) and freeze it"
+                    )
                 new = {k for k in params if state[k] is not objects[k]}
                 if replaced is None:
                     replaced = {k: stacked[k].detach().clone() for k in new}
