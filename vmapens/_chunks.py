@@ -19,6 +19,7 @@ from ._fastcall import vmap_members
 from ._plain_turns import plain_turns
 
 __all__ = [
+    "Draws",
     "chunk_bounds",
     "chunked_losses_and_grads",
     "in_order",
@@ -44,39 +45,70 @@ def in_order(
     how: str,
     same_randomness: bool,
     runner: nn.Module | None,
+    args: Any = (),
 ) -> Iterator[tuple[int, int]]:
     """The turns ``bounds`` (members ``a`` to ``b - 1`` each), one after another, as vmap runs
     its chunks: before every turn after the first, one that follows a turn that edited a
     tensor of ``shared`` (the batch all members share) is refused (``refuse_edited``, ``how``:
-    the setting that runs turns), for ``randomness="same"`` (``same_randomness``) the RNG
-    state is put back, so that every turn draws what the first drew, and the plain values on
-    ``runner``'s modules (the module the members run) are put back (``PlainTurns``)."""
-    rng = torch.get_rng_state() if same_randomness else None
+    the setting that runs turns), for ``randomness="same"`` (``same_randomness``) the random
+    states are put back (``Draws``), so that every turn draws what the first drew, and the
+    plain values on ``runner``'s modules (the module the members run) are put back
+    (``PlainTurns``)."""
+    draws = Draws(args, runner) if same_randomness else None
     plain = plain_turns(runner)
     last: tuple[int, int] | None = None
-    ends: list[tuple[int, torch.Tensor]] = []  # (first member, RNG state) after each turn
+    ends: list[tuple[int, list[torch.Tensor]]] = []  # (first member, states) after each turn
     for a, b in bounds:
         if last is not None:
             refuse_edited(shared, how, *last)
-        if rng is not None:
+        if draws is not None:
             if last is not None:
-                ends.append((last[0], torch.get_rng_state()))
-            torch.set_rng_state(rng)
+                ends.append((last[0], draws.now()))
+            draws.restore()
         if plain is not None:
             plain.next_turn()
         yield a, b
         last = (a, b - 1)
-    if rng is not None and last is not None:
-        _warn_uneven_draws(how, ends, last[0])
+    if draws is not None and last is not None:
+        _warn_uneven_draws(how, ends, last[0], draws.now())
 
 
-def _warn_uneven_draws(how: str, ends: list[tuple[int, torch.Tensor]], final: int) -> None:
-    """Warn when the turns of a ``randomness="same"`` call left the global RNG in different
-    states (``ends``: each turn's first member and the state it left; the last turn, whose
-    first member is ``final``, left the current one): the next call goes on from the last
-    turn's state, which is not where the other members' draws leave their RNG alone."""
-    now = torch.get_rng_state()
-    uneven = [i for i, state in ends if not torch.equal(state, now)]
+class Draws:
+    """Where every random draw a turn can make starts: torch's global CPU generator, the
+    current CUDA device's once CUDA is up, and each ``torch.Generator`` in the call's
+    arguments or held by one of ``runner``'s modules (``torch.randn(..., generator=g)``)."""
+
+    def __init__(self, args: Any, runner: nn.Module | None) -> None:
+        found = [g for g in optree.tree_leaves(args) if isinstance(g, torch.Generator)]
+        for module in () if runner is None else runner.modules():
+            found += [g for g in vars(module).values() if isinstance(g, torch.Generator)]
+        self.generators = list({id(g): g for g in found}.values())
+        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.states = self.now()
+
+    def now(self) -> list[torch.Tensor]:
+        """Every state, in order."""
+        cuda = [torch.cuda.get_rng_state()] if self.cuda else []
+        return [torch.get_rng_state(), *cuda, *(g.get_state() for g in self.generators)]
+
+    def restore(self) -> None:
+        """Every state as it was when this was made."""
+        states = iter(self.states)
+        torch.set_rng_state(next(states))
+        if self.cuda:
+            torch.cuda.set_rng_state(next(states))
+        for g in self.generators:
+            g.set_state(next(states))
+
+
+def _warn_uneven_draws(
+    how: str, ends: list[tuple[int, list[torch.Tensor]]], final: int, now: list[torch.Tensor]
+) -> None:
+    """Warn when the turns of a ``randomness="same"`` call left the random states in different
+    places (``ends``: each turn's first member and the states it left; the last turn, whose
+    first member is ``final``, left ``now``): the next call goes on from the last turn's
+    states, which is not where the other members' draws leave their RNG alone."""
+    uneven = [i for i, states in ends if not all(map(torch.equal, states, now))]
     if uneven:
         warnings.warn(
             f"{how} with randomness='same': member {uneven[0]} drew other random numbers "
@@ -92,14 +124,20 @@ def _warn_uneven_draws(how: str, ends: list[tuple[int, torch.Tensor]], final: in
 
 
 def in_turns(
-    fn: Callable[..., Any], versions: Versions, size: int, runner: nn.Module | None
+    fn: Callable[..., Any],
+    versions: Versions,
+    size: int,
+    runner: nn.Module | None,
+    draws: Draws | None = None,
 ) -> Callable[..., Any]:
     """``fn`` as ``torch.func.vmap(chunk_size=size)`` calls it, once per chunk of members in
     turn: a chunk after one that edited a tensor of ``versions`` is refused (``refuse_edited``),
-    and every chunk starts from the plain values ``runner``'s modules held before the call
-    (``PlainTurns``)."""
+    every chunk starts from the plain values ``runner``'s modules held before the call
+    (``PlainTurns``) and, with ``draws`` (``randomness="same"``), from its generators' states
+    (torch.func puts back its global RNG only)."""
     plain = plain_turns(runner)
-    if not versions and plain is None:
+    draws = draws if draws is not None and draws.generators else None
+    if not versions and plain is None and draws is None:
         return fn
     turns = itertools.count()
 
@@ -109,6 +147,8 @@ def in_turns(
             refuse_edited(versions, f"chunk_size={size}", (k - 1) * size, k * size - 1)
         if plain is not None:
             plain.next_turn()
+        if k and draws is not None:
+            draws.restore()
         return fn(*args)
 
     return turn
@@ -138,7 +178,8 @@ def vmap_in_turns(
     slices = Slices(args, in_dims)
     outputs = []
     bounds = chunk_bounds(n, size) or [(0, n)]
-    for a, b in in_order(bounds, shared, f"chunk_size={size}", randomness == "same", runner):
+    how = f"chunk_size={size}"
+    for a, b in in_order(bounds, shared, how, randomness == "same", runner, args):
         part = slices.take(slice(a, b))
         outputs.append(vmap_members(fn, b - a, randomness, turns.take(slice(a, b)), part, in_dims))
         turns.give_back(slice(a, b))
@@ -203,7 +244,7 @@ def chunked_losses_and_grads(
     # A forward that edits a shared batch tensor would show chunk k the edits of chunks < k.
     shared = shared_versions((args, targets), (in_dims, in_dims))
     how = f"chunk_size={chunks[0][1]}"
-    for a, b in in_order(chunks, shared, how, same_randomness, runner):
+    for a, b in in_order(chunks, shared, how, same_randomness, runner, (args, targets)):
         member_args = (args, targets) if in_dims is None else rows((args, targets), a, b)
         losses.append(
             _run_chunk(batched, state, trained, grads, member_args, scale, a, b, autocast)

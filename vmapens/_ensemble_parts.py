@@ -1,5 +1,6 @@
 """What ``Ensemble``'s constructors accept: the sequences they take, and members they refuse
-(a ``torch.compile`` wrapper; ``nn.SyncBatchNorm`` in a sharded ensemble).
+(a ``torch.compile`` wrapper; ``nn.SyncBatchNorm`` in a sharded ensemble); the stacked storage
+for a member's tensor, in its layout.
 
 This file imports only torch, ``_members`` and ``_padding``.
 """
@@ -9,12 +10,33 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from ._members import check_member, check_same, signature
 from ._padding import check_pair
 
-__all__ = ["check_factories", "check_modules", "refuse_compiled", "refuse_synced"]
+__all__ = [
+    "check_factories",
+    "check_modules",
+    "refuse_compiled",
+    "refuse_synced",
+    "stacked_like",
+]
+
+_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+def stacked_like(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Empty storage for ``n`` members' ``t``: ``[n, *t.shape]``, each member's row laid out as
+    ``t`` where ``t`` is channels-last (a factory's ``.to(memory_format=torch.channels_last)``),
+    else contiguous. A conv's output follows its weight's layout, and a random op fills a
+    tensor in memory order: a member stored contiguous drew other dropout masks than alone."""
+    shape = (n, *t.shape)
+    fmt = _LAST.get(t.dim())
+    if fmt is None or t.is_contiguous() or not t.is_contiguous(memory_format=fmt):
+        return torch.empty(shape, dtype=t.dtype, device=t.device)
+    return torch.empty_strided(shape, (t.numel(), *t.stride()), dtype=t.dtype, device=t.device)
 
 
 def check_factories(api: str, factories: Any) -> None:

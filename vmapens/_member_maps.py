@@ -12,7 +12,7 @@ from torch import nn
 
 from ._batch_edits import shared_versions
 from ._buffer_turns import Slices, Turns
-from ._chunks import in_order, in_turns, uncache, uncached, vmap_in_turns
+from ._chunks import Draws, in_order, in_turns, uncache, uncached, vmap_in_turns
 from ._fastcall import forget_writes, no_random_ops, vmap_members
 from ._kept import KeptTurns
 from ._linalg_failure import FAILED_MEMBER
@@ -39,7 +39,8 @@ def looped(
         outputs, kept = [], KeptTurns(runner, n)  # each member its own row of a kept stack
         members = ((i, i + 1) for i in range(n))
         try:
-            for i, _ in in_order(members, shared, "backend='loop'", randomness == "same", runner):
+            same = randomness == "same"
+            for i, _ in in_order(members, shared, "backend='loop'", same, runner, args):
                 member_args = slices.take(i)
                 uncache()  # member i - 1's parametrized tensors: cached by module, not by member
                 kept.take(i)
@@ -94,7 +95,9 @@ def vmapped(
         turns = Turns(state) if size is not None else None
         mine = any(d is not None for d in in_dims)
         if size is not None and not (turns and (turns.active or turns.backward and mine)):
-            mapped, turns = in_turns(mapped, shared_versions(args, in_dims), size, runner), None
+            draws = Draws(args, runner) if randomness == "same" else None
+            versions = shared_versions(args, in_dims)
+            mapped, turns = in_turns(mapped, versions, size, runner, draws), None
         uncache()  # another module's, cached under the id a member's module has now
         try:
             if turns is not None and size is not None:

@@ -22,7 +22,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from ._batchable import own_parametrized_classes_
 from ._copies import copy_member
-from ._ensemble_parts import refuse_compiled
+from ._ensemble_parts import refuse_compiled, stacked_like
 from ._members import check_same, class_name, named_tensors, signature
 from ._padding import Padding, check_pair, gates_of, largest, setting_advice
 from ._plain_turns import INTERNAL
@@ -80,10 +80,7 @@ def stack_one_size(members: Iterable[nn.Module], member_ids: Sequence[int], api:
             reference, training = signature(member), member.training
             check_extra_state(api, member)
             template = meta_copy(member)
-            stacked = {
-                name: torch.empty((len(member_ids), *t.shape), dtype=t.dtype, device=t.device)
-                for name, t in named_tensors(member)
-            }
+            stacked = {name: stacked_like(t, len(member_ids)) for name, t in named_tensors(member)}
             rows = {name: s.unbind() for name, s in stacked.items()}
         else:
             theirs = check_same(reference, member, member_ids[slot], api)
