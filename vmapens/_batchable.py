@@ -53,7 +53,7 @@ from torch.nn.utils.parametrizations import _SpectralNorm, _WeightNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
 from ._copies import copy_member
-from ._encoder_twin import BatchableTransformerEncoder
+from ._encoder_twin import encoder_twin
 from ._layout_twins import (
     BatchableAlphaDropout,
     BatchableDropout,
@@ -237,7 +237,6 @@ _BATCHABLE: dict[type, type] = {
     nn.GRUCell: BatchableGRUCell,
     nn.LSTMCell: BatchableLSTMCell,
     nn.MultiheadAttention: BatchableMultiheadAttention,
-    nn.TransformerEncoder: BatchableTransformerEncoder,
     nn.Dropout: BatchableDropout,
     nn.AlphaDropout: BatchableAlphaDropout,
     nn.GroupNorm: BatchableGroupNorm,
@@ -271,6 +270,8 @@ def _plain_twin(module: nn.Module, cls: type) -> type:
     """The twin of ``cls``, ``module``'s class or the one below its parametrization."""
     if getattr(module, "momentum", 0.1) is None and issubclass(cls, tuple(_CUMULATIVE)):
         return _CUMULATIVE.get(cls) or _subclass_twin(cls)
+    if issubclass(cls, nn.TransformerEncoder):  # subclasses too: their forward reaches it
+        return encoder_twin(cls)
     return _BATCHABLE.get(cls, cls)
 
 

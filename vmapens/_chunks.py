@@ -73,6 +73,10 @@ def in_order(
         _warn_uneven_draws(how, ends, last[0], draws.now())
 
 
+#: A module's own dicts of tensors and submodules: no generator there.
+_TORCH_SLOTS = frozenset(("_parameters", "_buffers", "_modules"))
+
+
 class Draws:
     """Where every random draw a turn can make starts: torch's global CPU generator, the
     current CUDA device's once CUDA is up, and each ``torch.Generator`` in the call's
@@ -81,7 +85,8 @@ class Draws:
     def __init__(self, args: Any, runner: nn.Module | None) -> None:
         found = [g for g in optree.tree_leaves(args) if isinstance(g, torch.Generator)]
         for module in () if runner is None else runner.modules():
-            found += [g for g in vars(module).values() if isinstance(g, torch.Generator)]
+            held: Any = [v for k, v in vars(module).items() if k not in _TORCH_SLOTS]
+            found += [g for g in optree.tree_leaves(held) if isinstance(g, torch.Generator)]
         self.generators = list({id(g): g for g in found}.values())
         self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         self.states = self.now()

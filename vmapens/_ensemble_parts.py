@@ -18,6 +18,7 @@ from ._padding import check_pair
 
 __all__ = [
     "check_factories",
+    "check_layout",
     "check_modules",
     "refuse_compiled",
     "refuse_synced",
@@ -121,3 +122,26 @@ def _check_sequence(api: str, name: str, value: Any, of: str) -> None:
         )
     if len(value) == 0:
         raise ValueError(f"{api}: `{name}` must not be empty")
+
+
+def check_layout(api: str, name: str, t: torch.Tensor, first: torch.Tensor, member: int) -> None:
+    """Refuse member ``member``'s ``t`` (``name``) laid out otherwise than member 0's row
+    ``first`` (channels-last or not): the stack holds one layout, and a random op inside the
+    member (dropout after a conv, an init through ``ens.apply``) fills a tensor in memory
+    order, so a member stacked in another layout would draw other numbers than alone."""
+    fmt = _LAST.get(t.dim())
+    if fmt is None:
+        return
+    mine, theirs = (
+        not x.is_contiguous() and x.is_contiguous(memory_format=fmt) for x in (t, first)
+    )
+    if mine != theirs:
+        said = {True: "channels-last", False: "contiguous"}
+        raise ValueError(
+            f"{api}: member {member}'s `{name}` is {said[mine]} and member 0's is "
+            f"{said[theirs]}; the members are stacked in one layout, and a random op inside "
+            "a member (dropout after a conv, an init through ens.apply) fills a tensor in "
+            "memory order, so a member in another layout would draw other numbers than alone: "
+            "build every member in one layout (.to(memory_format=torch.channels_last) on each, "
+            "or on none)"
+        )

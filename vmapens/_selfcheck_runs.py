@@ -284,35 +284,50 @@ def failure_alone(
     in_dims: int | None,
     autocast: torch.dtype | None,
 ) -> Exception | None:
-    """The error member 0 raises run alone on a batch the ensemble failed on (``failed``), as
-    the same type with the step's words in front, or None where it runs alone or ``failed``
+    """The error a member raises run alone on a batch the ensemble failed on (``failed``), in
+    its own type with the step's words in front, or None where it runs alone or ``failed``
     already is that error.
 
     Under ``vmap`` an error speaks of the batched tensors (a class target out of range: "index
     7 is out of bounds for dimension 2 with size 3", a ``RuntimeError`` where ``F.cross_entropy``
-    alone raises ``IndexError: Target 7 is out of bounds.``). Where member 0 fails alone too,
+    alone raises ``IndexError: Target 7 is out of bounds.``). Where a member fails alone too,
     its own error is what the user would see without the ensemble, and ``except IndexError``
-    catches it as it would. An error the ensemble explains itself (a loss with
-    ``reduction="none"``, an op vmap cannot batch) is kept: only torch's own words, or the
+    catches it as it would. Member 0 is run, and with per-member data (``in_dims=0``) the next
+    ones until one fails (at most ``_TRIED``). An error the ensemble explains itself (a loss
+    with ``reduction="none"``, an op vmap cannot batch) is kept: only torch's own words, or the
     step's "a member's forward or loss failed", are replaced. Nothing of the ensemble changes
     (``run_alone`` runs a copy, the RNG forked); a loss module's buffers are put back.
     """
     said = str(failed)
     if said.startswith(f"{api}:") and not said.startswith(f"{api}: {FAILED}"):
         return None
-    try:
-        with loss_state_kept(loss_fn):
-            run_alone(ens, 0, loss_fn, args, targets, in_dims, autocast)
-    except Exception as err:
-        if type(err) is type(failed) and str(err) in str(failed):
-            return None
-        where = "its forward" if getattr(err, IN_FORWARD, False) else "`loss_fn`"
-        message = (
-            f"{api}: member 0 run alone raises this too, in {where}: the batch or the code is "
-            f"what fails, not the ensemble. {err}"
-        )
+    for member in range(min(len(ens), _TRIED) if in_dims is not None else 1):
         try:
-            return type(err)(message)
-        except Exception:  # an exception class that takes other arguments: its own words
-            return err
+            with loss_state_kept(loss_fn):
+                run_alone(ens, member, loss_fn, args, targets, in_dims, autocast)
+        except Exception as err:
+            if type(err) is type(failed) and str(err) in said:
+                return None
+            return _as_alone(api, member, err)
     return None
+
+
+#: The members ``failure_alone`` runs at most, one after another, to find the one that fails.
+_TRIED = 64
+
+
+def _as_alone(api: str, member: int, err: Exception) -> Exception:
+    """``err`` with the step's words in front: a builtin exception whose one argument is its
+    message is made anew with them; any other (its own arguments, attributes) is raised as it
+    is, the words added as a note where Python has notes (3.11)."""
+    where = "its forward" if getattr(err, IN_FORWARD, False) else "`loss_fn`"
+    lead = (
+        f"{api}: member {member} run alone raises this too, in {where}: the batch or the code "
+        "is what fails, not the ensemble."
+    )
+    plain = type(err).__module__ == "builtins" and not isinstance(err, KeyError)
+    if plain and len(err.args) == 1 and isinstance(err.args[0], str):
+        return type(err)(f"{lead} {err}")
+    if hasattr(err, "add_note"):
+        err.add_note(lead)
+    return err

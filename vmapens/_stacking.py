@@ -22,7 +22,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from ._batchable import own_parametrized_classes_
 from ._copies import copy_member
-from ._ensemble_parts import refuse_compiled, stacked_like
+from ._ensemble_parts import check_layout, refuse_compiled, stacked_like
 from ._members import check_same, class_name, named_tensors, signature
 from ._padding import Padding, check_pair, gates_of, largest, setting_advice
 from ._plain_turns import INTERNAL
@@ -87,6 +87,7 @@ def stack_one_size(members: Iterable[nn.Module], member_ids: Sequence[int], api:
             check_settings(reference[3], theirs[3], member_ids[slot], api, member_ids[0])
         with torch.no_grad():
             for name, t in named_tensors(member):
+                check_layout(api, name, t, rows[name][0], member_ids[slot])
                 rows[name][slot].copy_(t)
         del member  # drop our reference before the next member is built
         slot += 1  # noqa: SIM113

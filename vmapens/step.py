@@ -163,15 +163,17 @@ def make_step(
     turns: list = []  # what the forward kept, by turn: on the template after the step
     batched = ens._member_map(_member_loss(ens, loss_fn, turns), (in_dims, in_dims))
 
-    # The stacked parameters keep their identity through .to() / .double(): list them once.
-    # Which of them train is read every call, as loss.backward() reads it.
-    every: list[torch.Tensor] = list(ens.parameters())
     hooks = TemplateHooks(ens)  # `batched` was lifted now: hooks added later are seen here
 
     def step(inputs: Any, targets: Any, mask: torch.Tensor | None = None) -> torch.Tensor:
         ens._follow_template()  # ens.template.<layer>.requires_grad_(False) before the flags
         args = check_call(ens, optimizer, inputs, targets, mask, in_dims)
         hooks()
+        # Listed every call, as loss.backward() reaches the module's parameters of the moment
+        # (ens.apply(fn) that replaces one, load_state_dict(assign=True) give new Parameters),
+        # with the optimizer's, which zero_grad clears (an old one it holds: no step on it).
+        held_now = (q for group in optimizer.param_groups for q in group["params"])
+        every: list[torch.Tensor] = list(dict.fromkeys([*ens.parameters(), *held_now]))
         params = trainable(every)
         old_grads = [p.grad for p in every]
         undo = undo_point(ens, optimizer)
