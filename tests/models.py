@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -161,3 +163,15 @@ class TwoInputs(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return self.a(x) + torch.tanh(self.b(z))
+
+
+class Zoo(nn.Module):
+    """Every part of ``parts`` (name -> factory) on the same input, outputs flattened and
+    joined: one member that exercises several layers at once."""
+
+    def __init__(self, parts: dict[str, Callable[[], nn.Module]]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleDict({name: make() for name, make in parts.items()})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x).flatten(1) for part in self.parts.values()], 1)

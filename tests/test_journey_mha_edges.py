@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from models import Zoo
 from torch import Tensor, nn
 
 import vmapens
@@ -246,17 +247,6 @@ def _trains_as_alone(factory: Callable[[], nn.Module], x: Tensor, opts: dict, sa
         assert list(got) == list(want)
         for key in want:
             torch.testing.assert_close(got[key], want[key], **TOL, msg=f"member {i} {key}")
-
-
-class Zoo(nn.Module):
-    """Every layer of ``parts`` on the same input, outputs flattened and joined."""
-
-    def __init__(self, parts: dict[str, Callable[[], nn.Module]]) -> None:
-        super().__init__()
-        self.parts = nn.ModuleDict({name: make() for name, make in parts.items()})
-
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.cat([part(x).flatten(1) for part in self.parts.values()], 1)
 
 
 PARTS: dict[str, Callable[[], nn.Module]] = {

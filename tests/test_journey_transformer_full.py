@@ -39,6 +39,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from models import Zoo
 from parity import forward_and_steps_as_alone
 from torch import Tensor, nn
 
@@ -132,17 +133,6 @@ class Cross(nn.Module):
         out, w = self.mha(q, k, v, **call)
         out = out if self.bf else out.transpose(0, 1)
         return out.flatten(1) if w is None else torch.cat([out.flatten(1), w.flatten(1)], 1)
-
-
-class Zoo(nn.Module):
-    """Every part on the same input, outputs flattened and joined."""
-
-    def __init__(self, parts: dict[str, Callable[[], nn.Module]]) -> None:
-        super().__init__()
-        self.parts = nn.ModuleDict({name: make() for name, make in parts.items()})
-
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.cat([part(x).flatten(1) for part in self.parts.values()], 1)
 
 
 PARTS: dict[str, Callable[[], nn.Module]] = {
