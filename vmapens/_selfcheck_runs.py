@@ -252,6 +252,10 @@ def run_together(
     return {"out": first, "loss": loss.detach()[0], "state": after, "grads": grads}
 
 
+#: The members ``failure_alone`` runs at most, one after another, to find the one that fails.
+_TRIED = 64
+
+
 @contextlib.contextmanager
 def loss_state_kept(loss_fn: Callable) -> Iterator[None]:
     """Put a loss module's buffers and gradients back after the probe's runs of the loss: a
@@ -310,10 +314,6 @@ def failure_alone(
                 return None
             return _as_alone(api, member, err)
     return None
-
-
-#: The members ``failure_alone`` runs at most, one after another, to find the one that fails.
-_TRIED = 64
 
 
 def _as_alone(api: str, member: int, err: Exception) -> Exception:

@@ -370,7 +370,8 @@ def guarded(
     buffers: Sequence[torch.Tensor], api: str, name: str, backend: str, loss: bool = False
 ) -> Iterator[Guard]:
     """``Ensemble.guard``: buffers given back on any exception, errors explained (``loss``: as
-    in ``explain_failure``) until ``Guard.members_ran``, batched attention on (see there)."""
+    in ``explain_failure``) until ``Guard.members_ran``, batched attention on with
+    ``backend="vmap"`` (see there)."""
     saved = [b.clone() for b in buffers]
     guard = Guard()
     try:
