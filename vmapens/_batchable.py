@@ -53,7 +53,7 @@ from torch.nn.utils.parametrizations import _SpectralNorm, _WeightNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
 from ._copies import copy_member
-from ._encoder_twin import encoder_twin
+from ._encoder_twin import BatchableTransformerEncoder
 from ._layout_twins import (
     BatchableAlphaDropout,
     BatchableDropout,
@@ -179,20 +179,28 @@ class _Twin:
         return (_rebuilt, (self._twin_of,), *reduced[2:])
 
 
-#: The twins made for BatchNorm subclasses, by the user's class.
+#: The twins made for subclasses (BatchNorm's, nn.TransformerEncoder's), by the user's class.
 _TWINS: dict[type, type[nn.Module]] = {}
 
 
 def _subclass_twin(cls: type) -> type[nn.Module]:
-    """``cls`` (a subclass of one of ``_CUMULATIVE``) with its twin's forward first where
-    ``cls`` keeps torch's ``forward``, else ``_Refused``'s; one class per ``cls``."""
+    """``cls`` with its twin's ``forward`` where it reaches it, one class per ``cls``.
+
+    A subclass of one of ``_CUMULATIVE``: the twin's forward first where ``cls`` keeps torch's
+    ``forward``, else ``_Refused``'s. A subclass of ``nn.TransformerEncoder``: ``cls`` first,
+    so its own ``forward`` runs and reaches the twin's through ``super()``, as it reaches
+    torch's alone (one without runs the twin's)."""
     if cls not in _TWINS:
-        base = next(b for b in cls.__mro__ if b in _CUMULATIVE)
-        own = cls.forward is not base.forward  # type: ignore[attr-defined]
-        # the named twin's first base holds its forward (``_Cumulative``, ``_CumulativeSync``)
-        mixin = _Refused if own else _CUMULATIVE[base].__bases__[0]
+        if issubclass(cls, nn.TransformerEncoder):
+            bases: tuple[type, ...] = (_Twin, cls, BatchableTransformerEncoder)
+        else:
+            base = next(b for b in cls.__mro__ if b in _CUMULATIVE)
+            own = cls.forward is not base.forward  # type: ignore[attr-defined]
+            # the named twin's first base holds its forward (``_Cumulative``, ...)
+            mixin = _Refused if own else _CUMULATIVE[base].__bases__[0]
+            bases = (_Twin, mixin, cls)
         name = f"Batchable{cls.__name__}"
-        twin = type(name, (_Twin, mixin, cls), {"_twin_of": cls, "__module__": cls.__module__})
+        twin = type(name, bases, {"_twin_of": cls, "__module__": cls.__module__})
         twin.__qualname__ = f"{cls.__qualname__}<batchable>"
         _TWINS[cls] = twin
     return _TWINS[cls]
@@ -270,8 +278,9 @@ def _plain_twin(module: nn.Module, cls: type) -> type:
     """The twin of ``cls``, ``module``'s class or the one below its parametrization."""
     if getattr(module, "momentum", 0.1) is None and issubclass(cls, tuple(_CUMULATIVE)):
         return _CUMULATIVE.get(cls) or _subclass_twin(cls)
-    if issubclass(cls, nn.TransformerEncoder):  # subclasses too: their forward reaches it
-        return encoder_twin(cls)
+    if issubclass(cls, nn.TransformerEncoder) and not issubclass(cls, BatchableTransformerEncoder):
+        # subclasses too: their forward reaches the twin's
+        return BatchableTransformerEncoder if cls is nn.TransformerEncoder else _subclass_twin(cls)
     return _BATCHABLE.get(cls, cls)
 
 

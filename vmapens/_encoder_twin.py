@@ -15,8 +15,6 @@ This file imports only torch, ``_attention``, ``_fastcall`` and ``_precision``.
 
 from __future__ import annotations
 
-from typing import Any, SupportsIndex
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -26,7 +24,7 @@ from ._attention import fastpath_enabled
 from ._fastcall import requires_grad_below
 from ._precision import MemberAutocast
 
-__all__ = ["BatchableTransformerEncoder", "encoder_twin"]
+__all__ = ["BatchableTransformerEncoder"]
 
 _DEVICES = ("cpu", "cuda", "xpu")
 
@@ -112,40 +110,3 @@ class BatchableTransformerEncoder(nn.TransformerEncoder):
             return False
         # a batched tensor says requires_grad=False whatever it wraps: asked below vmap
         return not (torch.is_grad_enabled() and any(requires_grad_below(t) for t in present))
-
-
-#: The twins made for subclasses of ``nn.TransformerEncoder``, by the user's class.
-_TWINS: dict[type, type[nn.Module]] = {}
-
-
-def encoder_twin(cls: type) -> type[nn.Module]:
-    """The twin of ``nn.TransformerEncoder`` or of a subclass of it (one class per subclass):
-    the subclass first, so its own ``forward`` runs and reaches the twin's through
-    ``super()``, as it reaches torch's alone; a subclass without one runs the twin's."""
-    if cls is nn.TransformerEncoder or issubclass(cls, BatchableTransformerEncoder):
-        return BatchableTransformerEncoder if cls is nn.TransformerEncoder else cls
-    if cls not in _TWINS:
-        bases = (_Rebuilt, cls, BatchableTransformerEncoder)
-        twin = type(
-            f"Batchable{cls.__name__}", bases, {"_twin_of": cls, "__module__": cls.__module__}
-        )
-        twin.__qualname__ = f"{cls.__qualname__}<batchable>"
-        _TWINS[cls] = twin
-    return _TWINS[cls]
-
-
-class _Rebuilt:
-    """What a subclass's twin pickles and deep-copies as: made anew in each process from the
-    user's class, found by name as usual."""
-
-    _twin_of: type
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
-        reduced = super().__reduce_ex__(protocol)  # (copyreg's, (twin,), state, ...)
-        return (_rebuilt, (self._twin_of,), *reduced[2:])
-
-
-def _rebuilt(cls: type) -> nn.Module:
-    """An empty module of ``cls``'s twin, for pickle to set the state of."""
-    twin = encoder_twin(cls)
-    return twin.__new__(twin)
