@@ -17,6 +17,7 @@ from ._members import check_member, check_same, signature
 from ._padding import check_pair
 
 __all__ = [
+    "CHANNELS_LAST",
     "check_factories",
     "check_layout",
     "check_modules",
@@ -25,7 +26,14 @@ __all__ = [
     "stacked_like",
 ]
 
-_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+#: The channels-last format of a tensor of each rank (``Module.to(memory_format=...)``'s).
+CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+def _channels_last(t: torch.Tensor) -> bool:
+    """Whether ``t`` is laid out channels-last (and not also plain contiguous)."""
+    fmt = CHANNELS_LAST.get(t.dim())
+    return fmt is not None and not t.is_contiguous() and t.is_contiguous(memory_format=fmt)
 
 
 def stacked_like(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -34,8 +42,7 @@ def stacked_like(t: torch.Tensor, n: int) -> torch.Tensor:
     else contiguous. A conv's output follows its weight's layout, and a random op fills a
     tensor in memory order: a member stored contiguous drew other dropout masks than alone."""
     shape = (n, *t.shape)
-    fmt = _LAST.get(t.dim())
-    if fmt is None or t.is_contiguous() or not t.is_contiguous(memory_format=fmt):
+    if not _channels_last(t):
         return torch.empty(shape, dtype=t.dtype, device=t.device)
     return torch.empty_strided(shape, (t.numel(), *t.stride()), dtype=t.dtype, device=t.device)
 
@@ -129,12 +136,7 @@ def check_layout(api: str, name: str, t: torch.Tensor, first: torch.Tensor, memb
     ``first`` (channels-last or not): the stack holds one layout, and a random op inside the
     member (dropout after a conv, an init through ``ens.apply``) fills a tensor in memory
     order, so a member stacked in another layout would draw other numbers than alone."""
-    fmt = _LAST.get(t.dim())
-    if fmt is None:
-        return
-    mine, theirs = (
-        not x.is_contiguous() and x.is_contiguous(memory_format=fmt) for x in (t, first)
-    )
+    mine, theirs = _channels_last(t), _channels_last(first)
     if mine != theirs:
         said = {True: "channels-last", False: "contiguous"}
         raise ValueError(

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ._attributes import Watched
+from ._ensemble_parts import CHANNELS_LAST
 from ._stacking import recomputed
 
 __all__ = [
@@ -81,8 +82,8 @@ def in_mode(
         then()
 
 
-#: Per member: the memory format's order of the dims after the first two (channels last).
-_LAST = {torch.channels_last: 4, torch.channels_last_3d: 5}
+#: The rank each channels-last format is for.
+_LAST = {fmt: rank for rank, fmt in CHANNELS_LAST.items()}
 
 
 def member_format(t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
