@@ -42,7 +42,7 @@ def test_each_chunk_is_freed_before_the_next_runs():
         return (hidden - targets[:, None]).pow(2).mean(0)
 
     losses, grads = chunked_losses_and_grads(
-        batched, {"w": w}, [w], x, y, None, None, chunk_bounds(N, CHUNK), False,
+        batched, {"w": w}, [w], (x, y), (None, None), None, chunk_bounds(N, CHUNK), False,
         contextlib.nullcontext,
     )  # fmt: skip
     assert len(alive_at_start) == 3, alive_at_start

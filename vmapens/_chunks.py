@@ -202,8 +202,7 @@ def chunked_losses_and_grads(
     state: dict[str, torch.Tensor],
     params: Sequence[torch.Tensor],
     args: tuple,
-    targets: torch.Tensor,
-    in_dims: int | None,
+    in_dims: tuple,
     scale: torch.Tensor | None,
     chunks: list[tuple[int, int]],
     same_randomness: bool,
@@ -223,13 +222,14 @@ def chunked_losses_and_grads(
     share is refused (``EditedInTurns``): it would see that chunk's edits.
 
     Args:
-        batched: ``(state, args, targets, rows=slice) -> losses[chunk]``, the ensemble's
-            member map of the member loss (``rows``: which members ``state`` holds).
+        batched: ``(state, *args, rows=slice) -> losses[chunk]``, the ensemble's member map of
+            the member loss (``rows``: which members ``state`` holds).
         state: the stacked parameters and buffers by name.
         params: the trained stacked parameters (tensors of ``state``), in the order of the
             returned gradients.
-        args: the step's positional inputs; ``targets``: its targets.
-        in_dims: ``0`` when ``args`` and ``targets`` hold one slice per member, else ``None``.
+        args: the member loss's arguments after the state (the step's inputs, its targets,
+            the rows of what the forwards kept); ``in_dims``: one per argument, ``0`` where
+            it holds one slice per member, else ``None``.
         scale: a per-member loss scale ``[n]`` multiplied into the differentiated loss, or
             ``None``.
         chunks: the member ranges, from :func:`chunk_bounds`.
@@ -247,10 +247,12 @@ def chunked_losses_and_grads(
     grads: list[torch.Tensor | None] = [None] * len(params)
     losses = []
     # A forward that edits a shared batch tensor would show chunk k the edits of chunks < k.
-    shared = shared_versions((args, targets), (in_dims, in_dims))
+    shared = shared_versions(args, in_dims)
     how = f"chunk_size={chunks[0][1]}"
-    for a, b in in_order(chunks, shared, how, same_randomness, runner, (args, targets)):
-        member_args = (args, targets) if in_dims is None else rows((args, targets), a, b)
+    for a, b in in_order(chunks, shared, how, same_randomness, runner, args):
+        member_args = tuple(
+            x if d is None else rows(x, a, b) for x, d in zip(args, in_dims, strict=True)
+        )
         losses.append(
             _run_chunk(batched, state, trained, grads, member_args, scale, a, b, autocast)
         )

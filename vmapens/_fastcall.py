@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -186,18 +186,29 @@ def _plain(n: int, state: dict[str, torch.Tensor], args: tuple, in_dims: tuple) 
     for a, d in zip(args, in_dims, strict=True):
         if d is None:
             continue
-        leaves = a if type(a) is tuple else (a,)
-        for t in leaves:
+        for t in _leaves(a):
             if not isinstance(t, torch.Tensor) or not -t.dim() <= d < t.dim() or t.shape[d] != n:
                 return False
     return True
 
 
+def _leaves(arg: Any) -> Iterator[Any]:
+    """The leaves of a mapped argument: itself, or those of a tuple, list or dict's values
+    (the rows of what the forwards kept: ``vmapens._kept.kept_rows``)."""
+    if type(arg) in (tuple, list, dict):
+        for a in arg.values() if type(arg) is dict else arg:
+            yield from _leaves(a)
+    else:
+        yield arg
+
+
 def _batched(arg: Any, dim: int | None, level: int) -> Any:
     if dim is None:
         return arg
-    if type(arg) is tuple:
-        return tuple(_add_batch_dim(t, dim, level) for t in arg)
+    if type(arg) in (tuple, list):
+        return type(arg)(_batched(t, dim, level) for t in arg)
+    if type(arg) is dict:
+        return {k: _batched(v, dim, level) for k, v in arg.items()}
     return _add_batch_dim(arg, dim, level)  # negative dims wrap in C++
 
 

@@ -7,9 +7,11 @@ the loop read ``0.0`` and dropped the KL, silently. ``Ensemble.forward`` now not
 turn (one under vmap, one per chunk or member otherwise), the tensors the forward set on the
 runner's modules; after the call it unwraps the batched ones (dead outside vmap, their values
 and graph intact), stacks them and sets them on the template's module of the same name:
-``[n, ...]``, one row per member, with their graph. The outputs are untouched, the runner
-keeps its own for the next call (a key/value cache goes on as before), and ``ens[i]`` gets
-row ``i``.
+``[n, ...]``, one row per member, with their graph (a tuple or list of tensors, an LSTM's
+``self.state = (h, c)``, as one of each). The outputs are untouched and ``ens[i]`` gets row
+``i``. The next call hands each turn its members' rows of them (``call_noting``'s ``given``):
+a key/value cache or a hidden state read back is the member's own, with ``chunk_size`` too
+(each chunk read the cache the last chunk of the call before had left on the runner).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ __all__ = [
     "kept_on",
     "kept_rows",
     "loss_with_kept",
+    "map_kept",
     "named_slots",
     "rows_of_kept_",
     "set_kept_",
@@ -50,6 +53,38 @@ __all__ = [
 
 #: Each runner's ``KeptSlots``, built once (the runner's modules stay those it was built with).
 _SLOTS: weakref.WeakKeyDictionary[nn.Module, KeptSlots] = weakref.WeakKeyDictionary()
+#: Where ``set_kept_`` put stacked values on each template, ``(module path, attribute)``:
+#: ``kept_on`` reads these alone (a scan of every module's attributes took ~55 us a call for a
+#: 3-layer MLP, ~360 us for a 4-layer Transformer encoder).
+_WHERE: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, str], None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _parts(value: object) -> list[torch.Tensor] | None:
+    """What a forward keeps, as a list of tensors: a tensor, or a tuple or list of them (an
+    LSTM's ``(h, c)``); None for anything else."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple | list) and type(value) in (tuple, list) and value:
+        return list(value) if all(isinstance(v, torch.Tensor) for v in value) else None
+    return None
+
+
+def _like(value: Any, parts: list[Any]) -> Any:
+    """``parts`` in ``value``'s form (a tensor, a tuple or a list)."""
+    return parts[0] if isinstance(value, torch.Tensor) else type(value)(parts)
+
+
+def map_kept(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
+    """``fn`` on each tensor of a kept value (``_parts``), in its form."""
+    return _like(value, [fn(t) for t in _parts(value) or ()])
+
+
+def _stacked_rows(value: Any) -> int | None:
+    """How many rows each tensor of a kept value has (one count for all), else None."""
+    sizes = {t.shape[0] if t.dim() else None for t in _parts(value) or ()}
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 class KeptSlots:
@@ -86,7 +121,7 @@ class KeptSlots:
         """The values now (held: an id stays theirs while ``new`` compares)."""
         return list(map(dict.get, self.owned, self.keys))
 
-    def new(self, before: list[object]) -> dict[str, torch.Tensor]:
+    def new(self, before: list[object]) -> dict[str, Any]:
         """The tensors set since ``seen`` gave ``before``, by ``"<module path>:<attribute>"``."""
         now = list(map(dict.get, self.owned, self.keys))
         found = {}
@@ -94,7 +129,7 @@ class KeptSlots:
             found = {
                 name: v
                 for name, v, b in zip(self.names, now, before, strict=True)
-                if v is not b and isinstance(v, torch.Tensor)
+                if v is not b and _parts(v) is not None
             }
         if list(map(len, self.dicts)) != self.sizes:  # an attribute set the first time
             known = set(self.names)
@@ -102,7 +137,7 @@ class KeptSlots:
             found.update(
                 (name, v)
                 for name, d, k in zip(self.names, self.owned, self.keys, strict=True)
-                if name not in known and isinstance(v := d[k], torch.Tensor)
+                if name not in known and _parts(v := d[k]) is not None
             )
         return found
 
@@ -132,20 +167,37 @@ def _rows(t: torch.Tensor, rows: int) -> torch.Tensor | None:
     return None if is_functorch_wrapped_tensor(value) else value.movedim(maybe_get_bdim(t), 0)
 
 
-def stack_turns(
-    turns: Sequence[tuple[int, dict[str, torch.Tensor]]], n: int
-) -> dict[str, torch.Tensor]:
+def _stacked(values: list[Any]) -> Any:
+    """The turns' values of one name as one, ``[n, ...]`` (in each turn's form), or None:
+    a turn without it, or turns that kept different forms, shapes, dtypes or devices."""
+    forms = {
+        (type(v), tuple((p.shape[1:], p.dtype, p.device) for p in _parts(v) or ())) for v in values
+    }
+    if any(v is None for v in values) or len(forms) != 1:
+        return None
+    columns = zip(*map(_parts, values), strict=True)
+    return _like(values[0], [ps[0] if len(ps) == 1 else torch.cat(ps) for ps in columns])
+
+
+def stack_turns(turns: Sequence[tuple[int, dict[str, Any]]], n: int) -> dict[str, Any]:
     """What the turns that kept tensors (``(members, kept)`` each) kept, ``[n, ...]``: the
-    names every turn set, with one shape, dtype and device (others are left as they are)."""
+    names every turn set, in one form, shape, dtype and device (others are left as they are)."""
     if sum(rows for rows, _ in turns) != n:  # a turn kept nothing
         return {}
     stacked = {}
     for name in turns[0][1]:
-        found = [_rows(kept[name], rows) if name in kept else None for rows, kept in turns]
-        parts = [p for p in found if p is not None]
-        if len(parts) == len(turns) and len({(p.shape[1:], p.dtype, p.device) for p in parts}) == 1:
-            stacked[name] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        found = [_turn_rows(kept.get(name), rows) for rows, kept in turns]
+        if (value := _stacked(found)) is not None:
+            stacked[name] = value
     return stacked
+
+
+def _turn_rows(value: Any, rows: int) -> Any:
+    """``_rows`` of each tensor of a turn's kept value, in its form; None if one has none."""
+    if value is None:
+        return None
+    parts = [_rows(t, rows) for t in _parts(value) or ()]
+    return None if any(p is None for p in parts) else _like(value, parts)
 
 
 def set_kept_(template: nn.Module, kept: dict[str, torch.Tensor]) -> list[tuple[nn.Module, str]]:
@@ -154,10 +206,14 @@ def set_kept_(template: nn.Module, kept: dict[str, torch.Tensor]) -> list[tuple[
     With ``backend="loop"`` the template is the module the members run: ``KeptTurns`` gives
     each member its own row there while it runs."""
     where = []
-    for module, key, value in named_slots(template, kept):
-        setattr(value, KEPT_MARK, True)
+    slots = _WHERE.setdefault(template, {})
+    for (module, key, value), name in zip(named_slots(template, kept), kept, strict=True):
+        for t in _parts(value) or ():
+            setattr(t, KEPT_MARK, True)
         module.__dict__[key] = value
         where.append((module, key))
+        path, _, attribute = name.rpartition(":")
+        slots[path, attribute] = None
     return where
 
 
@@ -177,17 +233,28 @@ def named_slots(module: nn.Module, values: dict[str, Any]) -> list[tuple[nn.Modu
 
 
 def call_noting(
-    runner: nn.Module, state: dict, args: tuple, kw: dict | None, turns: list
-) -> tuple[Any, dict[str, torch.Tensor]]:
+    runner: nn.Module,
+    state: dict,
+    args: tuple,
+    kw: dict | None,
+    turns: list,
+    given: dict[str, Any] | None = None,
+) -> tuple[Any, dict[str, Any]]:
     """``call_member(runner, state, args, kw)`` and the tensors its forward kept on the
     runner's modules (``KeptSlots.new``), noted in ``turns`` as ``(members, kept)`` for
-    ``keep_``: one turn per call (the whole ensemble under vmap, a chunk, or one member)."""
+    ``keep_``: one turn per call (the whole ensemble under vmap, a chunk, or one member).
+
+    ``given``: the turn's rows of what the forwards kept before (``kept_rows``, mapped into
+    the members), set on the runner first: the forward reads its members' own. Returned
+    with what the forward kept this time (that first), as a ``loss_fn`` reads them."""
     slots = slots_for(runner)
+    for module, key, value in named_slots(runner, given or {}):
+        module.__dict__[key] = value
     before = slots.seen()
     out = call_member(runner, state, args, kw)
     if kept := slots.new(before):
         turns.append((turn_rows(state), kept))
-    return out, kept
+    return out, {**given, **kept} if given else kept
 
 
 def keep_(template: nn.Module, watched: Any, turns: list, n: int, detach: bool) -> None:
@@ -196,7 +263,7 @@ def keep_(template: nn.Module, watched: Any, turns: list, n: int, detach: bool) 
     and tell ``watched`` (the template's ``Watched``) they are no user's write."""
     kept = stack_turns(turns, n) if turns else {}
     if kept:
-        kept = {k: v.detach() for k, v in kept.items()} if detach else kept
+        kept = {k: map_kept(torch.Tensor.detach, v) for k, v in kept.items()} if detach else kept
         watched.settle(set_kept_(template, kept))
 
 
@@ -213,16 +280,13 @@ class KeptTurns:
 
     def __init__(self, runner: nn.Module, n: int) -> None:
         self.kept = [
-            (d, k, v)
-            for d in (m.__dict__ for m in runner.modules())
-            for k, v in d.items()
-            if is_kept(v) and v.dim() and v.shape[0] == n
+            (m.__dict__, k, v) for _, m, k, v in _kept_slots(runner) if _stacked_rows(v) == n
         ]
-        self.rows: list[torch.Tensor] = []
+        self.rows: list[Any] = []
 
     def take(self, i: int) -> None:
         """Before member ``i``'s turn: its rows."""
-        self.rows = [v[i] for _, _, v in self.kept]
+        self.rows = [map_kept(operator.itemgetter(i), v) for _, _, v in self.kept]
         for (d, k, _), row in zip(self.kept, self.rows, strict=True):
             d[k] = row
 
@@ -258,21 +322,32 @@ def loss_with_kept(
 _NONE = object()  # no such attribute before
 
 
-def kept_on(template: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
-    """``(module path, attribute, stacked tensor)`` for each ``set_kept_`` put there."""
-    return [
-        (path, k, v)
-        for path, m in template.named_modules()
-        for k, v in vars(m).items()
-        if is_kept(v)
-    ]
+def kept_on(template: nn.Module) -> list[tuple[str, str, Any]]:
+    """``(module path, attribute, stacked value)`` for each ``set_kept_`` put there."""
+    return [(path, k, v) for path, _, k, v in _kept_slots(template)]
 
 
-def kept_rows(template: nn.Module, n: int) -> dict[str, torch.Tensor]:
-    """The stacked ``[n, ...]`` tensors ``set_kept_`` put on the template, by
-    ``"<module path>:<attribute>"``: mapped into the members, a ``loss_fn`` that reads one a
-    forward did not set again (an aux loss set in training only) reads its member's row."""
-    return {f"{path}:{k}": v for path, k, v in kept_on(template) if v.dim() and len(v) == n}
+def _kept_slots(template: nn.Module) -> list[tuple[str, nn.Module, str, Any]]:
+    """``(module path, module, attribute, stacked value)`` for each ``set_kept_`` put there
+    (still there: not replaced since)."""
+    found = []
+    for path, key in _WHERE.get(template, ()):
+        try:
+            module = template.get_submodule(path)
+        except AttributeError:  # a submodule deleted since
+            continue
+        if is_kept(value := module.__dict__.get(key)):
+            found.append((path, module, key, value))
+    return found
+
+
+def kept_rows(template: nn.Module, n: int) -> dict[str, Any]:
+    """The stacked ``[n, ...]`` values ``set_kept_`` put on the template, by
+    ``"<module path>:<attribute>"``: mapped into the members (``call_noting``'s ``given``),
+    a forward that reads one back (a hidden state, a key/value cache) and a ``loss_fn`` that
+    reads one the forward did not set again (an aux loss set in training only) read their
+    member's rows."""
+    return {f"{path}:{k}": v for path, k, v in kept_on(template) if _stacked_rows(v) == n}
 
 
 def rows_of_kept_(member: nn.Module, template: nn.Module, i: int) -> None:
@@ -281,7 +356,7 @@ def rows_of_kept_(member: nn.Module, template: nn.Module, i: int) -> None:
     modules = dict(member.named_modules())
     for path, key, value in kept_on(template):
         if path in modules:
-            modules[path].__dict__[key] = value[i].detach().clone()
+            modules[path].__dict__[key] = map_kept(lambda t: t[i].detach().clone(), value)
 
 
 def held_rows(template: nn.Module, running: torch.Tensor | None) -> Callable[[], None]:
@@ -298,13 +373,14 @@ def held_rows(template: nn.Module, running: torch.Tensor | None) -> Callable[[],
         frozen = ~running.to(torch.bool)
         if not bool(frozen.any()):
             return
-        for path, k, v in kept_on(template):
+        for path, k, value in kept_on(template):
             old = before.get((path, k))
-            if old is None or old is v or old.shape != v.shape or old.dtype != v.dtype:
+            if old is None or old is value or type(old) is not type(value):
                 continue
-            if v.stride(0) == 0:  # one the members share
-                continue
-            with torch.no_grad():
-                v[frozen.to(v.device)] = old[frozen.to(v.device)]
+            for o, v in zip(_parts(old) or (), _parts(value) or (), strict=False):
+                if o.shape != v.shape or o.dtype != v.dtype or v.stride(0) == 0:
+                    continue  # stride 0: one the members share
+                with torch.no_grad():
+                    v[frozen.to(v.device)] = o[frozen.to(v.device)]
 
     return back

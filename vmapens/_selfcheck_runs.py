@@ -26,7 +26,7 @@ from ._attention import batched_attention
 from ._batch_edits import batch_kept
 from ._batchable import BatchableAlphaDropout, BatchableDropout, in_logical_order
 from ._fastcall import call_member
-from ._kept import KeptSlots, kept_on, loss_with_kept, named_slots, slots_for
+from ._kept import KeptSlots, kept_on, loss_with_kept, map_kept, named_slots, slots_for
 from ._members import named_tensors
 from ._selfcheck_parts import (
     Attributes,
@@ -144,7 +144,8 @@ def run_alone(
                 setattr(err, IN_FORWARD, True)  # not the loss: see ``Probe``
                 raise
             target = member_slice(targets, member, in_dims, False)
-            loss = loss_with_kept(loss_fn, out, target, ens.template, slots.new(seen))
+            set_now = slots.new(seen)  # tensors it set: each member gets its own, in turns too
+            loss = loss_with_kept(loss_fn, out, target, ens.template, set_now)
         drew = not torch.equal(torch.get_rng_state(), torch_rng)  # torch's CPU generator
         # Into the parameters only, as the step differentiates: a target or input that
         # requires grad (a teacher's output) keeps its `.grad` (None).
@@ -163,6 +164,7 @@ def run_alone(
         "grads": grads,
         "edits": edited,
         "carried": kept,
+        "kept": {tuple(name.rsplit(":", 1)) for name in set_now},
         "reads": reads,
         # drew from Python's `random` or numpy's global RNG: named by the refusal
         "python_rng": "Python's `random` module"
@@ -214,7 +216,8 @@ def run_together(
     # The member's rows of what the forwards kept (a hidden state read back): ``sub``, a copy,
     # starts with None there, where the step's runner and ``ens[member]`` hold the member's.
     kept = {} if sub._padding is not None else {
-        f"{path}:{k}": v[member : member + 1] for path, k, v in kept_on(template) if v.dim()
+        f"{path}:{k}": map_kept(lambda t: t[member : member + 1], v)
+        for path, k, v in kept_on(template)
     }  # fmt: skip
 
     def run(st: dict, inputs: tuple, target: Tensor, rows: dict) -> tuple[Any, Tensor]:

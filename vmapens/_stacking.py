@@ -252,7 +252,9 @@ KEPT_MARK = "_vmapens_stacked_kept"
 
 
 def is_kept(value: object) -> bool:
-    """Whether ``value`` is a tensor marked ``KEPT_MARK``."""
+    """Whether ``value`` is a tensor marked ``KEPT_MARK``, or a tuple or list of them."""
+    if isinstance(value, tuple | list) and type(value) in (tuple, list):
+        return bool(value) and all(map(is_kept, value))
     return isinstance(value, torch.Tensor) and getattr(value, KEPT_MARK, False)
 
 

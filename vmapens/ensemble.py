@@ -242,22 +242,24 @@ class Ensemble(StackedModule):
         # Tensors the forward keeps (``self.kl = kl``), by turn: member (loop) or chunk (vmap)
         turns: list = []
         loss_fn, target, target_dims = loss or (None, None, None)
-        rows = {} if loss is None or runner is template else kept_rows(template, n)
+        # Each member's rows of what the forwards kept before (the loop's: ``KeptTurns``)
+        rows = {} if runner is template else kept_rows(template, n)
 
         def member(state: dict[str, torch.Tensor], kw: dict, *given: Any) -> Any:
-            args, (y, own) = (given, (None, {})) if loss_fn is None else (given[:-2], given[-2:])
-            out, kept = call_noting(runner, state, args, kw, turns)
+            given, own = (given[:-1], given[-1]) if rows else (given, None)
+            args, y = (given, None) if loss_fn is None else (given[:-1], given[-1])
+            out, kept = call_noting(runner, state, args, kw, turns, own)
             if loss_fn is None:
                 return out
-            lent = {} if runner is template else {**own, **kept}
+            lent = {} if runner is template else kept
             return out, loss_with_kept(loss_fn, out, y, template, lent).reshape(())
 
-        # kwargs shared: runners in turns check it too; no loss, no extra: ``_fastcall``'s path
+        # kwargs shared: runners in turns check it too; no loss, nothing kept: a plain map
         dims = (None, *expand_in_dims("Ensemble", in_dims, args, n))
-        more = () if loss is None else (target, rows)
-        out = self.map_members(
-            member, kwargs, *args, *more, in_dims=dims + (target_dims, 0)[: len(more)]
-        )
+        more, more_dims = ((), ()) if loss is None else ((target,), (target_dims,))
+        if rows:
+            more, more_dims = (*more, rows), (*more_dims, 0)
+        out = self.map_members(member, kwargs, *args, *more, in_dims=dims + more_dims)
         self._keep(turns)
         return out
 

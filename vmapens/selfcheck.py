@@ -259,7 +259,11 @@ def _compare(
     if alone["edits"] and in_dims is None:  # shared by all members
         refuse_edits_in_turns(api, name, ens.backend, ens.chunk_size, len(ens))
     how = in_turns(ens.backend, ens.chunk_size, len(ens))
-    if alone["carried"] and how is not None:
+    # Tensors it set alone (``self.h = h``, ``(h, c)``): each turn of the eager step gets its
+    # members' own (``vmapens._kept``). Not with more state (a cache keyed on an int kept
+    # beside it, ``weight._version``), nor compiled (refused there: ``CompileFailed``).
+    set_only = not compiled and alone["carried"].keys() <= alone["kept"]
+    if alone["carried"] and how is not None and not set_only:
         batch = (loss_fn, args, targets, in_dims, autocast)
         _refuse_reads_of_carried(api, ens, member, alone, how, compiled, *batch)
     sub = ens.select([member])  # a copy: the probe's forward changes nothing of ens

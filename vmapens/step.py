@@ -10,7 +10,7 @@ import torch
 from ._chunks import chunk_bounds, chunked_losses_and_grads
 from ._compiled_step import compiled_step
 from ._fastcall import call_member
-from ._kept import call_noting, held_rows, loss_with_kept
+from ._kept import call_noting, held_rows, kept_rows, loss_with_kept
 from ._precision import LossScale
 from ._selfcheck_runs import failure_alone
 from ._step_hooks import TemplateHooks
@@ -161,7 +161,8 @@ def make_step(
         compiled = compiled_step(ens, _member_loss(ens, loss_fn), optimizer, in_dims, update, check)
         return grad_on(probe.wrap(compiled, arguments))
     turns: list = []  # what the forward kept, by turn: on the template after the step
-    batched = ens._member_map(_member_loss(ens, loss_fn, turns), (in_dims, in_dims))
+    # With each member's rows of what the forwards kept before (the loop's: ``KeptTurns``)
+    batched = ens._member_map(_member_loss(ens, loss_fn, turns), (in_dims, in_dims, 0))
 
     hooks = TemplateHooks(ens)  # `batched` was lifted now: hooks added later are seen here
 
@@ -179,6 +180,7 @@ def make_step(
         undo = undo_point(ens, optimizer)
         turns.clear()
         frozen = held_rows(ens.template, mask)  # a frozen member's kept hidden state stays
+        own = {} if ens.runner is ens.template else kept_rows(ens.template, len(ens))
         guard = None
         try:
             with ens.guard("step", loss=True) as guard, frozen_members(ens, mask):
@@ -190,14 +192,14 @@ def make_step(
                 if chunks is None or not params or graph_into((args, targets), params):
                     # Forward and loss in one vmap: half the batching overhead of ens(...) + loss.
                     with update.autocast():
-                        losses = batched(ens.stacked_state(), args, targets)
+                        losses = batched(ens.stacked_state(), args, targets, own)
                     scaled = losses if scale is None else losses * scale
                     grads: Sequence[torch.Tensor | None] = distinct_grads(
                         torch.autograd.grad(scaled.sum(), params, allow_unused=True), params
                     )
                 else:
                     losses, grads = chunked_losses_and_grads(batched, ens.stacked_state(),
-                        params, args, targets, in_dims, scale, chunks,
+                        params, (args, targets, own), (in_dims, in_dims, 0), scale, chunks,
                         ens.randomness == "same", update.autocast, ens.runner)  # fmt: skip
                 guard.members_ran = True  # errors from here on are not the members'
                 for p in every:  # a layer frozen since the last step: no gradient, no step
@@ -247,12 +249,12 @@ def _member_loss(
     reads the member's own. The compiled step passes none: dynamo cannot guard that scan, and
     a tensor kept on a module leaves its graph (refused, ``CompileFailed``)."""
 
-    def member_loss(state: Any, inputs: tuple, target: Any) -> torch.Tensor:
+    def member_loss(state: Any, inputs: tuple, target: Any, own: Any = None) -> torch.Tensor:
         runner, template = ens.runner, ens.template
         if turns is None:
             loss = loss_fn(call_member(runner, state, inputs), target)
-        else:
-            out, kept = call_noting(runner, state, inputs, None, turns)
+        else:  # ``own``: its rows of what the forwards kept before (``kept_rows``)
+            out, kept = call_noting(runner, state, inputs, None, turns, own)
             lent = kept if runner is not template else {}  # the loop kept them there
             loss = loss_with_kept(loss_fn, out, target, template, lent)
         # loss.backward() alone refuses more than one value; the sum over members would not.
