@@ -17,6 +17,7 @@ from ._batch_edits import Versions, refuse_edited, shared_versions
 from ._buffer_turns import Slices, Turns
 from ._fastcall import vmap_members
 from ._plain_turns import plain_turns
+from ._step_more import run_grad_hooks
 
 __all__ = [
     "Draws",
@@ -256,6 +257,7 @@ def chunked_losses_and_grads(
         losses.append(
             _run_chunk(batched, state, trained, grads, member_args, scale, a, b, autocast)
         )
+    run_grad_hooks(params, grads)  # the stacked parameters' own: one backward runs them
     return torch.cat(losses), grads
 
 

@@ -25,6 +25,7 @@ from ._compiling import (
     compile_failures,
     own_code,
     refuse_custom_backwards,
+    refuse_grad_hooks,
 )
 from ._selfcheck_runs import forked_rng
 from ._step_hooks import TemplateHooks, refuse_pre_hooks, run_post_hooks
@@ -177,6 +178,7 @@ def compiled_step(
         refuse_graph_into((args, targets), every)
         hooks()
         refuse_pre_hooks(optimizer)  # the update runs inside the graph, not in opt.step()
+        refuse_grad_hooks((names[id(p)], p) for p in every)  # nor autograd's hooks
         key = _shapes((args, targets, mask))
         check_shapes(shapes, key, MAX_SHAPES)
         now = graph_key(trainable(every))

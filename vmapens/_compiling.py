@@ -12,7 +12,7 @@ import itertools
 import re
 import traceback
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ __all__ = [
     "compile_options",
     "own_code",
     "refuse_custom_backwards",
+    "refuse_grad_hooks",
 ]
 
 
@@ -40,6 +41,27 @@ class CompileFailed(RuntimeError):
     one graph or inductor fails to compile it. ``fit(compile="auto")`` warns and goes on
     eagerly.
     """
+
+
+def refuse_grad_hooks(named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Refuse a trained stacked parameter with a gradient hook: the compiled step takes its
+    gradients with ``torch.func`` and runs the update inside its graph, so no hook would run
+    (a clamp in ``register_hook`` was dropped, silently). The eager step runs them.
+
+    Raises:
+        CompileFailed: naming the parameter; ``fit(compile="auto")`` goes on eagerly.
+    """
+    for name, p in named:
+        if p.requires_grad and (
+            p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
+        ):
+            raise CompileFailed(
+                f"step: the stacked parameter `{name}` has a gradient hook (Tensor.register_hook "
+                "or register_post_accumulate_grad_hook), which the compiled step cannot run: its "
+                "gradients come from torch.func inside the graph, and the update runs there too. "
+                "Use compile=False (the eager step runs them as loss.backward() does), or "
+                "fit(compile='auto'), which stays eager. Nothing was changed"
+            )
 
 
 class TooManyShapes(ValueError):

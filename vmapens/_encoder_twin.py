@@ -56,6 +56,11 @@ class BatchableTransformerEncoder(nn.TransformerEncoder):
         )
         assert padding is not None
         padded = padding != 0  # what the nested tensor leaves out (torch: the mask's logical_not)
+        if not getattr(self, "mask_check", True):
+            # The user vouches that the mask is left aligned: torch's nested tensor keeps each
+            # row's first `len` positions, `len` its unpadded count, wherever the mask has them.
+            count = padded.logical_not().sum(-1, keepdim=True)
+            padded = torch.arange(padded.shape[-1], device=padded.device) >= count
         # On the nested tensor each layer takes its own fast path, which has no causal mask
         # to apply: an `is_causal` hint without `mask` changes nothing alone.
         output = self._layers(src, padded, False)

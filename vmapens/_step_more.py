@@ -1,4 +1,5 @@
-"""make_step's readings of its arguments as torch users pass them: clip bounds and targets."""
+"""make_step's readings of its arguments as torch users pass them: clip bounds and targets;
+the hooks on the stacked parameters, run where ``loss.backward()`` would run them."""
 
 from __future__ import annotations
 
@@ -16,7 +17,34 @@ __all__ = [
     "graph_into",
     "reached_leaves",
     "refuse_graph_into",
+    "run_grad_hooks",
+    "run_post_accumulate_hooks",
 ]
+
+
+def run_grad_hooks(params: Sequence[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+    """Each ``Tensor.register_hook`` hook of ``params`` on its gradient in ``grads``, in order,
+    as autograd runs a leaf's hooks (a hook's non-None return replaces the gradient): the
+    chunked step differentiates fresh leaves cut from the stacked parameters, which autograd
+    runs no hook of (a clamp on a stacked parameter was lost, silently)."""
+    for j, p in enumerate(params):
+        hooks, g = p._backward_hooks, grads[j]
+        if hooks and g is not None:
+            for hook in list(hooks.values()):
+                new = hook(g)
+                g = g if new is None else new
+            grads[j] = g
+
+
+def run_post_accumulate_hooks(params: Sequence[torch.Tensor]) -> None:
+    """Each ``register_post_accumulate_grad_hook`` hook of ``params`` that has a ``.grad``, in
+    order, as ``loss.backward()`` runs them once the gradient is in ``.grad``: the step sets
+    ``.grad`` itself and no backward accumulates it (the hooks never ran, silently)."""
+    for p in params:
+        hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+        if hooks and p.grad is not None:
+            for hook in list(hooks.values()):
+                hook(p)
 
 
 def clip_bound(api: str, name: str, bound: Any, params: Any = ()) -> float | None:

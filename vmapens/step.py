@@ -14,7 +14,7 @@ from ._kept import call_noting, held_rows, kept_rows, loss_with_kept
 from ._precision import LossScale
 from ._selfcheck_runs import failure_alone
 from ._step_hooks import TemplateHooks
-from ._step_more import grad_on, graph_into
+from ._step_more import grad_on, graph_into, run_post_accumulate_hooks
 from ._step_parts import (
     build_update,
     check_call,
@@ -206,6 +206,7 @@ def make_step(
                     p.grad = None  # (zero_grad's set_to_none)
                 for p, new in zip(params, grads, strict=True):
                     p.grad = new
+                run_post_accumulate_hooks(params)  # as loss.backward() runs them
                 held = {id(q) for group in optimizer.param_groups for q in group["params"]}
                 live = [p.grad for p in params if p.grad is not None]
                 owned = [id(p) in held for p in params if p.grad is not None]

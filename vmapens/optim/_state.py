@@ -28,8 +28,9 @@ def fill_state(
     n: int,
     make: Callable[[str, Tensor, dict[str, Any]], Tensor],
     args: Callable[[torch.device], dict[str, Any]],
-) -> None:
-    """Make the missing state of a param group's ``params`` and move what no longer matches.
+) -> bool:
+    """Make the missing state of a param group's ``params`` and move what no longer matches;
+    whether all of it matches now (a parameter without a gradient keeps its state's dtype).
 
     Args:
         params: the group's stacked parameters ``[n, ...]``.
@@ -43,7 +44,8 @@ def fill_state(
     """
     # New state shares one step count per group: the rule then runs once for all.
     if not params:  # an empty param group (torch keeps one) has no state to make
-        return
+        return True
+    complete = True
     device = params[0].device
     fresh: dict[tuple[str, torch.dtype], Tensor] = {}
     for p in params:
@@ -63,5 +65,12 @@ def fill_state(
             t = state.get(key)
             if t is None:
                 state[key] = initial(make, key, p, args(p.device))
-            elif t.dtype != p.dtype or t.device != p.device:
-                state[key] = t.to(dtype=p.dtype, device=p.device)
+            elif t.device != p.device or (t.dtype != p.dtype and p.grad is not None):
+                # A parameter without a gradient keeps its state as it is until one that
+                # steps it: torch.optim alone never touches it (a frozen layer's float32
+                # momentum was rounded to float16 by a step while the ensemble was half).
+                dtype = p.dtype if p.grad is not None else t.dtype
+                state[key] = t.to(dtype=dtype, device=p.device)
+            if state[key].dtype != p.dtype:
+                complete = False
+    return complete

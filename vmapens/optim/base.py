@@ -230,12 +230,13 @@ class StackedOptimizer(EagerOptimizer):
             complex_ = check_complex(self._api, group["params"], type(self).elementwise)
             starts, params = self.scalar_state(group), group["params"]
             args = functools.partial(group_args, group, self.hyperparameters, **self._who)
-            fill_state(
+            complete = fill_state(
                 params, self.state, starts, names, self.num_members, self.initial_state, args
             )
             if not compiling:
                 share_counts([self.state[p] for p in group["params"]], tuple(starts))
-                self._ready[index] = (layout(group["params"]), names, impl)
+                # Not ready while a state keeps a dtype of its own: cast once it steps.
+                self._ready[index] = (layout(group["params"]), names, impl) if complete else None
                 (self._complex.add if complex_ else self._complex.discard)(index)
                 self._layouts += 1  # tells the snapshot that tensors may have changed in place
 
