@@ -207,13 +207,16 @@ def set_kept_(template: nn.Module, kept: dict[str, torch.Tensor]) -> list[tuple[
     each member its own row there while it runs."""
     where = []
     slots = _WHERE.setdefault(template, {})
-    for (module, key, value), name in zip(named_slots(template, kept), kept, strict=True):
+    modules = dict(template.named_modules())
+    for name, value in kept.items():
+        path, _, key = name.rpartition(":")
+        if (module := modules.get(path)) is None:  # a module of the runner's own
+            continue
         for t in _parts(value) or ():
             setattr(t, KEPT_MARK, True)
         module.__dict__[key] = value
         where.append((module, key))
-        path, _, attribute = name.rpartition(":")
-        slots[path, attribute] = None
+        slots[path, key] = None
     return where
 
 
