@@ -28,6 +28,7 @@ from typing import Any
 from torch import nn
 
 from ._batchable import twin_class
+from ._boxes import MUTABLE, kept_again
 from ._hooks import held_tensor
 from ._members import named_tensors
 from ._plain_turns import INTERNAL, plain_value
@@ -58,7 +59,8 @@ def _scrubbed(now: object, before: object) -> bool:
     """A forward's tensor replaced by None while ``scrubbed`` is at work (a copy of the
     ensemble, which follows the template with the same ``Watched``), not a value for every
     member. Outside a copy it is the user's reset (``ens.template.h = None``): followed."""
-    return now is None and left_by_forward(before) and scrubbing()
+    empty = now is None or (type(now) in MUTABLE and not now)  # ``emptied``
+    return empty and left_by_forward(before) and scrubbing()
 
 
 def _same(a: object, b: object) -> bool:
@@ -206,6 +208,7 @@ class Watched:
                 if ((id(module), k) not in before or not _same(state[k], before[id(module), k]))
                 and not left_by_forward(state[k])
                 and not _scrubbed(state[k], before.get((id(module), k)))
+                and not kept_again(state[k], before.get((id(module), k)))
             ]  # fmt: skip
             changes.append((names, changed))
         self._refuse_held_tensors(changes)

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ._attributes import INTERNAL
 from ._batch_edits import EditedInTurns
+from ._boxes import put_back, same_box, snapshot
 from ._checks import positional
 from ._kept import held_rows
 from ._metrics import Metric, average, metric_pair, score
@@ -76,6 +77,14 @@ class Evaluator:
         # And the tensors it kept, stacked on the template (a hidden state): ``ens[i]`` and the
         # first step's self-check read them there, where the runner holds its own from before.
         plain += [(vars(m), dict(vars(m))) for m in self.ens.template.modules()]
+        # And the dicts and lists among them as they are (a cache edited in place), put back
+        # in place: modules that share one share it still.
+        boxes = [
+            (v, shot)
+            for _, d in plain
+            for k, v in d.items()
+            if k not in INTERNAL and (shot := snapshot(v))
+        ]
         # Forked: a forward that draws in eval mode (a VAE's noise) would otherwise shift every
         # draw of the run after it, the shuffle's too, from a plain loop's from the same seed.
         with forked_rng(self.ens):
@@ -96,6 +105,9 @@ class Evaluator:
                     for key in [k for k in now if k not in INTERNAL and k not in before]:
                         del now[key]
                     now.update((k, v) for k, v in before.items() if k not in INTERNAL)
+                for v, shot in boxes:
+                    if not same_box(v, shot):
+                        put_back(shot)
             with torch.no_grad():
                 for name, metric in self.metrics.items():
                     _check_metric(api, name, metric, out, self.val[1])

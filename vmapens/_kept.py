@@ -30,15 +30,29 @@ from torch._C._functorch import (
     maybe_get_bdim,
 )
 
+from ._boxes import (
+    KEPT_MARK,
+    MUTABLE,
+    cleared,
+    form,
+    is_kept,
+    keepable,
+    rebuilt,
+    same_box,
+    shared,
+    snapshot,
+    tensor_leaves,
+)
 from ._fastcall import call_member
 from ._plain_turns import INTERNAL
-from ._stacking import KEPT_MARK, is_kept, recomputed
+from ._stacking import recomputed
 
 __all__ = [
     "KeptTurns",
     "call_noting",
     "held_rows",
     "keep_",
+    "kept_anywhere",
     "kept_on",
     "kept_rows",
     "loss_with_kept",
@@ -61,29 +75,14 @@ _WHERE: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, str], None]] = (
 )
 
 
-def _parts(value: object) -> list[torch.Tensor] | None:
-    """What a forward keeps, as a list of tensors: a tensor, or a tuple or list of them (an
-    LSTM's ``(h, c)``); None for anything else."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, tuple | list) and type(value) in (tuple, list) and value:
-        return list(value) if all(isinstance(v, torch.Tensor) for v in value) else None
-    return None
-
-
-def _like(value: Any, parts: list[Any]) -> Any:
-    """``parts`` in ``value``'s form (a tensor, a tuple or a list)."""
-    return parts[0] if isinstance(value, torch.Tensor) else type(value)(parts)
-
-
 def map_kept(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
-    """``fn`` on each tensor of a kept value (``_parts``), in its form."""
-    return _like(value, [fn(t) for t in _parts(value) or ()])
+    """``fn`` on each tensor of a kept value (``tensor_leaves``), in its form."""
+    return rebuilt(value, [fn(t) for t in tensor_leaves(value) or ()])
 
 
 def _stacked_rows(value: Any) -> int | None:
     """How many rows each tensor of a kept value has (one count for all), else None."""
-    sizes = {t.shape[0] if t.dim() else None for t in _parts(value) or ()}
+    sizes = {t.shape[0] if t.dim() else None for t in tensor_leaves(value) or ()}
     return sizes.pop() if len(sizes) == 1 else None
 
 
@@ -103,6 +102,7 @@ class KeptSlots:
         self.dicts = [vars(m) for _, m in named]
         # weight_norm's, spectral_norm's and prune's computed tensors: set by a hook every call
         self.skip = {(id(vars(m)), name) for m, name, _ in recomputed(runner)}
+        self.dropped: set[str] = set()  # ``new``: slots whose value is kept no more
         self._index()
 
     def _index(self) -> None:
@@ -117,28 +117,36 @@ class KeptSlots:
         self.keys = [k for _, _, k in entries]
         self.sizes = list(map(len, self.dicts))
 
-    def seen(self) -> list[object]:
-        """The values now (held: an id stays theirs while ``new`` compares)."""
-        return list(map(dict.get, self.owned, self.keys))
+    def seen(self) -> tuple[list[object], list[tuple[int, Any]]]:
+        """The values now (held: an id stays theirs while ``new`` compares), and the contents
+        of the mutable containers among them (``self.cache["k"] = k`` edits one in place)."""
+        values = list(map(dict.get, self.owned, self.keys))
+        if not MUTABLE.intersection(map(type, values)):
+            return values, []
+        return values, [(i, shot) for i, v in enumerate(values) if (shot := snapshot(v))]
 
-    def new(self, before: list[object]) -> dict[str, Any]:
-        """The tensors set since ``seen`` gave ``before``, by ``"<module path>:<attribute>"``."""
+    def new(self, before: tuple[list[object], list[tuple[int, Any]]]) -> dict[str, Any]:
+        """The tensors set since ``seen`` gave ``before``, by ``"<module path>:<attribute>"``,
+        a container edited in place too; one two modules share (``Layer(self.sink)``) or that
+        holds other values now is left out (``dropped``: a stack there is not handed back)."""
+        values, boxes = before
         now = list(map(dict.get, self.owned, self.keys))
-        found = {}
-        if any(map(operator.is_not, now, before)):
-            found = {
-                name: v
-                for name, v, b in zip(self.names, now, before, strict=True)
-                if v is not b and _parts(v) is not None
-            }
+        changed = []
+        if any(map(operator.is_not, now, values)):
+            changed = [i for i, (v, b) in enumerate(zip(now, values, strict=True)) if v is not b]
+        changed += [i for i, shot in boxes if now[i] is values[i] and not same_box(now[i], shot)]
+        named = [(self.names[i], now[i]) for i in changed]
         if list(map(len, self.dicts)) != self.sizes:  # an attribute set the first time
             known = set(self.names)
             self._index()
-            found.update(
-                (name, v)
-                for name, d, k in zip(self.names, self.owned, self.keys, strict=True)
-                if name not in known and _parts(v := d[k]) is not None
-            )
+            now = list(map(dict.get, self.owned, self.keys))
+            named += [(n, v) for n, v in zip(self.names, now, strict=True) if n not in known]
+        found = {}
+        for name, v in named:
+            if not keepable(v) or (type(v) in MUTABLE and shared(v, now)):
+                self.dropped.add(name)
+            else:  # a container as this turn left it (the next turn edits it on)
+                found[name] = rebuilt(v, tensor_leaves(v) or []) if type(v) in MUTABLE else v
         return found
 
 
@@ -171,12 +179,13 @@ def _stacked(values: list[Any]) -> Any:
     """The turns' values of one name as one, ``[n, ...]`` (in each turn's form), or None:
     a turn without it, or turns that kept different forms, shapes, dtypes or devices."""
     forms = {
-        (type(v), tuple((p.shape[1:], p.dtype, p.device) for p in _parts(v) or ())) for v in values
+        (form(v), tuple((p.shape[1:], p.dtype, p.device) for p in tensor_leaves(v) or ()))
+        for v in values
     }
     if any(v is None for v in values) or len(forms) != 1:
         return None
-    columns = zip(*map(_parts, values), strict=True)
-    return _like(values[0], [ps[0] if len(ps) == 1 else torch.cat(ps) for ps in columns])
+    columns = zip(*[tensor_leaves(v) or [] for v in values], strict=True)
+    return rebuilt(values[0], [ps[0] if len(ps) == 1 else torch.cat(ps) for ps in columns])
 
 
 def stack_turns(turns: Sequence[tuple[int, dict[str, Any]]], n: int) -> dict[str, Any]:
@@ -196,8 +205,8 @@ def _turn_rows(value: Any, rows: int) -> Any:
     """``_rows`` of each tensor of a turn's kept value, in its form; None if one has none."""
     if value is None:
         return None
-    parts = [_rows(t, rows) for t in _parts(value) or ()]
-    return None if any(p is None for p in parts) else _like(value, parts)
+    parts = [_rows(t, rows) for t in tensor_leaves(value) or ()]
+    return None if any(p is None for p in parts) else rebuilt(value, parts)
 
 
 def set_kept_(template: nn.Module, kept: dict[str, torch.Tensor]) -> list[tuple[nn.Module, str]]:
@@ -212,7 +221,7 @@ def set_kept_(template: nn.Module, kept: dict[str, torch.Tensor]) -> list[tuple[
         path, _, key = name.rpartition(":")
         if (module := modules.get(path)) is None:  # a module of the runner's own
             continue
-        for t in _parts(value) or ():
+        for t in tensor_leaves(value) or ():
             setattr(t, KEPT_MARK, True)
         module.__dict__[key] = value
         where.append((module, key))
@@ -260,10 +269,20 @@ def call_noting(
     return out, {**given, **kept} if given else kept
 
 
-def keep_(template: nn.Module, watched: Any, turns: list, n: int, detach: bool) -> None:
+def keep_(
+    template: nn.Module, watched: Any, turns: list, n: int, detach: bool, runner: nn.Module
+) -> None:
     """Set what the turns' forwards kept (``(members, kept)`` each) on the template, stacked,
     where a loop over its modules reads them (``detach``: after a step, its graph is spent),
-    and tell ``watched`` (the template's ``Watched``) they are no user's write."""
+    and tell ``watched`` (the template's ``Watched``) they are no user's write. A slot whose
+    value ``runner``'s forwards made other than a keepable one is handed out no more."""
+    slots = _SLOTS.get(runner)
+    if slots is not None and slots.dropped:
+        where = _WHERE.get(template, {})
+        for name in slots.dropped:
+            path, _, key = name.rpartition(":")
+            where.pop((path, key), None)
+        slots.dropped.clear()
     kept = stack_turns(turns, n) if turns else {}
     if kept:
         kept = {k: map_kept(torch.Tensor.detach, v) for k, v in kept.items()} if detach else kept
@@ -283,7 +302,9 @@ class KeptTurns:
 
     def __init__(self, runner: nn.Module, n: int) -> None:
         self.kept = [
-            (m.__dict__, k, v) for _, m, k, v in _kept_slots(runner) if _stacked_rows(v) == n
+            (m.__dict__, k, v)
+            for _, m, k, v in _kept_slots(runner)
+            if _stacked_rows(v) == n or cleared(v)
         ]
         self.rows: list[Any] = []
 
@@ -325,6 +346,11 @@ def loss_with_kept(
 _NONE = object()  # no such attribute before
 
 
+def kept_anywhere(template: nn.Module) -> bool:
+    """Whether ``set_kept_`` put a stacked value on the template (another may be there now)."""
+    return bool(_WHERE.get(template))
+
+
 def kept_on(template: nn.Module) -> list[tuple[str, str, Any]]:
     """``(module path, attribute, stacked value)`` for each ``set_kept_`` put there."""
     return [(path, k, v) for path, _, k, v in _kept_slots(template)]
@@ -339,18 +365,19 @@ def _kept_slots(template: nn.Module) -> list[tuple[str, nn.Module, str, Any]]:
             module = template.get_submodule(path)
         except AttributeError:  # a submodule deleted since
             continue
-        if is_kept(value := module.__dict__.get(key)):
+        if is_kept(value := module.__dict__.get(key)) or cleared(value):
             found.append((path, module, key, value))
     return found
 
 
 def kept_rows(template: nn.Module, n: int) -> dict[str, Any]:
-    """The stacked ``[n, ...]`` values ``set_kept_`` put on the template, by
-    ``"<module path>:<attribute>"``: mapped into the members (``call_noting``'s ``given``),
-    a forward that reads one back (a hidden state, a key/value cache) and a ``loss_fn`` that
-    reads one the forward did not set again (an aux loss set in training only) read their
-    member's rows."""
-    return {f"{path}:{k}": v for path, k, v in kept_on(template) if _stacked_rows(v) == n}
+    """The stacked ``[n, ...]`` values ``set_kept_`` put on the template (or emptied there),
+    by ``"<module path>:<attribute>"``, mapped into the members (``call_noting``'s ``given``):
+    a forward reading one back (a hidden state, a cache) and a ``loss_fn`` reading one the
+    forward did not set again (an aux loss) read their member's rows."""
+    return {
+        f"{path}:{k}": v for path, k, v in kept_on(template) if _stacked_rows(v) == n or cleared(v)
+    }
 
 
 def rows_of_kept_(member: nn.Module, template: nn.Module, i: int) -> None:
@@ -376,14 +403,18 @@ def held_rows(template: nn.Module, running: torch.Tensor | None) -> Callable[[],
         frozen = ~running.to(torch.bool)
         if not bool(frozen.any()):
             return
+        writes = []  # the old rows read out first: a new stack may be an old one (`prev = cur`)
         for path, k, value in kept_on(template):
             old = before.get((path, k))
-            if old is None or old is value or type(old) is not type(value):
-                continue
-            for o, v in zip(_parts(old) or (), _parts(value) or (), strict=False):
+            if old is None or old is value or form(old) != form(value):
+                continue  # another form (a key added): no row of it is the old one's
+            for o, v in zip(tensor_leaves(old) or (), tensor_leaves(value) or (), strict=False):
                 if o.shape != v.shape or o.dtype != v.dtype or v.stride(0) == 0:
                     continue  # stride 0: one the members share
-                with torch.no_grad():
-                    v[frozen.to(v.device)] = o[frozen.to(v.device)]
+                rows = frozen.to(v.device)
+                writes.append((v, rows, o[rows]))  # indexing with a mask copies
+        with torch.no_grad():
+            for v, rows, o in writes:
+                v[rows] = o
 
     return back

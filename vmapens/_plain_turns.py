@@ -21,9 +21,12 @@ modules held before the call too (``turn_value``).
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 from torch import nn
+
+from ._boxes import LARGE, box_leaves, is_box, put_back, same_box, snapshot
 
 __all__ = ["INTERNAL", "PlainTurns", "plain_turns", "plain_value", "turn_value"]
 
@@ -45,9 +48,12 @@ def plain_value(value: object) -> bool:
     return type(value) in (bool, int, float, str, type(None))
 
 
-def turn_value(value: object) -> bool:
-    """A value every turn of a call starts from as the call found it: a plain value, or a
-    tensor the forward keeps on a module (parameters and buffers are not in ``__dict__``)."""
+def turn_value(value: Any) -> bool:
+    """A value every turn of a call starts from as the call found it: a plain value, a
+    tensor the forward keeps on a module (parameters and buffers are not in ``__dict__``), or
+    a dict, list or tuple of them (a cache edited in place, ``self.acts.append(h)``)."""
+    if is_box(value):  # a large one (a vocabulary) is no state a call keeps: as it is
+        return len(value) <= LARGE and all(map(turn_value, box_leaves(value)))
     return plain_value(value) or isinstance(value, torch.Tensor)
 
 
@@ -68,6 +74,13 @@ class PlainTurns:
         self.keys = [k for before in self.before for k in before]
         self.values = [v for before in self.before for v in before.values()]
         self.sizes = list(map(len, self.dicts))
+        # Mutable containers, by their contents: a turn edits one in place (``self.cache["k"] =
+        # k``); put back in place, so modules that share one share it still.
+        self.boxes = [
+            (d, k, v, shot)
+            for d, k, v in zip(self.owned, self.keys, self.values, strict=True)
+            if (shot := snapshot(v)) is not None
+        ]
         self.turns = 0
 
     def next_turn(self) -> None:
@@ -77,6 +90,7 @@ class PlainTurns:
         if self.turns == 1 or (
             list(map(len, self.dicts)) == self.sizes
             and all(map(operator.is_, map(dict.get, self.owned, self.keys), self.values))
+            and all(same_box(v, shot) for _, _, v, shot in self.boxes)
         ):
             return
         for d, before in zip(self.dicts, self.before, strict=True):
@@ -84,6 +98,9 @@ class PlainTurns:
                 if turn_value(d[k]):
                     del d[k]
             d.update(before)
+        for _, _, v, shot in self.boxes:  # the one the call found, its items put back
+            if not same_box(v, shot):
+                put_back(shot)
 
 
 def plain_turns(runner: nn.Module | None) -> PlainTurns | None:

@@ -9,6 +9,7 @@ built first (the largest one sets the padded shapes), then copied into their cor
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from ._batchable import own_parametrized_classes_
+from ._boxes import emptied, is_kept
 from ._copies import copy_member
 from ._ensemble_parts import check_layout, refuse_compiled, stacked_like
 from ._members import check_same, class_name, named_tensors, signature
@@ -32,7 +34,6 @@ from ._template_parameter import TemplateBuffer, TemplateParameter
 _HOOKS = tuple(k for k, v in vars(nn.Module()).items() if isinstance(v, dict) and "hook" in k)
 
 __all__ = [
-    "KEPT_MARK",
     "Stacked",
     "check_applied",
     "check_extra_state",
@@ -40,7 +41,6 @@ __all__ = [
     "first_difference",
     "follow_flags",
     "hooks_of",
-    "is_kept",
     "left_by_forward",
     "meta_copy",
     "migrated_keys",
@@ -247,24 +247,13 @@ def recompute_(module: nn.Module) -> None:
             setattr(m, name, hook.compute_weight(m, **power))
 
 
-#: Marks a tensor the members' forward kept, stacked on the template (``vmapens._kept``).
-KEPT_MARK = "_vmapens_stacked_kept"
-
-
-def is_kept(value: object) -> bool:
-    """Whether ``value`` is a tensor marked ``KEPT_MARK``, or a tuple or list of them."""
-    if isinstance(value, tuple | list) and type(value) in (tuple, list):
-        return bool(value) and all(map(is_kept, value))
-    return isinstance(value, torch.Tensor) and getattr(value, KEPT_MARK, False)
-
-
 def left_by_forward(value: object) -> bool:
     """A tensor a forward stored (``self.last = h``): batched, or with the graph of the last
     member run in turns, or all members' stacked on the template (``is_kept``); no member's
-    own value, and what ``scrub_`` drops before a copy. A tuple or list holding one counts
-    too (an LSTM's ``self.state = (h, c)``: its batched tensors crashed every copy)."""
-    if isinstance(value, tuple | list):
-        return any(map(left_by_forward, value))
+    own value, and what ``scrub_`` drops before a copy. A container holding one counts too
+    (an LSTM's ``self.state = (h, c)``: its batched tensors crashed every copy)."""
+    if isinstance(value, tuple | list | dict | deque):
+        return any(map(left_by_forward, value.values() if isinstance(value, dict) else value))
     return isinstance(value, torch.Tensor) and (
         is_functorch_wrapped_tensor(value) or value.grad_fn is not None or is_kept(value)
     )
@@ -274,7 +263,8 @@ def scrub_(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """Drop the tensors a forward left in a meta module's plain attributes (``self.last = h``)
     before it is copied: under vmap a batched tensor, dead outside it; with the loop backend
     the last member's, with its graph; stacked on the template (``is_kept``). ``copy.deepcopy``
-    refuses the first two, and none is one member's: a copy starts with None there, as a
+    refuses the first two, and none is one member's: a copy starts with None there (an empty
+    dict or list where the forward keeps one: ``emptied``), as a
     module that has not run. Returns what it dropped, by module and name (``scrubbed`` puts
     it back)."""
     dropped = []
@@ -282,7 +272,9 @@ def scrub_(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
         for key, v in list(vars(m).items()):
             flat = key == "_flat_weights"  # a loop turn's weights (a parametrized RNN's too)
             if (flat or key not in INTERNAL) and left_by_forward(v):
-                m.__dict__[key] = [w if w is None else w.detach() for w in v] if flat else None
+                m.__dict__[key] = (
+                    [w if w is None else w.detach() for w in v] if flat else emptied(v)
+                )
                 dropped.append((m, key, v))
     return dropped
 

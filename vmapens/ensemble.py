@@ -23,7 +23,7 @@ from ._container_ops import check_call, member_index, member_module, refused_ass
 from ._ensemble_parts import check_factories, check_modules
 from ._fastcall import tracked, untraced
 from ._hooks import checked_hooks, refuse_template_hooks
-from ._kept import call_noting, keep_, kept_rows, loss_with_kept, rows_of_kept_
+from ._kept import call_noting, keep_, kept_anywhere, kept_rows, loss_with_kept, rows_of_kept_
 from ._linalg_failure import linalg_failure
 from ._member_maps import looped, vmapped
 from ._members import Factory, member_ids_for
@@ -242,6 +242,8 @@ class Ensemble(StackedModule):
         # Tensors the forward keeps (``self.kl = kl``), by turn: member (loop) or chunk (vmap)
         turns: list = []
         loss_fn, target, target_dims = loss or (None, None, None)
+        if kept_anywhere(template):  # a write there first (`ens.template.h = ...`)
+            self._follow_template()
         # Each member's rows of what the forwards kept before (the loop's: ``KeptTurns``)
         rows = {} if runner is template else kept_rows(template, n)
 
@@ -265,7 +267,7 @@ class Ensemble(StackedModule):
 
     def _keep(self, turns: list, detach: bool = False) -> None:
         """``keep_`` on the template (``detach``: after a step)."""
-        keep_(self._template, self._followers[4], turns, len(self), detach)
+        keep_(self._template, self._followers[4], turns, len(self), detach, self.runner)
 
     def map_members(self, fn: Callable[..., Any], *args: Any, in_dims: Any = None) -> Any:
         """Run ``fn(member_state, *member_args)`` for every member, stacking the outputs.
@@ -310,9 +312,7 @@ class Ensemble(StackedModule):
             says which members ``stacked_state`` holds when it holds a chunk of them.
         """
         padding = self._padding
-        # A buffer the forward reassigns goes into the stacked storage (with a padded
-        # member's masked state too), as it stays in the member alone.
-        member = tracked(fn)
+        member = tracked(fn)  # a buffer the forward reassigns: kept in the storage, as alone
         if padding is None:
             plain = self._lifted(member, in_dims)
 

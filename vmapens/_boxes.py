@@ -1,0 +1,198 @@
+"""Containers a forward keeps on its module: dicts, lists and tuples of values, nested.
+
+optree's containers: also ``OrderedDict``, ``defaultdict``, ``deque`` and named tuples (a
+subclass optree does not know, ``class Cache(dict)``, is a value like any other).
+
+A key/value cache kept as ``self.cache = {"k": k, "v": v}``, edited in place
+(``self.cache["k"] = k``), activations collected with ``self.acts.append(h)``, an LSTM's
+``self.state = (h, c)``. The ensemble treats them as it treats one tensor kept there (stacked
+per member on the template, each member's rows handed back at the next call, every turn of a
+call starting from what the call found): these helpers see them as their leaves (optree's
+pytrees) and build them again around other leaves.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict, deque
+from typing import Any
+
+import optree
+import torch
+
+__all__ = [
+    "BOXES",
+    "KEPT_MARK",
+    "LARGE",
+    "MUTABLE",
+    "Shot",
+    "box_leaves",
+    "cleared",
+    "emptied",
+    "form",
+    "is_box",
+    "is_kept",
+    "keepable",
+    "kept_again",
+    "put_back",
+    "rebuilt",
+    "same_box",
+    "shared",
+    "snapshot",
+    "tensor_leaves",
+]
+
+#: The containers taken apart, by exact type (a subclass may hold more than its items), and
+#: named tuples; a forward edits the ``MUTABLE`` ones in place.
+BOXES = frozenset({dict, list, tuple, OrderedDict, defaultdict, deque})
+MUTABLE = frozenset({dict, list, OrderedDict, defaultdict, deque})
+#: Items past which a mutable container is no state a forward keeps per call (a vocabulary, a
+#: lookup table): not looked into at every call, which costs its size.
+LARGE = 1024
+
+
+def is_box(value: Any) -> bool:
+    """Whether ``value`` is a container ``BOXES`` names, or a named tuple."""
+    return type(value) in BOXES or optree.is_namedtuple(value)
+
+
+def _flat(value: Any) -> tuple[list[Any], Any] | None:
+    """optree's leaves and structure of a container; None for one optree cannot take apart
+    (tensor keys it cannot sort, nesting deeper than Python's recursion limit)."""
+    try:
+        return optree.tree_flatten(value)
+    except (TypeError, ValueError, RuntimeError, RecursionError):
+        return None
+
+
+def box_leaves(value: Any) -> list[Any]:
+    """``value``'s leaves: its own if it is no container (or one optree cannot take apart)."""
+    flat = _flat(value) if is_box(value) else None
+    return [value] if flat is None else flat[0]
+
+
+def tensor_leaves(value: Any) -> list[torch.Tensor] | None:
+    """What a forward keeps, as its tensors: a tensor, or a container holding tensors and
+    nothing else (``{"k": k, "v": v}``, ``(h, c)``, a list of them); None for anything else
+    (one holding plain values too, ``{"k": k, "pos": 3}``, is no member's own: every member
+    would be handed it, mapped, and vmap maps tensors only)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if not is_box(value) or (flat := _flat(value)) is None:
+        return None
+    leaves = flat[0]
+    if leaves and all(isinstance(t, torch.Tensor) for t in leaves):
+        return leaves
+    return None
+
+
+#: Marks a tensor the members' forward kept, stacked on the template (``vmapens._kept``).
+KEPT_MARK = "_vmapens_stacked_kept"
+
+
+def is_kept(value: Any) -> bool:
+    """Whether ``value`` is a tensor marked ``KEPT_MARK``, or a dict, list or tuple of them."""
+    leaves = tensor_leaves(value)
+    return bool(leaves) and all(getattr(t, KEPT_MARK, False) for t in leaves or ())
+
+
+def kept_again(now: Any, before: Any) -> bool:
+    """Whether ``now``, written over the stacked kept value ``before`` on the template, is each
+    member's rows as well, and mark it so: a value of the same form and shapes
+    (``ens.template.h = ens.template.h.detach()``, truncated backpropagation through time, or
+    a reset to ``torch.zeros_like``). It was taken for one value every member shares: each
+    member read all members' rows."""
+    if now is before or not is_kept(before) or (leaves := tensor_leaves(now)) is None:
+        return False
+    old = tensor_leaves(before) or []
+    if form(now) != form(before) or [t.shape for t in leaves] != [t.shape for t in old]:
+        return False
+    for t in leaves:
+        setattr(t, KEPT_MARK, True)
+    return True
+
+
+def form(value: Any) -> Any:
+    """A container's structure (keys, nesting); None for a tensor."""
+    flat = _flat(value) if is_box(value) else None
+    return None if flat is None else flat[1]
+
+
+def rebuilt(value: Any, leaves: list[Any]) -> Any:
+    """``leaves`` in ``value``'s form: a new container of ``value``'s structure (a tensor for
+    a tensor)."""
+    if not is_box(value):
+        return leaves[0]
+    return optree.tree_unflatten(optree.tree_structure(value), leaves)
+
+
+#: ``snapshot``: a container's structure, its leaves and its own items, as found.
+Shot = tuple[Any, list[Any], list[Any]]
+
+
+def snapshot(value: Any) -> Shot | None:
+    """A mutable container's structure, leaves and own items now, for ``same_box`` and
+    ``put_back`` (None for anything else, and for one of more than ``LARGE`` items)."""
+    if type(value) not in MUTABLE or len(value) > LARGE or (flat := _flat(value)) is None:
+        return None
+    return flat[1], flat[0], _items(value, set())
+
+
+def _items(value: Any, seen: set[int]) -> list[Any]:
+    """``value`` and its own items, then the same of each mutable container among them (a
+    dict in a list), once each."""
+    seen.add(id(value))
+    own = list(value.items()) if isinstance(value, dict) else list(value)
+    found = [(value, own)]
+    for item in value.values() if isinstance(value, dict) else value:
+        if type(item) in MUTABLE and id(item) not in seen:
+            found += _items(item, seen)
+    return found
+
+
+def same_box(value: Any, shot: Shot) -> bool:
+    """Whether the container ``snapshot`` gave ``shot`` for holds the same leaves still."""
+    spec, leaves, _ = shot
+    flat = _flat(value)
+    if flat is None:
+        return False
+    now, now_spec = flat
+    return now_spec == spec and len(now) == len(leaves) and all(map(_is, now, leaves))
+
+
+def put_back(shot: Shot) -> None:
+    """``value``'s items as ``snapshot`` found them, and those of the containers in it, in
+    place: a module that shares one (``Layer(self.sink)``) shares it still."""
+    for box, own in shot[2]:
+        box.clear()
+        if isinstance(box, dict):
+            box.update(own)
+        else:
+            box.extend(own)
+
+
+def cleared(value: Any) -> bool:
+    """A stacked dict or list emptied in place on the template (``ens.template.cache.clear()``,
+    a ``reset()``): every member starts from an empty one, as each alone."""
+    return type(value) in MUTABLE and not value
+
+
+def keepable(value: Any) -> bool:
+    """A tensor, a container of tensors, or an emptied dict or list (``.clear()``)."""
+    return tensor_leaves(value) is not None or (type(value) in MUTABLE and not value)
+
+
+def shared(value: Any, values: list[Any]) -> bool:
+    """Whether ``value`` is held by more than one of ``values`` (two modules' attributes)."""
+    return sum(v is value for v in values) > 1
+
+
+def emptied(value: Any) -> Any:
+    """What a module that has not run holds where a forward keeps ``value``: an empty
+    container of its kind (``self.cache = {}`` in ``__init__``), else None."""
+    if type(value) is defaultdict:
+        return defaultdict(value.default_factory)
+    return type(value)() if type(value) in MUTABLE else None
+
+
+def _is(a: object, b: object) -> bool:
+    return a is b
