@@ -284,9 +284,10 @@ class Counting(models.MLP):
         return super().forward(x)
 
 
-@pytest.mark.parametrize("check,first", [(True, 3), (False, 1)])
+@pytest.mark.parametrize("check,first", [(True, 4), (False, 1)])
 def test_probe_runs_once_per_step_object(check, first):
-    # With the check: member alone + member in the ensemble + the step itself, then 1 a call.
+    # With the check: member alone, once more for the generators it draws from (under no_grad,
+    # _generator_draws), member in the ensemble, the step itself; then 1 a call.
     ens = vmapens.Ensemble(Counting, N, seed=0).double()
     step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedAdam(ens), check=check)
     x, y = _x(ROWS, 4), _x(ROWS, 3)
@@ -305,7 +306,7 @@ def test_a_batch_member_0_cannot_run_gets_the_steps_own_error_and_the_probe_wait
             step(_x(ROWS, 5), _x(ROWS, 3))
     Counting.calls.clear()
     step(_x(ROWS, 4), _x(ROWS, 3))
-    assert len(Counting.calls) == 3  # still probed on the first good batch
+    assert len(Counting.calls) == 4  # still probed on the first good batch
 
 
 def test_probe_leaves_training_as_without_it():

@@ -17,12 +17,11 @@ Refused under vmap, naming `backend='loop'`, which then runs as alone: `buffer.t
 `torch.tensor(buffer)` (copy-construct), `torch.empty(k).fill_(param)`. A buffer registered in
 the forward is refused by the first step, naming it.
 
-Found (xfail, strict):
-- a draw from a `torch.Generator` seeded in the forward (fixed noise, a fixed random
-  projection) gives every member the same numbers alone; under the default
-  `randomness="different"` one batched draw gives members 1.. others (and member 0 too from
-  the second draw on), silently: the self-check runs member 0 in a one-member ensemble, where
-  it draws what it draws alone.
+Found (xfail, strict): a draw from a `torch.Generator` seeded in the forward (fixed noise, a
+fixed random projection) gives every member the same numbers alone; under the default
+`randomness="different"` one batched draw gives members 1.. others (and member 0 too from the
+second draw on). Since session 45 the step's self-check refuses it (it runs member 0 once more
+under a function mode that sees the generator); `ens(x)` is not checked and runs it silently.
 
 Fixed in session 35: a cache built from a member's tensor (`self.fc.weight.new_zeros(T, d)`,
 batched) and kept on the module, with `chunk_size=2` and 3 members: once a call rebuilt it in
@@ -223,8 +222,8 @@ def test_a_generator_seeded_in_the_forward_with_loop_or_same_runs_as_alone(backe
 @pytest.mark.xfail(
     strict=True,
     reason="randomness='different' gives members other draws from a generator the forward "
-    "seeds (alone: the same numbers for every member), silently; the self-check runs member 0 "
-    "alone in a one-member ensemble",
+    "seeds (alone: the same numbers for every member); the step's check refuses it since "
+    "session 45 (tests/test_generator_draws.py), `ens(x)` runs it silently",
 )
 @pytest.mark.parametrize("backend", BACKENDS[:2], ids=IDS[:2])
 def test_a_generator_seeded_in_the_forward_under_different_runs_as_alone_or_is_refused(

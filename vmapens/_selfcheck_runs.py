@@ -26,6 +26,7 @@ from ._attention import batched_attention
 from ._batch_edits import batch_kept
 from ._batchable import BatchableAlphaDropout, BatchableDropout, in_logical_order
 from ._fastcall import call_member
+from ._generator_draws import batched_draws, generators_in, made_in_the_call
 from ._kept import KeptSlots, kept_on, loss_with_kept, map_kept, named_slots, slots_for
 from ._members import named_tensors
 from ._selfcheck_parts import (
@@ -46,6 +47,7 @@ __all__ = [
     "forked_rng",
     "loss_state_kept",
     "member_slice",
+    "own_generator",
     "run_alone",
     "run_together",
 ]
@@ -59,11 +61,20 @@ DRAWS = (
 )
 
 
-def forked_rng(ens: Ensemble) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def forked_rng(ens: Ensemble, *batch: Any) -> Iterator[None]:
     """A run that starts from the caller's RNG state (both runs: the same dropout draws) and
-    leaves it as it was."""
+    leaves it as it was, with each ``torch.Generator`` passed in ``batch`` (``ens(x, g)``:
+    the run alone drew from it before the run inside the ensemble, which then drew others)."""
     device = next(iter(ens.stacked_state().values()), torch.empty(0)).device
-    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+    passed = generators_in(batch)
+    states = [g.get_state() for g in passed]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            yield
+        finally:
+            for g, state in zip(passed, states, strict=True):
+                g.set_state(state)
 
 
 def _autocast(ens: Ensemble, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
@@ -135,7 +146,7 @@ def run_alone(
     for sub in module.modules() if ens.backend == "vmap" else ():  # see in_logical_order
         sub.__class__ = _LOGICAL_DRAWS.get(type(sub), type(sub))
     python_rng, numpy_rng = random.getstate(), _numpy_state()
-    with batch_kept(args, targets) as edited, forked_rng(ens), _logical(ens):
+    with batch_kept(args, targets) as edited, forked_rng(ens, args, targets), _logical(ens):
         torch_rng = torch.get_rng_state()  # inside the fork: what this run draws
         with _autocast(ens, autocast):
             try:
@@ -172,6 +183,31 @@ def run_alone(
         else ("numpy's global RNG (`np.random`)" if _numpy_state() != numpy_rng else None),
         "torch_rng": drew,
     }
+
+
+def own_generator(
+    ens: Ensemble,
+    member: int,
+    loss_fn: Callable,
+    args: tuple,
+    targets: Tensor,
+    in_dims: int | None,
+    autocast: torch.dtype | None,
+) -> bool:
+    """Whether member ``member``'s forward and loss, run alone once more (a copy, the RNG
+    forked, the batch kept), draw from a generator they make (``_generator_draws``), where one
+    vmap runs several members with ``randomness="different"``."""
+    if not batched_draws(ens):
+        return False
+    module = ens[member]
+
+    def run() -> None:
+        with batch_kept(args, targets), forked_rng(ens, args, targets), _autocast(ens, autocast):
+            out = module(*member_slice(args, member, in_dims, False))
+            loss_fn(out, member_slice(targets, member, in_dims, False))
+
+    with loss_state_kept(loss_fn):
+        return made_in_the_call(run, args, targets)
 
 
 def _numpy_state() -> tuple | None:
@@ -233,7 +269,7 @@ def run_together(
     mine = member_slice(args, member, in_dims, True)
     target = member_slice(targets, member, in_dims, True)
     attention = batched_attention() if sub.backend == "vmap" else contextlib.nullcontext()
-    with batch_kept(args, targets), forked_rng(sub), attention, _logical(sub):
+    with batch_kept(args, targets), forked_rng(sub, args, targets), attention, _logical(sub):
         with _autocast(sub, autocast):
             tensors, loss = sub._member_map(run, (in_dims, in_dims, 0))(state, mine, target, kept)
         spec, leaves = structure

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from ._batch_edits import refuse_edits_in_turns
 from ._checks import check_loss_fn, positional, tolerance
+from ._generator_draws import refuse_own_generators
 from ._locate import first_padded_difference
 from ._padding import masked
 from ._plain_turns import plain_value
@@ -30,6 +31,7 @@ from ._selfcheck_runs import (
     IN_FORWARD,
     loss_state_kept,
     member_slice,
+    own_generator,
     run_alone,
     run_together,
 )
@@ -245,6 +247,9 @@ def _compare(
     """Run the member inside the ensemble and raise if it differs from ``alone`` (``compiled``:
     for the compiled step)."""
     name = type(ens.template).__name__
+    refuse_own_generators(
+        api, ens, own_generator(ens, member, loss_fn, args, targets, in_dims, autocast)
+    )
     if alone["reads"]:
         raise ValueError(
             f"{api}: `loss_fn` reads the ensemble's own stacked parameters "
