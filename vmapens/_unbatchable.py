@@ -15,9 +15,11 @@ import os
 import re
 import traceback
 from collections.abc import Iterator, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ._attention import batched_attention
 from ._batch_edits import EditedInTurns
@@ -331,8 +333,16 @@ def follow_sparse(api: str, layers: Sequence[SparseLayer], grad: bool) -> None:
         ValueError: naming the layer and the way out.
     """
     for name, module in layers:
-        weight = getattr(module, "weight", None)
-        if grad and module.sparse and isinstance(weight, torch.Tensor) and weight.requires_grad:
+        if not (grad and module.sparse):
+            continue
+        # A parametrized weight (spectral_norm) read through its parametrization would run it
+        # on the template (a power iteration writing its meta `_u`, `_v`): its original
+        weight = (
+            getattr(cast(Any, module).parametrizations.weight, "original", None)
+            if parametrize.is_parametrized(module, "weight")
+            else getattr(module, "weight", None)
+        )
+        if isinstance(weight, torch.Tensor) and weight.requires_grad:
             where = f"`{name}`" if name else "the member"
             raise ValueError(
                 f"{api}: {where} ({type(module).__name__}) is built with sparse=True: its "
