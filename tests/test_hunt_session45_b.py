@@ -389,9 +389,9 @@ def test_add_param_group_mid_run_with_per_member_lr_as_alone() -> None:
 def test_what_cannot_be_per_member_is_refused() -> None:
     ens, alone = build()
     opt = vmapens.StackedAdam(ens, lr=LRS)
-    # a scheduler factor as a tensor, a list in a param group, torch's plateau on per-member lrs
-    with pytest.raises(TypeError):
-        S.LambdaLR(opt, lambda e: torch.tensor([0.9**e, 1.0, 1.0]))
+    # a list in a param group, torch's plateau on per-member lrs, an item set in MemberValues
+    with pytest.raises(TypeError, match=r"immutable.*MemberValues\(\[\.\.\.\]\)"):
+        opt.param_groups[0]["lr"][1] = 0.3
     opt = vmapens.StackedAdam(ens, lr=0.05)
     opt.param_groups[0]["lr"] = [0.01, 0.02, 0.03]
     hand = opt.zero_grad
@@ -753,3 +753,30 @@ def test_logging_gradient_hooks_see_the_same_in_make_step_as_in_the_hand_loop(kw
         assert len(grads) == len(accumulated) == 2
     for a, b in zip(seen["hand"], seen["make_step"], strict=True):
         torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("kind", ["lambda-tensor", "cosine-eta-list"])
+def test_per_member_factors_as_a_tensor_or_a_list_schedule_as_alone(kind: str) -> None:
+    # A LambdaLR whose lambda returns one factor per member as a 1-D tensor, a
+    # CosineAnnealingLR with one eta_min per member as a list: `MemberValues * Tensor` and
+    # `list - MemberValues` were TypeErrors that did not say what to do
+    ens, alone = build()
+    opt = vmapens.StackedAdam(ens, lr=LRS)
+    opts = [torch.optim.Adam(m.parameters(), lr=lr) for m, lr in zip(alone, LRS, strict=True)]
+    etas = [1e-3, 2e-3, 5e-3]
+    if kind == "lambda-tensor":
+        sched = S.LambdaLR(opt, lambda e: torch.tensor([0.9**e, 1 / (1 + e), 1.0]))
+        scheds = [S.LambdaLR(o, f) for o, f in zip(opts, FNS, strict=True)]
+    else:
+        sched = S.CosineAnnealingLR(opt, T_max=4, eta_min=etas)  # type: ignore[arg-type]
+        scheds = [
+            S.CosineAnnealingLR(o, T_max=4, eta_min=e) for o, e in zip(opts, etas, strict=True)
+        ]
+    for k in range(5):
+        hand_step(ens, opt, alone, opts, *data(k))
+        sched.step()
+        for s in scheds:
+            s.step()
+        for i, o in enumerate(opts):
+            assert opt.param_groups[0]["lr"][i] == pytest.approx(o.param_groups[0]["lr"], rel=1e-12)
+    assert_members(ens, alone)

@@ -53,6 +53,12 @@ class MemberValues:
     def __getitem__(self, i: int) -> float:
         return self.values[i]
 
+    def __setitem__(self, i: int, value: float) -> None:
+        raise TypeError(
+            "MemberValues is immutable: set a new one for all members, "
+            "group['lr'] = MemberValues([...]) (one float per member)"
+        )
+
     def __iter__(self) -> Iterator[float]:
         return iter(self.values)
 
@@ -81,6 +87,15 @@ class MemberValues:
     def _map(self, other: Any, op: Callable[[float, Any], Any]) -> MemberValues:
         if isinstance(other, MemberValues):
             return MemberValues(op(a, b) for a, b in zip(self.values, other.values, strict=True))
+        if isinstance(other, list | tuple) or (isinstance(other, Tensor) and other.dim() == 1):
+            # One value per member (a scheduler lambda returning a tensor of factors, a list
+            # `eta_min`): member i's with its own, as a float, as its scheduler alone would
+            given = other.tolist() if isinstance(other, Tensor) else list(other)
+            if len(given) != len(self.values):
+                raise ValueError(
+                    f"MemberValues: {len(given)} values met {len(self.values)}, one per member"
+                )
+            return MemberValues(op(a, float(b)) for a, b in zip(self.values, given, strict=True))
         if isinstance(other, Tensor) and other.dim() == 0:
             # A tensor lr's base value (torch's schedulers keep `initial_lr` as a 0-d clone).
             other = other.detach()
