@@ -66,7 +66,10 @@ class GeneratorDraws(TorchFunctionMode):
 def generators_in(tree: Any) -> list[torch.Generator]:
     """The generators in ``tree``'s leaves, and one level into a leaf's fields (a dataclass
     or another object holding the batch)."""
-    leaves: list[Any] = optree.tree_leaves(tree, none_is_leaf=True)  # type: ignore[arg-type]
+    try:
+        leaves: list[Any] = optree.tree_leaves(tree, none_is_leaf=True)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError, RecursionError):  # keys optree cannot sort
+        return []
     found = []
     for leaf in leaves:
         if isinstance(leaf, torch.Generator):
