@@ -28,7 +28,7 @@ from typing import Any
 from torch import nn
 
 from ._batchable import twin_class
-from ._boxes import MUTABLE, kept_again
+from ._boxes import cleared, kept_again
 from ._hooks import held_tensor
 from ._members import named_tensors
 from ._plain_turns import INTERNAL, plain_value
@@ -59,8 +59,7 @@ def _scrubbed(now: object, before: object) -> bool:
     """A forward's tensor replaced by None while ``scrubbed`` is at work (a copy of the
     ensemble, which follows the template with the same ``Watched``), not a value for every
     member. Outside a copy it is the user's reset (``ens.template.h = None``): followed."""
-    empty = now is None or (type(now) in MUTABLE and not now)  # ``emptied``
-    return empty and left_by_forward(before) and scrubbing()
+    return (now is None or cleared(now)) and left_by_forward(before) and scrubbing()
 
 
 def _same(a: object, b: object) -> bool:

@@ -14,6 +14,7 @@ pytrees) and build them again around other leaves.
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict, deque
+from collections.abc import Iterable
 from typing import Any
 
 import optree
@@ -27,6 +28,7 @@ __all__ = [
     "Shot",
     "box_leaves",
     "cleared",
+    "edited",
     "emptied",
     "form",
     "is_box",
@@ -35,7 +37,6 @@ __all__ = [
     "kept_again",
     "put_back",
     "rebuilt",
-    "same_box",
     "shared",
     "snapshot",
     "tensor_leaves",
@@ -130,7 +131,7 @@ Shot = tuple[Any, list[Any], list[Any]]
 
 
 def snapshot(value: Any) -> Shot | None:
-    """A mutable container's structure, leaves and own items now, for ``same_box`` and
+    """A mutable container's structure, leaves and own items now, for ``edited`` and
     ``put_back`` (None for anything else, and for one of more than ``LARGE`` items)."""
     if type(value) not in MUTABLE or len(value) > LARGE or (flat := _flat(value)) is None:
         return None
@@ -149,25 +150,28 @@ def _items(value: Any, seen: set[int]) -> list[Any]:
     return found
 
 
-def same_box(value: Any, shot: Shot) -> bool:
-    """Whether the container ``snapshot`` gave ``shot`` for holds the same leaves still."""
-    spec, leaves, _ = shot
-    flat = _flat(value)
+def edited(shot: Shot) -> bool:
+    """Whether the container ``snapshot`` gave ``shot`` for holds other leaves now."""
+    spec, leaves, items = shot
+    flat = _flat(items[0][0])
     if flat is None:
-        return False
+        return True
     now, now_spec = flat
-    return now_spec == spec and len(now) == len(leaves) and all(map(_is, now, leaves))
+    return now_spec != spec or len(now) != len(leaves) or not all(map(_is, now, leaves))
 
 
-def put_back(shot: Shot) -> None:
-    """``value``'s items as ``snapshot`` found them, and those of the containers in it, in
-    place: a module that shares one (``Layer(self.sink)``) shares it still."""
-    for box, own in shot[2]:
-        box.clear()
-        if isinstance(box, dict):
-            box.update(own)
-        else:
-            box.extend(own)
+def put_back(shots: Iterable[Shot]) -> None:
+    """Each edited container's items as ``snapshot`` found them, and those of the containers
+    in it, in place: a module that shares one (``Layer(self.sink)``) shares it still."""
+    for shot in shots:
+        if not edited(shot):
+            continue
+        for box, own in shot[2]:
+            box.clear()
+            if isinstance(box, dict):
+                box.update(own)
+            else:
+                box.extend(own)
 
 
 def cleared(value: Any) -> bool:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ._attributes import INTERNAL
 from ._batch_edits import EditedInTurns
-from ._boxes import put_back, same_box, snapshot
+from ._boxes import put_back, snapshot
 from ._checks import positional
 from ._kept import held_rows
 from ._metrics import Metric, average, metric_pair, score
@@ -80,7 +80,7 @@ class Evaluator:
         # And the dicts and lists among them as they are (a cache edited in place), put back
         # in place: modules that share one share it still.
         boxes = [
-            (v, shot)
+            shot
             for _, d in plain
             for k, v in d.items()
             if k not in INTERNAL and (shot := snapshot(v))
@@ -105,9 +105,7 @@ class Evaluator:
                     for key in [k for k in now if k not in INTERNAL and k not in before]:
                         del now[key]
                     now.update((k, v) for k, v in before.items() if k not in INTERNAL)
-                for v, shot in boxes:
-                    if not same_box(v, shot):
-                        put_back(shot)
+                put_back(boxes)
             with torch.no_grad():
                 for name, metric in self.metrics.items():
                     _check_metric(api, name, metric, out, self.val[1])

@@ -34,11 +34,11 @@ from ._boxes import (
     KEPT_MARK,
     MUTABLE,
     cleared,
+    edited,
     form,
     is_kept,
     keepable,
     rebuilt,
-    same_box,
     shared,
     snapshot,
     tensor_leaves,
@@ -134,7 +134,7 @@ class KeptSlots:
         changed = []
         if any(map(operator.is_not, now, values)):
             changed = [i for i, (v, b) in enumerate(zip(now, values, strict=True)) if v is not b]
-        changed += [i for i, shot in boxes if now[i] is values[i] and not same_box(now[i], shot)]
+        changed += [i for i, shot in boxes if now[i] is values[i] and edited(shot)]
         named = [(self.names[i], now[i]) for i in changed]
         if list(map(len, self.dicts)) != self.sizes:  # an attribute set the first time
             known = set(self.names)
@@ -370,14 +370,13 @@ def _kept_slots(template: nn.Module) -> list[tuple[str, nn.Module, str, Any]]:
     return found
 
 
-def kept_rows(template: nn.Module, n: int) -> dict[str, Any]:
+def kept_rows(template: nn.Module, n: int, runner: nn.Module) -> dict[str, Any]:
     """The stacked ``[n, ...]`` values ``set_kept_`` put on the template (or emptied there),
     by ``"<module path>:<attribute>"``, mapped into the members (``call_noting``'s ``given``):
     a forward reading one back (a hidden state, a cache) and a ``loss_fn`` reading one the
     forward did not set again (an aux loss) read their member's rows."""
-    return {
-        f"{path}:{k}": v for path, k, v in kept_on(template) if _stacked_rows(v) == n or cleared(v)
-    }
+    found = [] if runner is template else kept_on(template)  # the loop's: ``KeptTurns``
+    return {f"{path}:{k}": v for path, k, v in found if _stacked_rows(v) == n or cleared(v)}
 
 
 def rows_of_kept_(member: nn.Module, template: nn.Module, i: int) -> None:

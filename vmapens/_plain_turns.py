@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._boxes import LARGE, box_leaves, is_box, put_back, same_box, snapshot
+from ._boxes import LARGE, box_leaves, edited, is_box, put_back, snapshot
 
 __all__ = ["INTERNAL", "PlainTurns", "plain_turns", "plain_value", "turn_value"]
 
@@ -76,11 +76,7 @@ class PlainTurns:
         self.sizes = list(map(len, self.dicts))
         # Mutable containers, by their contents: a turn edits one in place (``self.cache["k"] =
         # k``); put back in place, so modules that share one share it still.
-        self.boxes = [
-            (d, k, v, shot)
-            for d, k, v in zip(self.owned, self.keys, self.values, strict=True)
-            if (shot := snapshot(v)) is not None
-        ]
+        self.boxes = [shot for v in self.values if (shot := snapshot(v)) is not None]
         self.turns = 0
 
     def next_turn(self) -> None:
@@ -90,7 +86,7 @@ class PlainTurns:
         if self.turns == 1 or (
             list(map(len, self.dicts)) == self.sizes
             and all(map(operator.is_, map(dict.get, self.owned, self.keys), self.values))
-            and all(same_box(v, shot) for _, _, v, shot in self.boxes)
+            and not any(map(edited, self.boxes))
         ):
             return
         for d, before in zip(self.dicts, self.before, strict=True):
@@ -98,9 +94,7 @@ class PlainTurns:
                 if turn_value(d[k]):
                     del d[k]
             d.update(before)
-        for _, _, v, shot in self.boxes:  # the one the call found, its items put back
-            if not same_box(v, shot):
-                put_back(shot)
+        put_back(self.boxes)  # the ones the call found, their items as they were
 
 
 def plain_turns(runner: nn.Module | None) -> PlainTurns | None:

@@ -245,7 +245,7 @@ class Ensemble(StackedModule):
         if kept_anywhere(template):  # a write there first (`ens.template.h = ...`)
             self._follow_template()
         # Each member's rows of what the forwards kept before (the loop's: ``KeptTurns``)
-        rows = {} if runner is template else kept_rows(template, n)
+        rows = kept_rows(template, n, runner)
 
         def member(state: dict[str, torch.Tensor], kw: dict, *given: Any) -> Any:
             given, own = (given[:-1], given[-1]) if rows else (given, None)

@@ -180,7 +180,7 @@ def make_step(
         undo = undo_point(ens, optimizer)
         turns.clear()
         frozen = held_rows(ens.template, mask)  # a frozen member's kept hidden state stays
-        own = {} if ens.runner is ens.template else kept_rows(ens.template, len(ens))
+        own = kept_rows(ens.template, len(ens), ens.runner)
         guard = None
         try:
             with ens.guard("step", loss=True) as guard, frozen_members(ens, mask):
