@@ -55,7 +55,7 @@ __all__ = [
     "kept_anywhere",
     "kept_on",
     "kept_rows",
-    "loss_with_kept",
+    "kept_stacks",
     "map_kept",
     "named_slots",
     "rows_of_kept_",
@@ -321,31 +321,6 @@ class KeptTurns:
                 d[k] = v
 
 
-def loss_with_kept(
-    loss_fn: Callable, out: Any, target: Any, template: nn.Module, kept: dict[str, torch.Tensor]
-) -> Any:
-    """``loss_fn(out, target)`` with the tensors one run's forward ``kept`` (``KeptSlots.new``:
-    a member's, or a turn's batched ones) set on the template's module of the same name
-    meanwhile, then given back: a ``loss_fn`` that reads ``ens.template.moe.aux_loss`` reads
-    the member's own there, as alone it reads its module's (it read ``__init__``'s value)."""
-    lent = []
-    for module, key, value in named_slots(template, kept):
-        owned = module.__dict__
-        lent.append((owned, key, owned.get(key, _NONE)))
-        owned[key] = value
-    try:
-        return loss_fn(out, target)
-    finally:
-        for owned, key, old in reversed(lent):
-            if old is _NONE:
-                owned.pop(key, None)
-            else:
-                owned[key] = old
-
-
-_NONE = object()  # no such attribute before
-
-
 def kept_anywhere(template: nn.Module) -> bool:
     """Whether ``set_kept_`` put a stacked value on the template (another may be there now)."""
     return bool(_WHERE.get(template))
@@ -354,6 +329,17 @@ def kept_anywhere(template: nn.Module) -> bool:
 def kept_on(template: nn.Module) -> list[tuple[str, str, Any]]:
     """``(module path, attribute, stacked value)`` for each ``set_kept_`` put there."""
     return [(path, k, v) for path, _, k, v in _kept_slots(template)]
+
+
+def kept_stacks(n: int) -> list[tuple[dict[str, Any], str, Any]]:
+    """``(module __dict__, attribute, stacked value)`` for every value of ``n`` rows that
+    ``set_kept_`` put on an ensemble's template (any ensemble still alive)."""
+    return [
+        (vars(m), k, v)
+        for t in list(_WHERE)
+        for _, m, k, v in _kept_slots(t)
+        if _stacked_rows(v) == n
+    ]
 
 
 def _kept_slots(template: nn.Module) -> list[tuple[str, nn.Module, str, Any]]:

@@ -27,7 +27,8 @@ from ._batch_edits import batch_kept
 from ._batchable import BatchableAlphaDropout, BatchableDropout, in_logical_order
 from ._fastcall import call_member
 from ._generator_draws import batched_draws, generators_in, made_in_the_call
-from ._kept import KeptSlots, kept_on, loss_with_kept, map_kept, named_slots, slots_for
+from ._kept import KeptSlots, kept_on, map_kept, named_slots, slots_for
+from ._kept_loans import loss_with_kept
 from ._members import named_tensors
 from ._selfcheck_parts import (
     Attributes,

@@ -7,10 +7,14 @@ from typing import Any
 
 import optree
 import torch
+from torch import nn
 from torch.func import vmap
 
 from ._attention import batched_attention
 from ._checks import flat_dims, mapped_sizes, warn_stacked_keywords
+from ._kept import kept_stacks
+from ._kept_loans import lending
+from ._plain_turns import PlainTurns
 from ._precision import autocast_members
 from ._unbatchable import NARROW_GATHER, NO_STORAGE
 
@@ -26,6 +30,9 @@ _READS_VALUES = (
     "dynamic shape",
     "a differently shaped Tensor",
 )
+# What it says of an op it has no batching rule for (``torch.equal``, ``torch.allclose``,
+# ``narrow`` at a tensor start): each member's slice runs it as alone.
+_NO_RULE = ("Batching rule not implemented for", "isn't supported yet")
 
 
 def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -> Callable:
@@ -83,18 +90,27 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
         tree: Any = (args, kwargs)
         tensors = [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
         device = tensors[0].device.type if tensors else "cpu"
-        batched = vmap(autocast_members(loss_fn, device), in_dims=in_dims)
+        fn, dims, mapped = loss_fn, flat_dims(in_dims, len(args)), in_dims
+        # A loss reading what the forward kept (``ens.template.kl``, stacked ``[n]``) reads its
+        # member's rows, as alone its module's: the whole stack gave ``[n, n]``, silently.
+        sizes = mapped_sizes(args, dims) if dims is not None else set()
+        if dims is not None and len(sizes) == 1 and (stacks := kept_stacks(*sizes)):
+            fn, dims = lending(loss_fn, stacks), [0, *dims]
+            args, mapped = ([v for _, _, v in stacks], *args), tuple(dims)
+        batched = vmap(autocast_members(fn, device), in_dims=mapped)
+        # A loss module's plain state (a call counter for a warm-up): each member's run below
+        # starts from it as the call found it, as alone with its own copy (it advanced 1 + n).
+        turns = PlainTurns(loss_fn) if isinstance(loss_fn, nn.Module) else None
         try:
             with batched_attention():  # vmap's rules the ensemble's calls run (ties split)
                 return batched(*args, **kwargs)
         except RuntimeError as err:
-            dims = flat_dims(in_dims, len(args))
             if not _unbatchable(err):
                 raise
             if dims is None:  # nested in_dims: vmap's own error says what it could not do
                 raise
             failed = err
-        values = _member_by_member(loss_fn, dims, args, kwargs)
+        values = _member_by_member(fn, dims, args, kwargs, turns)
         if values is None:  # not a tensor (a Python float has no gradient): vmap's error
             raise failed
         return values
@@ -104,18 +120,24 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
 
 def _unbatchable(err: RuntimeError) -> bool:
     """Whether ``err`` is vmap refusing a function that reads tensor values (``.item()``, an
-    ``if`` on a tensor, ``.tolist()``, ``.numpy()``), or vmap's ``gather`` refusing the uint8
-    class indices that ``cross_entropy`` alone takes: it runs member by member instead."""
+    ``if`` on a tensor, ``.tolist()``, ``.numpy()``) or an op it has no rule for, or vmap's
+    ``gather`` refusing the uint8 class indices that ``cross_entropy`` alone takes: it runs
+    member by member instead."""
     said = str(err)
     reads = said.startswith("vmap: ") and any(m in said for m in _READS_VALUES)
-    return reads or any(m in said for m in (*NO_STORAGE, NARROW_GATHER))
+    return reads or any(m in said for m in (*_NO_RULE, *NO_STORAGE, NARROW_GATHER))
 
 
 def _member_by_member(
-    loss_fn: Callable, dims: list[int | None], args: tuple, kwargs: dict
+    loss_fn: Callable,
+    dims: list[int | None],
+    args: tuple,
+    kwargs: dict,
+    turns: PlainTurns | None = None,
 ) -> torch.Tensor | None:
     """``loss_fn`` on member ``i``'s slice of every mapped argument, for each ``i``, stacked;
-    None if it returns anything but a tensor."""
+    None if it returns anything but a tensor. ``turns``: the loss module's plain values, given
+    back before each member's run (the failed vmap run was the first turn)."""
     (n,) = mapped_sizes(args, dims)  # vmap checked the mapped sizes agree before it ran
 
     def member(i: int) -> list[Any]:
@@ -124,5 +146,11 @@ def _member_by_member(
             for a, d in zip(args, dims)
         ]
 
-    values = [loss_fn(*member(i), **kwargs) for i in range(n)]
+    if turns is not None:
+        turns.next_turn()  # the failed vmap run's
+    values = []
+    for i in range(n):
+        if turns is not None:
+            turns.next_turn()
+        values.append(loss_fn(*member(i), **kwargs))
     return torch.stack(values) if all(isinstance(v, torch.Tensor) for v in values) else None
