@@ -26,7 +26,9 @@ from ._compiling import (
     own_code,
     refuse_custom_backwards,
     refuse_grad_hooks,
+    refuse_kept_reads,
 )
+from ._kept import slots_for
 from ._selfcheck_runs import forked_rng
 from ._step_hooks import TemplateHooks, refuse_pre_hooks, run_post_hooks
 from ._step_more import refuse_graph_into
@@ -291,9 +293,15 @@ def no_gradient(
     forked = forked_rng(sub)
     # batch_kept: a forward that edits its input (x.mul_(2)) edits it once in the step, as
     # alone; without it the graph saw the probe's edit too (4 * x).
+    slots = slots_for(ens.runner)  # the one `member_loss` runs
     with batch_kept(*batch) as edited:
         with forked, torch.enable_grad(), sub.guard("step", loss=True), update.autocast():
-            losses = sub._member_map(member_loss, (in_dims, in_dims))(state, *batch)
+            seen = slots.seen()
+            try:
+                losses = sub._member_map(member_loss, (in_dims, in_dims))(state, *batch)
+            except AttributeError as err:  # a loss reading `ens.template.aux`, which only
+                refuse_kept_reads(err, slots.new(seen))  # the forward sets: what it means
+                raise
         unused = set(trained)
         if losses.requires_grad:
             refuse_custom_backwards(losses, type(ens.template).__name__)

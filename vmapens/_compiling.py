@@ -31,6 +31,7 @@ __all__ = [
     "own_code",
     "refuse_custom_backwards",
     "refuse_grad_hooks",
+    "refuse_kept_reads",
 ]
 
 
@@ -144,7 +145,8 @@ def compile_failures() -> Iterator[None]:
     ``BackendCompilerFailed`` (inductor's C++ build), ``InternalTorchDynamoError`` (dynamo
     failing in its own code: its rewrite of an ``autograd.Function`` under ``vmap``) and
     ``TorchRuntimeError`` (an op that fails on fake tensors while tracing:
-    ``torch.func.hessian`` in a physics-informed forward, which eager runs) reached the user
+    ``torch.func.hessian`` in a physics-informed forward, which eager runs) and ``UserError``
+    (a size that depends on tensor values: a boolean mask, ``bincount``) reached the user
     as torch's internals, and so did dynamo's "Hard failure due to
     fullgraph=True" once a graph met more variants than its recompile limit (the step's own
     limit counts input shapes only).
@@ -157,6 +159,7 @@ def compile_failures() -> Iterator[None]:
         TorchDynamoException,
         TorchRuntimeError,
         Unsupported,
+        UserError,
     )
 
     before = _dispatch_state()
@@ -177,15 +180,20 @@ def compile_failures() -> Iterator[None]:
                 "or train with compile=False. Nothing was changed"
             ) from err
         failed = Unsupported | BackendCompilerFailed | TorchRuntimeError | InternalTorchDynamoError
-        if isinstance(err, failed):
+        if isinstance(err, failed | UserError):
             lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
             why = " ".join(lines[:2]) if lines else type(err).__name__
-            likely = (
-                "a tensor of a member leaves the graph: the forward keeps one on its module "
-                "(`self.aux_loss = ...`), or a submodule sits at two paths"
-                if "storage of TensorWrapper" in why
-                else "the forward or the loss calls something dynamo cannot trace"
-            )
+            likely = "the forward or the loss calls something dynamo cannot trace"
+            if "storage of TensorWrapper" in why:
+                likely = (
+                    "a tensor of a member leaves the graph: the forward keeps one on its "
+                    "module (`self.aux_loss = ...`), or a submodule sits at two paths"
+                )
+            elif isinstance(err, UserError):
+                likely = (
+                    "a size in the forward or the loss depends on tensor values (a boolean "
+                    "mask, `nonzero`, `bincount`, `.item()`), which one graph cannot hold"
+                )
             raise CompileFailed(
                 f"step: torch.compile cannot compile this training step into one graph "
                 f"({type(err).__name__}: {why[:400]}); most likely {likely}. Train with "
@@ -193,6 +201,21 @@ def compile_failures() -> Iterator[None]:
                 "was changed"
             ) from err
         raise
+
+
+def refuse_kept_reads(err: AttributeError, kept: dict[str, Any]) -> None:
+    """``CompileFailed`` for a loss failing on an attribute the forward keeps on its module
+    (``ens.template.aux``, set by the forward alone): the compiled step hands no kept tensor
+    to the loss (it leaves the graph). Nothing if the forward kept nothing."""
+    if kept:
+        names = ", ".join(f"`{name.rpartition(':')[2]}`" for name in kept)
+        raise CompileFailed(
+            f"step: the forward keeps {names} on its module and the loss reads it ({err}); "
+            "the compiled step cannot hand a tensor the forward keeps to the loss (it leaves "
+            "the graph). Return it from the forward (`return out, aux`), or train with "
+            "compile=False (make_step or fit), whose loss reads each member's own. Nothing "
+            "was changed"
+        ) from err
 
 
 def _dispatch_state() -> tuple[Any, Any, int]:
