@@ -495,7 +495,7 @@ def test_linear_cross_entropy_options_set_on_the_template_keep_the_gradients() -
 
 
 @pytest.mark.parametrize("how", ["replace", "add", "delete"])
-def test_a_submodule_replaced_on_the_template_is_refused(how: str) -> None:
+def test_a_submodule_replaced_on_the_template_is_refused(how: str, tmp_path: Path) -> None:
     # The copies the members run keep the submodules they were built with: `ens.template.act
     # = nn.Sigmoid()` ran Tanh in every member while ens[i] showed Sigmoid, silently.
     ens, models = _scaled_pair()
@@ -513,12 +513,15 @@ def test_a_submodule_replaced_on_the_template_is_refused(how: str) -> None:
         del ens.template.act
     with pytest.raises(ValueError, match=r"`ens.template.(act|extra)` was replaced, added or del"):
         ens(x)
-    for k, v in ens.state_dict().items():
-        assert torch.equal(v, before[k]), k
+    with pytest.raises(ValueError, match=r"`ens.template.(act|extra)` was replaced, added or del"):
+        vmapens.save(ens, tmp_path / "ens.pt")  # no file of what the template no longer shows
+    assert not (tmp_path / "ens.pt").exists()
     if how == "add":
         del ens.template.extra
     else:
         ens.template.act = built  # the built one back: the ensemble runs again
+    for k, v in ens.state_dict().items():
+        assert torch.equal(v, before[k]), k
     torch.testing.assert_close(ens(x), torch.stack([m(x) for m in models]), **TOL64)
 
 

@@ -244,8 +244,10 @@ class Watched:
                     )
 
     def check_written(self) -> None:
-        """``_refuse_written`` alone: before the members' values are read out (``state_dict``),
-        so that a write on the template is not saved as if it had been made."""
+        """``_refuse_new_children`` and ``_refuse_written``: before the members' values are read
+        out (``state_dict``, ``save``), so that a write or a new head on the template is not
+        saved as if it had been made (the files held the old head, silently)."""
+        self._refuse_new_children()
         if list(map(_VERSION_OF, self.tensors)) != self.stamps:
             self._refuse_written()
 

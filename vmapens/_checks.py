@@ -20,6 +20,8 @@ import optree
 import torch
 from torch import Tensor, nn
 
+from ._template_parameter import TemplateParameter
+
 __all__ = [
     "as_ids",
     "check_choice",
@@ -300,7 +302,13 @@ def check_loss_fn(api: str, loss_fn: Any) -> None:
     if not callable(loss_fn):
         raise TypeError(f"{api}: `loss_fn` must be callable, got {type(loss_fn).__name__}")
     if isinstance(loss_fn, nn.Module) and not hasattr(loss_fn, "stacked_params"):
-        names = [k for k, p in loss_fn.named_parameters() if p.requires_grad]
+        # A template module the loss holds to read what its forward kept (``ens.template.a``):
+        # its parameters are the members' own, which the step trains.
+        names = [
+            k
+            for k, p in loss_fn.named_parameters()
+            if p.requires_grad and not isinstance(p, TemplateParameter)
+        ]
         if names and loss_fn not in _WARNED:  # fit, then the make_step it calls: once
             _WARNED.add(loss_fn)
             warnings.warn(

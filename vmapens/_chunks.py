@@ -244,8 +244,11 @@ def chunked_losses_and_grads(
         where no member's loss depends on it).
     """
     names = {id(t): name for name, t in state.items()}
-    trained = [names[id(p)] for p in params]
-    grads: list[torch.Tensor | None] = [None] * len(params)
+    # A tensor the optimizer holds that the ensemble has no more (a parameter replaced since,
+    # `load_state_dict(assign=True)`, a new head) gets no gradient, as alone.
+    known = [j for j, p in enumerate(params) if id(p) in names]
+    trained = [names[id(params[j])] for j in known]
+    found: list[torch.Tensor | None] = [None] * len(known)
     losses = []
     # A forward that edits a shared batch tensor would show chunk k the edits of chunks < k.
     shared = shared_versions(args, in_dims)
@@ -255,8 +258,11 @@ def chunked_losses_and_grads(
             x if d is None else rows(x, a, b) for x, d in zip(args, in_dims, strict=True)
         )
         losses.append(
-            _run_chunk(batched, state, trained, grads, member_args, scale, a, b, autocast)
+            _run_chunk(batched, state, trained, found, member_args, scale, a, b, autocast)
         )
+    grads: list[torch.Tensor | None] = [None] * len(params)
+    for j, g in zip(known, found, strict=True):
+        grads[j] = g
     run_grad_hooks(params, grads)  # the stacked parameters' own: one backward runs them
     return torch.cat(losses), grads
 
