@@ -127,8 +127,9 @@ class KeptSlots:
 
     def new(self, before: tuple[list[object], list[tuple[int, Any]]]) -> dict[str, Any]:
         """The tensors set since ``seen`` gave ``before``, by ``"<module path>:<attribute>"``,
-        a container edited in place too; one two modules share (``Layer(self.sink)``) or that
-        holds other values now is left out (``dropped``: a stack there is not handed back)."""
+        a container edited in place too (one several modules share, ``Layer(self.sink)``, as
+        one copy under each name); one that holds other values now is left out. Neither is
+        handed back (``dropped``): each name's rows would part a shared one."""
         values, boxes = before
         now = list(map(dict.get, self.owned, self.keys))
         changed = []
@@ -141,12 +142,16 @@ class KeptSlots:
             self._index()
             now = list(map(dict.get, self.owned, self.keys))
             named += [(n, v) for n, v in zip(self.names, now, strict=True) if n not in known]
-        found = {}
+        found: dict[str, Any] = {}
+        copies: dict[int, Any] = {}  # a container as this turn left it (the next edits it on)
         for name, v in named:
-            if not keepable(v) or (type(v) in MUTABLE and shared(v, now)):
+            keep, box = keepable(v), type(v) in MUTABLE
+            if not keep or (box and shared(v, now)):
                 self.dropped.add(name)
-            else:  # a container as this turn left it (the next turn edits it on)
-                found[name] = rebuilt(v, tensor_leaves(v) or []) if type(v) in MUTABLE else v
+            if keep and box and id(v) not in copies:
+                copies[id(v)] = rebuilt(v, tensor_leaves(v) or [])
+            if keep:
+                found[name] = copies[id(v)] if box else v
         return found
 
 
@@ -193,11 +198,14 @@ def stack_turns(turns: Sequence[tuple[int, dict[str, Any]]], n: int) -> dict[str
     names every turn set, in one form, shape, dtype and device (others are left as they are)."""
     if sum(rows for rows, _ in turns) != n:  # a turn kept nothing
         return {}
-    stacked = {}
+    stacked, made = {}, {}  # names that held one value each turn hold one stack
     for name in turns[0][1]:
-        found = [_turn_rows(kept.get(name), rows) for rows, kept in turns]
-        if (value := _stacked(found)) is not None:
-            stacked[name] = value
+        values = [kept.get(name) for _, kept in turns]
+        key = tuple(map(id, values))
+        if key not in made:
+            made[key] = _stacked([_turn_rows(v, rows) for v, (rows, _) in zip(values, turns)])
+        if made[key] is not None:
+            stacked[name] = made[key]
     return stacked
 
 
@@ -209,8 +217,11 @@ def _turn_rows(value: Any, rows: int) -> Any:
     return None if any(p is None for p in parts) else rebuilt(value, parts)
 
 
-def set_kept_(template: nn.Module, kept: dict[str, torch.Tensor]) -> list[tuple[nn.Module, str]]:
+def set_kept_(
+    template: nn.Module, kept: dict[str, Any], unreturned: set[str] = frozenset()
+) -> list[tuple[nn.Module, str]]:
     """Set every stacked ``kept`` tensor on the template's module of its name; returns where.
+    Those not ``unreturned`` are handed back at the next call (``kept_rows``).
 
     With ``backend="loop"`` the template is the module the members run: ``KeptTurns`` gives
     each member its own row there while it runs."""
@@ -225,7 +236,8 @@ def set_kept_(template: nn.Module, kept: dict[str, torch.Tensor]) -> list[tuple[
             setattr(t, KEPT_MARK, True)
         module.__dict__[key] = value
         where.append((module, key))
-        slots[path, key] = None
+        if name not in unreturned:
+            slots[path, key] = None
     return where
 
 
@@ -276,17 +288,20 @@ def keep_(
     where a loop over its modules reads them (``detach``: after a step, its graph is spent),
     and tell ``watched`` (the template's ``Watched``) they are no user's write. A slot whose
     value ``runner``'s forwards made other than a keepable one is handed out no more."""
-    slots = _SLOTS.get(runner)
+    slots, unreturned = _SLOTS.get(runner), set()
     if slots is not None and slots.dropped:
         where = _WHERE.get(template, {})
         for name in slots.dropped:
             path, _, key = name.rpartition(":")
             where.pop((path, key), None)
-        slots.dropped.clear()
+        unreturned, slots.dropped = slots.dropped, set()
     kept = stack_turns(turns, n) if turns else {}
     if kept:
-        kept = {k: map_kept(torch.Tensor.detach, v) for k, v in kept.items()} if detach else kept
-        watched.settle(set_kept_(template, kept))
+        if detach:  # once per value: names that share one container share its detached copy
+            done = {id(v): v for v in kept.values()}
+            done = {i: map_kept(torch.Tensor.detach, v) for i, v in done.items()}
+            kept = {k: done[id(v)] for k, v in kept.items()}
+        watched.settle(set_kept_(template, kept, unreturned))
 
 
 class KeptTurns:

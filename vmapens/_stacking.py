@@ -268,12 +268,15 @@ def scrub_(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     module that has not run. Returns what it dropped, by module and name (``scrubbed`` puts
     it back)."""
     dropped = []
+    empty: dict[int, Any] = {}  # one per container: modules that share one share its empty one
     for m in module.modules():
         for key, v in list(vars(m).items()):
             flat = key == "_flat_weights"  # a loop turn's weights (a parametrized RNN's too)
             if (flat or key not in INTERNAL) and left_by_forward(v):
+                if not flat and id(v) not in empty:
+                    empty[id(v)] = emptied(v)
                 m.__dict__[key] = (
-                    [w if w is None else w.detach() for w in v] if flat else emptied(v)
+                    [w if w is None else w.detach() for w in v] if flat else empty[id(v)]
                 )
                 dropped.append((m, key, v))
     return dropped
