@@ -218,7 +218,7 @@ def _turn_rows(value: Any, rows: int) -> Any:
 
 
 def set_kept_(
-    template: nn.Module, kept: dict[str, Any], unreturned: set[str] = frozenset()
+    template: nn.Module, kept: dict[str, Any], unreturned: set[str]
 ) -> list[tuple[nn.Module, str]]:
     """Set every stacked ``kept`` tensor on the template's module of its name; returns where.
     Those not ``unreturned`` are handed back at the next call (``kept_rows``).
