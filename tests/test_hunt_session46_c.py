@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from truth import resample
 
 import vmapens
 
@@ -563,3 +564,77 @@ def test_a_shared_list_read_across_calls(kw: dict) -> None:
     for _ in range(3):
         x = torch.randn(5, 4, generator=g)
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in alone]), **TOL)
+
+
+class Collects(nn.Module):
+    """Appends its hidden activation; the loss reads the list, then clears it, as a plain loop
+    clears its module's after reading it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(4, 3), nn.Linear(3, 1)
+        self.acts: list[Tensor] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(x)
+        self.acts.append(h)
+        return self.out(h)
+
+
+def read_and_clear(m: nn.Module) -> Tensor:
+    penalty = sum(a.pow(2).mean() for a in m.acts)
+    m.acts.clear()
+    return penalty
+
+
+@pytest.mark.parametrize("kw", RUNS, ids=IDS)
+def test_per_member_loss_that_clears_what_it_read(kw: dict) -> None:
+    # Session 46's review: the lent rows were cleared, the stack put back whole, and the next
+    # call appended to it (a graph more every step; a sum over it failed at the second step)
+    data = batches()
+    ens = vmapens.Ensemble(Collects, n=N, seed=0, **kw)
+    alone = ens.unstack()
+    opt = vmapens.StackedSGD(ens, lr=LR)
+    for x, y in data:
+        opt.zero_grad()
+        loss = vmapens.per_member(lambda o, t: F.mse_loss(o, t) + read_and_clear(ens.template))
+        loss(ens(x), y).sum().backward()
+        opt.step()
+        assert ens.template.acts == []
+    train_alone(alone, data, lambda m, x, y: F.mse_loss(m(x), y) + read_and_clear(m))
+    assert_members(ens, alone)
+
+
+def test_out_of_bag_loss_reading_the_kept_kl_is_refused() -> None:
+    # Session 46's review: each member's out-of-bag loss read all members' kl (fit failed, or
+    # scored every member with the mean over all members'); lent its own row, it is still the
+    # kl of the forward over every row, where alone the member keeps its left-out rows' only
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(12, 4, generator=g), torch.randn(12, 1, generator=g)
+    ens = vmapens.Ensemble(VAEish, n=N, seed=0)
+    with pytest.raises(ValueError, match=r"val_data='oob' cannot give per member"):
+        vmapens.fit(
+            ens, (x, y), lambda out, t: F.mse_loss(out, t) + 0.1 * ens.template.kl, epochs=1,
+            optimizer=vmapens.StackedSGD(ens, lr=LR), bootstrap=True, val_data="oob",
+            progress=False, seed=5,
+        )  # fmt: skip
+
+
+def test_out_of_bag_loss_of_a_forward_that_keeps_what_the_loss_does_not_read() -> None:
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(12, 4, generator=g), torch.randn(12, 1, generator=g)
+    ens = vmapens.Ensemble(VAEish, n=N, seed=0)
+    alone = ens.unstack()
+    h = vmapens.fit(
+        ens, (x, y), F.mse_loss, epochs=1, optimizer=vmapens.StackedSGD(ens, lr=LR),
+        bootstrap=True, val_data="oob", progress=False, seed=5,
+    )  # fmt: skip
+    for i, m in enumerate(alone):
+        rows = resample(12, 5, i)
+        train_alone([m], [(x[rows], y[rows])], lambda m, xb, yb: F.mse_loss(m(xb), yb))
+        left_out = torch.ones(12, dtype=torch.bool)
+        left_out[rows] = False
+        with torch.no_grad():
+            want = F.mse_loss(m.eval()(x[left_out]), y[left_out])
+        torch.testing.assert_close(h.val_loss[-1, i], want, **TOL)
+    assert_members(ens, alone)

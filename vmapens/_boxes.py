@@ -25,6 +25,7 @@ __all__ = [
     "KEPT_MARK",
     "LARGE",
     "MUTABLE",
+    "PLAIN",
     "Shot",
     "box_leaves",
     "cleared",
@@ -35,6 +36,7 @@ __all__ = [
     "is_kept",
     "keepable",
     "kept_again",
+    "plain_leaves",
     "put_back",
     "rebuilt",
     "shared",
@@ -71,19 +73,28 @@ def box_leaves(value: Any) -> list[Any]:
     return [value] if flat is None else flat[0]
 
 
+#: Plain values a kept container may hold beside its tensors (``{"k": k, "pos": 3}``): kept
+#: as they are, the same in every member's rows (``plain_leaves``).
+PLAIN = frozenset({bool, int, float, str})
+
+
 def tensor_leaves(value: Any) -> list[torch.Tensor] | None:
-    """What a forward keeps, as its tensors: a tensor, or a container holding tensors and
-    nothing else (``{"k": k, "v": v}``, ``(h, c)``, a list of them); None for anything else
-    (one holding plain values too, ``{"k": k, "pos": 3}``, is no member's own: every member
-    would be handed it, mapped, and vmap maps tensors only)."""
+    """What a forward keeps, as its tensors: a tensor, or a container of tensors (``{"k": k,
+    "v": v}``, ``(h, c)``, a list of them), plain numbers and strings beside them too
+    (``{"k": k, "pos": 3}``); None for anything else."""
     if isinstance(value, torch.Tensor):
         return [value]
     if not is_box(value) or (flat := _flat(value)) is None:
         return None
-    leaves = flat[0]
-    if leaves and all(isinstance(t, torch.Tensor) for t in leaves):
-        return leaves
-    return None
+    tensors = [t for t in flat[0] if isinstance(t, torch.Tensor)]
+    if len(tensors) < len(flat[0]) and not all(type(v) in PLAIN for v in plain_leaves(value)):
+        return None
+    return tensors or None
+
+
+def plain_leaves(value: Any) -> tuple[Any, ...]:
+    """The leaves of a container that are no tensors (``3`` of ``{"k": k, "pos": 3}``)."""
+    return tuple(v for v in box_leaves(value) if not isinstance(v, torch.Tensor))
 
 
 #: Marks a tensor the members' forward kept, stacked on the template (``vmapens._kept``).
@@ -120,10 +131,14 @@ def form(value: Any) -> Any:
 
 def rebuilt(value: Any, leaves: list[Any]) -> Any:
     """``leaves`` in ``value``'s form: a new container of ``value``'s structure (a tensor for
-    a tensor)."""
+    a tensor); given its tensors alone, with ``value``'s plain values beside them."""
     if not is_box(value):
         return leaves[0]
-    return optree.tree_unflatten(optree.tree_structure(value), leaves)
+    now, spec = optree.tree_flatten(value)
+    if len(now) != len(leaves):
+        given = iter(leaves)
+        leaves = [next(given) if isinstance(v, torch.Tensor) else v for v in now]
+    return optree.tree_unflatten(spec, leaves)
 
 
 #: ``snapshot``: a container's structure, its leaves and its own items, as found.

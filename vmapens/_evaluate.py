@@ -15,7 +15,8 @@ from ._attributes import INTERNAL
 from ._batch_edits import EditedInTurns
 from ._boxes import put_back, snapshot
 from ._checks import positional
-from ._kept import held_rows
+from ._kept import kept_stacks
+from ._kept_loans import held_rows, lent_row
 from ._metrics import Metric, average, metric_pair, score
 from ._selfcheck_runs import forked_rng
 from .ensemble import Ensemble
@@ -172,14 +173,32 @@ class Evaluator:
         adds them), so the rows' losses cannot be averaged under one vmap instead.
         """
         losses = []
+        stacks = kept_stacks(len(mask))
         for i, rows in enumerate(mask):
             if not bool(rows.any()):
                 losses.append(torch.tensor(math.nan, dtype=torch.float64))
                 continue
             mine = optree.tree_map(functools.partial(_rows_of_member, i=i, rows=rows), out)
             target = y[i][rows] if self.dims == 0 else y[rows]
-            losses.append(torch.as_tensor(self.loss_fn(mine, target)).double().cpu())
+            loss = torch.as_tensor(self.loss_fn(mine, target))
+            if stacks:  # one that reads what the forward kept reads it of every row: refused
+                lent = lent_row(functools.partial(self.loss_fn, mine, target), stacks, i)
+                _refuse_kept_reads(loss, lent)
+            losses.append(loss.double().cpu())
         return torch.stack(losses)
+
+
+def _refuse_kept_reads(loss: Tensor, lent: Any) -> None:
+    """A member's out-of-bag loss reads what the forward kept (``ens.template.kl``): that is of
+    the forward over every row, not the member's left-out rows alone. Refused."""
+    lent = torch.as_tensor(lent)
+    if lent.shape != loss.shape or not torch.allclose(lent, loss, rtol=0, atol=0, equal_nan=True):
+        raise ValueError(
+            "fit: `loss_fn` reads what the forward keeps on its module (`ens.template.<name>`), "
+            "which val_data='oob' cannot give per member: the forward runs on every row, each "
+            "member's loss on its left-out rows, and a member alone would keep the value of its "
+            "rows only. Pass val_data=(x, y), or return the value from the forward"
+        )
 
 
 def _rows_of_member(t: Tensor, i: int, rows: Tensor) -> Tensor:

@@ -38,6 +38,7 @@ from ._boxes import (
     form,
     is_kept,
     keepable,
+    plain_leaves,
     rebuilt,
     shared,
     snapshot,
@@ -49,12 +50,14 @@ from ._stacking import recomputed
 
 __all__ = [
     "KeptTurns",
+    "as_mapped",
     "call_noting",
-    "held_rows",
+    "give_",
     "keep_",
     "kept_anywhere",
     "kept_on",
     "kept_rows",
+    "kept_somewhere",
     "kept_stacks",
     "map_kept",
     "named_slots",
@@ -103,6 +106,7 @@ class KeptSlots:
         # weight_norm's, spectral_norm's and prune's computed tensors: set by a hook every call
         self.skip = {(id(vars(m)), name) for m, name, _ in recomputed(runner)}
         self.dropped: set[str] = set()  # ``new``: slots whose value is kept no more
+        self.forms: dict[str, Any] = {}  # ``kept_rows``: the stacks mapped as their tensors
         self._index()
 
     def _index(self) -> None:
@@ -182,9 +186,14 @@ def _rows(t: torch.Tensor, rows: int) -> torch.Tensor | None:
 
 def _stacked(values: list[Any]) -> Any:
     """The turns' values of one name as one, ``[n, ...]`` (in each turn's form), or None:
-    a turn without it, or turns that kept different forms, shapes, dtypes or devices."""
+    a turn without it, or turns that kept different forms, plain values (``{"pos": 3}``),
+    shapes, dtypes or devices."""
     forms = {
-        (form(v), tuple((p.shape[1:], p.dtype, p.device) for p in tensor_leaves(v) or ()))
+        (
+            form(v),
+            plain_leaves(v),
+            *((p.shape[1:], p.dtype, p.device) for p in tensor_leaves(v) or ()),
+        )
         for v in values
     }
     if any(v is None for v in values) or len(forms) != 1:
@@ -272,8 +281,7 @@ def call_noting(
     the members), set on the runner first: the forward reads its members' own. Returned
     with what the forward kept this time (that first), as a ``loss_fn`` reads them."""
     slots = slots_for(runner)
-    for module, key, value in named_slots(runner, given or {}):
-        module.__dict__[key] = value
+    given = give_(runner, given) if given else given
     before = slots.seen()
     out = call_member(runner, state, args, kw)
     if kept := slots.new(before):
@@ -346,6 +354,11 @@ def kept_on(template: nn.Module) -> list[tuple[str, str, Any]]:
     return [(path, k, v) for path, _, k, v in _kept_slots(template)]
 
 
+def kept_somewhere() -> bool:
+    """Whether ``set_kept_`` put a stacked value on any ensemble's template (a fast check)."""
+    return bool(_WHERE) and any(_WHERE.values())  # ``len`` first: ~0.2 us, iterating ~4
+
+
 def kept_stacks(n: int) -> list[tuple[dict[str, Any], str, Any]]:
     """``(module __dict__, attribute, stacked value)`` for every value of ``n`` rows that
     ``set_kept_`` put on an ensemble's template (any ensemble still alive)."""
@@ -377,7 +390,25 @@ def kept_rows(template: nn.Module, n: int, runner: nn.Module) -> dict[str, Any]:
     a forward reading one back (a hidden state, a cache) and a ``loss_fn`` reading one the
     forward did not set again (an aux loss) read their member's rows."""
     found = [] if runner is template else kept_on(template)  # the loop's: ``KeptTurns``
-    return {f"{path}:{k}": v for path, k, v in found if _stacked_rows(v) == n or cleared(v)}
+    rows = {f"{path}:{k}": v for path, k, v in found if _stacked_rows(v) == n or cleared(v)}
+    return as_mapped(runner, rows)
+
+
+def as_mapped(runner: nn.Module, rows: dict[str, Any]) -> dict[str, Any]:
+    """``rows`` of kept values as vmap maps them into ``runner``'s members: one with plain
+    values beside its tensors (``{"k": k, "pos": 3}``) as its tensors alone (``give_``)."""
+    forms = slots_for(runner).forms = {k: v for k, v in rows.items() if plain_leaves(v)}
+    return {k: tensor_leaves(v) if k in forms else v for k, v in rows.items()}
+
+
+def give_(runner: nn.Module, given: dict[str, Any]) -> dict[str, Any]:
+    """Set ``as_mapped``'s rows, mapped into a turn, on ``runner``'s modules, each in its form
+    again; returns them so."""
+    if forms := slots_for(runner).forms:
+        given = {k: rebuilt(forms[k], v) if k in forms else v for k, v in given.items()}
+    for module, key, value in named_slots(runner, given):
+        module.__dict__[key] = value
+    return given
 
 
 def rows_of_kept_(member: nn.Module, template: nn.Module, i: int) -> None:
@@ -387,34 +418,3 @@ def rows_of_kept_(member: nn.Module, template: nn.Module, i: int) -> None:
     for path, key, value in kept_on(template):
         if path in modules:
             modules[path].__dict__[key] = map_kept(lambda t: t[i].detach().clone(), value)
-
-
-def held_rows(template: nn.Module, running: torch.Tensor | None) -> Callable[[], None]:
-    """What puts back, after a call that ran every member, the rows of the stacked kept tensors
-    on the template for the members where ``running`` is False (stopped, masked): alone such a
-    member does not run, so its hidden state stays (a stopped member's went on from the
-    frozen weights, and its next forward started from there, silently). In place: the module
-    the members run (under vmap, one chunk) reads the same storage at the next call."""
-    if running is None:
-        return lambda: None
-    before = {(path, k): v for path, k, v in kept_on(template)}
-
-    def back() -> None:
-        frozen = ~running.to(torch.bool)
-        if not bool(frozen.any()):
-            return
-        writes = []  # the old rows read out first: a new stack may be an old one (`prev = cur`)
-        for path, k, value in kept_on(template):
-            old = before.get((path, k))
-            if old is None or old is value or form(old) != form(value):
-                continue  # another form (a key added): no row of it is the old one's
-            for o, v in zip(tensor_leaves(old) or (), tensor_leaves(value) or (), strict=False):
-                if o.shape != v.shape or o.dtype != v.dtype or v.stride(0) == 0:
-                    continue  # stride 0: one the members share
-                rows = frozen.to(v.device)
-                writes.append((v, rows, o[rows]))  # indexing with a mask copies
-        with torch.no_grad():
-            for v, rows, o in writes:
-                v[rows] = o
-
-    return back

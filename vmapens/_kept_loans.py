@@ -1,11 +1,12 @@
-"""What a forward kept, lent to the losses and metrics that read it (``ens.template.kl``).
+"""What a forward kept, lent to the losses and metrics that read it (``ens.template.kl``),
+and held for the members that did not run (``held_rows``).
 
 A VAE's loss adds ``model.kl``, which its forward set; a mixture of experts' adds each
 layer's ``aux_loss``. The ensemble stacks such values on the template, ``[n, ...]``
 (``vmapens._kept``). A loss run once per member reads its member's own there, as alone it
 reads its module's: the step's and ``fit``'s loss, right after the member's forward, what
 that turn kept (``loss_with_kept``); ``per_member`` and ``fit``'s metrics, after
-``ens(x)``, the member's rows of the stacks (``lending``). The whole stack read there was
+``ens(x)``, the member's rows of the stacks (``Lending``, ``lent_row``). The whole stack read there was
 added to every member's loss: ``[n, n]`` losses, gradients of every member's KL in each.
 """
 
@@ -18,9 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._kept import named_slots
+from ._boxes import MUTABLE, form, tensor_leaves
+from ._kept import kept_on, map_kept, named_slots
 
-__all__ = ["lending", "loss_with_kept"]
+__all__ = ["Lending", "held_rows", "lent_row", "loss_with_kept"]
 
 _NONE = object()  # no such attribute before
 
@@ -53,12 +55,69 @@ def loss_with_kept(
         return loss_fn(out, target)
 
 
-def lending(fn: Callable, stacks: list[tuple[dict[str, Any], str, Any]]) -> Callable:
+class Lending:
     """``fn`` taking one more argument first, the rows of ``stacks`` (``kept_stacks``; mapped
-    over the members, each member's own), set where the stacks are while it runs."""
+    over the members, each member's own), set where the stacks are while it runs.
 
-    def run(rows: list[Any], *args: Any, **kwargs: Any) -> Any:
-        with _lent((owned, key, row) for (owned, key, _), row in zip(stacks, rows, strict=True)):
-            return fn(*args, **kwargs)
+    A loss that empties one it read (``m.acts.clear()``, as a plain loop clears its
+    module's after reading it) empties the stack too, once every member ran (``settle``): the
+    next call starts from an empty one, as each member alone does. Its rows emptied, the stack
+    was put back whole, and the next call appended to it (a graph more every step).
+    """
 
-    return run
+    def __init__(self, fn: Callable, stacks: list[tuple[dict[str, Any], str, Any]]) -> None:
+        self.fn, self.stacks = fn, stacks
+        self.emptied: list[Any] = []
+
+    def __call__(self, rows: list[Any], *args: Any, **kwargs: Any) -> Any:
+        lent = [(owned, key, row) for (owned, key, _), row in zip(self.stacks, rows, strict=True)]
+        with _lent(lent):
+            try:
+                return self.fn(*args, **kwargs)
+            finally:
+                for (owned, key, row), (_, _, stack) in zip(lent, self.stacks, strict=True):
+                    if type(row) in MUTABLE and owned.get(key) is row and not row and stack:
+                        self.emptied.append(stack)
+
+    def settle(self) -> None:
+        """Empty the stacks a member's run emptied its rows of."""
+        for stack in self.emptied:
+            stack.clear()
+        self.emptied.clear()
+
+
+def lent_row(fn: Callable, stacks: list[tuple[dict[str, Any], str, Any]], i: int) -> Any:
+    """``fn()`` with row ``i`` of each of ``stacks`` set where it is (one member's call)."""
+    with _lent((owned, key, map_kept(lambda t: t[i], v)) for owned, key, v in stacks):
+        return fn()
+
+
+def held_rows(template: nn.Module, running: torch.Tensor | None) -> Callable[[], None]:
+    """What puts back, after a call that ran every member, the rows of the stacked kept tensors
+    on the template for the members where ``running`` is False (stopped, masked): alone such a
+    member does not run, so its hidden state stays (a stopped member's went on from the
+    frozen weights, and its next forward started from there, silently). In place: the module
+    the members run (under vmap, one chunk) reads the same storage at the next call."""
+    if running is None:
+        return lambda: None
+    before = {(path, k): v for path, k, v in kept_on(template)}
+
+    def back() -> None:
+        frozen = ~running.to(torch.bool)
+        if not bool(frozen.any()):
+            return
+        writes = []  # the old rows read out first: a new stack may be an old one (`prev = cur`)
+        for path, k, value in kept_on(template):
+            old = before.get((path, k))
+            if old is None or old is value or form(old) != form(value):
+                continue  # another form (a key added): no row of it is the old one's
+            for o, v in zip(tensor_leaves(old) or (), tensor_leaves(value) or (), strict=False):
+                if o.shape != v.shape or o.dtype != v.dtype or v.stride(0) == 0:
+                    continue  # stride 0: one the members share
+                rows = frozen.to(v.device)
+                writes.append((v, rows, o[rows]))  # indexing with a mask copies
+        with torch.no_grad():
+            for v, rows, o in writes:
+                v[rows] = o
+
+    return back

@@ -27,7 +27,7 @@ from ._batch_edits import batch_kept
 from ._batchable import BatchableAlphaDropout, BatchableDropout, in_logical_order
 from ._fastcall import call_member
 from ._generator_draws import batched_draws, generators_in, made_in_the_call
-from ._kept import KeptSlots, kept_on, map_kept, named_slots, slots_for
+from ._kept import KeptSlots, as_mapped, give_, kept_on, map_kept, slots_for
 from ._kept_loans import loss_with_kept
 from ._members import named_tensors
 from ._selfcheck_parts import (
@@ -256,10 +256,10 @@ def run_together(
         f"{path}:{k}": map_kept(lambda t: t[member : member + 1], v)
         for path, k, v in kept_on(template)
     }  # fmt: skip
+    kept = as_mapped(sub.runner, kept)
 
     def run(st: dict, inputs: tuple, target: Tensor, rows: dict) -> tuple[Any, Tensor]:
-        for module, key, value in named_slots(sub.runner, rows):
-            module.__dict__[key] = value
+        give_(sub.runner, rows)
         seen = slots.seen()
         out = call_member(sub.runner, st, inputs)
         leaves, spec = optree.tree_flatten(_opened(out))

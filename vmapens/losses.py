@@ -12,8 +12,8 @@ from torch.func import vmap
 
 from ._attention import batched_attention
 from ._checks import flat_dims, mapped_sizes, warn_stacked_keywords
-from ._kept import kept_stacks
-from ._kept_loans import lending
+from ._kept import kept_somewhere, kept_stacks
+from ._kept_loans import Lending
 from ._plain_turns import PlainTurns
 from ._precision import autocast_members
 from ._unbatchable import NARROW_GATHER, NO_STORAGE
@@ -93,26 +93,34 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
         fn, dims, mapped = loss_fn, flat_dims(in_dims, len(args)), in_dims
         # A loss reading what the forward kept (``ens.template.kl``, stacked ``[n]``) reads its
         # member's rows, as alone its module's: the whole stack gave ``[n, n]``, silently.
-        sizes = mapped_sizes(args, dims) if dims is not None else set()
+        known = dims is not None and kept_somewhere()
+        sizes = mapped_sizes(args, dims) if known and dims is not None else set()
+        lending = None
         if dims is not None and len(sizes) == 1 and (stacks := kept_stacks(*sizes)):
-            fn, dims = lending(loss_fn, stacks), [0, *dims]
-            args, mapped = ([v for _, _, v in stacks], *args), tuple(dims)
+            fn = lending = Lending(loss_fn, stacks)
+            args, dims = ([v for _, _, v in stacks], *args), [0, *dims]
+            mapped = tuple(dims)
         batched = vmap(autocast_members(fn, device), in_dims=mapped)
         # A loss module's plain state (a call counter for a warm-up): each member's run below
         # starts from it as the call found it, as alone with its own copy (it advanced 1 + n).
-        turns = PlainTurns(loss_fn) if isinstance(loss_fn, nn.Module) else None
+        # (torch's own loss modules keep none: not looked into)
+        own = not type(loss_fn).__module__.startswith("torch.")
+        turns = PlainTurns(loss_fn) if isinstance(loss_fn, nn.Module) and own else None
         try:
             with batched_attention():  # vmap's rules the ensemble's calls run (ties split)
-                return batched(*args, **kwargs)
+                values = batched(*args, **kwargs)
         except RuntimeError as err:
             if not _unbatchable(err):
                 raise
             if dims is None:  # nested in_dims: vmap's own error says what it could not do
                 raise
-            failed = err
-        values = _member_by_member(fn, dims, args, kwargs, turns)
-        if values is None:  # not a tensor (a Python float has no gradient): vmap's error
-            raise failed
+            if lending is not None:
+                lending.emptied.clear()  # the failed run's
+            values = _member_by_member(fn, dims, args, kwargs, turns)
+            if values is None:  # not a tensor (a Python float has no gradient): vmap's error
+                raise
+        if lending is not None:
+            lending.settle()
         return values
 
     return loss

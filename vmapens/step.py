@@ -10,8 +10,8 @@ import torch
 from ._chunks import chunk_bounds, chunked_losses_and_grads
 from ._compiled_step import compiled_step
 from ._fastcall import call_member
-from ._kept import call_noting, held_rows, kept_rows
-from ._kept_loans import loss_with_kept
+from ._kept import call_noting, kept_rows
+from ._kept_loans import held_rows, loss_with_kept
 from ._precision import LossScale
 from ._selfcheck_runs import failure_alone
 from ._step_hooks import TemplateHooks
