@@ -638,3 +638,15 @@ def test_out_of_bag_loss_of_a_forward_that_keeps_what_the_loss_does_not_read() -
             want = F.mse_loss(m.eval()(x[left_out]), y[left_out])
         torch.testing.assert_close(h.val_loss[-1, i], want, **TOL)
     assert_members(ens, alone)
+
+
+def test_compiled_step_with_a_typo_in_the_loss_raises_the_users_error() -> None:
+    # Session 46's review: any AttributeError in the loss was said to be a kept attribute read
+    ens = vmapens.Ensemble(KeptNoInit, n=N, seed=0)
+    x, y = batches(1)[0]
+    step = vmapens.make_step(
+        ens, lambda out, t: F.mse_loss(out, t) + 0.1 * ens.template.auxx,
+        vmapens.StackedSGD(ens, lr=LR), compile=True,
+    )  # fmt: skip
+    with pytest.raises(AttributeError, match="auxx"):
+        step(x, y)

@@ -189,7 +189,7 @@ def compile_failures() -> Iterator[None]:
                     "a tensor of a member leaves the graph: the forward keeps one on its "
                     "module (`self.aux_loss = ...`), or a submodule sits at two paths"
                 )
-            elif isinstance(err, UserError):
+            elif isinstance(err, UserError) and ("data-dependent" in why or "specialized" in why):
                 likely = (
                     "a size in the forward or the loss depends on tensor values (a boolean "
                     "mask, `nonzero`, `bincount`, `.item()`), which one graph cannot hold"
@@ -206,9 +206,11 @@ def compile_failures() -> Iterator[None]:
 def refuse_kept_reads(err: AttributeError, kept: dict[str, Any]) -> None:
     """``CompileFailed`` for a loss failing on an attribute the forward keeps on its module
     (``ens.template.aux``, set by the forward alone): the compiled step hands no kept tensor
-    to the loss (it leaves the graph). Nothing if the forward kept nothing."""
-    if kept:
-        names = ", ".join(f"`{name.rpartition(':')[2]}`" for name in kept)
+    to the loss (it leaves the graph). Nothing if the forward kept nothing, or other names
+    (a typo in the loss is the user's own error)."""
+    keys = {name.rpartition(":")[2] for name in kept}
+    if getattr(err, "name", None) in keys:
+        names = ", ".join(f"`{key}`" for key in sorted(keys))
         raise CompileFailed(
             f"step: the forward keeps {names} on its module and the loss reads it ({err}); "
             "the compiled step cannot hand a tensor the forward keeps to the loss (it leaves "
