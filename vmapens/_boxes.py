@@ -111,16 +111,27 @@ def kept_again(now: Any, before: Any) -> bool:
     """Whether ``now``, written over the stacked kept value ``before`` on the template, is each
     member's rows as well, and mark it so: a value of the same form and shapes
     (``ens.template.h = ens.template.h.detach()``, truncated backpropagation through time, or
-    a reset to ``torch.zeros_like``). It was taken for one value every member shares: each
-    member read all members' rows."""
+    a reset to ``torch.zeros_like``), or views of it with a row per member (``h[:, :b]``,
+    a last batch of ``b``). It was taken for one value every member shares: each member read
+    all members' rows."""
     if now is before or not is_kept(before) or (leaves := tensor_leaves(now)) is None:
         return False
     old = tensor_leaves(before) or []
-    if form(now) != form(before) or [t.shape for t in leaves] != [t.shape for t in old]:
+    if form(now) != form(before) or not all(map(_rows_of, leaves, old)):
         return False
     for t in leaves:
         setattr(t, KEPT_MARK, True)
     return True
+
+
+def _rows_of(t: torch.Tensor, stack: torch.Tensor) -> bool:
+    """Whether ``t`` is each member's rows as ``stack`` is: of its shape, or a view of it
+    with one row per member (``ens.template.h[:, :b]``, a last batch of ``b`` sequences)."""
+    if t.shape == stack.shape:
+        return True
+    if t.dim() == 0 or t.shape[0] != stack.shape[0] or t.device != stack.device:
+        return False
+    return t.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr()
 
 
 def form(value: Any) -> Any:

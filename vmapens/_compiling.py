@@ -28,6 +28,7 @@ __all__ = [
     "compile_arguments",
     "compile_failures",
     "compile_options",
+    "dispatch_restored",
     "own_code",
     "refuse_custom_backwards",
     "refuse_grad_hooks",
@@ -218,6 +219,19 @@ def refuse_kept_reads(err: AttributeError, kept: dict[str, Any]) -> None:
             "compile=False (make_step or fit), whose loss reads each member's own. Nothing "
             "was changed"
         ) from err
+
+
+@contextlib.contextmanager
+def dispatch_restored() -> Iterator[None]:
+    """torch's dispatch state (functorch's levels, the dispatch keys) put back as it was,
+    whatever a failed trace left entered (``torch.export``'s: every later call of the
+    process ran batched, ``torch.randn(2)`` a ``BatchedTensor``)."""
+    before = _dispatch_state()
+    try:
+        yield
+    except BaseException as err:
+        _settle(err, before, free=True)
+        raise
 
 
 def _dispatch_state() -> tuple[Any, Any, int]:

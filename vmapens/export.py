@@ -22,6 +22,7 @@ from torch.func import functional_call
 
 from ._batch_edits import refuse_edits_in_turns
 from ._checks import positional
+from ._compiling import dispatch_restored
 from ._export_probe import input_copies, probe
 from ._members import named_tensors
 from ._selfcheck_parts import own_attributes
@@ -282,7 +283,7 @@ def _trace(api: str, ens: Ensemble, module: _Program, args: tuple[Tensor, ...]) 
     kept = _attributes(ens)
     # guard(): the attention batching rule and the fast path off, buffers given back on error.
     try:
-        with ens.guard(api), torch.no_grad():
+        with dispatch_restored(), ens.guard(api), torch.no_grad():
             try:
                 program = torch.export.export(module, args, strict=False)
                 with warnings.catch_warnings():
@@ -290,6 +291,13 @@ def _trace(api: str, ens: Ensemble, module: _Program, args: tuple[Tensor, ...]) 
                     program = program.run_decompositions({})
             except torch._dynamo.exc.UserError as err:
                 raise RuntimeError(f"{api}: torch.export cannot trace {name}: {err}") from err
+            except (AttributeError, TypeError) as err:  # torch's own, inside the trace
+                raise RuntimeError(
+                    f"{api}: torch.export failed on {name} ({type(err).__name__}: {err}); most "
+                    "likely its forward reads back a tensor it keeps on its module (`self.h`, "
+                    "state carried from call to call), which one program cannot hold: keep it "
+                    "in a buffer (one row per member), which the program updates"
+                ) from err
     finally:
         changed = _give_back(kept)
     if changed:
