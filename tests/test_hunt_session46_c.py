@@ -650,3 +650,34 @@ def test_compiled_step_with_a_typo_in_the_loss_raises_the_users_error() -> None:
     )  # fmt: skip
     with pytest.raises(AttributeError, match="auxx"):
         step(x, y)
+
+
+class VAEPair(VAEish):
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return super().forward(x), self.mu
+
+
+@pytest.mark.parametrize("kw", RUNS, ids=IDS)
+def test_per_member_with_nested_in_dims_reading_the_kept_kl(kw: dict) -> None:
+    # Session 46's review: with in_dims=((0, 0), None) the lending was skipped ([n, n] losses)
+    data = batches()
+    ens = vmapens.Ensemble(VAEPair, n=N, seed=0, **kw)
+    alone = ens.unstack()
+    opt = vmapens.StackedSGD(ens, lr=LR)
+
+    def loss_fn(out: tuple[Tensor, Tensor], y: Tensor) -> Tensor:
+        return F.mse_loss(out[0], y) + 0.1 * ens.template.kl + 0.01 * out[1].pow(2).mean()
+
+    for x, y in data:
+        opt.zero_grad()
+        loss = vmapens.per_member(loss_fn, in_dims=((0, 0), None))(ens(x), y)
+        assert loss.shape == (N,)
+        loss.sum().backward()
+        opt.step()
+
+    def alone_loss(m: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        rec, mu = m(x)
+        return F.mse_loss(rec, y) + 0.1 * m.kl + 0.01 * mu.pow(2).mean()
+
+    train_alone(alone, data, alone_loss)
+    assert_members(ens, alone)

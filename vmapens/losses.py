@@ -9,6 +9,7 @@ import optree
 import torch
 from torch import nn
 from torch.func import vmap
+from torch.utils import _pytree as pytree
 
 from ._attention import batched_attention
 from ._checks import flat_dims, mapped_sizes, warn_stacked_keywords
@@ -47,7 +48,14 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
     ``.tolist()``; a boolean mask as an index), runs on each member's slice in turn instead: the same values
     and gradients, one call per member. Under ``torch.autocast`` each member's loss gets
     autocast's casts as it would alone (``cross_entropy`` in float32, for one), which autocast
-    wrapped around vmap would miss (docs/semantics.md, "Mixed precision").
+    wrapped around vmap would miss (docs/semantics.md, "Mixed precision"). An op vmap has no
+    rule for (``torch.equal``) runs member by member too, and a loss module's plain attributes
+    (a call counter) start each member's run as the call found them.
+
+    A loss that reads what the forward kept on its module (``ens.template.kl``, stacked
+    ``[n, ...]`` there after ``ens(x)``) reads each member's own rows, as alone it reads its
+    module's: the stacks are mapped with the outputs. One that empties such a list or dict
+    (``m.acts.clear()`` after reading it) empties the stack.
 
     Args:
         loss_fn: ``(output, target) -> scalar``, e.g. ``nn.BCELoss()`` or a function.
@@ -90,16 +98,15 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
         tree: Any = (args, kwargs)
         tensors = [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
         device = tensors[0].device.type if tensors else "cpu"
-        fn, dims, mapped = loss_fn, flat_dims(in_dims, len(args)), in_dims
+        fn, dims, mapped, lending = loss_fn, flat_dims(in_dims, len(args)), in_dims, None
         # A loss reading what the forward kept (``ens.template.kl``, stacked ``[n]``) reads its
         # member's rows, as alone its module's: the whole stack gave ``[n, n]``, silently.
-        known = dims is not None and kept_somewhere()
-        sizes = mapped_sizes(args, dims) if known and dims is not None else set()
-        lending = None
-        if dims is not None and len(sizes) == 1 and (stacks := kept_stacks(*sizes)):
+        sizes = _mapped_sizes(args, in_dims) if kept_somewhere() else set()
+        if len(sizes) == 1 and (stacks := kept_stacks(*sizes)):
             fn = lending = Lending(loss_fn, stacks)
-            args, dims = ([v for _, _, v in stacks], *args), [0, *dims]
-            mapped = tuple(dims)
+            every = in_dims if isinstance(in_dims, (tuple, list)) else [in_dims] * len(args)
+            args, mapped = ([v for _, _, v in stacks], *args), (0, *every)
+            dims = None if dims is None else [0, *dims]
         batched = vmap(autocast_members(fn, device), in_dims=mapped)
         # A loss module's plain state (a call counter for a warm-up): each member's run below
         # starts from it as the call found it, as alone with its own copy (it advanced 1 + n).
@@ -124,6 +131,21 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
         return values
 
     return loss
+
+
+def _mapped_sizes(args: tuple, in_dims: Any) -> set[int]:
+    """The sizes of the mapped dims of ``args``' tensors, ``in_dims`` read as vmap reads it
+    (nested too: ``((0, 0), None)`` for an output pair and a shared target)."""
+    leaves, spec = pytree.tree_flatten(args)
+    dims = pytree._broadcast_to_and_flatten(in_dims, spec)
+    if dims is None:  # in_dims that do not fit: vmap's error says so
+        return set()
+    found = zip(leaves, dims, strict=True)
+    return {
+        t.shape[d]
+        for t, d in found
+        if d is not None and isinstance(t, torch.Tensor) and -t.dim() <= d < t.dim()
+    }
 
 
 def _unbatchable(err: RuntimeError) -> bool:
