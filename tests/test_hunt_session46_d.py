@@ -394,16 +394,9 @@ def test_update_bn_of_an_averaged_model_made_before_any_call(kw: dict) -> None:
     _assert_swa(*_swa_run(kw, average_from=-1))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="AveragedModel(ens) is a copy.deepcopy of the ensemble, which starts the kept "
-    "hidden state over (None), where AveragedModel(member) alone copies the member's `h`: "
-    "vmapens.swa.update_bn then runs the first batch from no state and every member's "
-    "BatchNorm statistics differ from torch's update_bn alone (0.75 off; the averaged "
-    "model's outputs 0.21 off), silently",
-)
+# Fixed in session 46 (was a strict xfail: the copy started with no kept state).
 @pytest.mark.parametrize("kw", RUNS, ids=IDS)
-def test_bug_update_bn_of_an_averaged_model_made_mid_run(kw: dict) -> None:
+def test_fixed_update_bn_of_an_averaged_model_made_mid_run(kw: dict) -> None:
     _assert_swa(*_swa_run(kw, average_from=1))
 
 

@@ -208,8 +208,9 @@ class LSTMState(nn.Module):
 
 
 def test_a_kept_lstm_state_tuple_leaves_the_ensemble_copyable() -> None:
-    """Trains as alone under vmap; then a copy starts with None there and the original goes
-    on from its own, as docs/semantics.md says for a kept tensor."""
+    """Trains as alone under vmap; then a copy holds a copy of the state, as
+    `copy.deepcopy(model)` does (since session 46: it started with None), a file none, and the
+    original goes on from its own, as docs/semantics.md says for a kept tensor."""
     ens = vmapens.Ensemble(LSTMState, n=N, seed=0)
     alone = ens.unstack()
     step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedAdam(ens, lr=1e-2))
@@ -224,14 +225,19 @@ def test_a_kept_lstm_state_tuple_leaves_the_ensemble_copyable() -> None:
     x = batches[0][0]
     sub = ens.select([2, 0])
     copied = copy.deepcopy(ens)
-    torch.save(ens, io.BytesIO())
+    buffer = io.BytesIO()
+    torch.save(ens, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    copies = [copy.deepcopy(m) for m in alone]
     fresh = [copy.deepcopy(m) for m in alone]
     for m in fresh:
         m.state = None
     with torch.no_grad():
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in alone]), **TOL)
-        torch.testing.assert_close(sub(x), torch.stack([fresh[2](x), fresh[0](x)]), **TOL)
-        torch.testing.assert_close(copied(x)[1], fresh[1](x), **TOL)
+        torch.testing.assert_close(sub(x), torch.stack([copies[2](x), copies[0](x)]), **TOL)
+        torch.testing.assert_close(copied(x)[1], copies[1](x), **TOL)
+        torch.testing.assert_close(loaded(x)[1], fresh[1](x), **TOL)
 
 
 # -- a Python warm-up counter ------------------------------------------------------------------

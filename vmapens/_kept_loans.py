@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from ._boxes import MUTABLE, form, tensor_leaves
-from ._kept import kept_on, map_kept, named_slots
+from ._kept import kept_on, map_kept, named_slots, set_kept_
 
-__all__ = ["Lending", "held_rows", "lent_row", "loss_with_kept"]
+__all__ = ["Lending", "carry_kept_", "held_rows", "lent_row", "loss_with_kept"]
 
 _NONE = object()  # no such attribute before
 
@@ -121,3 +121,21 @@ def held_rows(template: nn.Module, running: torch.Tensor | None) -> Callable[[],
                 v[rows] = o
 
     return back
+
+
+def carry_kept_(template: nn.Module, copied: Any, rows: torch.Tensor | None = None) -> None:
+    """What the forwards kept on ``template`` (``set_kept_``'s stacks), on the template of the
+    ensemble ``copied`` from it (``copy.deepcopy(ens)``; ``select``: its ``rows``), as copies
+    handed back at that one's next call: a copy of a plain module holds its hidden state too
+    (``copy.deepcopy(model)``; an averaged model's ``update_bn`` went on from it). The copy
+    started with none there (0.75 off in ``update_bn``'s statistics, silently). One with a
+    graph (right after ``ens(x)``, before a step) is left behind: alone ``deepcopy`` refuses
+    it."""
+    kept = {}
+    for path, key, value in kept_on(template):
+        if any(t.requires_grad for t in tensor_leaves(value) or ()):
+            continue
+        pick = (lambda t: t.clone()) if rows is None else (lambda t: t[rows].clone())
+        kept[f"{path}:{key}"] = map_kept(pick, value)
+    if kept:
+        copied._followers[4].settle(set_kept_(copied._template, kept, set()))

@@ -20,6 +20,7 @@ from torch import nn
 from ._checks import as_ids, index_rows
 from ._copies import copy_holding, copy_member
 from ._cut_from import follow_cuts, record_cuts
+from ._kept_loans import carry_kept_
 from ._member_apply import apply_members
 from ._member_state_dicts import member_state_dicts
 from ._members import named_tensors, non_persistent_buffers
@@ -197,6 +198,7 @@ class StackedModule(nn.Module):
             stacked = {k: v[rows].clone() for k, v in self.stacked_state().items()}
         ids = [self.member_ids[r] for r in rows.tolist()]
         sub._adopt(stacked, as_ids(ids), self.n_total, self.training)
+        carry_kept_(self._template, sub, rows)  # the chosen members' hidden states, copied
         record_cuts(self.stacked_params(), sub.stacked_params(), tuple(rows.tolist()))
         return sub
 
@@ -275,7 +277,9 @@ class StackedModule(nn.Module):
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:  # the meta modules' lambdas rebound
         metas = [] if self._padding is None else self._padding.templates
         with scrubbed(self._template, self._runner):
-            return copy_holding(self, memo, [self._template, self._runner, *metas])
+            new = copy_holding(self, memo, [self._template, self._runner, *metas])
+        carry_kept_(self._template, new)
+        return new
 
     def __getstate__(self) -> dict[str, Any]:  # pickle, torch.save, copy.copy
         state = super().__getstate__()
