@@ -730,3 +730,32 @@ def test_a_kept_state_sliced_on_the_template_for_a_last_partial_batch(mode: dict
             m_opt.step()
         torch.testing.assert_close(ens[i].h, m.h, **TOL)
     _assert_members(ens, alone)
+
+
+class Elman3(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.i, self.r = nn.Linear(4, 3), nn.Linear(3, 3, bias=False)
+        self.h: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.i(x) if self.h is None else self.i(x) + self.r(self.h)
+        self.h = torch.tanh(h)
+        return self.h.sum(-1)
+
+
+@pytest.mark.parametrize("view", ["member-0", "transposed"])
+def test_a_view_of_the_kept_stack_that_is_not_a_row_per_member_is_shared(view: str) -> None:
+    # Session 46's review: `h[0]` (batch == n) passed as each member's rows, 0.44 off
+    x0, x1 = torch.randn(3, 4), torch.randn(3, 4)
+    ens = vmapens.Ensemble(Elman3, n=3, seed=0)
+    alone = ens.unstack()
+    with torch.no_grad():
+        ens(x0)
+        for m in alone:
+            m(x0)
+        shared = ens.template.h[0] if view == "member-0" else ens.template.h[:, :, 0].T
+        ens.template.h = shared
+        for m in alone:
+            m.h = shared.clone()
+        torch.testing.assert_close(ens(x1), torch.stack([m(x1) for m in alone]))

@@ -131,7 +131,11 @@ def _rows_of(t: torch.Tensor, stack: torch.Tensor) -> bool:
         return True
     if t.dim() == 0 or t.shape[0] != stack.shape[0] or t.device != stack.device:
         return False
-    return t.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr()
+    if t.untyped_storage().data_ptr() != stack.untyped_storage().data_ptr():
+        return False
+    # member i's rows start in the stack's row i: not `h[0]` or `h.T` (batch or width n)
+    offset = t.storage_offset() - stack.storage_offset()
+    return t.stride(0) == stack.stride(0) and 0 <= offset < max(stack.stride(0), 1)
 
 
 def form(value: Any) -> Any:
