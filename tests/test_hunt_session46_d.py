@@ -469,3 +469,18 @@ def test_bug_export_unchecked_of_a_forward_carrying_a_tensor(kw: dict) -> None:
     with torch.no_grad():
         for x, _ in batches(2):
             torch.testing.assert_close(program(x), torch.stack([m(x) for m in alone]), **TOL)
+
+
+def test_export_of_a_forward_with_a_typo_raises_the_users_error() -> None:
+    # Session 46's review: any AttributeError in the trace was said to be a kept tensor read back
+    class Typo(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc3(x)
+
+    ens = vmapens.Ensemble(Typo, n=N, seed=0)
+    with pytest.raises(AttributeError, match="fc3"):
+        vmapens.export(ens, torch.randn(2, 4))

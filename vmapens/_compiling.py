@@ -230,7 +230,8 @@ def dispatch_restored() -> Iterator[None]:
     try:
         yield
     except BaseException as err:
-        _settle(err, before, free=True)
+        if _dispatch_state() != before:  # frames kept only where they hold no guard
+            _settle(err, before, free=True)
         raise
 
 

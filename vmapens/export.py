@@ -24,6 +24,7 @@ from ._batch_edits import refuse_edits_in_turns
 from ._checks import positional
 from ._compiling import dispatch_restored
 from ._export_probe import input_copies, probe
+from ._kept import kept_anywhere
 from ._members import named_tensors
 from ._selfcheck_parts import own_attributes
 from .distributed import member_blocks, rank, world_size
@@ -291,7 +292,9 @@ def _trace(api: str, ens: Ensemble, module: _Program, args: tuple[Tensor, ...]) 
                     program = program.run_decompositions({})
             except torch._dynamo.exc.UserError as err:
                 raise RuntimeError(f"{api}: torch.export cannot trace {name}: {err}") from err
-            except (AttributeError, TypeError) as err:  # torch's own, inside the trace
+            except (AttributeError, TypeError) as err:
+                if not kept_anywhere(ens.template):  # the user's own (a typo, an argument)
+                    raise
                 raise RuntimeError(
                     f"{api}: torch.export failed on {name} ({type(err).__name__}: {err}); most "
                     "likely its forward reads back a tensor it keeps on its module (`self.h`, "
