@@ -681,3 +681,16 @@ def test_per_member_with_nested_in_dims_reading_the_kept_kl(kw: dict) -> None:
 
     train_alone(alone, data, alone_loss)
     assert_members(ens, alone)
+
+
+def test_out_of_bag_with_a_random_loss_and_a_forward_that_keeps_a_tensor() -> None:
+    # Session 46's review: the refusal compared two draws of a noisy loss and refused it
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(12, 4, generator=g), torch.randn(12, 1, generator=g)
+    ens = vmapens.Ensemble(VAEish, n=N, seed=0)
+    h = vmapens.fit(
+        ens, (x, y), lambda o, t: F.mse_loss(o + 0.01 * torch.randn_like(o), t), epochs=2,
+        optimizer=vmapens.StackedSGD(ens, lr=LR), bootstrap=True, val_data="oob",
+        progress=False, seed=5,
+    )  # fmt: skip
+    assert h.val_loss.shape == (2, N) and bool(torch.isfinite(h.val_loss).all())

@@ -9,7 +9,7 @@ from typing import Any
 
 import optree
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ._attributes import INTERNAL
 from ._batch_edits import EditedInTurns
@@ -18,6 +18,7 @@ from ._checks import positional
 from ._kept import kept_stacks
 from ._kept_loans import held_rows, lent_row
 from ._metrics import Metric, average, metric_pair, score
+from ._plain_turns import PlainTurns
 from ._selfcheck_runs import forked_rng
 from .ensemble import Ensemble
 from .history import History
@@ -52,6 +53,7 @@ class Evaluator:
         self.metrics: dict[str, Metric] = {k: metric_pair(fn) for k, fn in metrics.items()}
         self.oob: Tensor | None = None
         self.in_map = True  # the loss runs in the member map (see ``_forward``)
+        self.oob_checked = False  # ``_out_of_bag``'s refusal of a loss reading kept values
 
     def use_out_of_bag(self, data: tuple, mask: Tensor, in_dims: int | None) -> None:
         """Validate each member on the training rows its resample left out (``mask`` [n, S])."""
@@ -180,19 +182,31 @@ class Evaluator:
                 continue
             mine = optree.tree_map(functools.partial(_rows_of_member, i=i, rows=rows), out)
             target = y[i][rows] if self.dims == 0 else y[rows]
-            loss = torch.as_tensor(self.loss_fn(mine, target))
-            if stacks:  # one that reads what the forward kept reads it of every row: refused
-                lent = lent_row(functools.partial(self.loss_fn, mine, target), stacks, i)
-                _refuse_kept_reads(loss, lent)
-            losses.append(loss.double().cpu())
+            if stacks and not self.oob_checked:  # once a fit, the first member's
+                _refuse_kept_reads(functools.partial(self.loss_fn, mine, target), stacks, i)
+                self.oob_checked = True
+            losses.append(torch.as_tensor(self.loss_fn(mine, target)).double().cpu())
         return torch.stack(losses)
 
 
-def _refuse_kept_reads(loss: Tensor, lent: Any) -> None:
-    """A member's out-of-bag loss reads what the forward kept (``ens.template.kl``): that is of
-    the forward over every row, not the member's left-out rows alone. Refused."""
-    lent = torch.as_tensor(lent)
-    if lent.shape != loss.shape or not torch.allclose(lent, loss, rtol=0, atol=0, equal_nan=True):
+def _refuse_kept_reads(loss: Callable[[], Any], stacks: list, i: int) -> None:
+    """A member's out-of-bag loss that reads what the forward kept (``ens.template.kl``): that
+    is of the forward over every row, not the member's left-out rows alone. Refused: run with
+    the stacks and with member ``i``'s rows lent, from the same RNG state and loss state (a
+    loss module's counter), the two differ."""
+    fn = getattr(loss, "func", None)
+    turns = PlainTurns(fn) if isinstance(fn, nn.Module) else None
+    with torch.random.fork_rng(devices=[]):
+        whole = torch.as_tensor(loss())
+    if turns is not None:
+        turns.next_turn()
+        turns.next_turn()
+    with torch.random.fork_rng(devices=[]):
+        lent = torch.as_tensor(lent_row(loss, stacks, i))
+    if turns is not None:
+        turns.next_turn()
+    same = lent.shape == whole.shape and torch.allclose(lent, whole, rtol=0, atol=0, equal_nan=True)
+    if not same:
         raise ValueError(
             "fit: `loss_fn` reads what the forward keeps on its module (`ens.template.<name>`), "
             "which val_data='oob' cannot give per member: the forward runs on every row, each "
