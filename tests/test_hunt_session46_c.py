@@ -694,3 +694,8 @@ def test_out_of_bag_with_a_random_loss_and_a_forward_that_keeps_a_tensor() -> No
         progress=False, seed=5,
     )  # fmt: skip
     assert h.val_loss.shape == (2, N) and bool(torch.isfinite(h.val_loss).all())
+    # the refusal's check leaves the RNG as it found it: the loss's own call draws as before
+    before = torch.get_rng_state()
+    stacks = vmapens._kept.kept_stacks(N)
+    vmapens._evaluate._refuse_kept_reads(lambda: torch.randn(3).sum(), stacks, 0)
+    assert torch.equal(torch.get_rng_state(), before)
