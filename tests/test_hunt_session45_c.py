@@ -682,3 +682,35 @@ def test_a_counter_tensor_advanced_in_place_in_turns(kw: dict) -> None:
 )
 def test_bug_a_counter_tensor_advanced_in_place_under_vmap() -> None:
     _calls_as_alone(vmapens.Ensemble(Position, n=N, seed=0))
+
+
+class PlainScale(nn.Module):
+    """Keeps a dict whose plain value depends on the member's values (run in turns only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.c: dict | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.fc(x)
+        if self.c is not None:
+            y = y + self.c["h"] * self.c["scale"]
+        self.c = {"h": y.detach(), "scale": round(float(y.detach().abs().mean()), 3)}
+        return y
+
+
+def test_a_kept_dict_whose_plain_value_differs_between_members_is_refused() -> None:
+    # Session 46's review: taken as kept, its stack was declined and every member read the last
+    # member's dict (0.075 off after 3 steps, silently; the self-check refused it before). Only
+    # members run one by one can differ there (under vmap `float(...)` is refused)
+    ens = vmapens.Ensemble(PlainScale, n=N, seed=0, backend="loop")
+    x, y = _batches(1)[0]
+    with pytest.raises(ValueError, match=r"keeps `c`.*differ between members"):
+        ens(x)
+    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedSGD(ens, lr=0.1))
+    before = {k: v.clone() for k, v in ens.state_dict().items()}
+    with pytest.raises((ValueError, RuntimeError), match=r"`c`"):
+        step(x, y)
+    for k, v in ens.state_dict().items():
+        assert torch.equal(v, before[k]), k

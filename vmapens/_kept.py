@@ -61,7 +61,6 @@ __all__ = [
     "kept_stacks",
     "map_kept",
     "named_slots",
-    "rows_of_kept_",
     "set_kept_",
     "slots_for",
     "stack_turns",
@@ -184,20 +183,24 @@ def _rows(t: torch.Tensor, rows: int) -> torch.Tensor | None:
     return None if is_functorch_wrapped_tensor(value) else value.movedim(maybe_get_bdim(t), 0)
 
 
-def _stacked(values: list[Any]) -> Any:
+def _stacked(values: list[Any], name: str) -> Any:
     """The turns' values of one name as one, ``[n, ...]`` (in each turn's form), or None:
-    a turn without it, or turns that kept different forms, plain values (``{"pos": 3}``),
-    shapes, dtypes or devices."""
+    a turn without it, or turns that kept different forms, shapes, dtypes or devices. Turns
+    that kept different plain values beside the tensors (``{"h": h, "scale": 0.5}``, each
+    member alone its own) are refused: one value cannot be every member's."""
     forms = {
-        (
-            form(v),
-            plain_leaves(v),
-            *((p.shape[1:], p.dtype, p.device) for p in tensor_leaves(v) or ()),
-        )
+        (form(v), *((p.shape[1:], p.dtype, p.device) for p in tensor_leaves(v) or ()))
         for v in values
     }
     if any(v is None for v in values) or len(forms) != 1:
         return None
+    if len({plain_leaves(v) for v in values}) != 1:
+        path, _, key = name.rpartition(":")
+        raise ValueError(
+            f"Ensemble: the forward keeps `{key}` on {path or 'the module'} with plain values "
+            f"that differ between members ({plain_leaves(values[0])}, "
+            f"{plain_leaves(values[-1])}): one cannot be every member's; keep it as a tensor"
+        )
     columns = zip(*[tensor_leaves(v) or [] for v in values], strict=True)
     return rebuilt(values[0], [ps[0] if len(ps) == 1 else torch.cat(ps) for ps in columns])
 
@@ -212,7 +215,7 @@ def stack_turns(turns: Sequence[tuple[int, dict[str, Any]]], n: int) -> dict[str
         values = [kept.get(name) for _, kept in turns]
         key = tuple(map(id, values))
         if key not in made:
-            made[key] = _stacked([_turn_rows(v, rows) for v, (rows, _) in zip(values, turns)])
+            made[key] = _stacked([_turn_rows(v, r) for v, (r, _) in zip(values, turns)], name)
         if made[key] is not None:
             stacked[name] = made[key]
     return stacked
@@ -409,12 +412,3 @@ def give_(runner: nn.Module, given: dict[str, Any]) -> dict[str, Any]:
     for module, key, value in named_slots(runner, given):
         module.__dict__[key] = value
     return given
-
-
-def rows_of_kept_(member: nn.Module, template: nn.Module, i: int) -> None:
-    """Row ``i`` of each tensor ``set_kept_`` put on the template, on ``member``'s module of the
-    same name, detached (a copy: a module that ran keeps its own)."""
-    modules = dict(member.named_modules())
-    for path, key, value in kept_on(template):
-        if path in modules:
-            modules[path].__dict__[key] = map_kept(lambda t: t[i].detach().clone(), value)

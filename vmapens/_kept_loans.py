@@ -22,7 +22,7 @@ from torch import nn
 from ._boxes import MUTABLE, form, tensor_leaves
 from ._kept import kept_on, map_kept, named_slots, set_kept_
 
-__all__ = ["Lending", "carry_kept_", "held_rows", "lent_row", "loss_with_kept"]
+__all__ = ["Lending", "carry_kept_", "held_rows", "lent_row", "loss_with_kept", "rows_of_kept_"]
 
 _NONE = object()  # no such attribute before
 
@@ -130,8 +130,10 @@ def carry_kept_(template: nn.Module, copied: Any, rows: torch.Tensor | None = No
     (``copy.deepcopy(model)``; an averaged model's ``update_bn`` went on from it). The copy
     started with none there (0.75 off in ``update_bn``'s statistics, silently). One with a
     graph (right after ``ens(x)``, before a step) is left behind: alone ``deepcopy`` refuses
-    it."""
+    it; so are those of members of different sizes (stacked at the padded size)."""
     kept = {}
+    if copied._padding is not None:  # members of different sizes: kept at the padded size
+        return
     for path, key, value in kept_on(template):
         if any(t.requires_grad for t in tensor_leaves(value) or ()):
             continue
@@ -139,3 +141,12 @@ def carry_kept_(template: nn.Module, copied: Any, rows: torch.Tensor | None = No
         kept[f"{path}:{key}"] = map_kept(pick, value)
     if kept:
         copied._followers[4].settle(set_kept_(copied._template, kept, set()))
+
+
+def rows_of_kept_(member: nn.Module, template: nn.Module, i: int) -> None:
+    """Row ``i`` of each tensor ``set_kept_`` put on the template, on ``member``'s module of the
+    same name, detached (a copy: a module that ran keeps its own)."""
+    modules = dict(member.named_modules())
+    for path, key, value in kept_on(template):
+        if path in modules:
+            modules[path].__dict__[key] = map_kept(lambda t: t[i].detach().clone(), value)

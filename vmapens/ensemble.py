@@ -23,8 +23,8 @@ from ._container_ops import check_call, member_index, member_module, refused_ass
 from ._ensemble_parts import check_factories, check_modules
 from ._fastcall import tracked, untraced
 from ._hooks import checked_hooks, refuse_template_hooks
-from ._kept import call_noting, keep_, kept_anywhere, kept_rows, rows_of_kept_
-from ._kept_loans import loss_with_kept
+from ._kept import call_noting, keep_, kept_anywhere, kept_rows
+from ._kept_loans import loss_with_kept, rows_of_kept_
 from ._linalg_failure import linalg_failure
 from ._member_maps import looped, vmapped
 from ._members import Factory, member_ids_for

@@ -10,7 +10,7 @@ import torch
 from ._chunks import chunk_bounds, chunked_losses_and_grads
 from ._compiled_step import compiled_step
 from ._fastcall import call_member
-from ._kept import call_noting, kept_rows
+from ._kept import call_noting, kept_rows, stack_turns
 from ._kept_loans import held_rows, loss_with_kept
 from ._precision import LossScale
 from ._selfcheck_runs import failure_alone
@@ -212,6 +212,7 @@ def make_step(
                 live = [p.grad for p in params if p.grad is not None]
                 owned = [id(p) in held for p in params if p.grad is not None]
                 stepping, found_inf = update.gradients_(live, mask, owned)
+                stack_turns(turns, len(ens))  # what ``_keep`` refuses, refused before the update
                 with optimizer_errors(optimizer):
                     if stepping is None:
                         optimizer.step()
