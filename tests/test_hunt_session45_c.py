@@ -676,7 +676,7 @@ def test_a_counter_tensor_advanced_in_place_in_turns(kw: dict) -> None:
 @pytest.mark.xfail(
     strict=True,
     reason="under one vmap a kept tensor made without the member's tensors is stacked as a "
-    "stride-0 expand (_kept._rows); the next call's in-place `+= 1` on its row fails with "
+    "stride-0 expand (_kept_stacks._rows); the next call's in-place `+= 1` on its row fails with "
     "torch's 'more than one element of the written-to tensor refers to a single memory "
     "location' (not silent; alone and in turns it runs; a plain `self.pos` alike)",
 )

@@ -18,24 +18,17 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch._C._functorch import (
-    get_unwrapped,
-    is_batchedtensor,
-    is_functorch_wrapped_tensor,
-    maybe_get_bdim,
-)
 
 from ._boxes import (
     KEPT_MARK,
     MUTABLE,
     cleared,
     edited,
-    form,
     is_kept,
     keepable,
     plain_leaves,
@@ -45,6 +38,7 @@ from ._boxes import (
     tensor_leaves,
 )
 from ._fastcall import call_member
+from ._kept_stacks import stack_turns, turn_rows
 from ._plain_turns import INTERNAL
 from ._stacking import recomputed
 
@@ -63,16 +57,15 @@ __all__ = [
     "named_slots",
     "set_kept_",
     "slots_for",
-    "stack_turns",
-    "turn_rows",
 ]
 
 #: Each runner's ``KeptSlots``, built once (the runner's modules stay those it was built with).
 _SLOTS: weakref.WeakKeyDictionary[nn.Module, KeptSlots] = weakref.WeakKeyDictionary()
 #: Where ``set_kept_`` put stacked values on each template, ``(module path, attribute)``:
 #: ``kept_on`` reads these alone (a scan of every module's attributes took ~55 us a call for a
-#: 3-layer MLP, ~360 us for a 4-layer Transformer encoder).
-_WHERE: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, str], None]] = (
+#: 3-layer MLP, ~360 us for a 4-layer Transformer encoder); True where handed back at the next
+#: call, False where only lent and copied (a container several modules share).
+_WHERE: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, str], bool]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -166,69 +159,6 @@ def slots_for(runner: nn.Module) -> KeptSlots:
     return slots
 
 
-def turn_rows(state: dict[str, torch.Tensor]) -> int:
-    """How many members a turn runs: one (loop), or a chunk's (vmap: the batched state's)."""
-    t = next(iter(state.values()), None)
-    if t is None or not is_batchedtensor(t):
-        return 1
-    return get_unwrapped(t).shape[maybe_get_bdim(t)]
-
-
-def _rows(t: torch.Tensor, rows: int) -> torch.Tensor | None:
-    """A turn's kept tensor as ``[rows, ...]``: a batched one (dead after the call) unwrapped,
-    with its graph; one the members share (made without their tensors), one per member."""
-    if not is_batchedtensor(t):
-        return None if is_functorch_wrapped_tensor(t) else t.expand(rows, *t.shape)
-    value = get_unwrapped(t)
-    return None if is_functorch_wrapped_tensor(value) else value.movedim(maybe_get_bdim(t), 0)
-
-
-def _stacked(values: list[Any], name: str) -> Any:
-    """The turns' values of one name as one, ``[n, ...]`` (in each turn's form), or None:
-    a turn without it, or turns that kept different forms, shapes, dtypes or devices. Turns
-    that kept different plain values beside the tensors (``{"h": h, "scale": 0.5}``, each
-    member alone its own) are refused: one value cannot be every member's."""
-    forms = {
-        (form(v), *((p.shape[1:], p.dtype, p.device) for p in tensor_leaves(v) or ()))
-        for v in values
-    }
-    if any(v is None for v in values) or len(forms) != 1:
-        return None
-    if len({plain_leaves(v) for v in values}) != 1:
-        path, _, key = name.rpartition(":")
-        raise ValueError(
-            f"Ensemble: the forward keeps `{key}` on {path or 'the module'} with plain values "
-            f"that differ between members ({plain_leaves(values[0])}, "
-            f"{plain_leaves(values[-1])}): one cannot be every member's; keep it as a tensor"
-        )
-    columns = zip(*[tensor_leaves(v) or [] for v in values], strict=True)
-    return rebuilt(values[0], [ps[0] if len(ps) == 1 else torch.cat(ps) for ps in columns])
-
-
-def stack_turns(turns: Sequence[tuple[int, dict[str, Any]]], n: int) -> dict[str, Any]:
-    """What the turns that kept tensors (``(members, kept)`` each) kept, ``[n, ...]``: the
-    names every turn set, in one form, shape, dtype and device (others are left as they are)."""
-    if sum(rows for rows, _ in turns) != n:  # a turn kept nothing
-        return {}
-    stacked, made = {}, {}  # names that held one value each turn hold one stack
-    for name in turns[0][1]:
-        values = [kept.get(name) for _, kept in turns]
-        key = tuple(map(id, values))
-        if key not in made:
-            made[key] = _stacked([_turn_rows(v, r) for v, (r, _) in zip(values, turns)], name)
-        if made[key] is not None:
-            stacked[name] = made[key]
-    return stacked
-
-
-def _turn_rows(value: Any, rows: int) -> Any:
-    """``_rows`` of each tensor of a turn's kept value, in its form; None if one has none."""
-    if value is None:
-        return None
-    parts = [_rows(t, rows) for t in tensor_leaves(value) or ()]
-    return None if any(p is None for p in parts) else rebuilt(value, parts)
-
-
 def set_kept_(
     template: nn.Module, kept: dict[str, Any], unreturned: set[str]
 ) -> list[tuple[nn.Module, str]]:
@@ -248,8 +178,7 @@ def set_kept_(
             setattr(t, KEPT_MARK, True)
         module.__dict__[key] = value
         where.append((module, key))
-        if name not in unreturned:
-            slots[path, key] = None
+        slots[path, key] = name not in unreturned
     return where
 
 
@@ -304,7 +233,7 @@ def keep_(
         where = _WHERE.get(template, {})
         for name in slots.dropped:
             path, _, key = name.rpartition(":")
-            where.pop((path, key), None)
+            where.pop((path, key), None)  # a shared one stacked below is set again, lent only
         unreturned, slots.dropped = slots.dropped, set()
     kept = stack_turns(turns, n) if turns else {}
     if kept:
@@ -352,9 +281,10 @@ def kept_anywhere(template: nn.Module) -> bool:
     return bool(_WHERE.get(template))
 
 
-def kept_on(template: nn.Module) -> list[tuple[str, str, Any]]:
-    """``(module path, attribute, stacked value)`` for each ``set_kept_`` put there."""
-    return [(path, k, v) for path, _, k, v in _kept_slots(template)]
+def kept_on(template: nn.Module, lent: bool = False) -> list[tuple[str, str, Any]]:
+    """``(module path, attribute, stacked value)`` for each ``set_kept_`` put there and hands
+    back (``lent``: those only lent and copied too)."""
+    return [(path, k, v) for path, _, k, v in _kept_slots(template, lent)]
 
 
 def kept_somewhere() -> bool:
@@ -368,16 +298,18 @@ def kept_stacks(n: int) -> list[tuple[dict[str, Any], str, Any]]:
     return [
         (vars(m), k, v)
         for t in list(_WHERE)
-        for _, m, k, v in _kept_slots(t)
+        for _, m, k, v in _kept_slots(t, lent=True)
         if _stacked_rows(v) == n
     ]
 
 
-def _kept_slots(template: nn.Module) -> list[tuple[str, nn.Module, str, Any]]:
+def _kept_slots(template: nn.Module, lent: bool = False) -> list[tuple[str, nn.Module, str, Any]]:
     """``(module path, module, attribute, stacked value)`` for each ``set_kept_`` put there
-    (still there: not replaced since)."""
+    (still there: not replaced since) and hands back (``lent``: the others too)."""
     found = []
-    for path, key in _WHERE.get(template, ()):
+    for (path, key), returned in _WHERE.get(template, {}).items():
+        if not (returned or lent):
+            continue
         try:
             module = template.get_submodule(path)
         except AttributeError:  # a submodule deleted since

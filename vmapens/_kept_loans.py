@@ -60,14 +60,16 @@ class Lending:
     over the members, each member's own), set where the stacks are while it runs.
 
     A loss that empties one it read (``m.acts.clear()``, as a plain loop clears its
-    module's after reading it) empties the stack too, once every member ran (``settle``): the
-    next call starts from an empty one, as each member alone does. Its rows emptied, the stack
-    was put back whole, and the next call appended to it (a graph more every step).
+    module's after reading it) empties the stack too, once every member ran (``settle``), and
+    one that sets it to an empty container or None (``m.acts = []``) sets that there: the next
+    call starts from it, as each member alone does. Its rows emptied, the stack was put back
+    whole, and the next call appended to it (a graph more every step).
     """
 
     def __init__(self, fn: Callable, stacks: list[tuple[dict[str, Any], str, Any]]) -> None:
         self.fn, self.stacks = fn, stacks
         self.emptied: list[Any] = []
+        self.reset: list[tuple[dict[str, Any], str, Any]] = []
 
     def __call__(self, rows: list[Any], *args: Any, **kwargs: Any) -> Any:
         lent = [(owned, key, row) for (owned, key, _), row in zip(self.stacks, rows, strict=True)]
@@ -76,14 +78,20 @@ class Lending:
                 return self.fn(*args, **kwargs)
             finally:
                 for (owned, key, row), (_, _, stack) in zip(lent, self.stacks, strict=True):
-                    if type(row) in MUTABLE and owned.get(key) is row and not row and stack:
+                    now = owned.get(key, _NONE)
+                    if type(row) in MUTABLE and now is row and not row and stack:
                         self.emptied.append(stack)
+                    elif now is not row and (now is None or (type(now) in MUTABLE and not now)):
+                        self.reset.append((owned, key, now))  # `m.acts = []`, `m.h = None`
 
     def settle(self) -> None:
-        """Empty the stacks a member's run emptied its rows of."""
+        """Empty the stacks a member's run emptied its rows of; set what it reset there."""
         for stack in self.emptied:
             stack.clear()
+        for owned, key, now in self.reset:
+            owned[key] = type(now)() if now is not None else None
         self.emptied.clear()
+        self.reset.clear()
 
 
 def lent_row(fn: Callable, stacks: list[tuple[dict[str, Any], str, Any]], i: int) -> Any:
@@ -131,22 +139,29 @@ def carry_kept_(template: nn.Module, copied: Any, rows: torch.Tensor | None = No
     started with none there (0.75 off in ``update_bn``'s statistics, silently). One with a
     graph (right after ``ens(x)``, before a step) is left behind: alone ``deepcopy`` refuses
     it; so are those of members of different sizes (stacked at the padded size)."""
-    kept = {}
     if copied._padding is not None:  # members of different sizes: kept at the padded size
         return
-    for path, key, value in kept_on(template):
+    kept, copies, unreturned = {}, {}, set()  # a container several modules share: one copy
+    handed = {(path, key) for path, key, _ in kept_on(template)}
+    for path, key, value in kept_on(template, lent=True):
         if any(t.requires_grad for t in tensor_leaves(value) or ()):
             continue
         pick = (lambda t: t.clone()) if rows is None else (lambda t: t[rows].clone())
-        kept[f"{path}:{key}"] = map_kept(pick, value)
+        if id(value) not in copies:
+            copies[id(value)] = map_kept(pick, value)
+        kept[f"{path}:{key}"] = copies[id(value)]
+        if (path, key) not in handed:
+            unreturned.add(f"{path}:{key}")
     if kept:
-        copied._followers[4].settle(set_kept_(copied._template, kept, set()))
+        copied._followers[4].settle(set_kept_(copied._template, kept, unreturned))
 
 
 def rows_of_kept_(member: nn.Module, template: nn.Module, i: int) -> None:
     """Row ``i`` of each tensor ``set_kept_`` put on the template, on ``member``'s module of the
     same name, detached (a copy: a module that ran keeps its own)."""
-    modules = dict(member.named_modules())
-    for path, key, value in kept_on(template):
+    modules, rows = dict(member.named_modules()), {}  # a shared container: one row for all
+    for path, key, value in kept_on(template, lent=True):
         if path in modules:
-            modules[path].__dict__[key] = map_kept(lambda t: t[i].detach().clone(), value)
+            if id(value) not in rows:
+                rows[id(value)] = map_kept(lambda t: t[i].detach().clone(), value)
+            modules[path].__dict__[key] = rows[id(value)]

@@ -123,6 +123,7 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
                 raise
             if lending is not None:
                 lending.emptied.clear()  # the failed run's
+                lending.reset.clear()
             values = _member_by_member(fn, dims, args, kwargs, turns)
             if values is None:  # not a tensor (a Python float has no gradient): vmap's error
                 raise

@@ -10,8 +10,9 @@ import torch
 from ._chunks import chunk_bounds, chunked_losses_and_grads
 from ._compiled_step import compiled_step
 from ._fastcall import call_member
-from ._kept import call_noting, kept_rows, stack_turns
+from ._kept import call_noting, kept_rows
 from ._kept_loans import held_rows, loss_with_kept
+from ._kept_stacks import stack_turns
 from ._precision import LossScale
 from ._selfcheck_runs import failure_alone
 from ._step_hooks import TemplateHooks
