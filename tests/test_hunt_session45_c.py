@@ -714,3 +714,31 @@ def test_a_kept_dict_whose_plain_value_differs_between_members_is_refused() -> N
         step(x, y)
     for k, v in ens.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+class TimedState(nn.Module):
+    """Keeps ``{"h": h, "t": t}``: a hidden state and a step counter beside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.st: dict | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        h, t = self.inp(x), 0
+        if self.st is not None:
+            h, t = h + self.st["h"], self.st["t"] + 1
+        h = torch.tanh(h + 0.3 * t)
+        self.st = {"h": h.detach(), "t": t}
+        return self.out(h)
+
+
+def test_a_stopped_members_plain_value_in_a_kept_dict_moving_warns() -> None:
+    # Session 46's review: the stopped member's `h` rows were held, its `t` (every member's)
+    # moved on, silently (7.6e-3 off)
+    ens = vmapens.Ensemble(TimedState, n=N, seed=0)
+    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedSGD(ens, lr=0.1))
+    (x, y), (x2, y2) = _batches(2)
+    step(x, y)
+    with pytest.warns(UserWarning, match=r"keeps `st`.*did not run"):
+        step(x2, y2, torch.tensor([True, False, True]))

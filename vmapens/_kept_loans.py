@@ -13,13 +13,14 @@ added to every member's loss: ``[n, n]`` losses, gradients of every member's KL 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from ._boxes import MUTABLE, form, tensor_leaves
+from ._boxes import MUTABLE, form, plain_leaves, tensor_leaves
 from ._kept import kept_on, map_kept, named_slots, set_kept_
 
 __all__ = ["Lending", "carry_kept_", "held_rows", "lent_row", "loss_with_kept", "rows_of_kept_"]
@@ -119,6 +120,8 @@ def held_rows(template: nn.Module, running: torch.Tensor | None) -> Callable[[],
             old = before.get((path, k))
             if old is None or old is value or form(old) != form(value):
                 continue  # another form (a key added): no row of it is the old one's
+            if plain_leaves(old) != plain_leaves(value):  # one value for all: cannot stay
+                _warn_plain_moved(path, k, plain_leaves(old), plain_leaves(value))
             for o, v in zip(tensor_leaves(old) or (), tensor_leaves(value) or (), strict=False):
                 if o.shape != v.shape or o.dtype != v.dtype or v.stride(0) == 0:
                     continue  # stride 0: one the members share
@@ -129,6 +132,17 @@ def held_rows(template: nn.Module, running: torch.Tensor | None) -> Callable[[],
                 v[rows] = o
 
     return back
+
+
+def _warn_plain_moved(path: str, key: str, old: tuple, new: tuple) -> None:
+    warnings.warn(
+        f"Ensemble: the forward keeps `{key}` on {path or 'the module'} with plain values "
+        f"beside its tensors ({old} -> {new}); a member that did not run (masked, stopped) "
+        "keeps its tensors' rows as alone, but those values are every member's: they moved "
+        "for it too. Keep such a value as a tensor (one row per member) to hold it",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def carry_kept_(template: nn.Module, copied: Any, rows: torch.Tensor | None = None) -> None:
