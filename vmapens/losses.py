@@ -101,7 +101,9 @@ def per_member(loss_fn: Callable[..., torch.Tensor], in_dims: Any = (0, None)) -
         fn, dims, mapped, lending = loss_fn, flat_dims(in_dims, len(args)), in_dims, None
         # A loss reading what the forward kept (``ens.template.kl``, stacked ``[n]``) reads its
         # member's rows, as alone its module's: the whole stack gave ``[n, n]``, silently.
-        sizes = _mapped_sizes(args, in_dims) if kept_somewhere() else set()
+        sizes = set()
+        if kept_somewhere():  # the flat in_dims' sizes read directly: ~40 us less than pytree's
+            sizes = mapped_sizes(args, dims) if dims is not None else _mapped_sizes(args, in_dims)
         if len(sizes) == 1 and (stacks := kept_stacks(*sizes)):
             fn = lending = Lending(loss_fn, stacks)
             every = in_dims if isinstance(in_dims, (tuple, list)) else [in_dims] * len(args)
