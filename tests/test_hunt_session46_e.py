@@ -678,6 +678,10 @@ def test_compiled_step_refuses_a_kept_gru_state_and_changes_nothing() -> None:
         step(_data(B, T, FEAT), _data(B, T, 1))
     torch.testing.assert_close(ens.state_dict(), before, rtol=0, atol=0)
     assert ens.template.h is None
+    # the failed trace left torch's saved-tensor hooks disabled (a grad transform's): every
+    # later `torch.utils.checkpoint` of the process was refused, until session 46
+    x = torch.randn(3, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=False).sum().backward()
 
 
 # -- BUG: a kept state sliced on the template for a last partial batch ------------------------

@@ -117,11 +117,13 @@ def test_pruning_after_building_is_refused_and_pruned_unstacked_members_train_as
     assert_members_equal(ens, alone)
 
     side = vmapens.Ensemble.from_modules(ens.unstack())
+    kept = {k: v.clone() for k, v in side.stacked_state().items()}
     prune.l1_unstructured(side.template[0], "weight", amount=0.5)
-    kept = {k: v.clone() for k, v in side.state_dict().items()}
     with pytest.raises(ValueError, match="registered or deleted after building.*from_modules"):
         side(x)
-    torch.testing.assert_close(side.state_dict(), kept, **EXACT)
+    with pytest.raises(ValueError, match="registered or deleted after building"):
+        side.state_dict()  # what it would save is not what the template shows (session 46)
+    torch.testing.assert_close(side.stacked_state(), kept, **EXACT)
 
     members = ens.unstack()
     for m in members + alone:

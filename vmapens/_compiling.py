@@ -235,16 +235,18 @@ def dispatch_restored() -> Iterator[None]:
         raise
 
 
-def _dispatch_state() -> tuple[Any, Any, int]:
-    """The thread's dispatch keys included and excluded, and torch.func's transform depth."""
+def _dispatch_state() -> tuple[Any, Any, int, bool]:
+    """The thread's dispatch keys included and excluded, torch.func's transform depth, and
+    whether saved-tensor hooks are enabled (``torch.func.grad`` disables them inside)."""
     return (
         torch._C._dispatch_tls_local_include_set(),
         torch._C._dispatch_tls_local_exclude_set(),
         torch._C._functorch.get_dynamic_layer_stack_depth(),
+        torch._C._autograd._saved_tensors_hooks_is_enabled(),  # type: ignore[attr-defined]
     )
 
 
-def _settle(err: BaseException, before: tuple[Any, Any, int], free: bool) -> None:
+def _settle(err: BaseException, before: tuple[Any, Any, int, bool], free: bool) -> None:
     """Free the frames ``err`` holds (``free``), then put the dispatch state back as it was
     ``before``.
 
@@ -263,9 +265,13 @@ def _settle(err: BaseException, before: tuple[Any, Any, int], free: bool) -> Non
         chained = chained.__cause__ or chained.__context__
     if free:
         gc.collect()  # what the frames held in reference cycles: freed now, not later
-    include, exclude, depth = before
+    include, exclude, depth, hooks = before
     if torch._C._functorch.get_dynamic_layer_stack_depth() > depth:
         torch._C._functorch.pop_dynamic_layer_stack_and_undo_to_depth(depth)
+    if hooks and not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
+        # a grad transform the failed trace entered disabled them: every later
+        # `torch.utils.checkpoint` or saved-tensor hook of the process was refused
+        torch._C._autograd._saved_tensors_hooks_enable()
     if _dispatch_state()[:2] != (include, exclude):
         # torch has no setter for the whole sets, only a guard that puts them back when it
         # exits: entered, and kept, it holds them as they were for the rest of the thread.
