@@ -207,8 +207,7 @@ def compile_failures() -> Iterator[None]:
 def refuse_kept_reads(err: AttributeError, kept: dict[str, Any]) -> None:
     """``CompileFailed`` for a loss failing on an attribute the forward keeps on its module
     (``ens.template.aux``, set by the forward alone): the compiled step hands no kept tensor
-    to the loss (it leaves the graph). Nothing if the forward kept nothing, or other names
-    (a typo in the loss is the user's own error)."""
+    to the loss (it leaves the graph). Nothing for other names (a typo is the user's)."""
     keys = {name.rpartition(":")[2] for name in kept}
     if getattr(err, "name", None) in keys:
         names = ", ".join(f"`{key}`" for key in sorted(keys))
