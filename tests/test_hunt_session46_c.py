@@ -726,3 +726,26 @@ def test_per_member_reading_a_shared_aux_list_trains_as_alone(kw: dict) -> None:
         mine = ens[i]
         assert mine.l1.sink is mine.aux_losses is mine.l2.sink
         torch.testing.assert_close(mine.aux_losses, [t.detach() for t in m.aux_losses], **TOL)
+
+
+def test_a_stopped_member_keeps_its_terms_in_a_shared_aux_list() -> None:
+    # a member masked out of a step does not run alone: its list keeps the last terms
+    data = batches(2)
+    ens = vmapens.Ensemble(SinkNet, n=N, seed=0)
+    alone = ens.unstack()
+    loss_fn = lambda out, y: F.mse_loss(out, y) + 0.1 * sum(ens.template.aux_losses)  # noqa: E731
+    step = vmapens.make_step(ens, loss_fn, vmapens.StackedSGD(ens, lr=LR))
+    mask = torch.tensor([True, False, True])
+    step(*data[0])
+    step(*data[1], mask)
+    for i, m in enumerate(alone):
+        opt = torch.optim.SGD(m.parameters(), lr=LR)
+        for k, (x, y) in enumerate(data):
+            if k == 1 and not mask[i]:
+                continue
+            opt.zero_grad()
+            sink_alone(m, x, y).backward()
+            opt.step()
+    assert_members(ens, alone)
+    for got, want in zip(ens.template.aux_losses, zip(*[m.aux_losses for m in alone]), strict=True):
+        torch.testing.assert_close(got, torch.stack(want).detach(), **TOL)

@@ -211,7 +211,8 @@ def cleared(value: Any) -> bool:
 
 
 def keepable(value: Any) -> bool:
-    """A tensor, a container of tensors, or an emptied dict or list (``.clear()``)."""
+    """A tensor, a container of tensors (plain numbers and strings beside them too), or an
+    emptied dict or list (``.clear()``)."""
     return tensor_leaves(value) is not None or (type(value) in MUTABLE and not value)
 
 

@@ -123,8 +123,8 @@ class KeptSlots:
 
     def new(self, before: tuple[list[object], list[tuple[int, Any]]]) -> dict[str, Any]:
         """The tensors set since ``seen`` gave ``before``, by ``"<module path>:<attribute>"``,
-        a container edited in place too (one several modules share, ``Layer(self.sink)``, as
-        one copy under each name); one that holds other values now is left out. Neither is
+        a container edited in place too (one several modules share, ``Layer(self.sink)``: one
+        copy all its names hold); one that holds other values now is left out. Neither is
         handed back (``dropped``): each name's rows would part a shared one."""
         values, boxes = before
         now = list(map(dict.get, self.owned, self.keys))

@@ -109,14 +109,14 @@ def held_rows(template: nn.Module, running: torch.Tensor | None) -> Callable[[],
     the members run (under vmap, one chunk) reads the same storage at the next call."""
     if running is None:
         return lambda: None
-    before = {(path, k): v for path, k, v in kept_on(template)}
+    before = {(path, k): v for path, k, v in kept_on(template, lent=True)}
 
     def back() -> None:
         frozen = ~running.to(torch.bool)
         if not bool(frozen.any()):
             return
         writes = []  # the old rows read out first: a new stack may be an old one (`prev = cur`)
-        for path, k, value in kept_on(template):
+        for path, k, value in kept_on(template, lent=True):
             old = before.get((path, k))
             if old is None or old is value or form(old) != form(value):
                 continue  # another form (a key added): no row of it is the old one's
