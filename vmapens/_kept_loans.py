@@ -1,5 +1,6 @@
 """What a forward kept, lent to the losses and metrics that read it (``ens.template.kl``),
-and held for the members that did not run (``held_rows``).
+held for the members that did not run (``held_rows``), and copied to ``ens[i]`` and to
+copies of the ensemble (``rows_of_kept_``, ``carry_kept_``).
 
 A VAE's loss adds ``model.kl``, which its forward set; a mixture of experts' adds each
 layer's ``aux_loss``. The ensemble stacks such values on the template, ``[n, ...]``
