@@ -222,7 +222,13 @@ def call_noting(
 
 
 def keep_(
-    template: nn.Module, watched: Any, turns: list, n: int, detach: bool, runner: nn.Module
+    template: nn.Module,
+    watched: Any,
+    turns: list,
+    n: int,
+    detach: bool,
+    runner: nn.Module,
+    stacked: dict[str, Any] | None = None,
 ) -> None:
     """Set what the turns' forwards kept (``(members, kept)`` each) on the template, stacked,
     where a loop over its modules reads them (``detach``: after a step, its graph is spent),
@@ -235,7 +241,9 @@ def keep_(
             path, _, key = name.rpartition(":")
             where.pop((path, key), None)  # a shared one stacked below is set again, lent only
         unreturned, slots.dropped = slots.dropped, set()
-    kept = stack_turns(turns, n) if turns else {}
+    if stacked is None:  # ``stack_turns(turns, n)``, made already by the step
+        stacked = stack_turns(turns, n) if turns else {}
+    kept = stacked
     if kept:
         if detach:  # once per value: names that share one container share its detached copy
             done = {id(v): v for v in kept.values()}

@@ -266,9 +266,9 @@ class Ensemble(StackedModule):
         self._keep(turns)
         return out
 
-    def _keep(self, turns: list, detach: bool = False) -> None:
-        """``keep_`` on the template (``detach``: after a step)."""
-        keep_(self._template, self._followers[4], turns, len(self), detach, self.runner)
+    def _keep(self, turns: list, detach: bool = False, stacked: dict | None = None) -> None:
+        """``keep_`` on the template (``detach``: after a step; ``stacked``: the turns')."""
+        keep_(self._template, self._followers[4], turns, len(self), detach, self.runner, stacked)
 
     def map_members(self, fn: Callable[..., Any], *args: Any, in_dims: Any = None) -> Any:
         """Run ``fn(member_state, *member_args)`` for every member, stacking the outputs.

@@ -213,7 +213,7 @@ def make_step(
                 live = [p.grad for p in params if p.grad is not None]
                 owned = [id(p) in held for p in params if p.grad is not None]
                 stepping, found_inf = update.gradients_(live, mask, owned)
-                stack_turns(turns, len(ens))  # what ``_keep`` refuses, refused before the update
+                stacked = stack_turns(turns, len(ens))  # refused here, before the update
                 with optimizer_errors(optimizer):
                     if stepping is None:
                         optimizer.step()
@@ -234,7 +234,7 @@ def make_step(
                 if alone is not None:
                     raise alone from err
             raise
-        ens._keep(turns, detach=True)  # as ens(x) leaves them: a reset on the template is seen
+        ens._keep(turns, True, stacked)  # as ens(x) leaves them: a reset on the template is seen
         frozen()
         turns.clear()
         return losses.detach()
