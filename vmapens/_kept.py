@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
 
 from ._boxes import (
     KEPT_MARK,
@@ -217,8 +218,38 @@ def call_noting(
     before = slots.seen()
     out = call_member(runner, state, args, kw)
     if kept := slots.new(before):
+        if torch.is_grad_enabled():
+            _refuse_held_parameters(kept, state)
         turns.append((turn_rows(state), kept))
     return out, {**given, **kept} if given else kept
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under ``t``'s functorch wrappers, or the one it views."""
+    while is_functorch_wrapped_tensor(t):
+        t = get_unwrapped(t)
+    return t if t._base is None else t._base
+
+
+def _refuse_held_parameters(kept: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
+    """Refuse a kept value that holds one of the member's trained parameters (or a view of
+    one), ``self.cache["w"] = self.lin.weight``: alone the container goes on reading the
+    parameter as the optimizer changes it, and the loss's gradient flows into it; the
+    ensemble hands back this call's values, without their graph. Under ``no_grad`` those are
+    the same values, and it runs."""
+    trained = {id(r): name for name, t in state.items() if (r := _root(t)).requires_grad}
+    for slot, value in kept.items():
+        for t in tensor_leaves(value) or ():
+            if (name := trained.get(id(_root(t)))) is not None:
+                path, _, key = slot.rpartition(":")
+                raise ValueError(
+                    f"Ensemble: the forward keeps the member's parameter `{name}` (or a view "
+                    f"of it) in `{key}` on {path or 'the module'}: alone that value goes on "
+                    "reading the parameter as the optimizer changes it, and the loss's "
+                    "gradient flows into it; inside the ensemble the next call would read "
+                    "this call's values, without their gradient. Read the parameter in the "
+                    f"forward where it is used (`self.get_parameter('{name}')`)"
+                )
 
 
 def keep_(
