@@ -584,27 +584,59 @@ def test_fixed_a_kept_dict_cleared_on_the_template(kw: dict) -> None:
     _edited_on_the_template(kw, "clear")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an item of the kept dict set in place on the template (st['h'] = zeros_like(...)): "
-    "in chunks members read neither the reset nor their own state (0.9-1.6 off); with loop "
-    "each member gets all members' rows ([n, n, ...] outputs, 2.7 off), silently (docs: an "
-    "in-place change of a template attribute is not seen; a new dict set there is)",
-)
-@pytest.mark.parametrize("kw", [{"chunk_size": 1}, {"backend": "loop"}], ids=["chunks-1", "loop"])
-def test_bug_an_item_of_a_kept_dict_set_in_place_on_the_template(kw: dict) -> None:
-    _edited_on_the_template(kw, "item")
+@pytest.mark.parametrize("kw", RUNS, ids=IDS)
+@pytest.mark.parametrize("edit", ["item", "view", "list"])
+def test_an_item_of_a_kept_container_set_in_place_on_the_template(edit: str, kw: dict) -> None:
+    # Fixed in session 47: an item set in place with each member's rows (a reset to
+    # zeros_like, a last batch's view `st["h"][:, :2]`, a list's last state) was taken for a
+    # value the members share: they read neither it nor their own rows (0.9-1.6 off; with
+    # loop [n, n, ...] outputs), silently, under one vmap too
+    _edited_on_the_template(kw, edit)
 
 
-def _edited_on_the_template(kw: dict, edit: str) -> None:
+@pytest.mark.parametrize("kw", RUNS, ids=IDS)
+def test_an_item_set_in_place_that_is_not_each_members_rows_is_refused(kw: dict) -> None:
+    # One member's shape, alone every member's: the module the members run holds its own
+    # container (with loop, the template itself: read as it is, as alone). Was silent.
     ens = vmapens.Ensemble(functools.partial(Recurrent, "dict"), n=N, seed=0, **kw)
     alone = _calls_as_alone(ens, 2)
     for st in [ens.template.st] + [m.st for m in alone]:
+        st["h"] = torch.ones(4, 3)
+    if kw.get("backend") == "loop":
+        _calls_as_alone_again(ens, alone)
+        return
+    step = vmapens.make_step(ens, nn.MSELoss(), vmapens.StackedSGD(ens, lr=0.1))
+    before = copy.deepcopy(ens.state_dict())
+    (x, y), *_ = _batches(1)
+    for call in (lambda: step(x, y), lambda: ens(x)):
+        with pytest.raises(ValueError, match=r"`ens\.template\.st`.*set in place.*new container"):
+            call()
+    _same_tree(ens.state_dict(), before)
+    ens.template.st = {"h": torch.ones(4, 3)}  # the way out the message gives
+    for m in alone:
+        m.st = {"h": torch.ones(4, 3)}
+    _calls_as_alone_again(ens, alone)
+
+
+def _edited_on_the_template(kw: dict, edit: str) -> None:
+    kind = "list" if edit == "list" else "dict"
+    ens = vmapens.Ensemble(functools.partial(Recurrent, kind), n=N, seed=0, **kw)
+    alone = _calls_as_alone(ens, 2)
+    rows = 4
+    for st, stacked in [(ens.template.st, True)] + [(m.st, False) for m in alone]:
         if edit == "clear":
             st.clear()
-        else:
+        elif edit == "item":
             st["h"] = torch.zeros_like(st["h"])
-    _calls_as_alone_again(ens, alone)
+        elif edit == "list":
+            st[-1] = torch.zeros_like(st[-1])
+        else:  # the last batch is smaller: each member's state cut to its first rows
+            rows = 2
+            st["h"] = st["h"][:, :rows] if stacked else st["h"][:rows]
+    g = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        x = torch.randn(rows, 3, generator=g)
+        _close(ens(x), torch.stack([m(x) for m in alone]))
 
 
 class WeightRef(nn.Module):

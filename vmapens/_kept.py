@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
 
 from ._boxes import (
     KEPT_MARK,
@@ -39,6 +38,13 @@ from ._boxes import (
     tensor_leaves,
 )
 from ._fastcall import call_member
+from ._kept_edits import (
+    note_box,
+    refuse_held_parameters,
+    refuse_items_set,
+    rows_again,
+    submodule,
+)
 from ._kept_stacks import stack_turns, turn_rows
 from ._plain_turns import INTERNAL
 from ._stacking import recomputed
@@ -180,6 +186,8 @@ def set_kept_(
         module.__dict__[key] = value
         where.append((module, key))
         slots[path, key] = name not in unreturned
+        if type(value) in MUTABLE:
+            note_box(template, path, key, value)
     return where
 
 
@@ -219,37 +227,9 @@ def call_noting(
     out = call_member(runner, state, args, kw)
     if kept := slots.new(before):
         if torch.is_grad_enabled():
-            _refuse_held_parameters(kept, state)
+            refuse_held_parameters(kept, state)
         turns.append((turn_rows(state), kept))
     return out, {**given, **kept} if given else kept
-
-
-def _root(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor under ``t``'s functorch wrappers, or the one it views."""
-    while is_functorch_wrapped_tensor(t):
-        t = get_unwrapped(t)
-    return t if t._base is None else t._base
-
-
-def _refuse_held_parameters(kept: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
-    """Refuse a kept value that holds one of the member's trained parameters (or a view of
-    one), ``self.cache["w"] = self.lin.weight``: alone the container goes on reading the
-    parameter as the optimizer changes it, and the loss's gradient flows into it; the
-    ensemble hands back this call's values, without their graph. Under ``no_grad`` those are
-    the same values, and it runs."""
-    trained = {id(r): name for name, t in state.items() if (r := _root(t)).requires_grad}
-    for slot, value in kept.items():
-        for t in tensor_leaves(value) or ():
-            if (name := trained.get(id(_root(t)))) is not None:
-                path, _, key = slot.rpartition(":")
-                raise ValueError(
-                    f"Ensemble: the forward keeps the member's parameter `{name}` (or a view "
-                    f"of it) in `{key}` on {path or 'the module'}: alone that value goes on "
-                    "reading the parameter as the optimizer changes it, and the loss's "
-                    "gradient flows into it; inside the ensemble the next call would read "
-                    "this call's values, without their gradient. Read the parameter in the "
-                    f"forward where it is used (`self.get_parameter('{name}')`)"
-                )
 
 
 def keep_(
@@ -349,11 +329,10 @@ def _kept_slots(template: nn.Module, lent: bool = False) -> list[tuple[str, nn.M
     for (path, key), returned in _WHERE.get(template, {}).items():
         if not (returned or lent):
             continue
-        try:
-            module = template.get_submodule(path)
-        except AttributeError:  # a submodule deleted since
+        if (module := submodule(template, path)) is None:
             continue
-        if is_kept(value := module.__dict__.get(key)) or cleared(value):
+        value = module.__dict__.get(key)
+        if is_kept(value) or cleared(value) or rows_again(template, path, key, value):
             found.append((path, module, key, value))
     return found
 
@@ -363,7 +342,11 @@ def kept_rows(template: nn.Module, n: int, runner: nn.Module) -> dict[str, Any]:
     by ``"<module path>:<attribute>"``, mapped into the members (``call_noting``'s ``given``):
     a forward reading one back (a hidden state, a cache) and a ``loss_fn`` reading one the
     forward did not set again (an aux loss) read their member's rows."""
-    found = [] if runner is template else kept_on(template)  # the loop's: ``KeptTurns``
+    if runner is template:  # the loop's: ``KeptTurns``; an item set there is read as it is
+        found = []
+    else:
+        refuse_items_set(template)
+        found = kept_on(template)
     rows = {f"{path}:{k}": v for path, k, v in found if _stacked_rows(v) == n or cleared(v)}
     return as_mapped(runner, rows)
 

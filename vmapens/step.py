@@ -11,6 +11,7 @@ from ._chunks import chunk_bounds, chunked_losses_and_grads
 from ._compiled_step import compiled_step
 from ._fastcall import call_member
 from ._kept import call_noting, kept_rows
+from ._kept_edits import refuse_items_set
 from ._kept_loans import held_rows, loss_with_kept
 from ._kept_stacks import stack_turns
 from ._precision import LossScale
@@ -139,6 +140,7 @@ def make_step(
 
     def arguments(inputs: Any, targets: Any, mask: torch.Tensor | None) -> None:
         check_call(ens, optimizer, inputs, targets, mask, in_dims)  # before the probe too
+        refuse_items_set(ens.template)  # the step's kept_rows refuses it after the probe
 
     if compile:
         if not isinstance(optimizer, StackedOptimizer):
