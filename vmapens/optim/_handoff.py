@@ -334,6 +334,14 @@ def _check_state(
             f"{api}: the state of parameter {k} has {sorted(state)} but no `{missing[0]}`, "
             "which every step keeps: load a state dict this optimizer (or torch's) saved"
         )
+    if state and (uncounted := [name for name in counters if name not in state]):
+        # torch's SGD keeps a momentum buffer and no count: the step would take the loaded
+        # buffer for none and start it again from the gradient (silently, until session 47).
+        raise ValueError(
+            f"{api}: the state of parameter {k} has {sorted(state)} but no `{uncounted[0]}` "
+            f"(one count per member, [n={n}]), which every step keeps: load a state dict this "
+            "optimizer saved, not one of torch's (torch.optim.SGD keeps no count)"
+        )
     meta = torch.device("meta")
     args = group_args(options, opt.hyperparameters, meta, **opt._who) if names else {}
     for name, v in state.items():
