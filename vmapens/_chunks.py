@@ -16,6 +16,7 @@ from torch.nn.utils import parametrize
 from ._batch_edits import Versions, refuse_edited, shared_versions
 from ._buffer_turns import Slices, Turns
 from ._fastcall import vmap_members
+from ._generator_draws import generators_in
 from ._plain_turns import plain_turns
 from ._step_more import run_grad_hooks
 
@@ -81,13 +82,15 @@ _TORCH_SLOTS = frozenset(("_parameters", "_buffers", "_modules"))
 class Draws:
     """Where every random draw a turn can make starts: torch's global CPU generator, the
     current CUDA device's once CUDA is up, and each ``torch.Generator`` in the call's
-    arguments or held by one of ``runner``'s modules (``torch.randn(..., generator=g)``)."""
+    arguments or held by one of ``runner``'s modules (``torch.randn(..., generator=g)``),
+    one level into an object there too (a dataclass, a ``functools.partial``), as the
+    self-check finds them (``generators_in``; a generator in ``self.cfg.g`` went on from
+    where the turn before left it, silently, until session 47)."""
 
     def __init__(self, args: Any, runner: nn.Module | None) -> None:
-        found = [g for g in optree.tree_leaves(args) if isinstance(g, torch.Generator)]
+        found = generators_in(args)
         for module in () if runner is None else runner.modules():
-            held: Any = [v for k, v in vars(module).items() if k not in _TORCH_SLOTS]
-            found += [g for g in optree.tree_leaves(held) if isinstance(g, torch.Generator)]
+            found += generators_in([v for k, v in vars(module).items() if k not in _TORCH_SLOTS])
         self.generators = list({id(g): g for g in found}.values())
         self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         self.states = self.now()

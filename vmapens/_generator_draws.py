@@ -19,6 +19,7 @@ a function mode turns torch's own fast paths off (``nn.TransformerEncoder``'s ne
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import weakref
 from collections.abc import Callable
@@ -65,7 +66,7 @@ class GeneratorDraws(TorchFunctionMode):
 
 def generators_in(tree: Any) -> list[torch.Generator]:
     """The generators in ``tree``'s leaves, and one level into a leaf's fields (a dataclass
-    or another object holding the batch)."""
+    or another object holding the batch, a ``functools.partial``'s arguments)."""
     try:
         leaves: list[Any] = optree.tree_leaves(tree, none_is_leaf=True)  # type: ignore[arg-type]
     except (TypeError, ValueError, RuntimeError, RecursionError):  # keys optree cannot sort
@@ -75,7 +76,9 @@ def generators_in(tree: Any) -> list[torch.Generator]:
         if isinstance(leaf, torch.Generator):
             found.append(leaf)
             continue
-        fields = dict(getattr(leaf, "__dict__", None) or {})
+        fields: dict[Any, Any] = dict(getattr(leaf, "__dict__", None) or {})
+        if isinstance(leaf, functools.partial):  # `partial(torch.randn, generator=g)`
+            fields.update(enumerate(leaf.args), **leaf.keywords)
         if dataclasses.is_dataclass(leaf):  # slots=True: no __dict__
             fields.update((f.name, getattr(leaf, f.name, None)) for f in dataclasses.fields(leaf))
         found += [v for v in fields.values() if isinstance(v, torch.Generator)]
