@@ -332,7 +332,7 @@ def _check_state(
         # while the counts go on (torch's next step raises a KeyError).
         raise ValueError(
             f"{api}: the state of parameter {k} has {sorted(state)} but no `{missing[0]}`, "
-            "which every step keeps: load a state dict this optimizer (or torch's) saved"
+            "which every step keeps: load a state dict this optimizer saved"
         )
     if state and (uncounted := [name for name in counters if name not in state]):
         # torch's SGD keeps a momentum buffer and no count: the step would take the loaded
