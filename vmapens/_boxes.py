@@ -26,6 +26,7 @@ __all__ = [
     "LARGE",
     "MUTABLE",
     "PLAIN",
+    "Place",
     "Shot",
     "box_leaves",
     "cleared",
@@ -36,9 +37,11 @@ __all__ = [
     "is_kept",
     "keepable",
     "kept_again",
+    "place",
     "plain_leaves",
     "put_back",
     "rebuilt",
+    "rows_at",
     "shared",
     "snapshot",
     "tensor_leaves",
@@ -117,25 +120,37 @@ def kept_again(now: Any, before: Any) -> bool:
     if now is before or not is_kept(before) or (leaves := tensor_leaves(now)) is None:
         return False
     old = tensor_leaves(before) or []
-    if form(now) != form(before) or not all(map(_rows_of, leaves, old)):
+    if form(now) != form(before) or not all(rows_at(t, place(o)) for t, o in zip(leaves, old)):
         return False
     for t in leaves:
         setattr(t, KEPT_MARK, True)
     return True
 
 
-def _rows_of(t: torch.Tensor, stack: torch.Tensor) -> bool:
-    """Whether ``t`` is each member's rows as ``stack`` is: of its shape, or a view of it
-    with one row per member (``ens.template.h[:, :b]``, a last batch of ``b`` sequences)."""
-    if t.shape == stack.shape:
+#: ``place``: a stacked tensor's shape, row stride, storage offset, device and storage.
+Place = tuple[torch.Size, int, int, torch.device, int]
+
+
+def place(stack: torch.Tensor) -> Place:
+    """Where ``stack``'s rows lie, for ``rows_at`` (kept without holding the tensor)."""
+    stride = stack.stride(0) if stack.dim() else 0
+    ptr = stack.untyped_storage().data_ptr()
+    return (stack.shape, stride, int(stack.storage_offset()), stack.device, ptr)
+
+
+def rows_at(t: torch.Tensor, where: Place) -> bool:
+    """Whether ``t`` is each member's rows as the stack at ``where`` (``place``) is: of its
+    shape, or a view of it with one row per member (``ens.template.h[:, :b]``, a last batch of
+    ``b`` sequences)."""
+    shape, stride, offset, device, ptr = where
+    if t.shape == shape:
         return True
-    if t.dim() == 0 or t.shape[0] != stack.shape[0] or t.device != stack.device:
+    if t.dim() == 0 or t.shape[0] != shape[0] or t.device != device:
         return False
-    if t.untyped_storage().data_ptr() != stack.untyped_storage().data_ptr():
+    if t.untyped_storage().data_ptr() != ptr:
         return False
     # member i's rows start in the stack's row i: not `h[0]` or `h.T` (batch or width n)
-    offset = t.storage_offset() - stack.storage_offset()
-    return t.stride(0) == stack.stride(0) and 0 <= offset < max(stack.stride(0), 1)
+    return t.stride(0) == stride and 0 <= t.storage_offset() - offset < max(stride, 1)
 
 
 def form(value: Any) -> Any:

@@ -17,12 +17,12 @@ import torch
 from torch import nn
 from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
 
-from ._boxes import KEPT_MARK, cleared, form, is_kept, tensor_leaves
+from ._boxes import KEPT_MARK, cleared, form, is_kept, place, rows_at, tensor_leaves
 
 __all__ = ["note_box", "refuse_held_parameters", "refuse_items_set", "rows_again", "submodule"]
 
 #: The dicts and lists ``set_kept_`` put on each template, with where their tensors' rows lie
-#: (``_place``): ``rows_again`` tells an item set in place with each member's rows.
+#: (``place``): ``rows_again`` tells an item set in place with each member's rows.
 _BOXES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, str], tuple[Any, Any, list]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -31,19 +31,8 @@ _BOXES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, str], tuple[Any, An
 def note_box(template: nn.Module, path: str, key: str, value: Any) -> None:
     """Note ``value``, a dict or list ``set_kept_`` just set on the template's module ``path``
     as ``key``, with its tensors' places."""
-    places = [_place(t) for t in tensor_leaves(value) or ()]
+    places = [place(t) for t in tensor_leaves(value) or ()]
     _BOXES.setdefault(template, {})[path, key] = (value, form(value), places)
-
-
-def _place(t: torch.Tensor) -> tuple[Any, ...]:
-    """Where a kept tensor's rows lie: its shape, row stride, offset and (weakly) the tensor
-    its storage came with, for ``rows_again``."""
-    return (t.shape, t.stride(0) if t.dim() else 0, t.storage_offset(), weakref.ref(_own(t)))
-
-
-def _own(t: torch.Tensor) -> torch.Tensor:
-    """The tensor ``t`` views, or ``t``: every view of a view has the first one's ``_base``."""
-    return t if t._base is None else t._base
 
 
 def rows_again(template: nn.Module, path: str, key: str, value: Any) -> bool:
@@ -55,14 +44,8 @@ def rows_again(template: nn.Module, path: str, key: str, value: Any) -> bool:
     now = tensor_leaves(value) if box is value else None
     if now is None or form(value) != shape or len(now) != len(leaves):
         return False
-    for t, (size, stride, offset, base) in zip(now, leaves, strict=True):
-        if t.shape == size:
-            continue
-        # a view with a row per member starting in each member's row (as _boxes._rows_of)
-        if not t.dim() or t.shape[0] != size[0] or _own(t) is not base() or t.stride(0) != stride:
-            return False
-        if not 0 <= t.storage_offset() - offset < max(stride, 1):
-            return False
+    if not all(map(rows_at, now, leaves)):  # of the shape, or a view a row per member
+        return False
     for t in now:
         setattr(t, KEPT_MARK, True)
     return True
@@ -100,7 +83,7 @@ def _root(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor under ``t``'s functorch wrappers, or the one it views."""
     while is_functorch_wrapped_tensor(t):
         t = get_unwrapped(t)
-    return t if t._base is None else t._base
+    return t if t._base is None else t._base  # every view of a view has the first's _base
 
 
 def refuse_held_parameters(kept: dict[str, Any], state: dict[str, torch.Tensor]) -> None:

@@ -326,21 +326,18 @@ def _check_state(
     """Parameter ``k``'s state: counters ``[n]`` tensors, the rest as ``opt`` makes it (the
     shapes of its ``initial_state``, built on the meta device: no memory)."""
     n, counters, names = opt.num_members, opt.scalar_state(options), opt.state_names(options)
+    # A stepped parameter without one of its moments: the step would start it at zeros while
+    # the counts go on (torch's next step raises a KeyError). Without its counts: the step
+    # would take a loaded moment for none (torch's SGD keeps a momentum buffer and no count:
+    # the next step started each buffer again from the gradient, silently, until session 47).
     missing = [name for name in names if name not in state and name not in LAZY_STATE]
+    missing += [name for name in counters if name not in state]
     if state and missing:
-        # A stepped parameter without one of its moments: the step would start it at zeros
-        # while the counts go on (torch's next step raises a KeyError).
+        count = f" (one count per member, [n={n}])" if missing[0] in counters else ""
         raise ValueError(
-            f"{api}: the state of parameter {k} has {sorted(state)} but no `{missing[0]}`, "
-            "which every step keeps: load a state dict this optimizer saved"
-        )
-    if state and (uncounted := [name for name in counters if name not in state]):
-        # torch's SGD keeps a momentum buffer and no count: the step would take the loaded
-        # buffer for none and start it again from the gradient (silently, until session 47).
-        raise ValueError(
-            f"{api}: the state of parameter {k} has {sorted(state)} but no `{uncounted[0]}` "
-            f"(one count per member, [n={n}]), which every step keeps: load a state dict this "
-            "optimizer saved, not one of torch's (torch.optim.SGD keeps no count)"
+            f"{api}: the state of parameter {k} has {sorted(state)} but no `{missing[0]}`"
+            f"{count}, which every step keeps: load a state dict this optimizer saved (torch's "
+            "own optimizers keep one count for all members, or none)"
         )
     meta = torch.device("meta")
     args = group_args(options, opt.hyperparameters, meta, **opt._who) if names else {}
