@@ -18,7 +18,8 @@ from torch import Tensor, nn
 
 from .._checks import index_rows
 from .._cut_from import CUT_FROM
-from ._hyper import FREE_ON_LOAD, IMPLEMENTATION, group_args, params_of, pick_group, unnamed
+from ._flags import IMPLEMENTATION
+from ._hyper import FREE_ON_LOAD, group_args, params_of, pick_group, unnamed
 
 __all__ = ["check_state_dict", "copy_rows", "load_hooks", "member_state_dict", "select_parts"]
 

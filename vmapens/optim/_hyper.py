@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import numbers
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
@@ -31,11 +30,8 @@ __all__ = [
     "Params",
     "PerMember",
     "Scalar",
-    "IMPLEMENTATION",
     "check_hyper",
     "check_hypers",
-    "check_implementation",
-    "implementation_flags",
     "group_args",
     "local_values",
     "member_floats",
@@ -263,50 +259,6 @@ def pick_group(group: dict[str, Any], hypers: dict[str, Hyper], rows: list[int])
     for name, hyper in hypers.items():
         out[name] = tuple(pick(v) for v in group[name]) if hyper.pair else pick(group[name])
     return out
-
-
-#: torch's implementation flags: the values that change nothing here, and why the others would.
-IMPLEMENTATION: dict[str, tuple[tuple[bool | None, ...], str]] = {
-    "foreach": ((None, True, False), ""),
-    "fused": ((None, True, False), ""),
-    "capturable": (
-        (False,),
-        "the update reads step counts on the host for torch's fused kernels and rolls back "
-        "a failed step, which CUDA-graph capture cannot replay",
-    ),
-    "differentiable": (
-        (False,),
-        "the update runs in place under torch.no_grad (masks and rollback copy rows back), "
-        "so no autograd graph flows through a step",
-    ),
-}
-
-
-def implementation_flags(torch_class: type | None) -> tuple[str, ...]:
-    """The implementation flags ``torch_class``'s constructor takes (none without a twin)."""
-    if torch_class is None:
-        return ()
-    accepted = inspect.signature(torch_class).parameters
-    return tuple(flag for flag in IMPLEMENTATION if flag in accepted)
-
-
-def check_implementation(api: str, flags: tuple[str, ...], given: dict[str, Any]) -> None:
-    """Check torch's implementation flags in ``given`` (a group) against what ``flags`` allows.
-
-    Raises:
-        TypeError: a flag torch's twin does not take, or a value that is not a bool/None.
-        ValueError: a value that would change results (``differentiable=True``, ...).
-    """
-    for flag, value in given.items():
-        if flag not in flags:
-            raise TypeError(f"{api}: unexpected keyword argument `{flag}`")
-        allowed, why = IMPLEMENTATION[flag]
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(f"{api}: `{flag}` must be a bool or None, got {value!r}")
-        if value not in allowed:
-            raise ValueError(f"{api}: `{flag}={value}` is not supported: {why}")
-    if given.get("foreach") is True and given.get("fused") is True:
-        raise ValueError(f"{api}: `fused` and `foreach` cannot both be True (torch refuses it too)")
 
 
 def as_member_values(v: Any) -> Any:

@@ -23,16 +23,14 @@ from .._checks import check_mask
 from ._buckets import layout, share_counts
 from ._calls import rule_calls, run_calls
 from ._eager import EagerOptimizer, hooked_step
+from ._flags import IMPLEMENTATION, check_flags, check_implementation, implementation_flags
 from ._handoff import check_state_dict, copy_rows, load_hooks, member_state_dict, select_parts
 from ._hyper import (
     FREE_ON_LOAD,
-    IMPLEMENTATION,
     Hyper,
     check_grads,
     check_hypers,
-    check_implementation,
     group_args,
-    implementation_flags,
     leading_n,
     local_values,
     params_of,
@@ -181,6 +179,7 @@ class StackedOptimizer(EagerOptimizer):
     def _normalise(self, group: dict[str, Any], free: tuple[str, ...] = ()) -> None:
         flags = {k: v for k, v in group.items() if k in IMPLEMENTATION}
         check_implementation(self._api, implementation_flags(type(self).torch_class), flags)
+        check_flags(self._api, group, type(self), self.hyperparameters)
         local = functools.partial(local_values, block=self._block, n_total=self._n_total)
         check_hypers(self._api, group, self.hyperparameters, self.num_members, local, free)
 
