@@ -1,8 +1,9 @@
 """Session 47 hunt (d): members run in turns (``backend="loop"``, ``chunk_size``) with
 stateful members, against each member trained alone with ``torch.optim`` (float64).
 
-The bug (strict xfail, open): with ``backend="loop"``, the backend docs/semantics.md sends every forward with
-data-dependent control flow to ("the same API and results"), a member whose branch does not
+The bug (fixed in session 48, ``vmapens/_member_reach.py``): with ``backend="loop"``, the
+backend docs/semantics.md sends every forward with data-dependent control flow to ("the same
+API and results"), a member whose branch does not
 read a parameter gets a zero row in that parameter's stacked gradient, where alone its
 ``.grad`` stays ``None`` and ``torch.optim`` skips the parameter. So weight decay, momentum
 and Adam's moments move the parameter the member never used, silently: 0.017 off after 3
@@ -80,17 +81,6 @@ def _gated() -> tuple[vmapens.Ensemble, list[nn.Module]]:
     return ens, [copy.deepcopy(m) for m in members]
 
 
-LOOP_UNUSED = pytest.mark.xfail(
-    strict=True,
-    reason="backend='loop': a parameter one member's branch does not read gets a zero row in "
-    "the stacked gradient, where alone its .grad stays None and torch.optim skips it; weight "
-    "decay, momentum and Adam's moments then move it (0.011-0.12 off after 3 steps), silently "
-    "(the self-check runs member 0 only). Needs per-member, per-parameter skips in the "
-    "stacked optimizers (open, session 47)",
-)
-
-
-@LOOP_UNUSED
 def test_loop_member_that_skips_a_head_leaves_it_as_alone_in_make_step() -> None:
     """Member 1 never reads head `a`, members 0 and 2 never read head `b`: alone, that
     head's `.grad` is None and SGD leaves it as built. Here its rows get zero gradients and
@@ -112,7 +102,6 @@ def test_loop_member_that_skips_a_head_leaves_it_as_alone_in_make_step() -> None
     _assert_as_alone(ens, alone)
 
 
-@LOOP_UNUSED
 def test_loop_member_that_skips_a_head_leaves_it_as_alone_in_a_hand_written_loop() -> None:
     """The README's loop over `ens(x)` with a stacked optimizer, `backend="loop"`."""
     ens, alone = _gated()
@@ -131,7 +120,6 @@ def test_loop_member_that_skips_a_head_leaves_it_as_alone_in_a_hand_written_loop
     _assert_as_alone(ens, alone)
 
 
-@LOOP_UNUSED
 @pytest.mark.parametrize(
     ("name", "hyper"),
     [("Adam", dict(lr=0.1)), ("SGD", dict(lr=0.1, momentum=0.9))],

@@ -23,8 +23,8 @@ class Miscompiled(vmapens.StackedSGD):
     """StackedSGD whose update, traced by torch.compile, adds 1e-3 to member 2's weight: what
     a wrong kernel would do, and only under compile."""
 
-    def _update(self, grads, mask):
-        super()._update(grads, mask)
+    def _update(self, grads, mask, *rest):
+        super()._update(grads, mask, *rest)
         if torch.compiler.is_compiling():
             weight = self.param_groups[0]["params"][0]
             weight[2].add_(1e-3)

@@ -16,6 +16,7 @@ from ._chunks import Draws, in_order, in_turns, uncache, uncached, vmap_in_turns
 from ._fastcall import forget_writes, no_random_ops, vmap_members
 from ._kept import KeptTurns
 from ._linalg_failure import FAILED_MEMBER
+from ._member_reach import watch
 from ._precision import autocast_members
 
 __all__ = ["looped", "vmapped"]
@@ -30,10 +31,13 @@ def looped(
     a member edited a buffer in place, the next ones get copies of theirs (``Turns``). Each
     member starts from the plain values ``runner`` (the module ``fn`` runs) held before the
     call (``_plain_turns``), and with its own row of each tensor the forwards kept, stacked
-    there (``KeptTurns``)."""
+    there (``KeptTurns``). A backward notes which members' rows of each stacked parameter it
+    reached (``_member_reach``): alone, a member that never read one leaves its ``.grad``
+    None."""
 
-    def looped(state: dict[str, torch.Tensor], *args: Any) -> Any:
+    def looped(stacked: dict[str, torch.Tensor], *args: Any) -> Any:
         forget_writes()
+        state = stacked
         shared = shared_versions(args, in_dims) if n > 1 else []
         turns, slices = Turns(state, n > 1), Slices(args, in_dims, n > 1)
         outputs, kept = [], KeptTurns(runner, n)  # each member its own row of a kept stack
@@ -55,6 +59,8 @@ def looped(
                     except torch.linalg.LinAlgError as err:
                         setattr(err, FAILED_MEMBER, i)  # the message names the member
                         raise
+                if n > 1 and torch.is_grad_enabled():  # after: an in-place edit of a row
+                    watch(stacked, state, i, n)  # (max_norm) gives it a new autograd node
                 turns.give_back(i)
                 slices.give_back()
         finally:

@@ -23,14 +23,14 @@ __all__ = ["Rule", "Snapshot", "keep_masked_", "step_one", "tensors_of"]
 Rule = Callable[[list[Tensor], list[Tensor], dict[str, Any], dict[str, Any]], None]
 
 
-def keep_masked_(tensors: list[Tensor], old: list[Tensor], mask: Tensor) -> None:
+def keep_masked_(tensors: list[Tensor], old: list[Tensor], mask: Tensor | list[Tensor]) -> None:
     """Members where ``mask`` is False get their ``old`` rows back in every tensor.
 
     Args:
         tensors: Stacked tensors ``[n, ...]`` (or per-member ``[n]`` counters), updated in place.
         old: Their values before the update, in the same order.
         mask: Bool ``[n]``: the members that keep their new values, on any device (a CPU
-            mask for CUDA parameters, as ``torch.tensor([...])`` makes it).
+            mask for CUDA parameters, as ``torch.tensor([...])`` makes it); or one per tensor.
 
     The update has written by now, so this must not leave it half kept: every row is computed
     before the first copy, and a failure (a mask that cannot reach the tensors' device, an
@@ -38,10 +38,11 @@ def keep_masked_(tensors: list[Tensor], old: list[Tensor], mask: Tensor) -> None
     """
     if not tensors:  # nothing stepped (no parameter had a gradient)
         return
+    masks = [mask] * len(tensors) if isinstance(mask, Tensor) else mask
     try:
         kept = [
-            torch.where(column(mask.to(t.device), t), t, before)
-            for t, before in zip(tensors, old, strict=True)
+            torch.where(column(m.to(t.device), t), t, before)
+            for t, before, m in zip(tensors, old, masks, strict=True)
         ]
         torch._foreach_copy_(tensors, kept)
     except BaseException:

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_mask
+from .._member_reach import hold, reached
 from ._buckets import layout, share_counts
 from ._calls import rule_calls, run_calls
 from ._eager import EagerOptimizer, hooked_step
@@ -199,6 +200,7 @@ class StackedOptimizer(EagerOptimizer):
         check_complex(self._api, unnamed(group["params"]), type(self).elementwise)
         self._normalise(group)
         super().add_param_group(group)
+        hold(group["params"])  # steps only the members whose rows a backward reached
         self._ready.append(None)
 
     # -- state ---------------------------------------------------------------------------------
@@ -274,13 +276,18 @@ class StackedOptimizer(EagerOptimizer):
 
     # -- stepping ------------------------------------------------------------------------------
 
-    def _update(self, grads: Sequence[Tensor | None], mask: Tensor | None) -> None:
+    def _update(
+        self,
+        grads: Sequence[Tensor | None],
+        mask: Tensor | None,
+        reached: Sequence[Tensor | None] = (),
+    ) -> None:
         self.prepare()
-        calls = rule_calls(self, grads, mask)
+        calls = rule_calls(self, grads, mask, reached)
         own = type(self).rule if type(self).update_ is StackedOptimizer.update_ else None
         try:
             with torch.no_grad():  # a failed step changes nothing, masked members keep theirs
-                run_calls(self.update_, own, calls, mask, self._snapshot, self._layouts)
+                run_calls(self.update_, own, calls, self._snapshot, self._layouts)
         except RuntimeError:  # NotImplementedError too
             check_dense(self._who["api"], grads)  # a sparse gradient: say so
             raise
@@ -311,7 +318,11 @@ class StackedOptimizer(EagerOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._update([_own_grad(p) for g in self.param_groups for p in g["params"]], mask)
+        params = [p for g in self.param_groups for p in g["params"]]
+        # backend="loop": a member whose forward never read p steps no row of it, as alone
+        # (not in a graph of your own: dynamo cannot trace the weak dict that says it)
+        rows = [] if torch.compiler.is_compiling() else [reached(p) for p in params]
+        self._update([_own_grad(p) for p in params], mask, rows)
         return loss
 
     def apply_gradients(self, grads: Sequence[Tensor | None], mask: Tensor | None = None) -> None:
