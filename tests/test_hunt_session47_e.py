@@ -90,9 +90,11 @@ def pair(factory: Callable[[], nn.Module], **options) -> tuple[vmapens.Ensemble,
 # docs/semantics.md: a loss given to per_member after ens(x) reads each member's own rows of
 # what the forward kept on the template (ens.template.aux). Inside a user's own torch.func
 # transform (vmap over several data sets, grad in the input) the kept tensors are wrapped one
-# level deeper than the ensemble's vmap: vmapens/_kept_stacks.py:_rows returns None for them,
-# stack_turns drops the name, and the template keeps what it held before (``__init__``'s 0,
-# or the last plain call's stack), so the loss reads a stale value, silently.
+# level deeper than the ensemble's vmap: until session 48 vmapens/_kept_stacks.py:_rows
+# returned None for them, stack_turns dropped the name, and the template kept what it held
+# before (``__init__``'s 0, or the last plain call's stack), so the loss read a stale value,
+# silently (up to 1.02 off; with loop a [2, 3, 6] result). Fixed: a tensor of a transform
+# still running is each member's value there.
 
 
 def aux_loss(ens: vmapens.Ensemble, y: torch.Tensor) -> Callable:
@@ -103,14 +105,6 @@ def alone_loss(m: nn.Module, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(m(z), y) + m.aux
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a loss reading what the forward kept, inside the user's own torch.func transform "
-    "around ens(x) (vmap over data sets, grad in the input, jvp, jacrev): the kept tensors are "
-    "still wrapped by the user's level after the ensemble's is unwrapped, so they are not "
-    "stacked and the template keeps __init__'s or the last plain call's value: the loss reads "
-    "that (up to 1.02 off; with loop a [2, 3, 6] result), silently (open, session 47)",
-)
 @pytest.mark.parametrize("options", OPTIONS, ids=str)
 def test_a_loss_reading_a_kept_aux_loss_under_the_users_vmap_over_data_sets(options) -> None:
     ens, members = pair(AuxPenalty, **options)
@@ -121,14 +115,6 @@ def test_a_loss_reading_a_kept_aux_loss_under_the_users_vmap_over_data_sets(opti
     torch.testing.assert_close(got, alone, **TOL)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a loss reading what the forward kept, inside the user's own torch.func transform "
-    "around ens(x) (vmap over data sets, grad in the input, jvp, jacrev): the kept tensors are "
-    "still wrapped by the user's level after the ensemble's is unwrapped, so they are not "
-    "stacked and the template keeps __init__'s or the last plain call's value: the loss reads "
-    "that (up to 1.02 off; with loop a [2, 3, 6] result), silently (open, session 47)",
-)
 @pytest.mark.parametrize("options", OPTIONS, ids=str)
 def test_the_input_gradient_of_a_loss_reading_a_kept_aux_loss_under_torch_func_grad(
     options,

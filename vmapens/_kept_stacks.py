@@ -17,7 +17,9 @@ from torch._C._functorch import (
     get_unwrapped,
     is_batchedtensor,
     is_functorch_wrapped_tensor,
+    maybe_current_level,
     maybe_get_bdim,
+    maybe_get_level,
 )
 
 from ._boxes import form, plain_leaves, rebuilt, tensor_leaves
@@ -35,11 +37,25 @@ def turn_rows(state: dict[str, torch.Tensor]) -> int:
 
 def _rows(t: torch.Tensor, rows: int) -> torch.Tensor | None:
     """A turn's kept tensor as ``[rows, ...]``: a batched one (dead after the call) unwrapped,
-    with its graph; one the members share (made without their tensors), one per member."""
-    if not is_batchedtensor(t):
-        return None if is_functorch_wrapped_tensor(t) else t.expand(rows, *t.shape)
-    value = get_unwrapped(t)
-    return None if is_functorch_wrapped_tensor(value) else value.movedim(maybe_get_bdim(t), 0)
+    with its graph; one the members share (made without their tensors), one per member. Read
+    after the ensemble's vmap ended, inside a torch.func transform of the caller's own (a vmap
+    over data sets, a grad in the input) or none: a tensor wrapped by that one is alive, and
+    each member's value there (dropped until session 48: the template kept a stale value)."""
+    if is_batchedtensor(t) and not _alive(t):  # batched by the ensemble's vmap
+        value = get_unwrapped(t)
+        return None if _dead(value) else value.movedim(maybe_get_bdim(t), 0)
+    return None if _dead(t) else t.expand(rows, *t.shape)
+
+
+def _alive(t: torch.Tensor) -> bool:
+    """Whether functorch-wrapped ``t`` belongs to a transform still running."""
+    current = maybe_current_level()
+    return current is not None and maybe_get_level(t) <= current
+
+
+def _dead(t: torch.Tensor) -> bool:
+    """Whether ``t`` is wrapped by a transform that has ended (one inside the forward)."""
+    return is_functorch_wrapped_tensor(t) and not _alive(t)
 
 
 def _stacked(values: list[Any], name: str) -> Any:
