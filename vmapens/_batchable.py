@@ -53,7 +53,7 @@ from torch.nn.utils.parametrizations import _SpectralNorm, _WeightNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
 from ._copies import copy_member
-from ._encoder_twin import BatchableTransformerEncoder
+from ._encoder_twin import BatchableTransformerEncoder, BatchableTransformerEncoderLayer
 from ._layout_twins import (
     BatchableAlphaDropout,
     BatchableDropout,
@@ -179,7 +179,8 @@ class _Twin:
         return (_rebuilt, (self._twin_of,), *reduced[2:])
 
 
-#: The twins made for subclasses (BatchNorm's, nn.TransformerEncoder's), by the user's class.
+#: The twins made for subclasses (BatchNorm's, nn.TransformerEncoder's and its layer's), by the
+#: user's class.
 _TWINS: dict[type, type[nn.Module]] = {}
 
 
@@ -187,12 +188,14 @@ def _subclass_twin(cls: type) -> type[nn.Module]:
     """``cls`` with its twin's ``forward`` where it reaches it, one class per ``cls``.
 
     A subclass of one of ``_CUMULATIVE``: the twin's forward first where ``cls`` keeps torch's
-    ``forward``, else ``_Refused``'s. A subclass of ``nn.TransformerEncoder``: ``cls`` first,
-    so its own ``forward`` runs and reaches the twin's through ``super()``, as it reaches
-    torch's alone (one without runs the twin's)."""
+    ``forward``, else ``_Refused``'s. A subclass of ``nn.TransformerEncoder`` or of its layer:
+    ``cls`` first, so its own ``forward`` runs and reaches the twin's through ``super()``, as
+    it reaches torch's alone (one without runs the twin's)."""
     if cls not in _TWINS:
         if issubclass(cls, nn.TransformerEncoder):
             bases: tuple[type, ...] = (_Twin, cls, BatchableTransformerEncoder)
+        elif issubclass(cls, nn.TransformerEncoderLayer):
+            bases = (_Twin, cls, BatchableTransformerEncoderLayer)
         else:
             base = next(b for b in cls.__mro__ if b in _CUMULATIVE)
             own = cls.forward is not base.forward  # type: ignore[attr-defined]
@@ -261,6 +264,12 @@ _CUMULATIVE: dict[type, type] = {
     nn.SyncBatchNorm: BatchableSyncBatchNorm,
 }
 
+#: Layers whose subclasses get a twin too, with the user's class first (``_subclass_twin``).
+_ENCODERS: dict[type, type] = {
+    nn.TransformerEncoder: BatchableTransformerEncoder,
+    nn.TransformerEncoderLayer: BatchableTransformerEncoderLayer,
+}
+
 #: Forward pre-hooks re-classed in place: the module's state_dict hooks hold the same object.
 _BATCHABLE_HOOKS: dict[type, type] = {
     SpectralNorm: BatchableSpectralNormHook,
@@ -278,9 +287,10 @@ def _plain_twin(module: nn.Module, cls: type) -> type:
     """The twin of ``cls``, ``module``'s class or the one below its parametrization."""
     if getattr(module, "momentum", 0.1) is None and issubclass(cls, tuple(_CUMULATIVE)):
         return _CUMULATIVE.get(cls) or _subclass_twin(cls)
-    if issubclass(cls, nn.TransformerEncoder) and not issubclass(cls, BatchableTransformerEncoder):
-        # subclasses too: their forward reaches the twin's
-        return BatchableTransformerEncoder if cls is nn.TransformerEncoder else _subclass_twin(cls)
+    for torch_cls, twin in _ENCODERS.items():
+        if issubclass(cls, torch_cls) and not issubclass(cls, twin):
+            # subclasses too: their forward reaches the twin's
+            return twin if cls is torch_cls else _subclass_twin(cls)
     return _BATCHABLE.get(cls, cls)
 
 
