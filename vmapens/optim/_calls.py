@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ._buckets import buckets
+from ._flags import check_flags
 from ._fused import in_one_kernel, make_held, writes_held
 from ._hyper import group_args
 from ._keep import Rule, Snapshot, keep_masked_, tensors_of
@@ -49,6 +50,8 @@ def rule_calls(
     calls: list[Call] = []
     start, compiling = 0, torch.compiler.is_compiling()
     for index, group in enumerate(opt.param_groups):
+        if not compiling:  # a flag set by hand since (the compiled step checked it eagerly)
+            check_flags(opt._who["api"], group, type(opt), opt.hyperparameters)
         params, counters = group["params"], tuple(opt.scalar_state(group))
         states, end = [opt.state[p] for p in params], start + len(params)
         rows: list[Tensor | None] = list(reached[start:end]) if reached else [None] * len(params)

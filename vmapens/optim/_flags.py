@@ -5,6 +5,7 @@ Moved out of ``_hyper.py`` (per-member hyperparameters) at its size cap."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Collection
 from typing import Any
@@ -34,18 +35,28 @@ def check_flags(api: str, group: dict[str, Any], cls: type, hypers: Collection[s
     ``maximize``, ...) must be bools in ``group``: the rules read them as one truthy value,
     so ``nesterov=[False, True]`` ran every member with Nesterov momentum, silently.
 
+    Checked when a group is built or loaded and before every step (a value set by hand in
+    ``param_groups``), before anything is written.
+
     Raises:
         TypeError: such an option given as another value (a list, a tensor, ...).
     """
-    for name, param in inspect.signature(cls).parameters.items():
+    for name in _bool_options(cls):
         value = group.get(name)
-        if isinstance(param.default, bool) and name in group and not isinstance(value, bool):
+        if name in group and not isinstance(value, bool):
             raise TypeError(
                 f"{api}: `{name}` must be a bool, got {value!r}: a flag is one value for "
                 "every member of a param group, not one per member (per-member "
                 f"hyperparameters: {sorted(hypers)}); train the members that differ in it "
                 "as separate ensembles"
             )
+
+
+@functools.cache
+def _bool_options(cls: type) -> tuple[str, ...]:
+    """The options of ``cls``'s constructor whose default is a bool."""
+    params = inspect.signature(cls).parameters.values()
+    return tuple(p.name for p in params if isinstance(p.default, bool))
 
 
 def implementation_flags(torch_class: type | None) -> tuple[str, ...]:

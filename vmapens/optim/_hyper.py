@@ -60,7 +60,8 @@ class Hyper:
     """A per-member hyperparameter: its torch error wording, rule and check.
 
     ``pair=True`` for a tuple of two values such as Adam's ``betas``; ``tensor=True`` where
-    torch keeps a 0-d tensor as it is and computes with it in its dtype (``lr``).
+    torch keeps a 0-d tensor as it is and computes with it in its dtype (``lr``);
+    ``none_first=True`` where a pair's first may be None (Adafactor's ``eps``).
     """
 
     what: str
@@ -68,6 +69,7 @@ class Hyper:
     ok: Callable[[float], bool]
     pair: bool = False
     tensor: bool = False
+    none_first: bool = False
 
 
 def nonnegative(what: str, tensor: bool = False) -> Hyper:
@@ -198,11 +200,11 @@ def group_args(
 
     Raises:
         TypeError: a value set in ``group`` after construction (a schedule's edit) is not a
-            float, a tensor or ``MemberValues`` (a list of per-member values, say).
+            float, a tensor or ``MemberValues`` (a list of per-member values, None, a bool).
         ValueError: ``MemberValues`` that are not one per member.
     """
 
-    def arg(name: str, v: Any) -> Any:
+    def arg(name: str, v: Any, none: bool = False) -> Any:
         v = as_member_values(v)
         if isinstance(v, MemberValues):
             if len(v) != n:
@@ -213,8 +215,8 @@ def group_args(
             return v.tensor.to(device)
         if isinstance(v, Tensor):
             return v.to(device)
-        if v is None or isinstance(v, (int, float)):  # None: Adafactor's eps
-            return v
+        if (v is None and none) or (isinstance(v, (int, float)) and not isinstance(v, bool)):
+            return v  # None: Adafactor's eps[0]
         if isinstance(v, numbers.Real):  # np.float32, set by a schedule of the user's own
             return float(v)
         raise TypeError(
@@ -229,7 +231,9 @@ def group_args(
             value = _as_pair(value, n)
             if not isinstance(value, (tuple, list)) or len(value) != 2:
                 raise TypeError(f"{api}: param group `{name}` must be a pair, got {value!r}")
-            out[name] = tuple(arg(f"{name}[{j}]", v) for j, v in enumerate(value))
+            out[name] = tuple(
+                arg(f"{name}[{j}]", v, hyper.none_first and j == 0) for j, v in enumerate(value)
+            )
         else:
             out[name] = arg(name, value)
     return out

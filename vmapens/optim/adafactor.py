@@ -172,7 +172,7 @@ class StackedAdafactor(StackedOptimizer):
     hyperparameters: ClassVar[dict[str, Hyper]] = {
         "lr": LR,
         "beta2_decay": Hyper("beta2_decay value", "<= 0", lambda v: v <= 0),
-        "eps": Hyper("epsilon value", ">= 0", NONNEGATIVE.ok, pair=True),
+        "eps": Hyper("epsilon value", ">= 0", NONNEGATIVE.ok, pair=True, none_first=True),
         "d": Hyper("clipping threshold d", ">= 1", lambda v: v >= 1),
         "weight_decay": Hyper("weight_decay value", ">= 0", NONNEGATIVE.ok),
     }
