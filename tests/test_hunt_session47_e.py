@@ -190,14 +190,8 @@ def test_autograd_functional_jacobian_and_hvp_of_the_ensemble_are_the_members(op
 # A vectorized backward (torch's jacobian(vectorize=True), autograd.grad(is_grads_batched=True))
 # vmaps the backward of the ensemble's fused LSTM node (vmapens/_lstm_fused.py:
 # _Recurrence.backward), whose out= ops have no batching rule: "Batching rule not implemented
-# for aten::mul.out" where nn.LSTM alone runs (loud, not silent).
-@pytest.mark.xfail(
-    strict=True,
-    reason="a vectorized backward through the eager LSTM node (torch.autograd.functional."
-    "jacobian(vectorize=True), autograd.grad(is_grads_batched=True)) fails: its backward writes "
-    "with out= ops vmap cannot batch ('Batching rule not implemented for aten::mul.out'); "
-    "torch's raw error, no hint (loud; open, session 47)",
-)
+# for aten::mul.out" where nn.LSTM alone runs (loud; a strict xfail until session 48, when
+# such a backward took the node's differentiable path).
 @pytest.mark.parametrize("options", [{}, {"chunk_size": 2}], ids=str)
 def test_a_vectorized_jacobian_of_an_lstm_ensemble_runs_as_alone(options) -> None:
     ens, members = pair(Lstm, **options)

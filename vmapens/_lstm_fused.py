@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._C._functorch import is_legacy_batchedtensor
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.autograd.forward_ad import unpack_dual
 
@@ -192,7 +193,11 @@ class _Recurrence(torch.autograd.Function):
     ) -> Any:
         x, w_ih, bias, w_hh_t, h0, c0, xh, weight, gates, cs, tanh_c = ctx.saved_tensors
         need = ctx.needs_input_grad[:6]
-        if torch.is_grad_enabled():  # create_graph=True: a graph for a gradient of gradients
+        batched = any(is_legacy_batchedtensor(d) for d in (d_out, d_c_last) if d is not None)
+        # create_graph=True (a graph for a gradient of gradients), or gradients batched by
+        # torch's legacy vmap (jacobian(vectorize=True), is_grads_batched), which cannot batch
+        # the out= writes below: the same maths recomputed in differentiable ops
+        if torch.is_grad_enabled() or batched:
             inputs = (x, w_ih, bias, w_hh_t, h0, c0)
             return (*_twice(need, inputs, ctx.reverse, (d_out, d_c_last)), None)
         steps, m, batch, four = gates.shape
