@@ -19,6 +19,7 @@ from typing import Any
 
 import optree
 import torch
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 __all__ = [
     "BOXES",
@@ -128,14 +129,19 @@ def kept_again(now: Any, before: Any) -> bool:
 
 
 #: ``place``: a stacked tensor's shape, row stride, storage offset, device and storage.
-Place = tuple[torch.Size, int, int, torch.device, int]
+Place = tuple[torch.Size, int, int, torch.device, int | None]
 
 
 def place(stack: torch.Tensor) -> Place:
     """Where ``stack``'s rows lie, for ``rows_at`` (kept without holding the tensor)."""
     stride = stack.stride(0) if stack.dim() else 0
-    ptr = stack.untyped_storage().data_ptr()
-    return (stack.shape, stride, int(stack.storage_offset()), stack.device, ptr)
+    return (stack.shape, stride, int(stack.storage_offset()), stack.device, _storage(stack))
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """``t``'s storage's address; None for a tensor a torch.func transform wraps (kept
+    inside a transform of the caller's own), which has none to read."""
+    return None if is_functorch_wrapped_tensor(t) else t.untyped_storage().data_ptr()
 
 
 def rows_at(t: torch.Tensor, where: Place) -> bool:
@@ -147,7 +153,7 @@ def rows_at(t: torch.Tensor, where: Place) -> bool:
         return True
     if t.dim() == 0 or t.shape[0] != shape[0] or t.device != device:
         return False
-    if t.untyped_storage().data_ptr() != ptr:
+    if ptr is None or _storage(t) != ptr:
         return False
     # member i's rows start in the stack's row i: not `h[0]` or `h.T` (batch or width n)
     return t.stride(0) == stride and 0 <= t.storage_offset() - offset < max(stride, 1)

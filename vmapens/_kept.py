@@ -45,7 +45,7 @@ from ._kept_edits import (
     rows_again,
     submodule,
 )
-from ._kept_stacks import stack_turns, turn_rows
+from ._kept_stacks import dead, revived, stack_turns, turn_rows
 from ._plain_turns import INTERNAL
 from ._stacking import recomputed
 
@@ -83,8 +83,13 @@ def map_kept(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
 
 
 def _stacked_rows(value: Any) -> int | None:
-    """How many rows each tensor of a kept value has (one count for all), else None."""
-    sizes = {t.shape[0] if t.dim() else None for t in tensor_leaves(value) or ()}
+    """How many rows each tensor of a kept value has (one count for all), else None: None too
+    for one kept under a torch.func transform of the caller's own that has ended (dead there,
+    not handed back: the next forward sets it anew, or reads it and fails, as alone)."""
+    leaves = tensor_leaves(value) or ()
+    if any(dead(t) for t in leaves):
+        return None
+    sizes = {t.shape[0] if t.dim() else None for t in leaves}
     return sizes.pop() if len(sizes) == 1 else None
 
 
@@ -333,6 +338,8 @@ def _kept_slots(template: nn.Module, lent: bool = False) -> list[tuple[str, nn.M
             continue
         value = module.__dict__.get(key)
         if is_kept(value) or cleared(value) or rows_again(template, path, key, value):
+            if (alive := revived(value)) is not value:  # kept under a grad that has ended
+                module.__dict__[key] = value = alive
             found.append((path, module, key, value))
     return found
 

@@ -17,14 +17,15 @@ from torch._C._functorch import (
     get_unwrapped,
     is_batchedtensor,
     is_functorch_wrapped_tensor,
+    is_gradtrackingtensor,
     maybe_current_level,
     maybe_get_bdim,
     maybe_get_level,
 )
 
-from ._boxes import form, plain_leaves, rebuilt, tensor_leaves
+from ._boxes import KEPT_MARK, form, plain_leaves, rebuilt, tensor_leaves
 
-__all__ = ["stack_turns", "turn_rows"]
+__all__ = ["dead", "revived", "stack_turns", "turn_rows"]
 
 
 def turn_rows(state: dict[str, torch.Tensor]) -> int:
@@ -43,8 +44,8 @@ def _rows(t: torch.Tensor, rows: int) -> torch.Tensor | None:
     each member's value there (dropped until session 48: the template kept a stale value)."""
     if is_batchedtensor(t) and not _alive(t):  # batched by the ensemble's vmap
         value = get_unwrapped(t)
-        return None if _dead(value) else value.movedim(maybe_get_bdim(t), 0)
-    return None if _dead(t) else t.expand(rows, *t.shape)
+        return None if dead(value) else value.movedim(maybe_get_bdim(t), 0)
+    return None if dead(t) else t.expand(rows, *t.shape)
 
 
 def _alive(t: torch.Tensor) -> bool:
@@ -53,7 +54,28 @@ def _alive(t: torch.Tensor) -> bool:
     return current is not None and maybe_get_level(t) <= current
 
 
-def _dead(t: torch.Tensor) -> bool:
+def revived(value: Any) -> Any:
+    """``value`` (a kept stack) with each tensor a grad transform of the caller's own wrapped
+    and that has ended (``torch.func.grad`` in the input around ``ens(x)``) unwrapped, marked
+    as the stack was: alone such a tensor computes as what it wraps. ``value`` itself where
+    none is (a tensor of an ended ``vmap`` stays: dead, ``_kept._stacked_rows`` hands it out
+    no more)."""
+    leaves = tensor_leaves(value)
+    if not leaves or not any(dead(t) for t in leaves):
+        return value
+    out = []
+    for t in leaves:
+        while dead(t) and is_gradtrackingtensor(t):
+            t = get_unwrapped(t)
+        out.append(t)
+    if any(dead(t) for t in out):
+        return value
+    for t in out:
+        setattr(t, KEPT_MARK, True)
+    return rebuilt(value, out)
+
+
+def dead(t: torch.Tensor) -> bool:
     """Whether ``t`` is wrapped by a transform that has ended (one inside the forward)."""
     return is_functorch_wrapped_tensor(t) and not _alive(t)
 
