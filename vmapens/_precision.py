@@ -195,6 +195,11 @@ _NO_BATCH_RULE = frozenset({"scaled_dot_product_attention"})
 # reaches. vmap decomposes them into the same products; autocast on around them casts those.
 _COMPOSITES = frozenset({"bilinear", "einsum", "inner", "tensordot"})
 _COMPOSITES |= frozenset({"linalg_matmul", "linalg_multi_dot"})
+# Found in session 48 (tests/test_hunt_session48_h.py): affine_grid's generator calls bmm,
+# cov / corrcoef / matrix_power / pinv call mm or matmul, and pad's reflect and replicate
+# modes call reflection_pad / replication_pad (autocast's float32 list): each flipped a dtype.
+_COMPOSITES |= frozenset({"affine_grid_generator", "cov", "corrcoef", "pad", "pinverse"})
+_COMPOSITES |= frozenset({"matrix_power", "linalg_matrix_power", "linalg_pinv"})
 _redispatch = getattr(torch.overrides, "redispatch_function", None)
 
 
