@@ -55,11 +55,11 @@ def _alive(t: torch.Tensor) -> bool:
 
 
 def revived(value: Any) -> Any:
-    """``value`` (a kept stack) with each tensor a grad transform of the caller's own wrapped
-    and that has ended (``torch.func.grad`` in the input around ``ens(x)``) unwrapped, marked
-    as the stack was: alone such a tensor computes as what it wraps. ``value`` itself where
-    none is (a tensor of an ended ``vmap`` stays: dead, ``_kept._stacked_rows`` hands it out
-    no more)."""
+    """``value`` (a kept stack) with each tensor that a grad transform of the caller's own
+    wrapped (``torch.func.grad`` in the input around ``ens(x)``) unwrapped once that transform
+    has ended, marked as the stack was: alone such a tensor computes as what it wraps.
+    ``value`` itself where there is none, or where an ended ``vmap`` wrapped one (dead:
+    ``_kept._stacked_rows`` hands it out no more)."""
     leaves = tensor_leaves(value)
     if not leaves or not any(dead(t) for t in leaves):
         return value
