@@ -8,9 +8,10 @@ member ... is no longer stepped by the schedulers"), and Lightning's ``min_epoch
 iteration-based validation (``val_check_interval=int``) must act on each member as on the
 plain module.
 
-Four silent differences found (strict xfails, open at the end of session 48: no time left to
-fix them with their tests; the Lightning path only): a stopped member's rate under the
-plateau and under StepLR, min_epochs, and the plateau with iteration-based validation.
+Four silent differences found, the Lightning path only. Fixed in session 48: a stopped
+member's rate under the plateau (now stepped with the running members' mask) and under StepLR
+(its values kept, as fit's callback keeps them). Strict xfails, open: min_epochs, and the
+plateau with iteration-based validation.
 """
 
 from __future__ import annotations
@@ -130,10 +131,6 @@ def compare(
 # -- bugs ------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vmapens/lightning.py:on_validation_epoch_end steps vmapens.optim.ReduceLROnPlateau without the stopped members' mask: a member stopped by patience goes on being lowered (0.175 where alone 0.7; weights equal), silently (open, session 48)",
-)
 def test_a_stopped_members_plateau_rate_stays_where_it_stopped_as_alone():
     # Member 0 (lr 1.4) diverges and stops at epoch 1; alone, Lightning's EarlyStopping ends
     # its run there with lr 0.7. The module keeps stepping its plateau with its frozen
@@ -141,10 +138,6 @@ def test_a_stopped_members_plateau_rate_stays_where_it_stopped_as_alone():
     compare([1.4, 0.05], sched="plateau", patience=1, max_epochs=4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vmapens/lightning.py:_step_schedulers steps every scheduler for every member: a stopped member's rate goes on decaying (0.919 where alone 1.134), as fit's LRScheduler callback keeps it (callbacks/scheduler.py:_keep_rows) (open, session 48)",
-)
 def test_a_stopped_members_epoch_steplr_rate_stays_where_it_stopped_as_alone():
     # Alone: StepLR stepped at epochs 0 and 1, then the run stops: 1.4 * 0.9**2 = 1.134.
     # The module steps it for the stopped member at epochs 2 and 3 too: 0.91854.

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import functools
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from ._data import rows_of
+from .callbacks.scheduler import step_keeping
 from .optim import StackedOptimizer
 
-__all__ = ["batch_rows", "check_optimizer_arg", "is_metric_object"]
+__all__ = ["batch_rows", "check_optimizer_arg", "is_metric_object", "step_kept"]
 
 
 def check_optimizer_arg(api: str, optimizer: Any) -> None:
@@ -60,3 +63,20 @@ def batch_rows(targets: Any, member_dim: bool = False) -> int:
     """
     tensors = [t for t in tree_leaves(targets) if isinstance(t, torch.Tensor)]
     return int(rows_of(tensors, member_dim)) if tensors else 1
+
+
+def step_kept(sched: Any, active: torch.Tensor, step: Callable[[], Any]) -> None:
+    """``step()``, a step of ``sched``; the members not ``active`` keep their values, as their
+    own runs, over, step their schedulers no more (``fit``'s rule: ``step_keeping``)."""
+    opt = getattr(sched, "optimizer", None)
+    if bool(active.all()) or not isinstance(opt, StackedOptimizer):
+        step()
+        return
+    shared = step_keeping(sched, opt, ~active.cpu(), step)
+    if shared is not None:
+        warnings.warn(
+            f"EnsembleModule: the scheduler changed `{shared}`, a 0-d tensor, for the members "
+            "that stopped too: give it as a float or one value per member to keep a stopped "
+            "member's value",
+            stacklevel=3,
+        )

@@ -7,6 +7,7 @@ vmapens`` does not import this module.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,7 +27,7 @@ except ImportError as err:  # pragma: no cover - exercised by a test that hides 
 
 from ._checks import check_choice, check_int, check_loss_fn, positional
 from ._fit_checks import check_metric_names
-from ._lightning_parts import batch_rows, check_optimizer_arg, is_metric_object
+from ._lightning_parts import batch_rows, check_optimizer_arg, is_metric_object, step_kept
 from ._lightning_rng import ResumesRNG
 from ._metrics import metric_pair
 from .ensemble import Ensemble, check_ensemble
@@ -297,7 +298,8 @@ class EnsembleModule(ResumesRNG, L.LightningModule):
             count = batch_idx + 1 if config.interval == "step" else (self.current_epoch + 1) * last
             sched: Any = config.scheduler  # torch's plateau is refused in on_fit_start
             if not isinstance(sched, ReduceLROnPlateau) and count % config.frequency == 0 < count:
-                self.lr_scheduler_step(sched, None)
+                step = functools.partial(self.lr_scheduler_step, sched, None)
+                step_kept(sched, self.active, step)  # a stopped member's values stay
 
     def on_validation_epoch_start(self) -> None:
         """Reset the epoch's per-member sums and the metric objects."""
@@ -352,7 +354,10 @@ class EnsembleModule(ResumesRNG, L.LightningModule):
                 due = (self.current_epoch + 1) % config.frequency == 0
                 sched: Any = config.scheduler  # not one of Lightning's scheduler types
                 if isinstance(config.scheduler, ReduceLROnPlateau) and due:
-                    self.lr_scheduler_step(sched, watched)
+                    if bool(self.active.all()):
+                        self.lr_scheduler_step(sched, watched)
+                    else:  # a stopped member's own plateau, its run over, steps no more
+                        sched.step(watched, mask=self.active.clone())
         if self.patience is not None:
             self._early_stop(watched)
 

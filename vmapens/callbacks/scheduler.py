@@ -14,7 +14,7 @@ from ..optim import MemberValues, ReduceLROnPlateau, StackedOptimizer
 from ..optim._hyper import per_member
 from .base import Callback, Context
 
-__all__ = ["LRScheduler", "attached_scheduler", "build_scheduler"]
+__all__ = ["LRScheduler", "attached_scheduler", "build_scheduler", "step_keeping"]
 
 
 #: ReduceLROnPlateau's record of the run so far: a best value, a bad-epoch count, a cooldown.
@@ -103,24 +103,9 @@ class LRScheduler(Callback):
         if not isinstance(opt, StackedOptimizer) or not bool(stopped.any()):
             self.scheduler.step()  # the common path: nothing to keep
             return
-        before = [
-            {k: v.clone() if isinstance(v, Tensor) else v for k, v in g.items() if k != "params"}
-            for g in opt.param_groups
-        ]
-        self.scheduler.step()
-        rows = stopped.tolist()
-        for group, old in zip(opt.param_groups, before, strict=True):
-            for key, value in old.items():
-                kept = _keep_rows(value, group[key], rows)
-                if kept is _SHARED:
-                    self._warn_tensor(key)
-                else:
-                    group[key] = kept
-        if isinstance(getattr(self.scheduler, "_last_lr", None), list):  # get_last_lr()
-            self.scheduler._last_lr = [
-                g["lr"].clone() if isinstance(g["lr"], Tensor) else g["lr"]
-                for g in opt.param_groups
-            ]
+        shared = step_keeping(self.scheduler, opt, stopped, self.scheduler.step)
+        if shared is not None:
+            self._warn_tensor(shared)
 
     def _warn_tensor(self, key: str) -> None:
         if not self._warned:
@@ -172,6 +157,31 @@ class LRScheduler(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state)
+
+
+def step_keeping(scheduler: Any, opt: StackedOptimizer, stopped: Tensor, step: Any) -> str | None:
+    """``step()`` (a step of ``scheduler`` on ``opt``), then the ``stopped`` members (``[n]``
+    bool) given back each group value it changed for them, as their own schedulers, no longer
+    stepped, would leave it (``fit``'s callback and ``vmapens.lightning``). Returns the name
+    of a value that could not be kept (a 0-d tensor: one value for all), else None."""
+    before = [
+        {k: v.clone() if isinstance(v, Tensor) else v for k, v in g.items() if k != "params"}
+        for g in opt.param_groups
+    ]
+    step()
+    rows, shared = stopped.tolist(), None
+    for group, old in zip(opt.param_groups, before, strict=True):
+        for key, value in old.items():
+            kept = _keep_rows(value, group[key], rows)
+            if kept is _SHARED:
+                shared = key
+            else:
+                group[key] = kept
+    if isinstance(getattr(scheduler, "_last_lr", None), list):  # get_last_lr()
+        scheduler._last_lr = [
+            g["lr"].clone() if isinstance(g["lr"], Tensor) else g["lr"] for g in opt.param_groups
+        ]
+    return shared
 
 
 #: What :func:`_keep_rows` gives for a value that holds one number for every member.
