@@ -108,10 +108,16 @@ class BatchableTransformerEncoder(nn.TransformerEncoder):
             return False
         if getattr(self, "mask_check", True) and torch.compiler.is_exporting():
             return False  # as torch.export of the member alone (torch.compile: eager's path)
-        modes = _get_current_function_mode_stack()
-        if torch.is_autocast_enabled() or any(isinstance(m, MemberAutocast) for m in modes):
+        if _autocasting():
             return False
         return _tensors_allow(first, src)
+
+
+def _autocasting() -> bool:
+    """``torch.autocast`` on, or vmapens's per-member autocast (how the ensemble runs the
+    user's): either turns torch's fast paths off alone."""
+    modes = _get_current_function_mode_stack()
+    return torch.is_autocast_enabled() or any(isinstance(m, MemberAutocast) for m in modes)
 
 
 def _tensors_allow(layer: nn.TransformerEncoderLayer, src: Tensor) -> bool:
@@ -185,8 +191,7 @@ class BatchableTransformerEncoderLayer(nn.TransformerEncoderLayer):
             return False
         if attn.num_heads % 2 == 1 or torch.compiler.is_exporting():
             return False
-        modes = _get_current_function_mode_stack()
-        if torch.is_autocast_enabled() or any(isinstance(m, MemberAutocast) for m in modes):
+        if _autocasting():
             return False
         if any(m._forward_hooks or m._forward_pre_hooks for m in self.modules()):
             return False

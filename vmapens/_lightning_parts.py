@@ -68,11 +68,7 @@ def batch_rows(targets: Any, member_dim: bool = False) -> int:
 def step_kept(sched: Any, active: torch.Tensor, step: Callable[[], Any]) -> None:
     """``step()``, a step of ``sched``; the members not ``active`` keep their values, as their
     own runs, over, step their schedulers no more (``fit``'s rule: ``step_keeping``)."""
-    opt = getattr(sched, "optimizer", None)
-    if bool(active.all()) or not isinstance(opt, StackedOptimizer):
-        step()
-        return
-    shared = step_keeping(sched, opt, ~active.cpu(), step)
+    shared = step_keeping(sched, getattr(sched, "optimizer", None), ~active.cpu(), step)
     if shared is not None:
         warnings.warn(
             f"EnsembleModule: the scheduler changed `{shared}`, a 0-d tensor, for the members "

@@ -32,7 +32,7 @@ from torch import Tensor
 from torch._C._functorch import is_functorch_wrapped_tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["hold", "reached", "watch"]
+__all__ = ["hold", "reached", "reached_rows", "watch"]
 
 
 @dataclass
@@ -145,6 +145,12 @@ def _warn(missed: dict[str, list[int]]) -> None:
         UserWarning,
         stacklevel=2,
     )
+
+
+def reached_rows(params: list[Tensor]) -> list[Tensor | None]:
+    """``reached`` of each of ``params``; empty (all reached) while no backward noted any
+    (the vmap backend's steps: no lookup per parameter)."""
+    return [reached(p) for p in params] if _REACH else []
 
 
 def reached(p: Tensor) -> Tensor | None:

@@ -99,11 +99,7 @@ class LRScheduler(Callback):
     def _step(self, ctx: Context, stopped: Tensor) -> None:
         """Step the torch scheduler, then give the ``stopped`` members (``[n]`` bool) back
         each group value the step changed for them."""
-        opt = ctx.optimizer
-        if not isinstance(opt, StackedOptimizer) or not bool(stopped.any()):
-            self.scheduler.step()  # the common path: nothing to keep
-            return
-        shared = step_keeping(self.scheduler, opt, stopped, self.scheduler.step)
+        shared = step_keeping(self.scheduler, ctx.optimizer, stopped, self.scheduler.step)
         if shared is not None:
             self._warn_tensor(shared)
 
@@ -159,11 +155,14 @@ class LRScheduler(Callback):
         self.scheduler.load_state_dict(state)
 
 
-def step_keeping(scheduler: Any, opt: StackedOptimizer, stopped: Tensor, step: Any) -> str | None:
+def step_keeping(scheduler: Any, opt: Any, stopped: Tensor, step: Any) -> str | None:
     """``step()`` (a step of ``scheduler`` on ``opt``), then the ``stopped`` members (``[n]``
     bool) given back each group value it changed for them, as their own schedulers, no longer
     stepped, would leave it (``fit``'s callback and ``vmapens.lightning``). Returns the name
     of a value that could not be kept (a 0-d tensor: one value for all), else None."""
+    if not isinstance(opt, StackedOptimizer) or not bool(stopped.any()):
+        step()  # the common path: nothing to keep
+        return None
     before = [
         {k: v.clone() if isinstance(v, Tensor) else v for k, v in g.items() if k != "params"}
         for g in opt.param_groups

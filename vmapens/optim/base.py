@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_mask
-from .._member_reach import hold, reached
+from .._member_reach import hold, reached_rows
 from ._buckets import layout, share_counts
 from ._calls import rule_calls, run_calls
 from ._eager import EagerOptimizer, hooked_step
@@ -321,7 +321,7 @@ class StackedOptimizer(EagerOptimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         # backend="loop": a member whose forward never read p steps no row of it, as alone
         # (not in a graph of your own: dynamo cannot trace the weak dict that says it)
-        rows = [] if torch.compiler.is_compiling() else [reached(p) for p in params]
+        rows = [] if torch.compiler.is_compiling() else reached_rows(params)
         self._update([_own_grad(p) for p in params], mask, rows)
         return loss
 
